@@ -1,0 +1,29 @@
+"""lightning_zero: DeepSpeed-style ZeRO for PyTorch Lightning, built on torch.distributed."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.advisor import Advice, advise
+from lightning_zero.core.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.memory import ModelStateBytes, model_state_formula
+from lightning_zero.estimator import MemoryEstimate, estimate_memory
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.strategy import ZeroStrategy
+
+if "zero_stage_0" not in StrategyRegistry:
+    ZeroStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "Advice",
+    "DtypePolicy",
+    "MemoryEstimate",
+    "ModelStateBytes",
+    "ZeroConfig",
+    "ZeroEngine",
+    "ZeroPrecision",
+    "ZeroStrategy",
+    "advise",
+    "estimate_memory",
+    "model_state_formula",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,170 @@
+"""Command line: ``lightning-zero <command> [args]`` (also ``python -m lightning_zero``).
+
+The command name is looked up in :data:`COMMANDS` before any parsing, and the handler gets the
+rest of argv untouched, so a command may parse its own arguments: ``train`` hands them to Hydra,
+which must not see argparse. To add a command, add ``name: Command(handler, summary)``; a
+handler takes the arguments after the name and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_zero.advisor import advise
+from lightning_zero.estimator import OFFLOADS, PRECISIONS, PRESETS, estimate_memory, parse_count, parse_size
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``handler(argv_after_name) -> exit code`` and a one-line summary."""
+
+    handler: Callable[[list[str]], int]
+    summary: str
+
+
+def _typed(parse: Callable[[str], float]) -> Callable[[str], float]:
+    def convert(text: str) -> float:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+
+    return convert
+
+
+def _common_arguments(p: argparse.ArgumentParser) -> None:
+    what = p.add_argument_group("model (give --params or --model)")
+    what.add_argument("--params", type=_typed(parse_count), help="trainable parameters Ψ, e.g. 7.5e9, 7.5B, 350M")
+    what.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or 'module.path:ClassOrFactory', "
+                      "built with no arguments on the meta device and counted")
+    what.add_argument("--largest-layer", type=_typed(parse_count),
+                      help="parameters of the largest single module (stage 3 gathers it whole)")
+    what.add_argument("--precision", default="mixed", choices=list(PRECISIONS),
+                      help="fp32; mixed = bf16-mixed / 16-mixed (16-bit params + fp32 master); bf16-true")
+    what.add_argument("--optimizer-bytes", type=int, default=8,
+                      help="fp32 bytes of optimizer state per parameter (Adam/AdamW: 8, SGD+momentum: 4)")
+    ranks = p.add_argument_group("data-parallel layout (world size = nodes x GPUs per node)")
+    ranks.add_argument("--world-size", type=int, help="data-parallel ranks N")
+    ranks.add_argument("--num-nodes", type=int, help="nodes (CPU memory and NVMe are per node)")
+    ranks.add_argument("--gpus-per-node", type=int,
+                       help="ranks per node (default: 8 when N is a multiple of 8, else N on one node)")
+    shape = p.add_argument_group("activations (all of micro-batch, seq-len, layers, hidden; presets fill the shape)")
+    shape.add_argument("--micro-batch", type=int, help="samples per rank per forward")
+    shape.add_argument("--seq-len", type=int, help="tokens per sample")
+    shape.add_argument("--layers", type=int, help="transformer layers")
+    shape.add_argument("--hidden", type=int, help="hidden size")
+    shape.add_argument("--heads", type=int, help="attention heads (default hidden / 64)")
+    shape.add_argument("--flash-attention", action="store_true", help="attention scores are not stored")
+    p.add_argument("--units", default="GB", choices=["GB", "GiB"], help="GB = 10^9 bytes (default), GiB = 2^30")
+
+
+def _model_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        model=a.model, world_size=a.world_size, num_nodes=a.num_nodes, gpus_per_node=a.gpus_per_node,
+        precision=a.precision, micro_batch=a.micro_batch, seq_len=a.seq_len, layers=a.layers, hidden=a.hidden,
+        heads=a.heads, flash_attention=a.flash_attention, largest_layer_params=a.largest_layer,
+        optimizer_state_per_param=a.optimizer_bytes,
+    )
+
+
+def _run(name: str, description: str, build: Callable[[argparse.ArgumentParser], None],
+         act: Callable[[argparse.Namespace], int], argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"lightning-zero {name}", description=description)
+    build(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help or a usage error: argparse has printed why
+        return int(done.code or 0)
+    try:
+        return act(args)
+    except ValueError as err:
+        print(f"lightning-zero {name}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def estimate_command(argv: list[str]) -> int:
+    """``lightning-zero estimate``: per-rank memory of stages 0-3 with and without offload."""
+
+    def build(p: argparse.ArgumentParser) -> None:
+        _common_arguments(p)
+        p.add_argument("--offload", default="all", choices=["all", *OFFLOADS],
+                       help="offload rows to show besides no offload (default: every valid option)")
+
+    def act(a: argparse.Namespace) -> int:
+        print(estimate_memory(a.params, offload=a.offload, **_model_kwargs(a)).table(a.units))
+        return 0
+
+    return _run("estimate", estimate_command.__doc__ or "", build, act, argv)
+
+
+def advise_command(argv: list[str]) -> int:
+    """``lightning-zero advise``: the fastest ZeRO configuration that fits (exit code 1 if none does)."""
+
+    def build(p: argparse.ArgumentParser) -> None:
+        hw = p.add_argument_group("hardware (sizes like 80GB, 80GiB, 512G, 2TB, 1.5e9; GB = 10^9 bytes)")
+        hw.add_argument("--device-memory", type=_typed(parse_size), required=True, help="accelerator memory per rank")
+        hw.add_argument("--cpu-memory", type=_typed(parse_size), default=0.0, help="host memory per node")
+        hw.add_argument("--nvme", type=_typed(parse_size), default=0.0, help="NVMe capacity per node")
+        hw.add_argument("--headroom", type=float, default=0.1,
+                        help="fraction of each memory kept free for buffers, fragmentation, etc. (default 0.1)")
+        hw.add_argument("--activation-checkpointing", action="store_true",
+                        help="fit checkpointed activations instead of full ones")
+        _common_arguments(p)
+
+    def act(a: argparse.Namespace) -> int:
+        result = advise(a.params, device_memory=a.device_memory, cpu_memory=a.cpu_memory, nvme=a.nvme,
+                        headroom=a.headroom, activation_checkpointing=a.activation_checkpointing, **_model_kwargs(a))
+        print(result.table(a.units))
+        return 0 if result.choice is not None else 1
+
+    return _run("advise", advise_command.__doc__ or "", build, act, argv)
+
+
+def _not_available(name: str) -> Callable[[list[str]], int]:
+    def handler(argv: list[str]) -> int:
+        print(f"lightning-zero {name}: not available yet in this version of lightning_zero. "
+              "Available commands: estimate, advise.", file=sys.stderr)
+        return 2
+
+    return handler
+
+
+COMMANDS: dict[str, Command] = {
+    "estimate": Command(estimate_command, "per-rank memory of ZeRO stages 0-3, with and without offload"),
+    "advise": Command(advise_command, "the fastest ZeRO stage / offload that fits your hardware"),
+    # Hydra parses its own argv: main() hands it over untouched (not available yet)
+    "train": Command(_not_available("train"), "train with Hydra configs (not available yet)"),
+    "convert": Command(_not_available("convert"), "convert checkpoints (not available yet)"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: lightning-zero <command> [args]   (lightning-zero <command> --help for its options)", "",
+             "commands:"]
+    lines += [f"  {name.ljust(width)}  {c.summary}" for name, c in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-zero``; returns the exit code.
+
+    Args:
+        argv: arguments after the program name (default ``sys.argv[1:]``).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    command = COMMANDS.get(args[0])
+    if command is None:
+        print(f"lightning-zero: unknown command {args[0]!r}.\n{_usage()}", file=sys.stderr)
+        return 2
+    return command.handler(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

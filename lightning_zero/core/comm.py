@@ -1,0 +1,115 @@
+"""Collectives over one explicit data-parallel group.
+
+Every method works without a process group (world size 1): then nothing is communicated, so the
+core is unit-tested in one process. The data-parallel group is always passed explicitly and never
+assumed to be the world (pipeline stages will make it a sub-group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero.core.config import Collective
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """The handle of a collective that had nothing to do."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE: Handle = _Done()
+
+
+class DataParallelComm:
+    """The data-parallel group and the collectives the ZeRO core needs.
+
+    Args:
+        group: the data-parallel process group (``None``: the default group when one is
+            initialised, otherwise a single rank with no communication).
+        collective: see :class:`~lightning_zero.core.config.ZeroConfig`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, collective: Collective = "auto") -> None:
+        self.group = group
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world_size: int = dist.get_world_size(group) if initialized else 1  # ranks in the DP group
+        self.rank: int = dist.get_rank(group) if initialized else 0  # this rank's index in the DP group
+        backend = dist.get_backend(group) if initialized else "none"
+        self.backend: str = str(backend)
+        # where small control tensors (flags, norms) live: NCCL only talks to the GPU
+        self.device: torch.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        )
+        # gloo's all-reduce is faster than its reduce-scatter + all-gather (docs/benchmarks.md).
+        self.use_all_reduce: bool = collective == "all_reduce" or (collective == "auto" and self.backend == "gloo")
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anyone to talk to."""
+        return self.world_size > 1
+
+    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
+        if not self.active:
+            return DONE
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return work if async_op else DONE
+
+    def reduce_scatter_pieces(
+        self, out: torch.Tensor, pieces: Sequence[torch.Tensor], async_op: bool = False
+    ) -> Handle:
+        """Sum ``pieces[r]`` over ranks into rank r's ``out``; pieces may differ in size."""
+        if not self.active:
+            out.copy_(pieces[0])
+            return DONE
+        if all(p.numel() == pieces[0].numel() for p in pieces):
+            work = dist.reduce_scatter_tensor(out, torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0],
+                                              group=self.group, async_op=async_op)
+        else:
+            work = dist.reduce_scatter(out, list(pieces), group=self.group, async_op=async_op)
+        return work if async_op else DONE
+
+    def all_gather_flat(self, flat: torch.Tensor, start: int, end: int, async_op: bool = False) -> Handle:
+        """Make ``flat`` whole on every rank from each rank's ``flat[start:end]`` (equal shards)."""
+        if not self.active:
+            return DONE
+        if self.use_all_reduce:
+            # Note: an all-reduce of zero-filled shards is an exact all-gather (x + 0 == x).
+            flat[:start].zero_()
+            flat[end:].zero_()
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        else:
+            work = dist.all_gather_into_tensor(flat, flat[start:end], group=self.group, async_op=async_op)
+        return work if async_op else DONE
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
+        if self.active:
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank) if self.group else src_rank,
+                           group=self.group)
+
+    def ranks_with(self, flag: bool) -> list[int]:
+        """All-gather one boolean per rank; returns the DP ranks where it is true (same on all)."""
+        if not self.active:
+            return [0] if flag else []
+        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        flags[self.rank] = int(flag)
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
+        return [r for r in range(self.world_size) if flags[r].item()]
+
+    def raise_unless_same(self, value: int, what: str, fix: str) -> None:
+        """Raise the same error on every rank when ``value`` differs between ranks."""
+        if not self.active:
+            return
+        both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if both[0].item() != -both[1].item():
+            raise ValueError(f"{what} differs between data-parallel ranks. {fix}")

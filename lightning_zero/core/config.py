@@ -1,0 +1,93 @@
+"""Policies of the ZeRO core: small frozen dataclasses, one per axis (see ``docs/design.md``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+
+Collective = Literal["auto", "all_reduce", "reduce_scatter"]
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """What is partitioned and how it is communicated.
+
+    Args:
+        stage: 0 (data parallel), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
+        reduce_bucket_size: elements per gradient bucket; a bucket is reduced as soon as every
+            parameter in it has its gradient (with ``overlap_comm``).
+        overlap_comm: launch bucket reductions asynchronously during backward. When false,
+            every bucket is reduced after backward, in one go.
+        collective: ``"reduce_scatter"`` reduce-scatters gradients and all-gathers parameters;
+            ``"all_reduce"`` all-reduces gradient buckets and gathers parameters with an
+            all-reduce of zero-filled shards (exact in any dtype, since x + 0 == x). ``"auto"``
+            takes ``all_reduce`` on gloo (measured 1.4-2x faster there, see docs/benchmarks.md)
+            and ``reduce_scatter`` elsewhere. Memory bounds are the same: the whole gradient is
+            never kept beyond one bucket.
+        timeout_s: seconds any collective of the strategy may wait before raising.
+        prefetch_bucket_size: stage 3: elements gathered ahead of the running unit.
+        max_live_parameters: stage 3: elements gathered at once, at most.
+        param_persistence_threshold: stage 3: parameters with fewer elements stay gathered.
+        elementwise_optimizers: extra optimizer classes to accept for stage >= 1 (their update
+            must be element-wise: it may not mix elements of one tensor, e.g. no matrix norms).
+    """
+
+    stage: int = 2
+    reduce_bucket_size: int = 10_000_000
+    overlap_comm: bool = True
+    collective: Collective = "auto"
+    timeout_s: float = 300.0
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    elementwise_optimizers: tuple[type, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}.")
+        for name in ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"`{name}` must be a positive number of elements, got {getattr(self, name)!r}.")
+        if self.param_persistence_threshold < 0:
+            raise ValueError("`param_persistence_threshold` must be >= 0 (0 shards every parameter).")
+        if self.collective not in ("auto", "all_reduce", "reduce_scatter"):
+            raise ValueError(
+                f"`collective` must be 'auto', 'all_reduce' or 'reduce_scatter', got {self.collective!r}."
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"`timeout_s` must be positive seconds, got {self.timeout_s!r}.")
+
+    @classmethod
+    def from_kwargs(cls, stage: int, kwargs: dict[str, Any]) -> ZeroConfig:
+        """Build from keyword arguments, naming the valid keys when one is unknown."""
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise TypeError(f"Unknown ZeRO option(s) {unknown}. Valid options: {sorted(valid - {'stage'})}.")
+        return cls(stage=stage, **kwargs)
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """Dtypes of the flat buffers (see Note [flat shard layout] in ``flat_param.py``).
+
+    Args:
+        param_dtype: dtype of the module's parameters and of forward / backward.
+        reduce_dtype: dtype gradients are reduced and kept in (``None``: ``param_dtype``).
+        master_dtype: dtype of the optimizer's master shard. When equal to ``param_dtype`` the
+            master shard is a view of the parameter buffer, never a second copy.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype = torch.float32
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.reduce_dtype or self.param_dtype
+
+    @property
+    def master_is_param_view(self) -> bool:
+        return self.master_dtype == self.param_dtype

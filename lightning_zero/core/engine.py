@@ -1,0 +1,254 @@
+"""ZeRO stages 0-2 applied to one module and its optimizer: the core the strategy drives.
+
+Lifecycle, per optimizer step (the strategy calls these; plain PyTorch code can too)::
+
+    engine.zero_grad()                  # start of an accumulation window
+    with engine.no_sync():              # micro-steps before the last: stages 0-1 do not talk
+        loss.backward(); engine.finish_backward()
+    loss.backward(); engine.finish_backward()   # last micro-step: gradients reduced
+    engine.clip_grad_norm_(1.0)         # optional, global norm over all shards
+    optimizer.step()                    # steps this rank's master shards (stage >= 1)
+    engine.after_step()                 # shards written back and all-gathered into the params
+
+What each stage keeps whole on a rank (Note [flat shard layout] in flat_param.py):
+stage 0: params, grads, optimizer state; stage 1: params, grads; stage 2: params.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.core.comm import DataParallelComm
+from lightning_zero.core.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.flat_param import FlatParamGroup
+from lightning_zero.core.grad_reducer import BackwardState, GradReducer
+from lightning_zero.core.memory import ModelStateBytes, StorageCounter
+from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
+
+
+class ZeroEngine:
+    """Partitions ``module``'s training state over the data-parallel ranks of ``comm``.
+
+    Args:
+        module: the model; its parameters become views into flat buffers.
+        optimizer: a ``torch.optim`` optimizer over (a subset of) ``module``'s parameters.
+        config: the ZeRO policy (stage 0, 1 or 2 here).
+        comm: the data-parallel collectives (world size 1 without a process group).
+        dtypes: parameter / gradient / master dtypes.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        config: ZeroConfig,
+        comm: DataParallelComm | None = None,
+        dtypes: DtypePolicy | None = None,
+    ) -> None:
+        if config.stage > 2:
+            raise NotImplementedError("ZeroEngine handles stages 0-2; stage 3 is not implemented yet.")
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.comm = comm or DataParallelComm(collective=config.collective)
+        self.dtypes = dtypes or DtypePolicy(param_dtype=_module_dtype(module))
+        check_optimizer(optimizer, config.stage, config.elementwise_optimizers)
+        self.names: dict[nn.Parameter, str] = {}  # every module parameter -> qualified name, module order
+        for name, p in module.named_parameters():
+            self.names.setdefault(p, name)
+        self._check_same_structure()
+        groups = trainable_groups(optimizer, self.names)
+        managed = {p for g in groups for p in g}
+        # trainable parameters no optimizer group holds: they are never updated nor reduced
+        self.unmanaged: list[nn.Parameter] = [p for p in self.names if p.requires_grad and p not in managed]
+        self.groups: list[FlatParamGroup] = [FlatParamGroup(g, self.comm.world_size, self.comm.rank) for g in groups]
+        for g in self.groups:
+            g.bind()
+        self._broadcast_from_rank0()
+        self.reducer = GradReducer(
+            self.groups,
+            self.comm,
+            config.stage,
+            config.reduce_bucket_size,
+            config.overlap_comm,
+            self.dtypes.grad_dtype,
+            {p: n for p, n in self.names.items() if p in managed},
+        )
+        # stage >= 1: the optimizer steps this rank's master shards; stage 0: the whole params
+        self.sharded: ShardedOptimizer | None = (
+            ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype) if config.stage >= 1 else None
+        )
+        self._user_zero_grad = optimizer.zero_grad
+        optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
+        self.last_grad_norm: float | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _check_same_structure(self) -> None:
+        signature = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in self.names.items()])
+        signature += repr([len(g["params"]) for g in self.optimizer.param_groups])
+        self.comm.raise_unless_same(
+            zlib.crc32(signature.encode()),
+            "The module's parameter names, shapes, dtypes or requires_grad flags (or the optimizer's groups)",
+            "Build the same model on every rank: set the seed before constructing it and do not make "
+            "layers depend on the rank.",
+        )
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        """Make parameters and buffers identical on every rank (as DDP does at construction)."""
+        if not self.comm.active:
+            return
+        for g in self.groups:
+            self.comm.broadcast(g.flat)
+        in_flat = {s.param for g in self.groups for s in g.slots}
+        for p in self.names:
+            if p not in in_flat:
+                self.comm.broadcast(p.data)
+        for b in self.module.buffers():
+            self.comm.broadcast(b)
+
+    def detach(self) -> None:
+        """Undo the binding: hooks removed, parameters own their storage, optimizer restored."""
+        self.reducer.remove_hooks()
+        self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
+        if self.sharded is not None:
+            self.sharded.restore()
+        for g in self.groups:
+            g.unbind()
+        for p in self.names:
+            p.grad = None
+
+    # ------------------------------------------------------------------ backward
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-steps before the accumulation boundary (stages 0-1 skip communication)."""
+        previous, self.reducer.sync = self.reducer.sync, False
+        try:
+            yield
+        finally:
+            self.reducer.sync = previous
+
+    def before_backward(self) -> None:
+        # stage 0 hands the optimizer per-parameter views of the reduced gradients; detach them
+        # so the next backward's gradients arrive fresh (grad_reducer adds them to the buffer)
+        if self.config.stage < 2:
+            for g in self.groups:
+                for s in g.slots:
+                    s.param.grad = None
+
+    def finish_backward(self) -> None:
+        self.reducer.finish()
+        if self.reducer.communicating and self.reducer.whole_grads_valid():
+            for g, flat in zip(self.groups, self.reducer.flat_grads):
+                for s, view in zip(g.slots, g.views(flat)):
+                    s.param.grad = view
+        if self.sharded is not None and self.reducer.communicating:
+            self.sharded.set_grads([self.reducer.shard_grad(i) for i in range(len(self.groups))])
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over all shards (every rank gets the same value)."""
+        local = [t.float() for t in self.reducer.local_grads() if t.numel()]
+        if norm_type == math.inf:
+            value = torch.stack([t.abs().max() for t in local]).max() if local else torch.zeros(())
+            if self.config.stage >= 1:
+                self.comm_max(value)
+            return value
+        parts = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in local]) if local else torch.zeros(1)
+        total = parts.pow(norm_type).sum()
+        if self.config.stage >= 1 and self.comm.active:
+            self.comm.all_reduce_sum(total)
+        return total.pow(1.0 / norm_type)
+
+    def comm_max(self, value: torch.Tensor) -> None:
+        if self.comm.active:
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=self.comm.group)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so their global norm is at most ``max_norm``."""
+        total = self.grad_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for t in self._all_reduced_grads():
+            t.mul_(coef.to(t.dtype))
+        self.last_grad_norm = float(total)
+        return total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        for t in self._all_reduced_grads():
+            t.clamp_(-clip_value, clip_value)
+
+    def _all_reduced_grads(self) -> list[torch.Tensor]:
+        if self.reducer.whole_grads_valid():
+            return [g for g in self.reducer.flat_grads if g is not None]
+        return self.reducer.local_grads()
+
+    def before_step(self) -> None:
+        if self.reducer.state is not BackwardState.IDLE:
+            raise RuntimeError(
+                "A backward ran that the strategy did not finish, so gradients were not reduced. In manual "
+                "optimization call `self.manual_backward(loss)` instead of `loss.backward()`."
+            )
+        if self.sharded is not None:
+            self.sharded.check_unchanged()
+        strays = [self.names[p] for p in self.unmanaged if p.grad is not None]
+        if strays:
+            raise RuntimeError(
+                f"Parameters {strays[:5]} received gradients but are in no optimizer param group at setup (or "
+                "were frozen then); their gradients would not be averaged across ranks. Put them in the "
+                "optimizer in `configure_optimizers`, or freeze them (`requires_grad_(False)`) before fit."
+            )
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Write the stepped master shards into the parameters, gather them on every rank and clear
+        the gradients (as DeepSpeed's ``engine.step()`` does: they never outlive their step)."""
+        if self.sharded is not None:
+            self.sharded.write_back()
+            handles = [self.comm.all_gather_flat(g.flat, *g.shard_range(), async_op=True) for g in self.groups]
+            for h in handles:
+                h.wait()
+        self.zero_grad()
+
+    def _zero_grad_hook(self, set_to_none: bool = True) -> None:
+        self.zero_grad()
+        self._user_zero_grad(set_to_none=set_to_none)
+
+    def zero_grad(self) -> None:
+        """Clear gradients: the reduced buffers, the per-parameter views and the shards' grads."""
+        self.reducer.zero()
+        for p in self.names:
+            p.grad = None
+        if self.sharded is not None:
+            self.sharded.clear_grads()
+
+    # ------------------------------------------------------------------ accounting
+    def model_state_bytes(self) -> ModelStateBytes:
+        """This rank's bytes of params / grads / optimizer / buffers, counted from live tensors."""
+        counter = StorageCounter()
+        counter.add("params", list(self.names))
+        counter.add("grads", [p.grad for p in self.names])
+        counter.add("grads", [t for t in (*self.reducer.flat_grads, *self.reducer.grad_shards)])
+        if self.sharded is not None:
+            counter.add("grads", [m.grad for m in self.sharded.masters])
+            counter.add("optimizer", self.sharded.masters)
+        for state in self.optimizer.state.values():
+            counter.add("optimizer", [v for v in state.values() if isinstance(v, torch.Tensor)])
+        counter.add("buffers", list(self.reducer.live_buffers()))
+        return counter.result()
+
+
+def _module_dtype(module: nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32

@@ -1,0 +1,160 @@
+"""Model-state memory: the ZeRO formulas (one place) and a counter of the tensors that exist.
+
+The formulas follow the ZeRO paper (Rajbhandari et al., 2020, section 3) for Adam-like
+optimizers with two fp32 moments per element. Ψ is the number of trainable parameters and N the
+number of data-parallel ranks. Both the memory estimator and the tests of
+``ZeroStrategy.model_state_bytes()`` use :func:`model_state_formula`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+# bytes per element
+_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model state on one rank, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float  # optimizer state plus the fp32 master copy when it is not a view of params
+    buffers: float = 0.0  # communication buckets and scratch
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.buffers
+
+
+def model_state_formula(
+    stage: int,
+    num_params: float,
+    world_size: int,
+    precision: str = "fp32",
+    optimizer_state_per_param: int = 8,
+) -> ModelStateBytes:
+    """Per-rank model-state bytes predicted by the ZeRO formulas.
+
+    Args:
+        stage: ZeRO stage 0-3.
+        num_params: Ψ, trainable parameters.
+        world_size: N, data-parallel ranks.
+        precision: ``"fp32"`` (master shard is a view of the parameters), ``"mixed"`` (16-bit
+            params and grads, fp32 master + state: the paper's K = 12) or ``"bf16-true"``
+            (bf16 params, grads and optimizer state, no master).
+        optimizer_state_per_param: bytes of optimizer state per element in fp32 (Adam: 8).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0-3, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    psi, n = float(num_params), float(world_size)
+    if precision == "fp32":
+        p, g, o = 4 * psi, 4 * psi, optimizer_state_per_param * psi
+    elif precision == "mixed":
+        p, g, o = 2 * psi, 2 * psi, (4 + optimizer_state_per_param) * psi
+    elif precision == "bf16-true":
+        p, g, o = 2 * psi, 2 * psi, optimizer_state_per_param / 2 * psi
+    else:
+        raise ValueError(f"precision must be 'fp32', 'mixed' or 'bf16-true', got {precision!r}")
+    if stage >= 1:
+        o /= n
+    if stage >= 2:
+        g /= n
+    if stage >= 3:
+        p /= n
+    return ModelStateBytes(params=p, grads=g, optimizer=o)
+
+
+class StorageCounter:
+    """Counts bytes of tensors by kind, each storage once (the first kind that claims it wins)."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+        self.bytes: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+
+    def add(self, kind: str, tensors: Iterable[torch.Tensor | None]) -> None:
+        for t in tensors:
+            if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in self._seen:
+                continue
+            self._seen.add(key)
+            self.bytes[kind] += storage.nbytes()
+
+    def result(self) -> ModelStateBytes:
+        return ModelStateBytes(**{k: float(v) for k, v in self.bytes.items()})
+
+
+# Where each offload choice may be used (ZeRO-Offload / ZeRO-Infinity as in DeepSpeed: NVMe and
+# parameter offload need stage 3; optimizer offload to CPU works from stage 1 on).
+OFFLOAD_STAGES: dict[str, tuple[int, ...]] = {
+    "none": (0, 1, 2, 3),
+    "optimizer_cpu": (1, 2, 3),
+    "optimizer_nvme": (3,),
+    "param_cpu": (3,),
+    "param_nvme": (3,),
+}
+
+
+def offloaded_model_state(
+    stage: int,
+    num_params: float,
+    world_size: int,
+    precision: str = "fp32",
+    offload: str = "none",
+    optimizer_state_per_param: int = 8,
+) -> tuple[ModelStateBytes, ModelStateBytes]:
+    """Per-rank model state split into (kept on the device, moved to the offload target).
+
+    Built on :func:`model_state_formula` (``offload="none"`` returns its result unchanged and an
+    empty offloaded part). Placement, following ZeRO-Offload and ZeRO-Infinity:
+
+    * optimizer offload (``optimizer_cpu`` / ``optimizer_nvme``) moves this rank's optimizer
+      partition -- a master copy of the parameter partition (fp32; bf16 for ``"bf16-true"``) plus
+      the optimizer state -- and a gradient partition in the master dtype to the target. The
+      device keeps the parameters as the stage keeps them (whole for stages 1-2, the 1/N shard
+      for stage 3) and, for stage 1 only, the whole 16-bit gradient; stages 2-3 keep no
+      persistent gradient on the device (it passes through the reduce buckets, which are not
+      model state). The master copy is counted even for ``"fp32"``, where the device
+      formula shares it with the parameters: once offloaded it is a separate tensor.
+    * parameter offload (``param_cpu`` / ``param_nvme``, stage 3 only) also moves the parameter
+      shard; the device keeps no persistent model state (gathered layers are working memory).
+
+    Args:
+        stage: ZeRO stage 0-3.
+        num_params: Ψ, trainable parameters.
+        world_size: N, data-parallel ranks.
+        precision: as for :func:`model_state_formula`.
+        offload: ``"none"``, ``"optimizer_cpu"``, ``"optimizer_nvme"``, ``"param_cpu"`` or
+            ``"param_nvme"``; see :data:`OFFLOAD_STAGES` for the stages each allows.
+        optimizer_state_per_param: bytes of optimizer state per element in fp32 (Adam: 8).
+    """
+    base = model_state_formula(stage, num_params, world_size, precision, optimizer_state_per_param)
+    if offload not in OFFLOAD_STAGES:
+        raise ValueError(f"offload must be one of {sorted(OFFLOAD_STAGES)}, got {offload!r}")
+    if stage not in OFFLOAD_STAGES[offload]:
+        raise ValueError(f"offload={offload!r} needs ZeRO stage {OFFLOAD_STAGES[offload]}, got stage {stage}")
+    if offload == "none":
+        return base, ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
+    shard = float(num_params) / float(world_size)
+    low = precision == "bf16-true"
+    master = 2.0 if low else 4.0
+    state = optimizer_state_per_param / 2 if low else float(optimizer_state_per_param)
+    moved_params = base.params if offload.startswith("param_") else 0.0
+    device = ModelStateBytes(
+        params=base.params - moved_params, grads=base.grads if stage == 1 else 0.0, optimizer=0.0
+    )
+    moved = ModelStateBytes(params=moved_params, grads=master * shard, optimizer=(master + state) * shard)
+    return device, moved

@@ -1,0 +1,206 @@
+"""Re-pointing a user's ``torch.optim`` optimizer at this rank's master shards.
+
+The optimizer object the user built (and that LR schedulers hold) is kept; for stage >= 1 each
+of its param groups is made to hold one tensor: this rank's master shard of the group's flat
+buffer (Note [flat shard layout]). Its hyper-parameters, schedulers and ``step()`` are unchanged,
+and its state is created for the shard only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.core.comm import DataParallelComm
+from lightning_zero.core.flat_param import FlatParamGroup
+
+# Optimizers whose update of an element depends only on that element's own history, so that
+# stepping a 1-D shard equals stepping the whole tensors.
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+
+
+def check_optimizer(optimizer: Optimizer, stage: int, extra_allowed: tuple[type, ...] = ()) -> None:
+    """Refuse, with the fix, an optimizer whose update is not element-wise under stage >= 1."""
+    if stage == 0:
+        return
+    if type(optimizer) in ELEMENTWISE_OPTIMIZERS or isinstance(optimizer, tuple(extra_allowed)):
+        return
+    if getattr(optimizer, "_zero_elementwise", False):
+        return
+    raise ValueError(
+        f"ZeRO stage {stage} steps each rank's 1-D shard of the parameters, which is only correct for an "
+        f"element-wise optimizer; {type(optimizer).__name__} is not known to be one (LBFGS, Adafactor, "
+        "Muon and other optimizers that mix elements of a tensor are not). Use stage 0, an optimizer from "
+        f"{[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}, or, if yours is element-wise, pass "
+        f"`ZeroStrategy(..., elementwise_optimizers=({type(optimizer).__name__},))`."
+    )
+
+
+def trainable_groups(optimizer: Optimizer, module_params: dict[nn.Parameter, str]) -> list[list[nn.Parameter]]:
+    """The trainable module parameters of each param group, in module order.
+
+    Raises when the optimizer holds a tensor that is not a parameter of the module.
+    """
+    position = {p: i for i, p in enumerate(module_params)}
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p not in position:
+                raise ValueError(
+                    f"Param group {gi} of {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)} "
+                    "that is not a parameter of the LightningModule. Build the optimizer in "
+                    "`configure_optimizers` from `self.parameters()` (or a subset of them)."
+                )
+        trainable = [p for p in group["params"] if p.requires_grad]
+        groups.append(sorted(trainable, key=position.__getitem__))
+    return groups
+
+
+class ShardedOptimizer:
+    """Binds an optimizer to master shards and writes the stepped shards back.
+
+    Args:
+        optimizer: the user's optimizer; its param groups map one-to-one onto ``groups``.
+        groups: the flat groups, bound (their ``flat`` buffers exist).
+        master_dtype: dtype of the master shards; when it equals the parameter dtype the master
+            is a view of the parameter buffer (no copy).
+    """
+
+    def __init__(self, optimizer: Optimizer, groups: list[FlatParamGroup], master_dtype: torch.dtype) -> None:
+        self.optimizer = optimizer
+        self.groups = groups
+        self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
+        self.masters: list[torch.Tensor] = []  # 1-D master shard of this rank, per group
+        for pg, fg in zip(optimizer.param_groups, groups):
+            start, end = fg.shard_range()
+            own = fg.flat[start:end]
+            master = own if master_dtype == fg.dtype else own.detach().to(master_dtype).clone()
+            self.masters.append(master)
+            pg["params"] = [master]
+
+    def set_grads(self, shard_grads: list[torch.Tensor]) -> None:
+        for master, grad in zip(self.masters, shard_grads):
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+
+    def write_back(self) -> None:
+        """Copy stepped masters into the parameter buffers' own shard (when not a view)."""
+        for master, fg in zip(self.masters, self.groups):
+            start, end = fg.shard_range()
+            own = fg.flat[start:end]
+            if own.data_ptr() != master.data_ptr():
+                own.copy_(master)
+
+    def clear_grads(self) -> None:
+        for m in self.masters:
+            m.grad = None
+
+    def check_unchanged(self) -> None:
+        if len(self.optimizer.param_groups) != len(self.groups) or any(
+            len(pg["params"]) != 1 or pg["params"][0] is not m
+            for pg, m in zip(self.optimizer.param_groups, self.masters)
+        ):
+            raise NotImplementedError(
+                "The optimizer's param groups changed after setup (e.g. `add_param_group`, as BaseFinetuning "
+                "does when it unfreezes layers). ZeRO stage >= 1 partitions the groups at setup: create every "
+                "group in `configure_optimizers` and keep `requires_grad` as it was at setup, or use stage 0."
+            )
+
+    def restore(self) -> None:
+        """Put the original parameters back into the param groups (shard state is dropped)."""
+        for pg, params, m in zip(self.optimizer.param_groups, self.original_params, self.masters):
+            self.optimizer.state.pop(m, None)
+            pg["params"] = params
+
+
+# per-parameter scalars of torch.optim optimizers (all other tensor states are per element)
+_SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu"})
+
+
+def _index_of_original(sharded: ShardedOptimizer) -> dict[torch.Tensor, int]:
+    out: dict[torch.Tensor, int] = {}
+    for params in sharded.original_params:
+        for p in params:
+            out[p] = len(out)
+    return out
+
+
+@torch.no_grad()
+def full_optimizer_state(sharded: ShardedOptimizer, comm: DataParallelComm) -> dict:
+    """The optimizer's state as ``torch.optim`` would hold it for the original parameters.
+
+    Every rank contributes its shards (all ranks must call this together); the result does not
+    depend on the world size, so it loads at any world size or stage, or into a plain optimizer.
+    """
+    index = _index_of_original(sharded)
+    state: dict[int, dict] = {}
+    groups = []
+    for pg, fg, master, params in zip(sharded.optimizer.param_groups, sharded.groups, sharded.masters,
+                                      sharded.original_params):
+        groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": [index[p] for p in params]})
+        shard_state = sharded.optimizer.state.get(master, {})
+        for key in sorted(shard_state):
+            value = shard_state[key]
+            if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                full = torch.zeros(fg.padded_numel, dtype=value.dtype, device=value.device)
+                start, end = fg.shard_range()
+                full[start:end].copy_(value)
+                comm.all_gather_flat(full, start, end)
+                for slot in fg.slots:
+                    per_param = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                    state.setdefault(index[slot.param], {})[key] = per_param
+            else:
+                for slot in fg.slots:
+                    v = value.clone() if isinstance(value, torch.Tensor) else value
+                    state.setdefault(index[slot.param], {})[key] = v
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_full_optimizer_state(sharded: ShardedOptimizer, full: dict) -> None:
+    """Load a state made by :func:`full_optimizer_state` (or a plain optimizer) into the shards."""
+    index = _index_of_original(sharded)
+    saved_groups = full.get("param_groups", [])
+    if len(saved_groups) != len(sharded.groups):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(sharded.groups)}. "
+            "Resume with the same `configure_optimizers`."
+        )
+    saved_state = full.get("state", {})
+    shard_sd: dict = {"state": {}, "param_groups": []}
+    for gi, (fg, saved) in enumerate(zip(sharded.groups, saved_groups)):
+        shard_sd["param_groups"].append({**{k: v for k, v in saved.items() if k != "params"}, "params": [gi]})
+        per_slot = [saved_state.get(index[s.param], saved_state.get(str(index[s.param]), {})) for s in fg.slots]
+        keys = sorted({k for st in per_slot for k in st})
+        start, end = fg.shard_range()
+        out = {}
+        for key in keys:
+            sample = next(st[key] for st in per_slot if key in st)
+            per_element = key not in _SCALAR_STATE_KEYS and all(
+                isinstance(st[key], torch.Tensor) and st[key].shape == s.shape
+                for s, st in zip(fg.slots, per_slot) if key in st
+            )
+            if per_element:
+                flat = torch.zeros(fg.padded_numel, dtype=sample.dtype)
+                for s, st in zip(fg.slots, per_slot):
+                    if key in st:
+                        flat[s.offset : s.offset + s.numel].copy_(st[key].reshape(-1))
+                out[key] = flat[start:end].clone()
+            else:
+                out[key] = sample
+        if out:
+            shard_sd["state"][gi] = out
+    sharded.optimizer.load_state_dict(shard_sd)
+    sharded.masters[:] = [pg["params"][0] for pg in sharded.optimizer.param_groups]

@@ -1,0 +1,268 @@
+"""``ZeroStrategy``: DeepSpeed-style ZeRO as a Lightning strategy, on plain torch.distributed.
+
+The strategy is thin glue: process groups and launchers come from Lightning's DDP machinery, and
+all partitioning lives in :mod:`lightning_zero.core`, which the strategy drives:
+
+    setup            -> ZeroEngine(module, optimizer)       flat buffers, hooks, broadcast
+    block_backward_sync (non-boundary micro-steps) -> engine.no_sync()
+    backward         -> loss.backward(); engine.finish_backward()
+    clip (precision plugin) -> engine.clip_grad_norm_()     global norm over shards
+    optimizer_step   -> optimizer.step(); engine.after_step()   all-gather of updated shards
+    teardown         -> engine.detach()                     params own their storage again
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.core.comm import DataParallelComm
+from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.memory import ModelStateBytes
+from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.precision import ZeroPrecision, to_zero_precision
+
+
+class ZeroStrategy(DDPStrategy):
+    """Data parallel training with ZeRO stage 0, 1 or 2 partitioning.
+
+    Args:
+        stage: 0 (DDP-like), 1 (optimizer state and fp32 master partitioned), 2 (+ gradients).
+        config: a full :class:`~lightning_zero.core.config.ZeroConfig`; overrides ``stage`` and
+            ``zero_options`` when given.
+        precision: the precision mode (``"32-true"``); Lightning's ``Trainer(precision=...)`` works too.
+        check_step_errors: after every ``training_step`` the ranks agree on whether any of them
+            raised, so an error in one rank's step is raised on every rank instead of leaving the
+            others waiting in a collective (one tiny all-reduce per micro-step).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
+        **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
+            ``collective``, ``timeout_s``, ``elementwise_optimizers``, ...).
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        *,
+        config: ZeroConfig | None = None,
+        precision: str | None = None,
+        check_step_errors: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: str = "popen",
+        **zero_options: Any,
+    ) -> None:
+        self.zero_config: ZeroConfig = config or ZeroConfig.from_kwargs(stage, zero_options)
+        if self.zero_config.stage == 3:
+            raise NotImplementedError(
+                "ZeRO stage 3 (partitioned parameters) is not implemented in lightning_zero yet. Use stage 0, 1 or 2."
+            )
+        if precision_plugin is None and precision is not None:
+            precision_plugin = ZeroPrecision(precision)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=self.zero_config.timeout_s),
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self.check_step_errors = check_step_errors
+        self._fixed_precision = precision_plugin is not None
+        self._engine: ZeroEngine | None = None  # set in setup() when fitting
+        self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
+
+    # ------------------------------------------------------------------ plugins
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> ZeroPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, ZeroPrecision) else to_zero_precision(plugin)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if getattr(self, "_fixed_precision", False) and plugin is not None and not isinstance(plugin, ZeroPrecision):
+            return  # the strategy's own precision wins over the Trainer's default
+        self._precision_plugin = to_zero_precision(plugin) if plugin is not None else None
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        if self.num_nodes * self.num_processes == 1 and not dist.is_initialized():
+            # one rank: no process group at all, so nothing is ever communicated
+            assert self.accelerator is not None
+            self.accelerator.setup_device(self.root_device)
+            self.set_world_ranks()
+            return
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._comm = DataParallelComm(self._make_dp_group(), self.zero_config.collective)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise NotImplementedError(
+                    f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
+                    "parameter sets in param groups of one optimizer."
+                )
+            self._engine = ZeroEngine(self.lightning_module, self.optimizers[0], self.zero_config, self._comm)
+            self.precision_plugin.engine = self._engine
+        else:
+            self._broadcast_module_states()
+        self.setup_precision_plugin()
+
+    def _make_dp_group(self) -> dist.ProcessGroup | None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        # A group of our own carries the strategy's timeout for every collective it issues.
+        return dist.new_group(timeout=timedelta(seconds=self.zero_config.timeout_s))
+
+    @torch.no_grad()
+    def _broadcast_module_states(self) -> None:
+        assert self._comm is not None and self.lightning_module is not None
+        for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers()):
+            self._comm.broadcast(t.data)
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # never wrapped: the engine's hooks do what DDP's wrapper would
+
+    # ------------------------------------------------------------------ training
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.check_step_errors or self._comm is None or not self._comm.active:
+            return super().training_step(*args, **kwargs)
+        error: BaseException | None = None
+        try:
+            output = super().training_step(*args, **kwargs)
+        except Exception as exc:
+            error = exc
+        failed = self._comm.ranks_with(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(
+                f"training_step raised on data-parallel rank(s) {failed}; stopping this rank too. "
+                "The traceback of the failing rank(s) says why."
+            )
+        return output
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._engine is None:
+            yield
+            return
+        with self._engine.no_sync():
+            yield
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._engine is not None:
+            self._engine.before_backward()
+        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._engine is not None:
+            self._engine.finish_backward()
+        return loss
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        engine = self._engine
+        if engine is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def checked_closure() -> Any:
+            result = closure()
+            engine.before_step()
+            return result
+
+        output = self.precision_plugin.optimizer_step(optimizer, model=model or self.lightning_module,
+                                                      closure=checked_closure, **kwargs)
+        engine.after_step()
+        return output
+
+    # ------------------------------------------------------------------ state
+    def model_state_bytes(self) -> ModelStateBytes:
+        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``buffers``, counted from the
+        tensors that exist (each storage once), not from a formula."""
+        if self._engine is None:
+            raise RuntimeError("model_state_bytes() is available while fitting, after the strategy's setup.")
+        return self._engine.model_state_bytes()
+
+    @property
+    def engine(self) -> ZeroEngine | None:
+        """The ZeRO engine driving the current fit (``None`` outside fitting)."""
+        return self._engine
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self._engine is None or self._engine.sharded is None:
+            return optimizer.state_dict()
+        # world-size independent: the state of the original parameters, gathered from all shards
+        state = full_optimizer_state(self._engine.sharded, self._engine.comm)
+        return state if self.is_global_zero else {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states", [])
+        if self._engine is None or self._engine.sharded is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        for state in states[:1]:  # one optimizer (checked at setup)
+            load_full_optimizer_state(self._engine.sharded, state)
+        return None
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.detach()
+            self._engine = None
+            self.precision_plugin.engine = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage in (0, 1, 2):
+            for suffix, method in (("", "popen"), ("_spawn", "spawn")):
+                strategy_registry.register(
+                    f"zero_stage_{stage}{suffix}",
+                    cls,
+                    description=f"ZeRO stage {stage} (lightning_zero), start_method={method!r}",
+                    stage=stage,
+                    start_method=method,
+                )

@@ -1,0 +1,123 @@
+"""Small models, data and helpers shared by the distributed tests (imported in pool workers)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+VOCAB = 17
+
+
+class RankSampler(Sampler[int]):
+    """A fixed, unshuffled shard of the indices per rank (Lightning's default sampler shuffles)."""
+
+    def __init__(self, n: int, rank: int, world_size: int) -> None:
+        self.indices = list(range(rank, n, world_size))
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def token_loader(n: int = 96, seq: int = 9, batch_size: int = 4, seed: int = 1) -> DataLoader:
+    rank, world = rank_and_world()
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, VOCAB, (n, seq), generator=gen)
+    return DataLoader(TensorDataset(data), batch_size=batch_size, sampler=RankSampler(n, rank, world))
+
+
+class TinyTransformer(pl.LightningModule):
+    """A one-layer transformer LM with a frozen layer, an unused parameter and an odd parameter count.
+
+    Args:
+        optimizer: ``"adamw"`` or ``"sgd"`` (momentum), both with two param groups.
+        record_grad_norm: record the strategy's global gradient norm at every optimizer step.
+    """
+
+    def __init__(self, optimizer: str = "adamw", record_grad_norm: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 12)
+        self.enc = nn.TransformerEncoderLayer(12, 2, 24, dropout=0.0, batch_first=True)
+        self.frozen = nn.Linear(12, 12)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(3, 3)  # never used in forward
+        self.head = nn.Linear(12, VOCAB)  # 12*17 + 17: the total is odd
+        self.optimizer_name = optimizer
+        self.record_grad_norm = record_grad_norm
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        h = self.enc(self.frozen(self.emb(x[:, :-1])))
+        loss = nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        engine = getattr(self.trainer.strategy, "engine", None)
+        boundary = (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0
+        if self.record_grad_norm and boundary and engine is not None and engine.last_grad_norm is not None:
+            self.grad_norms.append(engine.last_grad_norm)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        names = dict(self.named_parameters())
+        decay = [p for n, p in names.items() if p.dim() >= 2 and not n.startswith("unused")]
+        no_decay = [p for n, p in names.items() if p.dim() < 2 or n.startswith("unused")]
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD([{"params": decay}, {"params": no_decay, "lr": 0.05}], lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
+        )
+
+
+def make_trainer(strategy: Any, devices: int = 2, **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU Trainer for tests (no logger, checkpoints, progress bar or summary)."""
+    os.environ.setdefault("PL_DISABLE_FORK", "1")
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=devices,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(strategy=strategy, **defaults)
+
+
+def params_of(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+class ManualTinyTransformer(TinyTransformer):
+    """The same model trained with manual optimization (``manual_backward``, explicit clipping)."""
+
+    def __init__(self, optimizer: str = "adamw", record_grad_norm: bool = False) -> None:
+        super().__init__(optimizer, record_grad_norm)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+        return loss
