@@ -123,6 +123,16 @@ def advise_command(argv: list[str]) -> int:
     return _run("advise", advise_command.__doc__ or "", build, act, argv)
 
 
+def train_command(argv: list[str]) -> int:
+    """``lightning-zero train``: compose ``conf/`` with Hydra (``-m`` sweeps too) and train each run.
+
+    Hydra and Lightning are imported here, not at module level, so ``estimate`` / ``advise`` stay fast.
+    """
+    from lightning_zero.config.launch import train_command as run
+
+    return run(argv)
+
+
 def _not_available(name: str) -> Callable[[list[str]], int]:
     def handler(argv: list[str]) -> int:
         print(f"lightning-zero {name}: not available yet in this version of lightning_zero. "
@@ -135,8 +145,8 @@ def _not_available(name: str) -> Callable[[list[str]], int]:
 COMMANDS: dict[str, Command] = {
     "estimate": Command(estimate_command, "per-rank memory of ZeRO stages 0-3, with and without offload"),
     "advise": Command(advise_command, "the fastest ZeRO stage / offload that fits your hardware"),
-    # Hydra parses its own argv: main() hands it over untouched (not available yet)
-    "train": Command(_not_available("train"), "train with Hydra configs (not available yet)"),
+    # Hydra parses its own argv: main() hands it over untouched
+    "train": Command(train_command, "train from Hydra configs in conf/ (e.g. experiment=gpt_small zero=stage2)"),
     "convert": Command(_not_available("convert"), "convert checkpoints (not available yet)"),
 }
 

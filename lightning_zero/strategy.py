@@ -25,7 +25,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -249,7 +249,10 @@ class ZeroStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
-            self._engine.detach()
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
+            # after an error another rank may be gone: no collective, the shard state is dropped
+            self._engine.detach(keep_optimizer_state=not failed)
             self._engine = None
             self.precision_plugin.engine = None
         super().teardown()

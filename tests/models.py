@@ -97,6 +97,7 @@ def make_trainer(strategy: Any, devices: int = 2, **kwargs: Any) -> pl.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        use_distributed_sampler=False,  # keep RankSampler's fixed order (Lightning would wrap and shuffle it)
     )
     defaults.update(kwargs)
     return pl.Trainer(strategy=strategy, **defaults)

@@ -91,7 +91,7 @@ def test_spawn_fit_returns_trained_weights_to_the_launching_process(tmp_path) ->
 def test_bad_options_fail_before_any_process_starts() -> None:
     with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
         ZeroStrategy(stage=5)
-    with pytest.raises(TypeError, match="Unknown ZeRO option.*reduce_bucket_sise.*Valid options"):
+    with pytest.raises(TypeError, match=r"Unknown ZeRO option.*reduce_bucket_sise.*Valid options"):
         ZeroStrategy(stage=2, reduce_bucket_sise=10)
     with pytest.raises(NotImplementedError, match="stage 3"):
         ZeroStrategy(stage=3)
@@ -174,3 +174,49 @@ def test_a_hung_rank_is_reported_within_the_timeout(gloo_pool) -> None:
 
 def re_search_any(text: str, needles: list[str]) -> bool:
     return any(n in text for n in needles)
+
+
+# ---------------------------------------------------------------------------- checkpoints (consolidated)
+def resume_body(stage: int, resume_stage: int) -> dict[str, Any]:
+    """Train 8 steps at ``stage`` saving a checkpoint per epoch; resume from the first epoch's
+    checkpoint at ``resume_stage`` and, as the reference, with Lightning's DDP (which loads the
+    checkpoint's optimizer state with plain ``torch.optim`` code). Lightning's loop decides which
+    batches a resumed run replays; both resumed runs replay the same ones."""
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+
+    full = TinyTransformer("sgd")
+    saver = ModelCheckpoint(dirpath=os.path.abspath("ckpt"), save_top_k=-1, every_n_epochs=1)
+    make_trainer(ZeroStrategy(stage=stage), max_steps=8, enable_checkpointing=True, callbacks=[saver]).fit(
+        full, token_loader(n=32)
+    )
+    path = os.path.join("ckpt", "epoch=0-step=4.ckpt")
+    runs = {}
+    for name, strategy in (("zero", ZeroStrategy(stage=resume_stage)), ("ddp", DDPStrategy(find_unused_parameters=True))):
+        model = TinyTransformer("sgd")
+        make_trainer(strategy, max_steps=8).fit(model, token_loader(n=32), ckpt_path=path)
+        runs[name] = model
+    return {"zero": runs["zero"].losses, "ddp": runs["ddp"].losses,
+            "diff": max((a - b).abs().max().item() for a, b in zip(params_of(runs["zero"]), params_of(runs["ddp"])))}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("stage", "resume_stage"), [(2, 2), (1, 0), (0, 2), (2, 1)])
+def test_checkpoint_resumes_at_any_stage_like_ddp(gloo_pool, stage: int, resume_stage: int) -> None:
+    for r in gloo_pool.run("tests.test_strategy:resume_body", stage=stage, resume_stage=resume_stage):
+        assert len(r["zero"]) >= 3 and r["zero"] == pytest.approx(r["ddp"], rel=1e-6)
+        assert r["diff"] < 1e-6, r
+
+
+@pytest.mark.slow
+def test_a_compiled_module_trains_like_the_eager_one() -> None:
+    losses = {}
+    for compiled in (False, True):
+        model = TinyTransformer("sgd")
+        make_trainer(ZeroStrategy(stage=2), devices=1, max_steps=3).fit(
+            torch.compile(model) if compiled else model, token_loader()
+        )
+        losses[compiled] = model.losses
+    assert max(abs(a - b) / b for a, b in zip(losses[True], losses[False])) < 1e-5

@@ -30,7 +30,7 @@ from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
-from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
+from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, full_optimizer_state, trainable_groups
 
 
 class ZeroEngine:
@@ -114,12 +114,21 @@ class ZeroEngine:
         for b in self.module.buffers():
             self.comm.broadcast(b)
 
-    def detach(self) -> None:
-        """Undo the binding: hooks removed, parameters own their storage, optimizer restored."""
+    def detach(self, keep_optimizer_state: bool = True) -> None:
+        """Undo the binding: hooks removed, parameters own their storage, optimizer restored.
+
+        Args:
+            keep_optimizer_state: gather the sharded optimizer state (a collective: every rank
+                must call this together) and load it into the restored optimizer, so that it can
+                be saved or stepped after fit; else the shard state is dropped (after an error).
+        """
         self.reducer.remove_hooks()
         self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
         if self.sharded is not None:
+            full = full_optimizer_state(self.sharded, self.comm) if keep_optimizer_state else None
             self.sharded.restore()
+            if full is not None:
+                self.optimizer.load_state_dict(full)
         for g in self.groups:
             g.unbind()
         for p in self.names:

@@ -1,0 +1,15 @@
+"""Hydra configs of ``lightning-zero train``: schemas, cross-group validation, builders and the launcher.
+
+* :mod:`~lightning_zero.config.schema` -- typed group schemas in Hydra's ConfigStore.
+* :mod:`~lightning_zero.config.validate` -- :func:`validate_config`, the one cross-group gate.
+* :mod:`~lightning_zero.config.build` -- config -> ZeroStrategy / Trainer / LightningModule / DataModule.
+* :mod:`~lightning_zero.config.launch` -- the ``train`` command: Hydra, then ranks via torchrun.
+* :mod:`~lightning_zero.config.worker` -- one rank, reading the run's ``config.yaml``.
+
+Only this package imports Hydra / OmegaConf; :mod:`lightning_zero.core` never does.
+"""
+
+from lightning_zero.config.schema import TrainConfig, register_configs, to_train_config
+from lightning_zero.config.validate import describe, validate_config
+
+__all__ = ["TrainConfig", "describe", "register_configs", "to_train_config", "validate_config"]

@@ -1,0 +1,164 @@
+"""``lightning-zero train``: compose ``conf/`` with Hydra, validate, and launch the ranks of each run.
+
+The flow of one run (each job of a ``-m`` multirun does the same in its own output directory):
+
+1. Before Hydra starts any job, every job of the command line (a sweep expanded like Hydra's basic
+   sweeper) is composed and validated (:func:`~lightning_zero.config.validate.validate_config`), so
+   an invalid or unbuilt combination stops the command before any run or process starts.
+2. ``hydra.main`` runs the job: it writes ``.hydra/`` (composed config, overrides) into the job's
+   output directory, and :func:`run_job` writes the resolved, typed config to ``config.yaml`` there.
+3. With ``trainer.devices=1`` the run trains in this process. Otherwise :func:`launch_ranks` starts
+   ``python -m torch.distributed.run --standalone --nproc_per_node=N -m lightning_zero.config.worker
+   <job dir>/config.yaml``: the ranks read that file and never re-enter Hydra, so no rank creates an
+   output directory or re-runs a sweep (Lightning's own launcher would re-run ``sys.argv``).
+   A rank's failure makes torchrun exit non-zero, which fails the job and the command.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_zero
+from lightning_zero.config.build import RESULT_FILE, FitResult
+from lightning_zero.config.schema import TextDataSchema, TrainConfig, register_configs, to_yaml
+from lightning_zero.config.validate import describe, validate_config
+
+CONFIG_NAME = "config"
+CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory
+CONF_ENV = "LIGHTNING_ZERO_CONF"
+log = logging.getLogger("lightning_zero.train")
+
+
+class RankFailure(RuntimeError):
+    """The rank processes of a run exited with an error."""
+
+
+def conf_dir() -> Path:
+    """The ``conf/`` directory: ``$LIGHTNING_ZERO_CONF`` if set, else the one beside the package."""
+    path = Path(os.environ.get(CONF_ENV) or Path(lightning_zero.__file__).resolve().parents[1] / "conf")
+    if not (path / f"{CONFIG_NAME}.yaml").is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME}.yaml in {path}; set {CONF_ENV} to the conf/ directory")
+    return path
+
+
+def compose_config(overrides: Sequence[str] = (), config_name: str = CONFIG_NAME) -> DictConfig:
+    """Compose ``conf/`` with Hydra's compose API (what ``train`` runs, without starting anything)."""
+    register_configs()
+    with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="train"):
+        return compose(config_name, overrides=list(overrides))
+
+
+def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
+    """The overrides of every job of a multirun, as Hydra's basic sweeper expands them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def check_jobs(jobs: Sequence[Sequence[str]], config_name: str = CONFIG_NAME) -> list[TrainConfig]:
+    """Compose and validate every job; errors name the job's overrides when there are several jobs."""
+    out = []
+    for job in jobs:
+        try:
+            out.append(validate_config(compose_config(job, config_name)))
+        except (ValueError, NotImplementedError) as err:
+            if len(jobs) > 1:
+                raise type(err)(f"job [{' '.join(job)}]: {err}") from err
+            raise
+    return out
+
+
+def launch_ranks(config_file: Path, devices: int) -> None:
+    """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port).
+
+    Raises:
+        RankFailure: torchrun exited non-zero (a rank failed; its traceback is printed above).
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}",
+           "-m", "lightning_zero.config.worker", str(config_file)]
+    env = dict(os.environ)
+    root = str(Path(lightning_zero.__file__).resolve().parents[1])  # the ranks import this checkout
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    log.info("launching %d ranks: %s", devices, " ".join(cmd))
+    code = subprocess.run(cmd, env=env, check=False).returncode
+    if code != 0:
+        raise RankFailure(f"the {devices} ranks of {config_file.parent} failed (torch.distributed.run exit code "
+                          f"{code}); the failing rank's traceback is printed above.")
+
+
+def run_job(cfg: DictConfig | TrainConfig, run_dir: Path) -> FitResult:
+    """Validate ``cfg``, write ``run_dir/config.yaml`` and train: in process for one device, else via torchrun."""
+    from hydra.utils import to_absolute_path
+
+    typed = validate_config(cfg)
+    if isinstance(typed.data, TextDataSchema) and typed.data.path:
+        typed.data.path = to_absolute_path(typed.data.path)  # the ranks may run elsewhere
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_file = run_dir / CONFIG_FILE
+    config_file.write_text(to_yaml(typed))
+    log.info("%s", describe(typed))
+    log.info("run directory: %s", run_dir)
+    if typed.trainer.devices == 1:
+        from lightning_zero.config.build import fit
+
+        return fit(typed, run_dir)
+    launch_ranks(config_file, typed.trainer.devices)
+    result = FitResult(**json.loads((run_dir / RESULT_FILE).read_text()))
+    log.info("%s", result.summary())
+    return result
+
+
+def _hydra_task(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    return run_job(cfg, Path(HydraConfig.get().runtime.output_dir)).val_loss_end
+
+
+def train_command(argv: Sequence[str]) -> int:
+    """``lightning-zero train [hydra args] [overrides]``: Hydra's command line, e.g. ``-m zero=stage1,stage2``.
+
+    Returns the exit code: 0 on success, 2 when the configuration is invalid or not implemented
+    (nothing was started), 1 when a run failed.
+    """
+    import hydra
+    from hydra._internal.utils import get_args_parser
+
+    argv = list(argv)
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit as done:
+        return int(done.code or 0)
+    starts_jobs = not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
+                       or args.experimental_rerun or args.config_dir or args.config_path)
+    if starts_jobs:
+        try:
+            jobs = expand_sweep(args.overrides) if args.multirun else [list(args.overrides)]
+            check_jobs(jobs, args.config_name or CONFIG_NAME)
+        except NotImplementedError as err:
+            print(f"lightning-zero train: {err}", file=sys.stderr)
+            return 2
+        except Exception as err:  # composition errors: misspelt key, wrong type, unknown option
+            print(f"lightning-zero train: error: {err}", file=sys.stderr)
+            return 2
+    register_configs()
+    task = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(_hydra_task)
+    saved = sys.argv
+    sys.argv = ["lightning-zero train", *argv]
+    try:
+        task()
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0

@@ -1,0 +1,329 @@
+"""Typed schemas of the Hydra config groups in ``conf/``, registered in Hydra's ConfigStore.
+
+Every YAML option of a group starts with ``defaults: [<group schema>, _self_]``, so a misspelt key
+or a value of the wrong type fails when Hydra composes the config, naming the key. The root schema
+:class:`TrainConfig` types each group too. The knob names follow DeepSpeed's JSON config where
+DeepSpeed has one (``reduce_bucket_size``, ``loss_scale_window``, ``offload_optimizer.device``, ...).
+
+Cross-group rules (e.g. parameter offload needs stage 3) are not expressible as types; they live in
+:func:`lightning_zero.config.validate.validate_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class Collective(Enum):
+    """Gradient / parameter collectives of the ZeRO engine (see ``ZeroConfig.collective``)."""
+
+    auto = "auto"
+    all_reduce = "all_reduce"
+    reduce_scatter = "reduce_scatter"
+
+
+class OffloadDevice(Enum):
+    """Where offloaded state lives (DeepSpeed's ``offload_optimizer.device`` / ``offload_param.device``)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class PrecisionName(Enum):
+    """Precision modes; :data:`LIGHTNING_PRECISION` maps them to Lightning's strings."""
+
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    bf16_true = "bf16_true"
+
+
+LIGHTNING_PRECISION: dict[str, str] = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed",
+                                       "bf16_true": "bf16-true"}
+
+
+class PipeSchedule(Enum):
+    """Pipeline schedules: none, GPipe fill-drain, 1F1B (DeepSpeed's TrainSchedule), interleaved 1F1B."""
+
+    none = "none"
+    gpipe = "gpipe"
+    one_f_one_b = "one_f_one_b"
+    interleaved_1f1b = "interleaved_1f1b"
+
+
+class OptimizerName(Enum):
+    """Optimizers the experiment modules build."""
+
+    adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
+
+
+class LRSchedule(Enum):
+    """Learning-rate schedule after warmup."""
+
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+class LoggerKind(Enum):
+    """Experiment logger written into the run's output directory."""
+
+    tensorboard = "tensorboard"
+    csv = "csv"
+    none = "none"
+
+
+@dataclass
+class ZeroSchema:
+    """``zero/``: the ZeRO stage and its communication knobs (fields of ``ZeroConfig``)."""
+
+    stage: int = 2
+    reduce_bucket_size: int = 10_000_000
+    overlap_comm: bool = True
+    collective: Collective = Collective.auto
+    timeout_s: float = 300.0
+    # stage 3 only
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    # strategy options
+    check_step_errors: bool = True
+    elementwise_optimizers: list[str] = field(default_factory=list)  # "module.path:ClassName"
+
+
+@dataclass
+class OffloadSchema:
+    """``offload/``: ZeRO-Offload / ZeRO-Infinity (DeepSpeed's ``offload_optimizer`` / ``offload_param``)."""
+
+    optimizer_device: OffloadDevice = OffloadDevice.none
+    param_device: OffloadDevice = OffloadDevice.none
+    nvme_path: str | None = None
+    pin_memory: bool = True
+    buffer_count: int = 4
+    max_in_cpu: int = 1_000_000_000
+
+
+@dataclass
+class PrecisionSchema:
+    """``precision/``: the mode, and DeepSpeed's fp16 loss-scaler knobs (``loss_scale=0`` means dynamic)."""
+
+    name: PrecisionName = PrecisionName.fp32
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class PipelineSchema:
+    """``pipeline/``: pipeline-parallel stages, schedule and micro-batches (``stages=1``: no pipeline)."""
+
+    stages: int = 1
+    schedule: PipeSchedule = PipeSchedule.none
+    micro_batches: int = 1
+    virtual_stages: int = 1
+    partition_method: str = "parameters"
+    activation_checkpoint_interval: int = 0
+
+
+@dataclass
+class ModelSchema:
+    """``model/``: common fields; ``kind`` picks the builder (``gpt`` or ``mlp``)."""
+
+    kind: str = MISSING
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    optimizer: OptimizerName = OptimizerName.adamw
+
+
+@dataclass
+class GPTModelSchema(ModelSchema):
+    """A GPT preset of ``experiments.gpt.GPT_PRESETS``; ``None`` shape fields keep the preset's value."""
+
+    kind: str = "gpt"
+    preset: str = "gpt_small"
+    seq_len: int | None = None
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    dropout: float | None = None
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20
+    scheduler: LRSchedule = LRSchedule.constant
+    lr_decay_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    build_in_configure_model: bool = False
+
+
+@dataclass
+class MLPModelSchema(ModelSchema):
+    """``experiments.mlp.MLPClassifier``."""
+
+    kind: str = "mlp"
+    input_dim: int = 32
+    hidden_dim: int = 128
+    num_layers: int = 2
+    num_classes: int = 10
+    lr: float = 1e-2
+
+
+@dataclass
+class DataSchema:
+    """``data/``: common fields; ``kind`` picks the data module (``text`` or ``teacher``)."""
+
+    kind: str = MISSING
+    micro_batch_size: int = 8
+    num_workers: int = 0
+    seed: int = 0
+    deterministic_order: bool = False
+
+
+@dataclass
+class TextDataSchema(DataSchema):
+    """``experiments.data.TextDataModule``: stdlib source (``path: null``), a text file/dir, or synthetic."""
+
+    kind: str = "text"
+    seq_len: int = 128
+    max_bytes: int | None = 8_000_000
+    path: str | None = None
+    pattern: str | None = None
+    val_fraction: float = 0.05
+    max_val_samples: int | None = 128
+    synthetic: bool = False
+
+
+@dataclass
+class TeacherDataSchema(DataSchema):
+    """``experiments.mlp.TeacherDataModule``: a synthetic random-teacher classification task."""
+
+    kind: str = "teacher"
+    num_train: int = 4096
+    num_val: int = 1024
+    input_dim: int = 32
+    num_classes: int = 10
+    micro_batch_size: int = 64
+
+
+@dataclass
+class CheckpointSchema:
+    """``trainer.checkpoint``: ``ModelCheckpoint(dirpath=<run dir>/checkpoints, ...)``."""
+
+    enabled: bool = True
+    save_last: bool = True
+    save_top_k: int = 1
+    monitor: str | None = None
+    every_n_train_steps: int | None = None
+
+
+@dataclass
+class TrainerSchema:
+    """``trainer/``: ``lightning.pytorch.Trainer`` arguments, the number of ranks and checkpointing."""
+
+    accelerator: str = "cpu"
+    devices: int = 2
+    max_steps: int = -1
+    max_epochs: int | None = None
+    max_time: str | None = None  # "DD:HH:MM:SS"
+    val_check_interval: float | None = None
+    check_val_every_n_epoch: int | None = 1
+    limit_train_batches: float | None = None
+    limit_val_batches: float | None = None
+    num_sanity_val_steps: int = 0
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    log_every_n_steps: int = 10
+    enable_progress_bar: bool = False
+    enable_model_summary: bool = True
+    deterministic: bool = False
+    process_group_backend: str | None = None
+    validate_at_start: bool = False  # one validation pass before fitting: the val loss at step 0
+    validate_at_end: bool = False  # one validation pass after the last step
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+
+
+@dataclass
+class LoggerSchema:
+    """``logger/``: where metrics go; always inside the run's output directory."""
+
+    kind: LoggerKind = LoggerKind.tensorboard
+    name: str = "tb"
+    default_hp_metric: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """The root schema of ``conf/config.yaml``: one field per config group, plus the run's name and seed."""
+
+    zero: ZeroSchema = MISSING
+    offload: OffloadSchema = MISSING
+    precision: PrecisionSchema = MISSING
+    pipeline: PipelineSchema = MISSING
+    model: ModelSchema = MISSING
+    data: DataSchema = MISSING
+    trainer: TrainerSchema = MISSING
+    logger: LoggerSchema = MISSING
+    name: str = "default"
+    seed: int = 0
+
+
+# (group, name) -> schema; a YAML option lists its group's schema name first in its defaults.
+SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
+    (None, "train_schema"): TrainConfig,
+    ("zero", "zero_schema"): ZeroSchema,
+    ("offload", "offload_schema"): OffloadSchema,
+    ("precision", "precision_schema"): PrecisionSchema,
+    ("pipeline", "pipeline_schema"): PipelineSchema,
+    ("model", "gpt_schema"): GPTModelSchema,
+    ("model", "mlp_schema"): MLPModelSchema,
+    ("data", "text_schema"): TextDataSchema,
+    ("data", "teacher_schema"): TeacherDataSchema,
+    ("trainer", "trainer_schema"): TrainerSchema,
+    ("logger", "logger_schema"): LoggerSchema,
+}
+
+
+def register_configs() -> None:
+    """Store every schema in Hydra's ConfigStore (idempotent; call before composing ``conf/``)."""
+    cs = ConfigStore.instance()
+    for (group, name), node in SCHEMAS.items():
+        cs.store(group=group, name=name, node=node)
+
+
+MODEL_SCHEMAS: dict[str, type[ModelSchema]] = {"gpt": GPTModelSchema, "mlp": MLPModelSchema}
+DATA_SCHEMAS: dict[str, type[DataSchema]] = {"text": TextDataSchema, "teacher": TeacherDataSchema}
+
+
+def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
+    """A typed :class:`TrainConfig` from a composed config or a plain mapping (e.g. a saved ``config.yaml``).
+
+    A plain mapping is checked against the schemas here: the model and data schemas are picked by
+    their ``kind``. Raises ``ValueError`` for an unknown kind and OmegaConf's errors for bad keys/types.
+    """
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    if OmegaConf.get_type(node) is not TrainConfig:
+        base = OmegaConf.structured(TrainConfig)
+        for key, table in (("model", MODEL_SCHEMAS), ("data", DATA_SCHEMAS)):
+            kind = OmegaConf.select(node, f"{key}.kind")
+            if kind not in table:
+                raise ValueError(f"{key}.kind must be one of {sorted(table)}, got {kind!r}")
+            base[key] = OmegaConf.structured(table[kind])
+        node = OmegaConf.merge(base, node)
+    config = OmegaConf.to_object(node)
+    assert isinstance(config, TrainConfig)
+    return config
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """YAML text of a typed config (enums by name); :func:`to_train_config` reads it back."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,244 @@
+"""Cross-group checks of a composed config, run before any rank process starts.
+
+:func:`validate_config` is the one gate: a combination that can never work raises ``ValueError``
+listing every reason with its fix; a valid combination that needs a feature lightning_zero does
+not have yet raises ``NotImplementedError`` naming the feature. Models are only counted on the meta
+device here (:func:`describe`), never materialised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_zero.config.schema import (
+    GPTModelSchema,
+    MLPModelSchema,
+    OffloadDevice,
+    PipeSchedule,
+    PrecisionName,
+    PrecisionSchema,
+    TeacherDataSchema,
+    TextDataSchema,
+    TrainConfig,
+    to_train_config,
+)
+from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.memory import OFFLOAD_STAGES
+
+BUILT_STAGES = (0, 1, 2)
+_SCALER_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                 "min_loss_scale")
+
+
+def offload_name(cfg: TrainConfig) -> str:
+    """The ``offload/`` option the devices amount to (``none``, ``optimizer_cpu``, ``param_nvme``, ...)."""
+    opt, par = cfg.offload.optimizer_device, cfg.offload.param_device
+    if par is not OffloadDevice.none:
+        return f"param_{par.value}"
+    return "none" if opt is OffloadDevice.none else f"optimizer_{opt.value}"
+
+
+def zero_config(cfg: TrainConfig) -> ZeroConfig:
+    """The core :class:`ZeroConfig` of ``cfg.zero`` (``elementwise_optimizers`` left out: they are imports)."""
+    z = cfg.zero
+    return ZeroConfig(stage=z.stage, reduce_bucket_size=int(z.reduce_bucket_size), overlap_comm=z.overlap_comm,
+                      collective=z.collective.value, timeout_s=z.timeout_s,
+                      prefetch_bucket_size=int(z.prefetch_bucket_size), max_live_parameters=int(z.max_live_parameters),
+                      param_persistence_threshold=int(z.param_persistence_threshold))
+
+
+def _offload_problems(cfg: TrainConfig) -> list[str]:
+    o, stage, name = cfg.offload, cfg.zero.stage, offload_name(cfg)
+    out = []
+    if o.param_device is not OffloadDevice.none and o.optimizer_device is OffloadDevice.none:
+        out.append("offload.param_device is set but offload.optimizer_device is none: parameter offload moves "
+                   "the optimizer state too. Fix: offload=param_cpu or offload=param_nvme.")
+    elif stage not in OFFLOAD_STAGES[name]:
+        what = "offload_param" if name.startswith("param_") else "offload_optimizer"
+        needs = "ZeRO stage 3 (partitioned parameters)" if OFFLOAD_STAGES[name] == (3,) else \
+            "a partitioned optimizer (ZeRO stage >= 1)"
+        fix = "zero=stage3" if OFFLOAD_STAGES[name] == (3,) else "zero=stage1 or higher"
+        out.append(f"offload={name} ({what}) needs {needs}, got zero.stage={stage}. Fix: {fix}, or offload=none.")
+    if OffloadDevice.nvme in (o.optimizer_device, o.param_device) and not o.nvme_path:
+        out.append(f"offload={name} needs offload.nvme_path (a directory on a local NVMe drive).")
+    if o.buffer_count < 1:
+        out.append(f"offload.buffer_count must be >= 1, got {o.buffer_count}.")
+    return out
+
+
+def _precision_problems(cfg: TrainConfig) -> list[str]:
+    p, out = cfg.precision, []
+    defaults = PrecisionSchema()
+    changed = [k for k in _SCALER_KNOBS if getattr(p, k) != getattr(defaults, k)]
+    if p.name is not PrecisionName.fp16 and changed:
+        out.append(f"precision.{', precision.'.join(changed)} set with precision={p.name.value}: loss scaling "
+                   "applies to fp16 only. Fix: precision=fp16, or drop those overrides.")
+    if p.name is PrecisionName.fp16 and cfg.trainer.accelerator == "cpu":
+        out.append("precision=fp16 (16-mixed) needs a GPU; Lightning runs no fp16 autocast on CPU. "
+                   "Fix: precision=bf16 on CPU, or trainer=gpu.")
+    if p.loss_scale < 0 or p.min_loss_scale <= 0:
+        out.append("precision.loss_scale must be >= 0 (0 = dynamic) and precision.min_loss_scale > 0.")
+    if not 0 <= p.initial_scale_power <= 63 or p.loss_scale_window < 1 or p.hysteresis < 1:
+        out.append("precision.initial_scale_power must be in [0, 63], loss_scale_window and hysteresis >= 1.")
+    return out
+
+
+def _pipeline_problems(cfg: TrainConfig) -> list[str]:
+    pp, out = cfg.pipeline, []
+    if pp.stages < 1 or pp.micro_batches < 1 or pp.virtual_stages < 1:
+        return [f"pipeline.stages, micro_batches and virtual_stages must be >= 1, got {pp.stages}, "
+                f"{pp.micro_batches}, {pp.virtual_stages}."]
+    if (pp.stages == 1) != (pp.schedule is PipeSchedule.none):
+        out.append(f"pipeline.stages={pp.stages} with pipeline.schedule={pp.schedule.value}: a schedule needs "
+                   "stages > 1 and stages > 1 needs a schedule. Fix: pipeline=none or a pipeline/ preset.")
+    if pp.stages > 1 and cfg.zero.stage >= 2:
+        out.append(f"pipeline parallelism (pipeline.stages={pp.stages}) with zero.stage={cfg.zero.stage}: stages 2 "
+                   "and 3 partition gradients across ranks on every backward, which clashes with the pipeline's "
+                   "gradient accumulation over micro-batches (DeepSpeed allows ZeRO stage 0 or 1 with pipelines). "
+                   "Fix: zero=stage1 or pipeline=none.")
+    if cfg.trainer.devices % pp.stages:
+        out.append(f"pipeline.stages={pp.stages} must divide trainer.devices={cfg.trainer.devices} "
+                   "(data-parallel size = devices / stages).")
+    interleaved = pp.schedule is PipeSchedule.interleaved_1f1b
+    if interleaved and (pp.virtual_stages < 2 or pp.micro_batches % pp.stages):
+        out.append("pipeline.schedule=interleaved_1f1b needs pipeline.virtual_stages >= 2 and micro_batches a "
+                   "multiple of stages.")
+    if not interleaved and pp.virtual_stages != 1:
+        out.append("pipeline.virtual_stages > 1 needs pipeline.schedule=interleaved_1f1b.")
+    layers = _layers(cfg)
+    if pp.stages > 1 and layers < pp.stages * pp.virtual_stages:
+        out.append(f"the model has {layers} layers, fewer than pipeline.stages x virtual_stages = "
+                   f"{pp.stages * pp.virtual_stages} chunks.")
+    return out
+
+
+def _layers(cfg: TrainConfig) -> int:
+    if isinstance(cfg.model, GPTModelSchema):
+        return gpt_config(cfg.model).n_layer if _preset_known(cfg.model) else 0
+    return cfg.model.num_layers if isinstance(cfg.model, MLPModelSchema) else 0
+
+
+def _preset_known(m: GPTModelSchema) -> bool:
+    from experiments.gpt import GPT_PRESETS
+
+    return m.preset in GPT_PRESETS
+
+
+def gpt_config(m: GPTModelSchema) -> Any:
+    """The ``experiments.gpt.GPTConfig`` of a GPT model option (preset + non-null shape overrides)."""
+    from experiments.gpt import resolve_config
+
+    return resolve_config(m.preset, gpt_overrides(m))
+
+
+def gpt_overrides(m: GPTModelSchema) -> dict[str, Any]:
+    """The shape fields of ``m`` that are set (they replace the preset's)."""
+    keys = ("seq_len", "n_layer", "n_head", "n_embd", "dropout")
+    return {k: getattr(m, k) for k in keys if getattr(m, k) is not None}
+
+
+def _model_data_problems(cfg: TrainConfig) -> list[str]:
+    m, d, out = cfg.model, cfg.data, []
+    if isinstance(m, GPTModelSchema):
+        from experiments.gpt import GPT_PRESETS
+
+        if not isinstance(d, TextDataSchema):
+            out.append(f"model.kind=gpt needs text data, got data.kind={d.kind}. Fix: data=stdlib, data=text_file "
+                       "or data=synthetic.")
+        if m.preset not in GPT_PRESETS:
+            return out + [f"model.preset={m.preset!r} is not a GPT preset; choose from {', '.join(GPT_PRESETS)}."]
+        shape = gpt_config(m)
+        if shape.n_embd % shape.n_head:
+            out.append(f"model n_embd={shape.n_embd} is not divisible by n_head={shape.n_head}.")
+        if isinstance(d, TextDataSchema) and d.seq_len > shape.seq_len:
+            out.append(f"data.seq_len={d.seq_len} exceeds the model's context {shape.seq_len} ({m.preset}). "
+                       f"Fix: data.seq_len={shape.seq_len} or less, or model.seq_len={d.seq_len}.")
+    elif isinstance(m, MLPModelSchema):
+        if not isinstance(d, TeacherDataSchema):
+            out.append(f"model.kind=mlp needs classification data, got data.kind={d.kind}. Fix: data=teacher.")
+        elif (m.input_dim, m.num_classes) != (d.input_dim, d.num_classes):
+            out.append(f"model.input_dim/num_classes ({m.input_dim}/{m.num_classes}) differ from data.input_dim/"
+                       f"num_classes ({d.input_dim}/{d.num_classes}). Fix: set both to the same values.")
+    if isinstance(d, TextDataSchema) and not 0.0 < d.val_fraction < 1.0:
+        out.append(f"data.val_fraction must be in (0, 1) for a held-out validation split, got {d.val_fraction}.")
+    if d.micro_batch_size < 1 or cfg.trainer.devices < 1:
+        out.append("data.micro_batch_size and trainer.devices must be >= 1.")
+    return out
+
+
+def invalid_combinations(cfg: TrainConfig) -> list[str]:
+    """Every reason ``cfg`` cannot work, each with its fix (empty when it is valid)."""
+    problems: list[str] = []
+    try:
+        zero_config(cfg)
+    except ValueError as err:
+        problems.append(f"zero: {err}")
+    for check in (_offload_problems, _precision_problems, _pipeline_problems, _model_data_problems):
+        problems += check(cfg)
+    return problems
+
+
+def unbuilt_features(cfg: TrainConfig) -> list[str]:
+    """The features ``cfg`` asks for that lightning_zero does not implement yet (empty when all are built)."""
+    out = []
+    if cfg.zero.stage not in BUILT_STAGES:
+        out.append(f"ZeRO stage {cfg.zero.stage} (zero=stage{cfg.zero.stage}, partitioned parameters); "
+                   "use zero=stage0, stage1 or stage2")
+    if cfg.precision.name is not PrecisionName.fp32:
+        out.append(f"precision={cfg.precision.name.value} (16-bit weights with fp32 master shards and loss "
+                   "scaling); use precision=fp32")
+    if offload_name(cfg) != "none":
+        out.append(f"offload={offload_name(cfg)} (ZeRO-Offload / ZeRO-Infinity); use offload=none")
+    if cfg.pipeline.stages > 1:
+        out.append(f"pipeline parallelism (pipeline.stages={cfg.pipeline.stages}, "
+                   f"schedule={cfg.pipeline.schedule.value}); use pipeline=none")
+    return out
+
+
+def validate_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """Check a composed config across groups; return it typed.
+
+    Raises:
+        ValueError: a mandatory value is missing, or the combination is invalid (every reason and fix).
+        NotImplementedError: the combination is valid but needs a feature not built yet (named).
+    """
+    if isinstance(cfg, DictConfig):
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            raise ValueError(f"missing mandatory value(s): {', '.join(missing)}. Set them on the command line, "
+                             f"e.g. {missing[0]}=...")
+        cfg = to_train_config(cfg)
+    problems = invalid_combinations(cfg)
+    if problems:
+        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    todo = unbuilt_features(cfg)
+    if todo:
+        raise NotImplementedError("not implemented in lightning_zero yet: " + "; ".join(todo) + ".")
+    return cfg
+
+
+def count_model_parameters(cfg: TrainConfig) -> int:
+    """Parameters of the configured model, counted on the meta device (nothing is allocated)."""
+    if isinstance(cfg.model, GPTModelSchema):
+        from experiments.gpt import count_parameters
+
+        return count_parameters(gpt_config(cfg.model))
+    from lightning_zero.config.build import build_module
+
+    with torch.device("meta"):
+        module = build_module(cfg)
+    return sum(p.numel() for p in module.parameters())
+
+
+def describe(cfg: TrainConfig) -> str:
+    """One line naming the run: model (size counted on meta), data, ZeRO stage and ranks."""
+    m, t = cfg.model, cfg.trainer
+    model = m.preset if isinstance(m, GPTModelSchema) else m.kind
+    data = cfg.data.kind if not isinstance(cfg.data, TextDataSchema) else (
+        "synthetic" if cfg.data.synthetic else (cfg.data.path or "python-stdlib"))
+    return (f"{cfg.name}: {model} ({count_model_parameters(cfg) / 1e6:.2f}M params) on {data}; ZeRO stage "
+            f"{cfg.zero.stage}, {cfg.precision.name.value}, offload={offload_name(cfg)}, "
+            f"{t.devices} x {t.accelerator}")
