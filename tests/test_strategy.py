@@ -194,7 +194,8 @@ def resume_body(stage: int, resume_stage: int) -> dict[str, Any]:
     )
     path = os.path.join("ckpt", "epoch=0-step=4.ckpt")
     runs = {}
-    for name, strategy in (("zero", ZeroStrategy(stage=resume_stage)), ("ddp", DDPStrategy(find_unused_parameters=True))):
+    reference = DDPStrategy(find_unused_parameters=True)
+    for name, strategy in (("zero", ZeroStrategy(stage=resume_stage)), ("ddp", reference)):
         model = TinyTransformer("sgd")
         make_trainer(strategy, max_steps=8).fit(model, token_loader(n=32), ckpt_path=path)
         runs[name] = model
