@@ -9,7 +9,6 @@ finds its environment there and never re-launches ``sys.argv``. Everything a run
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import time
@@ -30,18 +29,10 @@ from lightning_zero.config.schema import (
     TextDataSchema,
     TrainConfig,
 )
-from lightning_zero.config.validate import gpt_overrides, zero_config
+from lightning_zero.config.validate import gpt_overrides, import_object, zero_config
 from lightning_zero.strategy import ZeroStrategy
 
 RESULT_FILE = "result.json"
-
-
-def import_object(path: str) -> Any:
-    """The object at ``"package.module:Name"`` (or ``"package.module.Name"``)."""
-    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module or not name:
-        raise ValueError(f"expected 'module.path:Name', got {path!r}")
-    return getattr(importlib.import_module(module), name)
 
 
 def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
 
 import lightning_zero
 from lightning_zero.config.build import RESULT_FILE, FitResult
@@ -154,11 +155,12 @@ def train_command(argv: Sequence[str]) -> int:
     register_configs()
     task = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(_hydra_task)
     saved = sys.argv
-    sys.argv = ["lightning-zero train", *argv]
+    sys.argv = ["lightning-zero train", *argv]  # hydra.main parses sys.argv
     try:
         task()
-    except SystemExit as done:
+    except SystemExit as done:  # --help, or Hydra reporting a failed job
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     finally:
         sys.argv = saved
+        GlobalHydra.instance().clear()  # so that this process can compose again
     return 0

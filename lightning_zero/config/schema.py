@@ -194,9 +194,9 @@ class TextDataSchema(DataSchema):
     """``experiments.data.TextDataModule``: stdlib source (``path: null``), a text file/dir, or synthetic."""
 
     kind: str = "text"
+    path: str | None = MISSING  # null: the Python standard library (an option must say which)
     seq_len: int = 128
     max_bytes: int | None = 8_000_000
-    path: str | None = None
     pattern: str | None = None
     val_fraction: float = 0.05
     max_val_samples: int | None = 128
@@ -307,19 +307,19 @@ DATA_SCHEMAS: dict[str, type[DataSchema]] = {"text": TextDataSchema, "teacher": 
 def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     """A typed :class:`TrainConfig` from a composed config or a plain mapping (e.g. a saved ``config.yaml``).
 
-    A plain mapping is checked against the schemas here: the model and data schemas are picked by
-    their ``kind``. Raises ``ValueError`` for an unknown kind and OmegaConf's errors for bad keys/types.
+    Either is merged as plain data into fresh schemas (the model and data schemas picked by their
+    ``kind``), so keys added with ``+group.key=...`` are rejected too. Raises ``ValueError`` for an
+    unknown kind and OmegaConf's errors (naming the key) for unknown keys or wrong types.
     """
-    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
-    if OmegaConf.get_type(node) is not TrainConfig:
-        base = OmegaConf.structured(TrainConfig)
-        for key, table in (("model", MODEL_SCHEMAS), ("data", DATA_SCHEMAS)):
-            kind = OmegaConf.select(node, f"{key}.kind")
-            if kind not in table:
-                raise ValueError(f"{key}.kind must be one of {sorted(table)}, got {kind!r}")
-            base[key] = OmegaConf.structured(table[kind])
-        node = OmegaConf.merge(base, node)
-    config = OmegaConf.to_object(node)
+    data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg
+    node = OmegaConf.create(data)
+    base = OmegaConf.structured(TrainConfig)
+    for key, table in (("model", MODEL_SCHEMAS), ("data", DATA_SCHEMAS)):
+        kind = OmegaConf.select(node, f"{key}.kind")
+        if kind not in table:
+            raise ValueError(f"{key}.kind must be one of {sorted(table)}, got {kind!r}")
+        base[key] = OmegaConf.structured(table[kind])
+    config = OmegaConf.to_object(OmegaConf.merge(base, node))
     assert isinstance(config, TrainConfig)
     return config
 

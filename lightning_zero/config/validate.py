@@ -8,6 +8,8 @@ device here (:func:`describe`), never materialised.
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +31,11 @@ from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
 
 BUILT_STAGES = (0, 1, 2)
+_PRECISION_FEATURES = {
+    PrecisionName.fp16: "fp16 mixed precision: fp16 weights with fp32 master shards and dynamic loss scaling",
+    PrecisionName.bf16: "bf16 mixed precision: bf16 weights with fp32 master shards",
+    PrecisionName.bf16_true: "pure bf16: bf16 weights and optimizer state",
+}
 _SCALER_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                  "min_loss_scale")
 
@@ -162,11 +169,22 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
         elif (m.input_dim, m.num_classes) != (d.input_dim, d.num_classes):
             out.append(f"model.input_dim/num_classes ({m.input_dim}/{m.num_classes}) differ from data.input_dim/"
                        f"num_classes ({d.input_dim}/{d.num_classes}). Fix: set both to the same values.")
+    if isinstance(d, TextDataSchema) and d.path and not d.synthetic and not Path(d.path).expanduser().exists():
+        out.append(f"data.path={d.path} does not exist (relative paths are taken from the current directory, "
+                   f"{Path.cwd()}). Fix: data.path=/path/to/corpus.txt.")
     if isinstance(d, TextDataSchema) and not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction must be in (0, 1) for a held-out validation split, got {d.val_fraction}.")
     if d.micro_batch_size < 1 or cfg.trainer.devices < 1:
         out.append("data.micro_batch_size and trainer.devices must be >= 1.")
     return out
+
+
+def import_object(path: str) -> Any:
+    """The object at ``"package.module:Name"`` (or ``"package.module.Name"``)."""
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"expected 'module.path:Name', got {path!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 def invalid_combinations(cfg: TrainConfig) -> list[str]:
@@ -176,6 +194,11 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
         zero_config(cfg)
     except ValueError as err:
         problems.append(f"zero: {err}")
+    for path in cfg.zero.elementwise_optimizers:
+        try:
+            import_object(path)
+        except (ImportError, AttributeError, ValueError) as err:
+            problems.append(f"zero.elementwise_optimizers: cannot import {path!r} ({err}).")
     for check in (_offload_problems, _precision_problems, _pipeline_problems, _model_data_problems):
         problems += check(cfg)
     return problems
@@ -188,8 +211,8 @@ def unbuilt_features(cfg: TrainConfig) -> list[str]:
         out.append(f"ZeRO stage {cfg.zero.stage} (zero=stage{cfg.zero.stage}, partitioned parameters); "
                    "use zero=stage0, stage1 or stage2")
     if cfg.precision.name is not PrecisionName.fp32:
-        out.append(f"precision={cfg.precision.name.value} (16-bit weights with fp32 master shards and loss "
-                   "scaling); use precision=fp32")
+        out.append(f"precision={cfg.precision.name.value} ({_PRECISION_FEATURES[cfg.precision.name]}); "
+                   "use precision=fp32")
     if offload_name(cfg) != "none":
         out.append(f"offload={offload_name(cfg)} (ZeRO-Offload / ZeRO-Infinity); use offload=none")
     if cfg.pipeline.stages > 1:

@@ -14,12 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from lightning_zero.config.build import fit
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
 
 
+@record  # torchrun's failure summary then shows this rank's traceback
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the rank; the run directory is the config file's folder. Returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,110 @@
+"""``lightning-zero train`` end to end: 2 CPU ranks under torch.distributed.run, a Hydra multirun over
+two ZeRO stages (one output directory per run, with its config, TensorBoard events and checkpoint),
+rank failures reaching the exit code, and invalid configurations stopped before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_zero.cli import main
+from lightning_zero.config.launch import CONFIG_FILE, RankFailure, compose_config, launch_ranks
+from lightning_zero.config.schema import to_yaml
+from lightning_zero.config.validate import validate_config
+
+TINY = ["experiment=gpt_tiny", "trainer.max_steps=3", "trainer.enable_model_summary=false"]
+
+
+def _train(args: list[str], cwd: Path, console_script: bool = False) -> subprocess.CompletedProcess[str]:
+    script = shutil.which("lightning-zero", path=str(Path(sys.executable).parent))
+    cmd = [script, "train"] if console_script and script else [sys.executable, "-m", "lightning_zero", "train"]
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=180, check=False)
+
+
+def _check_run_dir(run: Path, steps: int) -> dict:
+    """One run's output directory: Hydra's composed config, ours, TensorBoard events, checkpoints, result."""
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / ".hydra" / "overrides.yaml").is_file()
+    assert (run / CONFIG_FILE).is_file()
+    assert list((run / "tb").glob("events.out.tfevents.*")), sorted(run.rglob("*"))
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    result = json.loads((run / "result.json").read_text())
+    assert result["global_step"] == steps and result["val_loss_end"] < result["val_loss_start"]
+    return result
+
+
+@pytest.mark.slow
+def test_train_runs_two_cpu_ranks_in_one_output_directory(tmp_path: Path) -> None:
+    done = _train(TINY, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "MEMBER: 2/2" in out and "--nproc_per_node=2" in out  # two ranks, launched by torchrun
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # no lightning_logs, no stray Hydra dirs
+    runs = [p for p in tmp_path.glob("outputs/*/*") if p.is_dir()]
+    assert len(runs) == 1, runs
+    _check_run_dir(runs[0], steps=3)
+    saved = OmegaConf.load(runs[0] / CONFIG_FILE)
+    assert saved.trainer.devices == 2 and saved.zero.stage == 2 and saved.name == "gpt_tiny"
+
+
+@pytest.mark.slow
+def test_multirun_over_two_zero_stages_leaves_one_directory_per_run(tmp_path: Path) -> None:
+    done = _train(["-m", "zero=stage1,stage2", *TINY], tmp_path, console_script=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+    sweeps = list(tmp_path.glob("multirun/*/*"))
+    assert len(sweeps) == 1, sweeps  # the ranks never re-entered Hydra: no second sweep
+    jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    results = [_check_run_dir(job, steps=3) for job in jobs]
+    assert [OmegaConf.load(job / CONFIG_FILE).zero.stage for job in jobs] == [1, 2]
+    assert ["zero=stage1" in (job / ".hydra" / "overrides.yaml").read_text() for job in jobs] == [True, False]
+    # ZeRO is exact: the same data and seed give the same losses at stage 1 and stage 2
+    assert results[0]["val_loss_end"] == pytest.approx(results[1]["val_loss_end"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_launch(tmp_path: Path) -> None:
+    cfg = validate_config(compose_config(TINY))
+    cfg.data.path = str(tmp_path / "vanished.txt")  # validated in the parent, gone when the ranks start
+    (tmp_path / CONFIG_FILE).write_text(to_yaml(cfg))
+    with pytest.raises(RankFailure, match="exit code"):
+        launch_ranks(tmp_path / CONFIG_FILE, devices=2)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-m", "zero=stage1,stage3"], "job [zero=stage3]: not implemented in lightning_zero yet: ZeRO stage 3"),
+    (["offload=param_cpu"], "offload=param_cpu (offload_param) needs ZeRO stage 3"),
+    (["precision=bf16"], "not implemented in lightning_zero yet: precision=bf16"),
+    (["pipeline=pp2_1f1b", "zero=stage1"], "not implemented in lightning_zero yet: pipeline parallelism"),
+    (["zero.stagee=1"], "Could not override 'zero.stagee'"),
+    (["+trainer.devicez=2"], "Key 'devicez' not in 'TrainerSchema'"),
+])
+def test_bad_configurations_stop_before_anything_starts(args: list[str], message: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # no output directory, no process
+
+
+def test_hydra_flags_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "zero: stage0, stage1, stage2, stage3" in text and "experiment: " in text
+    assert main(["train", "experiment=gpt_tiny", "zero=stage1", "--cfg", "job"]) == 0
+    shown = OmegaConf.create(capsys.readouterr().out)
+    assert shown.zero.stage == 1 and shown.model.preset == "gpt_tiny"
+    assert compose_config(["zero=stage0"]).zero.stage == 0  # Hydra's global state was released
+    assert not list(tmp_path.iterdir())
