@@ -85,7 +85,7 @@ def test_a_failing_rank_fails_the_launch(tmp_path: Path) -> None:
     (["offload=param_cpu"], "offload=param_cpu (offload_param) needs ZeRO stage 3"),
     (["precision=bf16"], "not implemented in lightning_zero yet: precision=bf16"),
     (["pipeline=pp2_1f1b", "zero=stage1"], "not implemented in lightning_zero yet: pipeline parallelism"),
-    (["zero.stagee=1"], "Could not override 'zero.stagee'"),
+    (["zero.stagee=1"], "Could not override 'zero.stagee'. Did you mean zero.stage?"),
     (["+trainer.devicez=2"], "Key 'devicez' not in 'TrainerSchema'"),
 ])
 def test_bad_configurations_stop_before_anything_starts(args: list[str], message: str, tmp_path: Path,

@@ -126,7 +126,7 @@ def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option:
         return
     result = run_job(typed, tmp_path)
     assert result.global_step == 1
-    assert to_train_config(OmegaConf.load(tmp_path / CONFIG_FILE)) == typed  # what ranks would read back
+    assert to_train_config(OmegaConf.load(tmp_path / CONFIG_FILE)) == typed  # what the ranks read back
     assert json.loads((tmp_path / RESULT_FILE).read_text())["global_step"] == 1
     if typed.trainer.checkpoint.enabled:
         assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
@@ -260,3 +260,13 @@ def test_core_never_imports_hydra() -> None:
     for path in core.glob("*.py"):
         text = path.read_text()
         assert "hydra" not in text and "omegaconf" not in text, path
+
+
+def test_a_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    cfg = _tiny(validate_config(compose_config(["experiment=gpt_tiny", "trainer=cpu1"])), keep_model=True)
+    run_job(cfg, tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=2, resume_from=str(last))
+    assert run_job(cfg, tmp_path / "second").global_step == 2
+    with pytest.raises(ValueError, match="is not a checkpoint file"):
+        validate_config(compose_config(["trainer.resume_from=/nonexistent.ckpt"]))

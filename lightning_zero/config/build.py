@@ -140,6 +140,8 @@ class FitResult:
     checkpoints: list[str]
 
     def summary(self) -> str:
+        """One line: steps, fit time, validation loss at start and end, and the drop."""
+
         def fmt(x: float | None) -> str:
             return "-" if x is None else f"{x:.4f}"
 
@@ -169,7 +171,7 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     trainer = pl.Trainer(strategy=build_strategy(cfg), **trainer_kwargs(cfg, run_dir))
     start = _val_loss(trainer.validate(module, data, verbose=False)) if cfg.trainer.validate_at_start else None
     began = time.perf_counter()
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
     seconds = time.perf_counter() - began
     if cfg.trainer.validate_at_end:
         end = _val_loss(trainer.validate(module, data, verbose=False))

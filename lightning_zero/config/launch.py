@@ -16,9 +16,12 @@ The flow of one run (each job of a ``-m`` multirun does the same in its own outp
 
 from __future__ import annotations
 
+import copy
+import difflib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -26,7 +29,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import lightning_zero
 from lightning_zero.config.build import RESULT_FILE, FitResult
@@ -80,6 +83,29 @@ def check_jobs(jobs: Sequence[Sequence[str]], config_name: str = CONFIG_NAME) ->
     return out
 
 
+def explain(err: BaseException) -> str:
+    """A composition error's message with its cause, and the closest valid key for a misspelt one."""
+    text = str(err)
+    if err.__cause__ is not None and str(err.__cause__) not in text:
+        text += f"\n{err.__cause__}"
+    match = re.search(r"Could not override '([^']+)'", text)
+    if match:
+        try:
+            keys = _flat_keys(OmegaConf.to_container(compose_config(), resolve=False))
+        except Exception:  # the defaults themselves do not compose: no suggestion
+            keys = []
+        close = difflib.get_close_matches(match.group(1), keys, n=1)
+        text = text.split("\nTo append")[0] + (f" Did you mean {close[0]}?" if close else "") + \
+            " Keys are fixed by the schemas in lightning_zero/config/schema.py (lightning-zero train --help)."
+    return text
+
+
+def _flat_keys(node: object, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return [prefix.rstrip(".")]
+    return [k for key, value in node.items() for k in _flat_keys(value, f"{prefix}{key}.")]
+
+
 def launch_ranks(config_file: Path, devices: int) -> None:
     """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port).
 
@@ -102,9 +128,11 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path) -> FitResult:
     """Validate ``cfg``, write ``run_dir/config.yaml`` and train: in process for one device, else via torchrun."""
     from hydra.utils import to_absolute_path
 
-    typed = validate_config(cfg)
+    typed = copy.deepcopy(validate_config(cfg))
     if isinstance(typed.data, TextDataSchema) and typed.data.path:
         typed.data.path = to_absolute_path(typed.data.path)  # the ranks may run elsewhere
+    if typed.trainer.resume_from:
+        typed.trainer.resume_from = to_absolute_path(typed.trainer.resume_from)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / CONFIG_FILE
     config_file.write_text(to_yaml(typed))
@@ -150,7 +178,7 @@ def train_command(argv: Sequence[str]) -> int:
             print(f"lightning-zero train: {err}", file=sys.stderr)
             return 2
         except Exception as err:  # composition errors: misspelt key, wrong type, unknown option
-            print(f"lightning-zero train: error: {err}", file=sys.stderr)
+            print(f"lightning-zero train: error: {explain(err)}", file=sys.stderr)
             return 2
     register_configs()
     task = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(_hydra_task)

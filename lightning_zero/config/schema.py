@@ -221,7 +221,7 @@ class CheckpointSchema:
 
     enabled: bool = True
     save_last: bool = True
-    save_top_k: int = 1
+    save_top_k: int = 0  # 0: only last.ckpt; with a monitor (e.g. val_loss), the k best too
     monitor: str | None = None
     every_n_train_steps: int | None = None
 
@@ -249,6 +249,7 @@ class TrainerSchema:
     process_group_backend: str | None = None
     validate_at_start: bool = False  # one validation pass before fitting: the val loss at step 0
     validate_at_end: bool = False  # one validation pass after the last step
+    resume_from: str | None = None  # a checkpoint (e.g. <run dir>/checkpoints/last.ckpt) to resume from
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
 
 

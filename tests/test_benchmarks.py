@@ -1,0 +1,81 @@
+"""Smoke test of benchmarks/bench_zero.py: the whole harness end to end on a tiny GPT, 2 measured steps."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_zero.py"
+ROWS = ("ddp", "ddp_nosync", "zero0", "zero1", "zero2")
+
+
+def _load_harness() -> ModuleType:
+    """The harness script as a module (``benchmarks/`` is not a package)."""
+    if "bench_zero" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_zero", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        sys.modules["bench_zero"] = module = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(module)
+    return sys.modules["bench_zero"]
+
+
+@pytest.mark.slow
+def test_bench_zero_end_to_end(tmp_path: Path) -> None:
+    raw_path = tmp_path / "raw.json"
+    command = [sys.executable, str(SCRIPT), "--model", "gpt_tiny", "--micro-batch", "2", "--seq-len", "32",
+               "--steps", "2", "--warmup", "1", "--repeats", "1", "--contenders", "ddp,zero0,zero1,zero2",
+               "--profile", "--markdown", "--timeout", "50", "--json", str(raw_path)]  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=110)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert elapsed < 60, f"the smoke run took {elapsed:.0f} s"
+    out = done.stdout
+
+    # markdown tables: one row per contender in the main and the phase tables, probes for ZeRO only
+    for name in ROWS:
+        assert out.count(f"| {name} |") == (3 if name.startswith("zero") else 2), name
+    assert "| contender | step ms |" in out and "| contender | forward | backward |" in out
+    assert "| contender | after_step | bucket_launch |" in out
+    assert "DDP communication share:" in out
+    assert "Target zero1 <= 1.10x ddp:" in out and "Target zero2 <= 1.10x ddp:" in out
+    assert "Machine:" in out and "torch 2." in out and "logical cores" in out
+    assert "gpt_tiny" in out and "micro-batch 2 x seq 32" in out
+
+    # raw measurements: every contender ran once on 2 ranks for warm-up + measured steps
+    raw = json.loads(raw_path.read_text())
+    assert list(raw["runs"]) == list(ROWS)  # ddp_nosync added right after ddp
+    for name, repeats in raw["runs"].items():
+        assert len(repeats) == 1 and len(repeats[0]) == 2, name
+        for rank in repeats[0]:
+            assert len(rank["times"]) == 3 and all(t > 0 for t in rank["times"]), name
+            assert rank["rss"] > 0 and rank["state"]["params"] > 0, name
+
+    # the model-state accounting matches the ZeRO stages (AdamW: 2 fp32 moments per element)
+    rows = {r["name"]: r for r in _load_harness().summarize(raw["runs"], warmup=1)}
+    state = {name: row["state"] for name, row in rows.items()}
+    assert state["zero0"]["params"] == pytest.approx(state["ddp"]["params"], rel=0.01)
+    assert state["zero0"]["optimizer"] == pytest.approx(2 * state["ddp"]["params"], rel=0.01)
+    assert state["zero1"]["optimizer"] == pytest.approx(state["zero0"]["optimizer"] / 2, rel=0.01)
+    assert state["zero1"]["grads"] == pytest.approx(state["zero0"]["grads"], rel=0.01)
+    assert state["zero2"]["grads"] == pytest.approx(state["zero1"]["grads"] / 2, rel=0.01)
+    assert state["ddp"]["buffers"] == pytest.approx(state["ddp"]["grads"], rel=0.01)  # DDP's bucket copy
+    assert rows["ddp"]["ratio"] == 1.0 and all(rows[n]["step"] > 0 for n in ROWS)
+
+
+def test_contender_registry() -> None:
+    harness = _load_harness()
+    assert set(ROWS) | {"local"} <= set(harness.CONTENDERS)
+    assert harness.CONTENDERS["ddp"].kind == "lightning" and harness.CONTENDERS["local"].kind == "loop"
+    strategy = harness.CONTENDERS["zero2"].build(harness.BenchConfig(bucket_size=1000))
+    assert strategy.zero_config.stage == 2 and strategy.zero_config.reduce_bucket_size == 1000
+    table = harness._table(["contender", "step ms"], [["ddp", "12"], ["zero2", "13"]], markdown=False)
+    assert table.splitlines() == ["contender  step ms", "ddp             12", "zero2           13"]
