@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
@@ -25,23 +26,42 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "sgd_accum_clip": dict(optimizer="sgd", accumulate=2, clip=0.05),
     # manual optimization: manual_backward, clip_gradients and step in training_step
     "manual_sgd_clip": dict(optimizer="sgd", accumulate=1, clip=None, manual=True),
+    # master shards stepped as many small pieces (Note [master pieces] in core/optimizer.py)
+    "adamw_pieces": dict(optimizer="adamw", accumulate=2, clip=0.05, piece_numel=16),
 }
 
 
 def _fit(strategy: Any, optimizer: str, accumulate: int, clip: float | None, manual: bool = False) -> dict[str, Any]:
     model = (ManualTinyTransformer if manual else TinyTransformer)(optimizer, record_grad_norm=True)
     trainer = make_trainer(strategy, accumulate_grad_batches=accumulate, gradient_clip_val=clip, max_steps=5)
+    state_counts: list[int] = []
+
+    class CountOptimizerTensors(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            state_counts.append(sum(len(g["params"]) for g in trainer.optimizers[0].param_groups))
+
+    trainer.callbacks.append(CountOptimizerTensors())
     trainer.fit(model, token_loader())
-    return {"losses": model.losses, "params": params_of(model), "grad_norms": model.grad_norms}
+    return {"losses": model.losses, "params": params_of(model), "grad_norms": model.grad_norms,
+            "optimizer_tensors": state_counts[0]}
 
 
 def parity_body(scenario: str, collective: str = "auto") -> dict[str, Any]:
     """Runs DDP and every stage on this rank; returns their losses, parameters and norms."""
-    kw = SCENARIOS[scenario]
+    from lightning_zero.core import optimizer as zero_optimizer
+
+    kw = dict(SCENARIOS[scenario])
+    piece_numel = kw.pop("piece_numel", zero_optimizer.MASTER_PIECE_NUMEL)
     out = {"ddp": _fit(DDPStrategy(find_unused_parameters=True), **kw)}
-    for stage in STAGES:
-        # a bucket smaller than the largest parameter, so several buckets and a split parameter run
-        out[stage] = _fit(ZeroStrategy(stage=stage, reduce_bucket_size=100, collective=collective), **kw)
+    default_piece, zero_optimizer.MASTER_PIECE_NUMEL = zero_optimizer.MASTER_PIECE_NUMEL, piece_numel
+    try:
+        for stage in STAGES:
+            # a bucket smaller than the largest parameter, so several buckets and a split parameter run
+            out[stage] = _fit(ZeroStrategy(stage=stage, reduce_bucket_size=100, collective=collective), **kw)
+            if stage > 0 and piece_numel < 1000:
+                assert out[stage]["optimizer_tensors"] > 10, out[stage]["optimizer_tensors"]
+    finally:
+        zero_optimizer.MASTER_PIECE_NUMEL = default_piece
     return out
 
 

@@ -30,6 +30,19 @@ class _Done:
 DONE: Handle = _Done()
 
 
+class _AllOf:
+    """One handle for several in-flight collectives."""
+
+    def __init__(self, works: list[Handle]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return True
+
+
 class DataParallelComm:
     """The data-parallel group and the collectives the ZeRO core needs.
 
@@ -83,18 +96,27 @@ class DataParallelComm:
         if not self.active:
             return DONE
         if self.use_all_reduce:
-            # Note: an all-reduce of zero-filled shards is an exact all-gather (x + 0 == x).
-            flat[:start].zero_()
-            flat[end:].zero_()
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            # gloo: one broadcast per owner is measured ~1.8x faster than all_gather_into_tensor
+            # (docs/benchmarks.md); the broadcasts run concurrently and are waited on together.
+            size = end - start
+            works = [
+                dist.broadcast(flat[r * size : (r + 1) * size], src=self._global_rank(r), group=self.group,
+                               async_op=True)
+                for r in range(self.world_size)
+            ]
+            work = _AllOf(works)
+            if not async_op:
+                work.wait()
         else:
             work = dist.all_gather_into_tensor(flat, flat[start:end], group=self.group, async_op=async_op)
         return work if async_op else DONE
 
+    def _global_rank(self, dp_rank: int) -> int:
+        return dist.get_global_rank(self.group, dp_rank) if self.group is not None else dp_rank
+
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         if self.active:
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank) if self.group else src_rank,
-                           group=self.group)
+            dist.broadcast(tensor, src=self._global_rank(src_rank), group=self.group)
 
     def ranks_with(self, flag: bool) -> list[int]:
         """All-gather one boolean per rank; returns the DP ranks where it is true (same on all)."""

@@ -21,9 +21,9 @@ class ZeroConfig:
         overlap_comm: launch bucket reductions asynchronously during backward. When false,
             every bucket is reduced after backward, in one go.
         collective: ``"reduce_scatter"`` reduce-scatters gradients and all-gathers parameters;
-            ``"all_reduce"`` all-reduces gradient buckets and gathers parameters with an
-            all-reduce of zero-filled shards (exact in any dtype, since x + 0 == x). ``"auto"``
-            takes ``all_reduce`` on gloo (measured 1.4-2x faster there, see docs/benchmarks.md)
+            ``"all_reduce"`` all-reduces gradient buckets and gathers parameters with one
+            broadcast per owning rank. ``"auto"`` takes ``all_reduce`` on gloo (measured
+            1.4-2x faster there, see docs/benchmarks.md)
             and ``reduce_scatter`` elsewhere. Memory bounds are the same: the whole gradient is
             never kept beyond one bucket.
         timeout_s: seconds any collective of the strategy may wait before raising.

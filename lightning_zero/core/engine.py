@@ -69,7 +69,8 @@ class ZeroEngine:
         # trainable parameters no optimizer group holds: they are never updated nor reduced
         self.unmanaged: list[nn.Parameter] = [p for p in self.names if p.requires_grad and p not in managed]
         self.groups: list[FlatParamGroup] = [FlatParamGroup(g, self.comm.world_size, self.comm.rank) for g in groups]
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
+            g.optimizer_group = i
             g.bind()
         self._broadcast_from_rank0()
         self.reducer = GradReducer(
@@ -248,7 +249,7 @@ class ZeroEngine:
         counter.add("grads", [p.grad for p in self.names])
         counter.add("grads", [t for t in (*self.reducer.flat_grads, *self.reducer.grad_shards)])
         if self.sharded is not None:
-            counter.add("grads", [m.grad for m in self.sharded.masters])
+            counter.add("grads", self.sharded.master_grads())
             counter.add("optimizer", self.sharded.masters)
         for state in self.optimizer.state.values():
             counter.add("optimizer", [v for v in state.values() if isinstance(v, torch.Tensor)])

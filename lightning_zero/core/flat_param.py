@@ -75,11 +75,20 @@ class FlatParamGroup:
         self.shard_numel: int = self.padded_numel // world_size  # S
         self.dtype: torch.dtype = params[0].dtype if params else torch.float32
         self.device: torch.device = params[0].device if params else torch.device("cpu")
-        self.flat: torch.Tensor | None = None  # 1-D padded parameter buffer while bound (stages 0-2)
+        self.flat: torch.Tensor | None = None  # 1-D padded parameter buffer while bound; stage 3 frees its storage
+        self.shard: torch.Tensor | None = None  # stage 3: this rank's 1-D parameter shard, kept while flat is freed
+        self.optimizer_group: int = -1  # index of its optimizer param group; -1: frozen / in no group
 
     def shard_range(self, rank: int | None = None) -> tuple[int, int]:
         r = self.rank if rank is None else rank
         return r * self.shard_numel, (r + 1) * self.shard_numel
+
+    def own_shard(self) -> torch.Tensor:
+        """Where this rank's shard of the parameters lives (the optimizer steps it)."""
+        if self.shard is not None:
+            return self.shard
+        start, end = self.shard_range()
+        return self.flat[start:end]
 
     def bind(self) -> torch.Tensor:
         """Copy the parameters into a new flat buffer and make them views into it."""

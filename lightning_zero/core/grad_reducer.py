@@ -77,6 +77,7 @@ class GradReducer:
         self.names = names
         self.sync: bool = True  # False inside block_backward_sync: stages 0-1 only accumulate locally
         self.state = BackwardState.IDLE
+        self._dirty = False  # whether any gradient buffer may be non-zero (zero() is a no-op otherwise)
         self.max_in_flight = 2 if stage == 2 else 1 << 30
         # whole gradients of the accumulation window (stages 0-1), one per group, padded layout
         self.flat_grads: list[torch.Tensor | None] = [None] * len(groups)
@@ -161,6 +162,7 @@ class GradReducer:
                 "This happens when one backward reaches a parameter twice (reentrant activation "
                 "checkpointing): use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
             )
+        self._dirty = True
         dest = self._destination(bucket, slot_index)
         if grad.data_ptr() != dest.data_ptr():  # else autograd accumulated into our view in place
             dest.add_(grad.reshape(-1))
@@ -214,6 +216,7 @@ class GradReducer:
         if hi <= lo:
             return
         reduced = item.source[lo - b.start : hi - b.start] if item.output is None else item.output
+        self._dirty = True
         if self.stage == 1:
             if item.output is not None:
                 self.flat_grads[b.group_index][lo:hi].copy_(reduced)
@@ -249,9 +252,12 @@ class GradReducer:
         return [self.shard_grad(i) for i in range(len(self.groups))]
 
     def zero(self) -> None:
+        if not self._dirty:
+            return
         for t in (*self.flat_grads, *self.grad_shards):
             if t is not None:
                 t.zero_()
+        self._dirty = False
 
     def live_buffers(self) -> list[torch.Tensor]:
         """Staging buffers and reduce-scatter outputs alive right now."""
