@@ -39,10 +39,11 @@ from lightning_zero.precision import ZeroPrecision, to_zero_precision
 
 
 class ZeroStrategy(DDPStrategy):
-    """Data parallel training with ZeRO stage 0, 1 or 2 partitioning.
+    """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
-        stage: 0 (DDP-like), 1 (optimizer state and fp32 master partitioned), 2 (+ gradients).
+        stage: 0 (DDP-like), 1 (optimizer state and fp32 master partitioned), 2 (+ gradients),
+            3 (+ parameters, gathered per unit just in time).
         config: a full :class:`~lightning_zero.core.config.ZeroConfig`; overrides ``stage`` and
             ``zero_options`` when given.
         precision: the precision mode (``"32-true"``); Lightning's ``Trainer(precision=...)`` works too.
@@ -74,10 +75,6 @@ class ZeroStrategy(DDPStrategy):
         **zero_options: Any,
     ) -> None:
         self.zero_config: ZeroConfig = config or ZeroConfig.from_kwargs(stage, zero_options)
-        if self.zero_config.stage == 3:
-            raise NotImplementedError(
-                "ZeRO stage 3 (partitioned parameters) is not implemented in lightning_zero yet. Use stage 0, 1 or 2."
-            )
         if precision_plugin is None and precision is not None:
             precision_plugin = ZeroPrecision(precision)
         super().__init__(
@@ -93,6 +90,7 @@ class ZeroStrategy(DDPStrategy):
         self.check_step_errors = check_step_errors
         self._fixed_precision = precision_plugin is not None
         self._engine: ZeroEngine | None = None  # set in setup() when fitting
+        self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
         self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
 
     # ------------------------------------------------------------------ plugins
@@ -174,6 +172,31 @@ class ZeroStrategy(DDPStrategy):
             )
         return output
 
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, *args, **kwargs)
+
+    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        finally:
+            if self._engine is not None:
+                self._engine.end_forward_only()  # stage 3: free what the step gathered
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._engine is None:
+            return super().lightning_module_state_dict()
+        return self._engine.full_state_dict()  # stage 3 gathers unit by unit (every rank takes part)
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -223,6 +246,20 @@ class ZeroStrategy(DDPStrategy):
         return self._engine.model_state_bytes()
 
     @property
+    def gathered_peak_numel(self) -> int:
+        """Stage 3: the most parameter elements ever gathered at once on this rank (a peak over the
+        whole fit, excluding the persistent unit); 0 for other stages."""
+        runtime = self._engine.runtime if self._engine is not None else self._last_runtime
+        return runtime.peak_live_numel if runtime is not None else 0
+
+    @property
+    def gathered_bound_numel(self) -> int:
+        """Stage 3: the bound on :attr:`gathered_peak_numel` implied by ``prefetch_bucket_size`` and
+        ``max_live_parameters`` for this model's units; 0 for other stages."""
+        runtime = self._engine.runtime if self._engine is not None else self._last_runtime
+        return runtime.live_bound() if runtime is not None else 0
+
+    @property
     def engine(self) -> ZeroEngine | None:
         """The ZeRO engine driving the current fit (``None`` outside fitting)."""
         return self._engine
@@ -252,6 +289,7 @@ class ZeroStrategy(DDPStrategy):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
             # after an error another rank may be gone: no collective, the shard state is dropped
+            self._last_runtime = self._engine.runtime
             self._engine.detach(keep_optimizer_state=not failed)
             self._engine = None
             self.precision_plugin.engine = None
@@ -260,7 +298,7 @@ class ZeroStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             for suffix, method in (("", "popen"), ("_spawn", "spawn")):
                 strategy_registry.register(
                     f"zero_stage_{stage}{suffix}",

@@ -122,3 +122,65 @@ class ManualTinyTransformer(TinyTransformer):
         self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
         opt.step()
         return loss
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class StackedLM(pl.LightningModule):
+    """Blocks in an ``nn.ModuleList`` (stage 3's units) between an embedding tied to the output head.
+
+    Block 1 is frozen (a frozen unit); each block has 687 parameters (odd: not divisible by the
+    world size) and the largest parameter has 312 elements.
+    """
+
+    def __init__(self, optimizer: str = "adamw", num_blocks: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 13)
+        self.blocks = nn.ModuleList(_Block(13, 24) for _ in range(num_blocks))
+        self.blocks[1].requires_grad_(False)
+        self.norm = nn.LayerNorm(13)
+        self.head = nn.Linear(13, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.optimizer_name = optimizer
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        (x,) = batch
+        return nn.functional.cross_entropy(self(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss, sync_dist=True, batch_size=len(batch[0]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD([{"params": decay}, {"params": no_decay, "lr": 0.05}], lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
+        )

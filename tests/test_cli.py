@@ -81,7 +81,8 @@ def test_a_failing_rank_fails_the_launch(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["-m", "zero=stage1,stage3"], "job [zero=stage3]: not implemented in lightning_zero yet: ZeRO stage 3"),
+    (["-m", "zero=stage1", "offload=none,optimizer_cpu"],
+     "job [zero=stage1 offload=optimizer_cpu]: not implemented in lightning_zero yet: offload=optimizer_cpu"),
     (["offload=param_cpu"], "offload=param_cpu (offload_param) needs ZeRO stage 3"),
     (["precision=bf16"], "not implemented in lightning_zero yet: precision=bf16"),
     (["pipeline=pp2_1f1b", "zero=stage1"], "not implemented in lightning_zero yet: pipeline parallelism"),

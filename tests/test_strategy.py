@@ -93,8 +93,8 @@ def test_bad_options_fail_before_any_process_starts() -> None:
         ZeroStrategy(stage=5)
     with pytest.raises(TypeError, match=r"Unknown ZeRO option.*reduce_bucket_sise.*Valid options"):
         ZeroStrategy(stage=2, reduce_bucket_sise=10)
-    with pytest.raises(NotImplementedError, match="stage 3"):
-        ZeroStrategy(stage=3)
+    with pytest.raises(ValueError, match="unit_classes"):
+        ZeroStrategy(stage=3, unit_classes=("Block",))
     with pytest.raises(ValueError, match="positive"):
         ZeroStrategy(stage=1, reduce_bucket_size=0)
     with pytest.raises(NotImplementedError, match="not implemented"):

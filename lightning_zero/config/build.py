@@ -38,8 +38,9 @@ RESULT_FILE = "result.json"
 def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     """Keyword arguments of :class:`~lightning_zero.ZeroStrategy` for ``cfg``."""
     extra = tuple(import_object(p) for p in cfg.zero.elementwise_optimizers)
+    units = tuple(import_object(p) for p in cfg.zero.unit_classes)
     return {
-        "config": replace(zero_config(cfg), elementwise_optimizers=extra),
+        "config": replace(zero_config(cfg), elementwise_optimizers=extra, unit_classes=units),
         "precision": LIGHTNING_PRECISION[cfg.precision.name.value],
         "check_step_errors": cfg.zero.check_step_errors,
         "process_group_backend": cfg.trainer.process_group_backend,

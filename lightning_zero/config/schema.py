@@ -97,6 +97,7 @@ class ZeroSchema:
     # strategy options
     check_step_errors: bool = True
     elementwise_optimizers: list[str] = field(default_factory=list)  # "module.path:ClassName"
+    unit_classes: list[str] = field(default_factory=list)  # stage 3 units "module:Class"; [] = ModuleList children
 
 
 @dataclass

@@ -30,7 +30,7 @@ from lightning_zero.config.schema import (
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
 
-BUILT_STAGES = (0, 1, 2)
+BUILT_STAGES = (0, 1, 2, 3)
 _PRECISION_FEATURES = {
     PrecisionName.fp16: "fp16 mixed precision: fp16 weights with fp32 master shards and dynamic loss scaling",
     PrecisionName.bf16: "bf16 mixed precision: bf16 weights with fp32 master shards",
@@ -197,11 +197,12 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
         zero_config(cfg)
     except ValueError as err:
         problems.append(f"zero: {err}")
-    for path in cfg.zero.elementwise_optimizers:
-        try:
-            import_object(path)
-        except (ImportError, AttributeError, ValueError) as err:
-            problems.append(f"zero.elementwise_optimizers: cannot import {path!r} ({err}).")
+    for key in ("elementwise_optimizers", "unit_classes"):
+        for path in getattr(cfg.zero, key):
+            try:
+                import_object(path)
+            except (ImportError, AttributeError, ValueError) as err:
+                problems.append(f"zero.{key}: cannot import {path!r} ({err}).")
     for check in (_offload_problems, _precision_problems, _pipeline_problems, _model_data_problems):
         problems += check(cfg)
     return problems

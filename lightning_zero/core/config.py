@@ -30,6 +30,8 @@ class ZeroConfig:
         prefetch_bucket_size: stage 3: elements gathered ahead of the running unit.
         max_live_parameters: stage 3: elements gathered at once, at most.
         param_persistence_threshold: stage 3: parameters with fewer elements stay gathered.
+        unit_classes: stage 3: module classes whose instances are gathered as one unit; empty:
+            the children of every ``nn.ModuleList`` (Note [units] in ``core/units.py``).
         elementwise_optimizers: extra optimizer classes to accept for stage >= 1 (their update
             must be element-wise: it may not mix elements of one tensor, e.g. no matrix norms).
     """
@@ -43,6 +45,7 @@ class ZeroConfig:
     max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
     elementwise_optimizers: tuple[type, ...] = field(default=())
+    unit_classes: tuple[type, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -56,6 +59,9 @@ class ZeroConfig:
             raise ValueError(
                 f"`collective` must be 'auto', 'all_reduce' or 'reduce_scatter', got {self.collective!r}."
             )
+        for cls in self.unit_classes:
+            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+                raise ValueError(f"`unit_classes` must hold nn.Module subclasses, got {cls!r}.")
         if not self.timeout_s > 0:
             raise ValueError(f"`timeout_s` must be positive seconds, got {self.timeout_s!r}.")
 

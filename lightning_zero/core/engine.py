@@ -1,4 +1,4 @@
-"""ZeRO stages 0-2 applied to one module and its optimizer: the core the strategy drives.
+"""ZeRO stages 0-3 applied to one module and its optimizer: the core the strategy drives.
 
 Lifecycle, per optimizer step (the strategy calls these; plain PyTorch code can too)::
 
@@ -11,7 +11,8 @@ Lifecycle, per optimizer step (the strategy calls these; plain PyTorch code can 
     engine.after_step()                 # shards written back and all-gathered into the params
 
 What each stage keeps whole on a rank (Note [flat shard layout] in flat_param.py):
-stage 0: params, grads, optimizer state; stage 1: params, grads; stage 2: params.
+stage 0: params, grads, optimizer state; stage 1: params, grads; stage 2: params; stage 3:
+nothing (units are gathered just in time, see ``stage3.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, full_optimizer_state, trainable_groups
+from lightning_zero.core.stage3 import ShardedUnit, Stage3Runtime, apply_stage3
 
 
 class ZeroEngine:
@@ -39,7 +41,7 @@ class ZeroEngine:
     Args:
         module: the model; its parameters become views into flat buffers.
         optimizer: a ``torch.optim`` optimizer over (a subset of) ``module``'s parameters.
-        config: the ZeRO policy (stage 0, 1 or 2 here).
+        config: the ZeRO policy (stage 0-3).
         comm: the data-parallel collectives (world size 1 without a process group).
         dtypes: parameter / gradient / master dtypes.
     """
@@ -52,8 +54,6 @@ class ZeroEngine:
         comm: DataParallelComm | None = None,
         dtypes: DtypePolicy | None = None,
     ) -> None:
-        if config.stage > 2:
-            raise NotImplementedError("ZeroEngine handles stages 0-2; stage 3 is not implemented yet.")
         self.module = module
         self.optimizer = optimizer
         self.config = config
@@ -68,11 +68,23 @@ class ZeroEngine:
         managed = {p for g in groups for p in g}
         # trainable parameters no optimizer group holds: they are never updated nor reduced
         self.unmanaged: list[nn.Parameter] = [p for p in self.names if p.requires_grad and p not in managed]
-        self.groups: list[FlatParamGroup] = [FlatParamGroup(g, self.comm.world_size, self.comm.rank) for g in groups]
-        for i, g in enumerate(self.groups):
-            g.optimizer_group = i
-            g.bind()
+        self.units: list[ShardedUnit] = []  # stage 3 only
+        self.runtime: Stage3Runtime | None = None  # stage 3's gather / release hooks
+        if config.stage == 3:
+            self.units, self.runtime, self.all_groups = apply_stage3(
+                module, self.names, groups, self.comm, config.unit_classes, config.param_persistence_threshold,
+                config.prefetch_bucket_size, config.max_live_parameters,
+            )
+        else:
+            self.all_groups = [FlatParamGroup(g, self.comm.world_size, self.comm.rank) for g in groups]
+            for i, g in enumerate(self.all_groups):
+                g.optimizer_group = i
+                g.bind()
+        # the flat groups of trainable parameters (stage 3 also has groups of frozen ones)
+        self.groups: list[FlatParamGroup] = [g for g in self.all_groups if g.optimizer_group >= 0]
         self._broadcast_from_rank0()
+        for unit in self.units:
+            unit.shard()
         self.reducer = GradReducer(
             self.groups,
             self.comm,
@@ -106,9 +118,9 @@ class ZeroEngine:
         """Make parameters and buffers identical on every rank (as DDP does at construction)."""
         if not self.comm.active:
             return
-        for g in self.groups:
+        for g in self.all_groups:
             self.comm.broadcast(g.flat)
-        in_flat = {s.param for g in self.groups for s in g.slots}
+        in_flat = {s.param for g in self.all_groups for s in g.slots}
         for p in self.names:
             if p not in in_flat:
                 self.comm.broadcast(p.data)
@@ -125,15 +137,47 @@ class ZeroEngine:
         """
         self.reducer.remove_hooks()
         self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
+        if self.runtime is not None:
+            self.runtime.remove_hooks()
+            if keep_optimizer_state:  # the parameters come back whole (a collective)
+                self.runtime.gather_all()
+            else:  # no collective after an error: each rank keeps its shard, the rest is zero
+                self._fill_from_shards()
         if self.sharded is not None:
             full = full_optimizer_state(self.sharded, self.comm) if keep_optimizer_state else None
             self.sharded.restore()
             if full is not None:
                 self.optimizer.load_state_dict(full)
-        for g in self.groups:
+        for g in self.all_groups:
             g.unbind()
+            g.shard = None
         for p in self.names:
             p.grad = None
+
+    @torch.no_grad()
+    def _fill_from_shards(self) -> None:
+        for unit in self.units:
+            for g in unit.groups:
+                g.flat.untyped_storage().resize_(g.padded_numel * g.flat.element_size())
+                g.flat.zero_()
+                start, end = g.shard_range()
+                g.flat[start:end].copy_(g.shard)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with whole tensors (stage 3 gathers; a collective)."""
+        if self.runtime is None:
+            return self.module.state_dict()
+        self.runtime.gather_all()
+        try:
+            return {k: v.clone() for k, v in self.module.state_dict().items()}
+        finally:
+            self.runtime.release_all()
+
+    def end_forward_only(self) -> None:
+        """After an evaluation step under stage 3: free the units it gathered."""
+        if self.runtime is not None:
+            self.runtime.end_forward_only()
 
     # ------------------------------------------------------------------ backward
     @contextmanager
@@ -155,6 +199,8 @@ class ZeroEngine:
 
     def finish_backward(self) -> None:
         self.reducer.finish()
+        if self.runtime is not None:
+            self.runtime.end_backward()
         if self.reducer.communicating and self.reducer.whole_grads_valid():
             for g, flat in zip(self.groups, self.reducer.flat_grads):
                 for s, view in zip(g.slots, g.views(flat)):
@@ -224,7 +270,10 @@ class ZeroEngine:
         the gradients (as DeepSpeed's ``engine.step()`` does: they never outlive their step)."""
         if self.sharded is not None:
             self.sharded.write_back()
-            handles = [self.comm.all_gather_flat(g.flat, *g.shard_range(), async_op=True) for g in self.groups]
+            if self.runtime is None:
+                handles = [self.comm.all_gather_flat(g.flat, *g.shard_range(), async_op=True) for g in self.groups]
+            else:  # stage 3: only the persistent unit is kept whole
+                handles = [h for u in self.units if u.persistent for h in u.refresh_persistent(self.comm)]
             for h in handles:
                 h.wait()
         self.zero_grad()
@@ -245,7 +294,13 @@ class ZeroEngine:
     def model_state_bytes(self) -> ModelStateBytes:
         """This rank's bytes of params / grads / optimizer / buffers, counted from live tensors."""
         counter = StorageCounter()
-        counter.add("params", list(self.names))
+        if self.runtime is not None:
+            # gathered units are working memory; the persistent model state is the shards
+            counter.add("buffers", [g.flat for u in self.units if not u.persistent for g in u.groups])
+            counter.add("params", [g.own_shard() for g in self.all_groups])
+            counter.add("params", [g.flat for u in self.units if u.persistent for g in u.groups])
+        else:
+            counter.add("params", list(self.names))
         counter.add("grads", [p.grad for p in self.names])
         counter.add("grads", [t for t in (*self.reducer.flat_grads, *self.reducer.grad_shards)])
         if self.sharded is not None:

@@ -7,7 +7,7 @@ Communication plan, per optimizer step of A micro-steps on N data-parallel ranks
   last micro-step (``sync`` true) a bucket is scaled by 1/N and all-reduced as soon as its last
   parameter reported; with ``collective="reduce_scatter"`` stage 1 reduce-scatters it instead and
   keeps only its own shard's part.
-* stage 2: on every micro-step the hook copies the gradient into a staging buffer of its bucket
+* stages 2 and 3: on every micro-step the hook copies the gradient into a staging buffer of its bucket
   (no rank keeps a whole gradient); a full bucket is reduced asynchronously and this rank's part
   is added into its gradient shard, then the staging buffer is dropped. At most two staging
   buffers are in flight, which bounds the extra memory by two buckets.
@@ -47,12 +47,12 @@ class _InFlight:
 
 
 class GradReducer:
-    """Owns the gradient buffers and the per-parameter hooks of stages 0-2.
+    """Owns the gradient buffers and the per-parameter hooks of every stage.
 
     Args:
         groups: the flat groups (one per optimizer param group).
         comm: the data-parallel collectives.
-        stage: ZeRO stage (0, 1 or 2).
+        stage: ZeRO stage (0-3; stage 3 reduces like stage 2).
         bucket_numel: target elements per bucket.
         overlap: launch buckets from the hooks (else all at :meth:`finish`).
         grad_dtype: dtype gradients are reduced and kept in.
@@ -78,7 +78,7 @@ class GradReducer:
         self.sync: bool = True  # False inside block_backward_sync: stages 0-1 only accumulate locally
         self.state = BackwardState.IDLE
         self._dirty = False  # whether any gradient buffer may be non-zero (zero() is a no-op otherwise)
-        self.max_in_flight = 2 if stage == 2 else 1 << 30
+        self.max_in_flight = 2 if stage >= 2 else 1 << 30
         # whole gradients of the accumulation window (stages 0-1), one per group, padded layout
         self.flat_grads: list[torch.Tensor | None] = [None] * len(groups)
         # this rank's reduced gradient shard (stage 2), one per group
@@ -131,7 +131,7 @@ class GradReducer:
     @property
     def communicating(self) -> bool:
         """Whether this backward reduces (stage 2 always; stages 0-1 on the boundary)."""
-        return self.stage == 2 or self.sync
+        return self.stage >= 2 or self.sync
 
     # ---------------------------------------------------------------- backward
     def _destination(self, bucket: Bucket, slot_index: int) -> torch.Tensor:
@@ -236,7 +236,7 @@ class GradReducer:
     # ---------------------------------------------------------------- views for the step
     def shard_grad(self, group_index: int) -> torch.Tensor:
         """This rank's reduced gradient shard of a group (stages 1-2)."""
-        if self.stage == 2:
+        if self.stage >= 2:
             return self.grad_shards[group_index]
         start, end = self.groups[group_index].shard_range()
         return self.flat_grads[group_index][start:end]
