@@ -25,7 +25,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -36,6 +36,7 @@ from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.uneven import JoinedEvalLoader
 
 
 class ZeroStrategy(DDPStrategy):
@@ -190,6 +191,23 @@ class ZeroStrategy(DDPStrategy):
         finally:
             if self._engine is not None:
                 self._engine.end_forward_only()  # stage 3: free what the step gathered
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        engine, trainer = self._engine, self.lightning_module.trainer if self.lightning_module else None
+        evaluating = trainer is not None and trainer.state.stage not in (None, RunningStage.TRAINING)
+        if engine is None or engine.runtime is None or not engine.comm.active or not evaluating:
+            return dataloader
+        # stage 3 gathers inside every forward: ranks with fewer batches must join the others
+        return JoinedEvalLoader(dataloader, engine.runtime, engine.comm, self._batches_drawn_from)
+
+    def _batches_drawn_from(self, loader: Any) -> float:
+        """How many batches the running evaluation loop draws from ``loader`` (limits applied)."""
+        loop = self.lightning_module.trainer._evaluation_loop
+        for dl, limit in zip(loop._combined_loader.flattened, loop.max_batches):
+            if dl is loader:
+                return limit
+        return float("inf")
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

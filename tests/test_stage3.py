@@ -120,3 +120,150 @@ def test_gathered_peak_stays_within_the_prefetch_bound(results, run: tuple[str, 
         assert root + BLOCK_NUMEL <= got["peak"] <= got["bound"], (got["peak"], got["bound"])
     if run[1] == BLOCK_NUMEL:  # one unit in flight ahead: never all three blocks at once
         assert r["zero3"]["peak"] < root + 3 * BLOCK_NUMEL
+
+
+# ---------------------------------------------------------------------------- memory, summary
+class _StateProbe(pl.Callback):
+    """Samples model_state_bytes() between steps and as blocks.1 starts its forward."""
+
+    def __init__(self) -> None:
+        self.between: list[Any] = []
+        self.inside: list[Any] = []
+        self.summary_total = -1
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.pytorch.utilities.model_summary import summarize
+
+        self.summary_total = summarize(pl_module).total_parameters
+        pl_module.blocks[1].register_forward_pre_hook(
+            lambda *_: self.inside.append(trainer.strategy.model_state_bytes()) if pl_module.training else None
+        )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.between.append(trainer.strategy.model_state_bytes())
+
+
+def memory_body() -> dict[str, Any]:
+    model = StackedLM("adamw")
+    probe = _StateProbe()
+    strategy = ZeroStrategy(stage=3, reduce_bucket_size=100, param_persistence_threshold=0,
+                            prefetch_bucket_size=BLOCK_NUMEL)
+    make_trainer(strategy, max_steps=3, callbacks=[probe]).fit(model, token_loader())
+    return {"between": probe.between, "inside": probe.inside, "summary_total": probe.summary_total,
+            "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+            "total": sum(p.numel() for p in model.parameters())}
+
+
+@pytest.mark.distributed
+def test_model_state_bytes_are_16_psi_over_n_and_live_units_are_buffers(gloo_pool) -> None:
+    from lightning_zero import model_state_formula
+
+    for r in gloo_pool.run("tests.test_stage3:memory_body"):
+        expected = model_state_formula(3, r["psi"], world_size=2, precision="fp32")
+        slack = 4 * 2 * 12 + 4 * 12  # padding (< N elements per flat group) and AdamW's `step` per tensor
+        m = r["between"][-1]
+        assert abs(m.params - 4 * r["frozen"] / 2 - expected.params) <= slack, (m, expected)
+        assert abs(m.grads - expected.grads) <= slack and abs(m.optimizer - expected.optimizer) <= slack
+        assert m.buffers == 0  # every unit released between steps
+        # while blocks.1 runs forward: the root, blocks.1 and the prefetched blocks.2 are gathered
+        inside = r["inside"][-1]
+        root = (r["total"] - 3 * 687) * 4
+        assert root + 2 * BLOCK_NUMEL * 4 <= inside.buffers <= root + 2 * BLOCK_NUMEL * 4 + 100 * 4
+        assert r["summary_total"] == r["total"]  # ModelSummary counts the true shapes, not the shards
+
+
+# ---------------------------------------------------------------------------- evaluation
+def _uneven_val_loader(batch_size: int = 2):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.models import VOCAB, rank_and_world
+
+    rank, _ = rank_and_world()
+    data = torch.randint(0, VOCAB, (12, 9), generator=torch.Generator().manual_seed(5))
+    own = data[:6] if rank == 0 else data[6:10]  # rank 0: 3 batches, rank 1: 2 batches
+    return DataLoader(TensorDataset(own), batch_size=batch_size)
+
+
+def evaluation_body() -> dict[str, Any]:
+    out = {}
+    for name, strategy in (("ddp", DDPStrategy(find_unused_parameters=True)),
+                           ("zero3", ZeroStrategy(stage=3, param_persistence_threshold=0,
+                                                  prefetch_bucket_size=BLOCK_NUMEL))):
+        model = StackedLM("adamw")
+        trainer = make_trainer(strategy, max_steps=12, num_sanity_val_steps=2)
+        trainer.fit(model, token_loader(), _uneven_val_loader())
+        out[name] = {"val_losses": model.val_losses, "val_loss": float(trainer.callback_metrics["val_loss"]),
+                     "losses": model.losses}
+    return out
+
+
+@pytest.mark.distributed
+def test_validation_with_uneven_batches_matches_ddp(gloo_pool) -> None:
+    for rank, r in enumerate(gloo_pool.run("tests.test_stage3:evaluation_body")):
+        ref, got = r["ddp"], r["zero3"]
+        # sanity check (2 batches) + one validation epoch (3 batches on rank 0, 2 on rank 1)
+        assert len(got["val_losses"]) == (2 + 3 if rank == 0 else 2 + 2)
+        assert _rel(got["val_losses"], ref["val_losses"]) < 1e-5
+        assert got["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)  # sync_dist mean over both ranks
+        assert _rel(got["losses"], ref["losses"]) < 1e-5
+
+
+# ---------------------------------------------------------------------------- order of units
+class _Branchy(StackedLM):
+    """Skips blocks.1 when ``skip(step)`` says so (on this rank)."""
+
+    def __init__(self, skip_rank: int | None, skip_from_step: int | None) -> None:
+        super().__init__("sgd")
+        self.skip_rank, self.skip_from_step = skip_rank, skip_from_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tests.models import rank_and_world
+
+        rank, _ = rank_and_world()
+        skip = (self.skip_rank is not None and rank == self.skip_rank) or (
+            self.skip_from_step is not None and self.global_step >= self.skip_from_step
+        )
+        h = self.emb(x)
+        for i, block in enumerate(self.blocks):
+            if not (i == 1 and skip):
+                h = block(h)
+        return self.head(self.norm(h))
+
+
+def divergent_branch_body() -> str:
+    model = _Branchy(skip_rank=1, skip_from_step=None)
+    strategy = ZeroStrategy(stage=3, param_persistence_threshold=0, timeout_s=30)
+    try:
+        make_trainer(strategy, max_steps=2).fit(model, token_loader())
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_ranks_running_different_units_fail_on_every_rank(gloo_pool) -> None:
+    messages = gloo_pool.run("tests.test_stage3:divergent_branch_body")
+    assert any("ranks ran different modules" in m for m in messages), messages
+    assert all(m != "no error" for m in messages), messages
+
+
+def changing_order_body() -> dict[str, Any]:
+    out = {}
+    for name, strategy in (("ddp", DDPStrategy(find_unused_parameters=True)),
+                           ("zero3", ZeroStrategy(stage=3, param_persistence_threshold=0,
+                                                  prefetch_bucket_size=BLOCK_NUMEL))):
+        model = _Branchy(skip_rank=None, skip_from_step=3)  # every rank skips blocks.1 from step 3 on
+        make_trainer(strategy, max_steps=6).fit(model, token_loader())
+        out[name] = {"losses": model.losses, "params": params_of(model)}
+        if name == "zero3":
+            out["retraces"] = strategy._last_runtime.retraces
+    return out
+
+
+@pytest.mark.distributed
+def test_a_changed_unit_order_is_retraced(gloo_pool) -> None:
+    for r in gloo_pool.run("tests.test_stage3:changing_order_body"):
+        assert r["retraces"] >= 1
+        assert _rel(r["zero3"]["losses"], r["ddp"]["losses"]) < 1e-5
+        assert max((a - b).abs().max().item() for a, b in zip(r["zero3"]["params"], r["ddp"]["params"])) < 1e-6

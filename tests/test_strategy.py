@@ -204,7 +204,7 @@ def resume_body(stage: int, resume_stage: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("stage", "resume_stage"), [(2, 2), (1, 0), (0, 2), (2, 1)])
+@pytest.mark.parametrize(("stage", "resume_stage"), [(2, 2), (1, 0), (0, 2), (2, 1), (3, 3), (3, 1), (2, 3)])
 def test_checkpoint_resumes_at_any_stage_like_ddp(gloo_pool, stage: int, resume_stage: int) -> None:
     for r in gloo_pool.run("tests.test_strategy:resume_body", stage=stage, resume_stage=resume_stage):
         assert len(r["zero"]) >= 3 and r["zero"] == pytest.approx(r["ddp"], rel=1e-6)

@@ -32,7 +32,8 @@ from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, full_optimizer_state, trainable_groups
-from lightning_zero.core.stage3 import ShardedUnit, Stage3Runtime, apply_stage3
+from lightning_zero.core.sharded_unit import ShardedUnit
+from lightning_zero.core.stage3 import Stage3Runtime, apply_stage3
 
 
 class ZeroEngine:

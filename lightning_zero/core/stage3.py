@@ -21,11 +21,6 @@ Note [gather agreement]
     the check every rank raises the same error instead. Prefetches follow the order recorded on
     the previous pass; when the order a rank actually runs differs, the prefetched units are
     dropped and the order is recorded afresh (re-tracing), which costs memory only.
-
-Note [version counter]
-    Gathering writes into storage the autograd graph saved views of. The write is a re-fill of
-    values the graph already saw, so it is done with the version counter preserved, or autograd
-    would take it for an in-place modification.
 """
 
 from __future__ import annotations
@@ -38,98 +33,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.core.comm import DataParallelComm, Handle
+from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.flat_param import FlatParamGroup
+from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.units import PERSISTENT, ROOT
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"  # only this rank's shard exists; the flat storage is freed
-    GATHERING = "gathering"  # an all-gather into the flat storage is in flight
-    GATHERED = "gathered"  # the whole parameters are in the flat storage
 
 
 class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-class ShardedUnit:
-    """The flat groups of one unit and their gather / release state.
-
-    Args:
-        name: the unit's module name, or ``ROOT`` / ``PERSISTENT``.
-        index: position in the engine's unit list (the same on every rank).
-        groups: one flat group per optimizer param group present, plus one for frozen params.
-    """
-
-    def __init__(self, name: str, index: int, groups: list[FlatParamGroup]) -> None:
-        self.name = name
-        self.index = index
-        self.groups = groups
-        self.persistent: bool = name == PERSISTENT  # never released
-        self.numel: int = sum(g.padded_numel for g in groups)  # elements while gathered
-        self.trainable: list[nn.Parameter] = [s.param for g in groups if g.optimizer_group >= 0 for s in g.slots]
-        self.has_frozen: bool = any(g.optimizer_group < 0 for g in groups)
-        self.state = UnitState.GATHERED  # bound whole at setup, sharded by shard()
-        self._handles: list[Handle] = []
-        self.gathers: int = 0  # completed gathers since setup (tests count them)
-        self.releases: int = 0
-        # backward bookkeeping of the current pass
-        self.pending_grads: int = 0  # trainable parameters still to report their gradient
-        self.inputs_done: bool = False  # the gradient w.r.t. the unit's inputs was computed
-
-    @torch.no_grad()
-    def shard(self) -> None:
-        """Keep this rank's shard of every group and free the whole buffers."""
-        for g in self.groups:
-            start, end = g.shard_range()
-            g.shard = g.flat[start:end].clone()
-        if not self.persistent:
-            self._free()
-        self.state = UnitState.SHARDED if not self.persistent else UnitState.GATHERED
-
-    def _free(self) -> None:
-        for g in self.groups:
-            g.flat.untyped_storage().resize_(0)
-
-    @torch.no_grad()
-    def start_gather(self, comm: DataParallelComm) -> None:
-        assert self.state is UnitState.SHARDED, self.state
-        for g in self.groups:
-            storage = g.flat.untyped_storage()
-            storage.resize_(g.padded_numel * g.flat.element_size())
-            start, end = g.shard_range()
-            with torch.autograd._unsafe_preserve_version_counter(g.flat):  # Note [version counter]
-                g.flat[start:end].copy_(g.shard)
-                self._handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
-        self.state = UnitState.GATHERING
-
-    def wait(self) -> None:
-        if self.state is UnitState.GATHERING:
-            for h in self._handles:
-                h.wait()
-            self._handles = []
-            self.state = UnitState.GATHERED
-            self.gathers += 1
-
-    def release(self) -> None:
-        if self.persistent or self.state is UnitState.SHARDED:
-            return
-        self.wait()
-        self._free()
-        self.state = UnitState.SHARDED
-        self.releases += 1
-
-    @torch.no_grad()
-    def refresh_persistent(self, comm: DataParallelComm) -> list[Handle]:
-        """After an optimizer step: all-gather the persistent groups' updated shards."""
-        handles = []
-        for g in self.groups:
-            start, end = g.shard_range()
-            g.flat[start:end].copy_(g.shard)
-            handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
-        return handles
 
 
 class Stage3Runtime:
@@ -322,6 +234,17 @@ class Stage3Runtime:
         if not self.traces[Phase.FORWARD]:
             self.traces[Phase.FORWARD] = self._current[Phase.FORWARD]
         self._current = {Phase.FORWARD: [], Phase.BACKWARD: []}
+
+    def shadow_forward(self) -> None:
+        """Take part in the gathers of one evaluation forward without computing: for a rank that
+        has run out of batches while others have not (each gather is a collective)."""
+        self.use_root()
+        for index in self.traces[Phase.FORWARD]:
+            unit = self.units[index]
+            self._gather(unit)
+            unit.wait()
+            self._release(unit)
+        self.release_all()
 
     def release_all(self) -> None:
         for u in self.units:
