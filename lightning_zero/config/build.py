@@ -48,7 +48,11 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def build_strategy(cfg: TrainConfig) -> ZeroStrategy:
-    """The configured :class:`~lightning_zero.ZeroStrategy`."""
+    """The configured :class:`~lightning_zero.ZeroStrategy` (from ``deepspeed_config`` when one is set)."""
+    if cfg.deepspeed_config:
+        from lightning_zero.config.deepspeed import build_deepspeed_strategy
+
+        return build_deepspeed_strategy(cfg)
     return ZeroStrategy(**strategy_kwargs(cfg))
 
 

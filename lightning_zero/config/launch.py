@@ -3,8 +3,10 @@
 The flow of one run (each job of a ``-m`` multirun does the same in its own output directory):
 
 1. Before Hydra starts any job, every job of the command line (a sweep expanded like Hydra's basic
-   sweeper) is composed and validated (:func:`~lightning_zero.config.validate.validate_config`), so
-   an invalid or unbuilt combination stops the command before any run or process starts.
+   sweeper) is composed, its ``deepspeed_config`` JSON (if any) merged in
+   (:func:`~lightning_zero.config.deepspeed.apply_deepspeed_config`), and validated
+   (:func:`~lightning_zero.config.validate.validate_config`), so an invalid or unbuilt combination
+   stops the command before any run or process starts.
 2. ``hydra.main`` runs the job: it writes ``.hydra/`` (composed config, overrides) into the job's
    output directory, and :func:`run_job` writes the resolved, typed config to ``config.yaml`` there.
 3. With ``trainer.devices=1`` the run trains in this process. Otherwise :func:`launch_ranks` starts
@@ -33,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_zero
 from lightning_zero.config.build import RESULT_FILE, FitResult
+from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.schema import TextDataSchema, TrainConfig, register_configs, to_yaml
 from lightning_zero.config.validate import describe, validate_config
 
@@ -75,7 +78,7 @@ def check_jobs(jobs: Sequence[Sequence[str]], config_name: str = CONFIG_NAME) ->
     out = []
     for job in jobs:
         try:
-            out.append(validate_config(compose_config(job, config_name)))
+            out.append(validate_config(apply_deepspeed_config(compose_config(job, config_name), job)))
         except (ValueError, NotImplementedError) as err:
             if len(jobs) > 1:
                 raise type(err)(f"job [{' '.join(job)}]: {err}") from err
@@ -124,11 +127,14 @@ def launch_ranks(config_file: Path, devices: int) -> None:
                           f"{code}); the failing rank's traceback is printed above.")
 
 
-def run_job(cfg: DictConfig | TrainConfig, run_dir: Path) -> FitResult:
-    """Validate ``cfg``, write ``run_dir/config.yaml`` and train: in process for one device, else via torchrun."""
+def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> FitResult:
+    """Validate ``cfg`` (its ``deepspeed_config`` merged in, ``overrides`` being the explicit command line),
+    write ``run_dir/config.yaml`` and train: in process for one device, else via torchrun."""
     from hydra.utils import to_absolute_path
 
-    typed = copy.deepcopy(validate_config(cfg))
+    typed = copy.deepcopy(validate_config(apply_deepspeed_config(cfg, overrides)))
+    if typed.deepspeed_config:
+        typed.deepspeed_config = to_absolute_path(typed.deepspeed_config)
     if isinstance(typed.data, TextDataSchema) and typed.data.path:
         typed.data.path = to_absolute_path(typed.data.path)  # the ranks may run elsewhere
     if typed.trainer.resume_from:
@@ -151,7 +157,8 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path) -> FitResult:
 def _hydra_task(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
-    return run_job(cfg, Path(HydraConfig.get().runtime.output_dir)).val_loss_end
+    hydra_cfg = HydraConfig.get()
+    return run_job(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)).val_loss_end
 
 
 def train_command(argv: Sequence[str]) -> int:

@@ -277,6 +277,8 @@ class TrainConfig:
     logger: LoggerSchema = MISSING
     name: str = "default"
     seed: int = 0
+    deepspeed_config: str | None = None  # a DeepSpeed JSON over the groups (lightning_zero/config/deepspeed.py)
+    deepspeed_strict: bool = False  # unsupported keys in that JSON are an error, not a warning
 
 
 # (group, name) -> schema; a YAML option lists its group's schema name first in its defaults.

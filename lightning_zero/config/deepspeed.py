@@ -1,0 +1,163 @@
+"""``lightning-zero train deepspeed_config=path/to/ds.json``: a DeepSpeed JSON over the composed Hydra config.
+
+Precedence (also in ``docs/deepspeed_config.md``):
+
+* Every setting the JSON gives replaces the composed config's value -- whether that came from a
+  group's YAML default or an ``experiment/`` file.
+* A setting also given **explicitly on the command line** must agree with the JSON, else the command
+  stops (exit code 2, nothing started) naming both. Explicit means a key override (``zero.stage=1``,
+  ``data.micro_batch_size=4``, ...) or a group choice for the keys that define the option:
+  ``zero=...`` sets ``zero.stage``, ``offload=...`` the two offload devices, ``precision=...``
+  ``precision.name``.
+* The batch triple is resolved against the data-parallel size ``trainer.devices / pipeline.stages``
+  before anything starts; it sets ``data.micro_batch_size`` and ``trainer.accumulate_grad_batches``.
+* A JSON ``optimizer`` / ``scheduler`` section replaces the model's optimizer / schedule
+  (``optimizer_source="config"``), so ``model.optimizer``, ``model.lr``, ``model.weight_decay``,
+  ``model.betas`` (resp. ``model.scheduler``, ``model.warmup_steps``, ``model.lr_decay_steps``,
+  ``model.min_lr_ratio``) may not be given on the command line with it.
+
+The merged config is what the ranks read (``config.yaml``); it keeps ``deepspeed_config`` (made
+absolute), from which each rank builds the strategy with ``ZeroStrategy.from_deepspeed_config``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_zero.config.schema import OffloadSchema, TrainConfig
+from lightning_zero.config.validate import zero_config
+from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.deepspeed.batch import GAS, MICRO, TBS
+from lightning_zero.deepspeed.config import DeepSpeedConfig, parse_deepspeed_config
+
+GROUP_KEYS = {"zero": ("zero.stage",), "offload": ("offload.optimizer_device", "offload.param_device"),
+              "precision": ("precision.name",)}
+HYDRA_PRECISION = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
+OPTIMIZER_KEYS = ("model.optimizer", "model.lr", "model.weight_decay", "model.betas")
+SCHEDULER_KEYS = ("model.scheduler", "model.warmup_steps", "model.lr_decay_steps", "model.min_lr_ratio")
+
+
+def explicit_keys(overrides: Sequence[str]) -> set[str]:
+    """The dotted config keys a command line sets explicitly (see the module docs for group choices)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out: set[str] = set()
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        out.update(GROUP_KEYS.get(key, (key,)))
+    return out
+
+
+def json_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
+    """The Hydra key -> value of every setting the JSON gives that has a Hydra key (batch keys excepted)."""
+    out: dict[str, Any] = {}
+    for name in ds.given:
+        group, _, key = name.partition(".")
+        if group == "zero":
+            out[name] = getattr(ds.zero, key)
+        elif group == "offload":
+            out[name] = getattr(ds.offload, key)
+        elif name == "precision.name":
+            out[name] = HYDRA_PRECISION[ds.precision or ""]
+        elif group == "precision" and ds.loss_scaler is not None and hasattr(ds.loss_scaler, key):
+            out[name] = getattr(ds.loss_scaler, key)
+        elif name == "trainer.gradient_clip_val":
+            out[name] = ds.gradient_clipping
+    return out
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+def apply_deepspeed_config(cfg: DictConfig | TrainConfig, overrides: Sequence[str] = ()) -> DictConfig:
+    """``cfg`` with the settings of its ``deepspeed_config`` JSON merged in (``cfg`` itself is not changed).
+
+    Args:
+        cfg: a composed config (or a typed one); without ``deepspeed_config`` it is returned as a DictConfig.
+        overrides: the command line's overrides, to tell explicit settings from defaults.
+
+    Raises:
+        ValueError: a command-line setting contradicts the JSON (every conflict listed), the batch triple
+            does not fit the data-parallel size, or the JSON itself is invalid (strict: unsupported keys).
+    """
+    node = OmegaConf.structured(cfg) if isinstance(cfg, TrainConfig) else copy.deepcopy(cfg)
+    path = OmegaConf.select(node, "deepspeed_config")
+    if not path:
+        return node
+    ds = parse_deepspeed_config(path, strict=bool(OmegaConf.select(node, "deepspeed_strict")))
+    explicit = explicit_keys(overrides)
+    settings = {name: (value, f"{ds.given[name]}={value!r}") for name, value in json_settings(ds).items()}
+    devices, stages = int(node.trainer.devices), max(1, int(node.pipeline.stages))
+    try:
+        batch = ds.batch.resolve(devices // stages)
+    except ValueError as err:
+        raise ValueError(f"DeepSpeed config {ds.source} with trainer.devices={devices}"
+                         f"{f' / pipeline.stages={stages}' if stages > 1 else ''}: {err}") from err
+    if batch is not None:
+        how = f"{TBS}={batch.train_batch_size} over {batch.world_size} data-parallel rank(s)"
+        settings["data.micro_batch_size"] = (batch.micro_batch_size, f"{MICRO}={batch.micro_batch_size} ({how})")
+        settings["trainer.accumulate_grad_batches"] = (batch.accumulation_steps,
+                                                       f"{GAS}={batch.accumulation_steps} ({how})")
+    problems = []
+    for name, (value, source) in settings.items():
+        current = _plain(OmegaConf.select(node, name))
+        if name in explicit and current != value:
+            problems.append(f"{name}={current!r} on the command line, but the DeepSpeed config {ds.source} "
+                            f"gives {source}. Set it in one place (or to the same value).")
+        else:
+            OmegaConf.update(node, name, value, merge=False)
+    for section, keys in (("optimizer", OPTIMIZER_KEYS), ("scheduler", SCHEDULER_KEYS)):
+        if getattr(ds, section) is None:
+            continue
+        for name in sorted(explicit.intersection(keys)):
+            problems.append(f"{name} on the command line, but the DeepSpeed config {ds.source} has a `{section}` "
+                            f"section, which replaces the model's. Set it in `{section}.params` (or drop the section).")
+    if problems:
+        raise ValueError("conflicting settings:\n  - " + "\n  - ".join(problems))
+    return node
+
+
+def offload_config(cfg: TrainConfig) -> OffloadConfig:
+    """The core :class:`OffloadConfig` of ``cfg.offload`` (what a JSON's offload sections are compared with)."""
+    o: OffloadSchema = cfg.offload
+    return OffloadConfig(optimizer_device=o.optimizer_device.value, param_device=o.param_device.value,
+                         nvme_path=o.nvme_path, pin_memory=o.pin_memory, buffer_count=o.buffer_count,
+                         max_in_cpu=int(o.max_in_cpu))
+
+
+def strategy_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The strategy-level settings of a typed config, shaped like :func:`deepspeed_settings` for comparison."""
+    from lightning_zero.config.schema import LIGHTNING_PRECISION
+
+    p = cfg.precision
+    scaler = {k: getattr(p, k) for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                                         "consecutive_hysteresis", "min_loss_scale")}
+    return {"zero": zero_config(cfg), "offload": offload_config(cfg),
+            "precision": LIGHTNING_PRECISION[p.name.value], "loss_scaler": scaler if p.name.value == "fp16" else None}
+
+
+def deepspeed_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
+    """The strategy-level settings a parsed JSON gives (see :func:`strategy_settings`)."""
+    scaler = None
+    if ds.loss_scaler is not None:
+        scaler = {k: getattr(ds.loss_scaler, k) for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                                                          "hysteresis", "consecutive_hysteresis", "min_loss_scale")}
+    return {"zero": ds.zero, "offload": ds.offload, "precision": ds.precision or "32-true", "loss_scaler": scaler}
+
+
+def build_deepspeed_strategy(cfg: TrainConfig) -> Any:
+    """The ranks' strategy for a merged, typed config with ``deepspeed_config``: the Hydra-side strategy
+    arguments (equal to the JSON's wherever the JSON sets a value, after :func:`apply_deepspeed_config`)
+    as overrides of ``ZeroStrategy.from_deepspeed_config``, whose optimizer / scheduler sections replace
+    the model's."""
+    from lightning_zero.config.build import strategy_kwargs
+    from lightning_zero.strategy import ZeroStrategy
+
+    return ZeroStrategy.from_deepspeed_config(cfg.deepspeed_config, strict=cfg.deepspeed_strict,
+                                              optimizer_source="config", **strategy_kwargs(cfg))

@@ -1,0 +1,370 @@
+"""Read a DeepSpeed JSON config (a file or a dict) into one frozen :class:`DeepSpeedConfig`.
+
+Every key is either mapped onto lightning_zero's settings, accepted because its value is what
+lightning_zero always does (e.g. ``contiguous_gradients: true``), or collected as unsupported:
+all unsupported keys are named in one warning (an error with ``strict=True``), never dropped
+silently. A value of ``"auto"`` (Hugging Face's placeholder) counts as not set. Keys the JSON
+does not set keep lightning_zero's defaults (which differ from DeepSpeed's in places, e.g. the
+ZeRO stage is 2 and ``reduce_bucket_size`` 1e7; see ``docs/deepspeed_config.md``).
+
+``given`` names each setting the JSON sets, by the Hydra key it corresponds to (``zero.stage``,
+``offload.param_device``, ``precision.name``, ``trainer.gradient_clip_val``, ...), with the JSON
+key that set it: the precedence checks of the strategy and of ``lightning-zero train`` use it.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.core.memory import OFFLOAD_STAGES
+from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
+from lightning_zero.deepspeed.optim import optimizer_recipe
+from lightning_zero.deepspeed.schedulers import check_scheduler_params
+
+AUTO = "auto"
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+# key -> values lightning_zero accepts as "what it does anyway"; any other value is unsupported
+_NOOP_TOP = {"prescale_gradients": (False,), "gradient_predivide_factor": (1, 1.0), "sparse_gradients": (False,),
+             "zero_allow_untested_optimizer": (False,), "zero_force_ds_cpu_optimizer": (True, False),
+             "memory_breakdown": (False,), "dump_state": (False,), "disable_allgather": (False,)}
+_NOOP_ZERO = {"contiguous_gradients": (True,), "allgather_partitions": (True,), "ignore_unused_parameters": (True,),
+              "round_robin_gradients": (False,), "elastic_checkpoint": (False,), "load_from_fp32_weights": (True,),
+              "stage3_gather_16bit_weights_on_model_save": (False,),
+              "stage3_gather_fp16_weights_on_model_save": (False,), "zero_hpz_partition_size": (1,),
+              "zero_quantized_weights": (False,), "zero_quantized_gradients": (False,)}
+_ZERO_KEYS = {"stage": "stage", "reduce_bucket_size": "reduce_bucket_size", "overlap_comm": "overlap_comm",
+              "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+              "stage3_max_live_parameters": "max_live_parameters",
+              "stage3_param_persistence_threshold": "param_persistence_threshold"}
+_SCALER_KEYS = {"loss_scale": float, "initial_scale_power": int, "loss_scale_window": int, "hysteresis": int,
+                "consecutive_hysteresis": bool, "min_loss_scale": float}
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    """An ``optimizer`` or ``scheduler`` section: its ``type`` and ``params``."""
+
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """A parsed DeepSpeed config. Fields the JSON does not set hold lightning_zero's defaults (or ``None``).
+
+    Attributes:
+        zero: the ZeRO settings (``zero_optimization``).
+        offload: ``zero_optimization.offload_optimizer`` / ``offload_param``.
+        precision: ``"16-mixed"`` (``fp16``), ``"bf16-mixed"`` (``bf16``) or ``None`` (not set).
+        loss_scaler: ``fp16``'s scaler keys (``None`` unless fp16 is enabled).
+        reduce_dtype: ``communication_data_type``; grad_accum_dtype: ``data_types.grad_accum_dtype``.
+        batch: the batch-size keys as given (resolved against a world size later).
+        gradient_clipping: global-norm clipping (``None``: off / not set).
+        optimizer, scheduler: the sections, validated (types known, params accepted).
+        steps_per_print, wall_clock_breakdown: progress and timing lines on rank 0.
+        given: Hydra-style setting name -> the JSON key that set it.
+        unsupported: JSON keys (``key=value`` for unsupported values) that are ignored.
+        source: the file, or ``"<dict>"``.
+    """
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    precision: str | None = None
+    loss_scaler: LossScalerConfig | None = None
+    reduce_dtype: torch.dtype | None = None
+    grad_accum_dtype: torch.dtype | None = None
+    batch: BatchSizes = field(default_factory=BatchSizes)
+    gradient_clipping: float | None = None
+    optimizer: SectionSpec | None = None
+    scheduler: SectionSpec | None = None
+    steps_per_print: int | None = None
+    wall_clock_breakdown: bool = False
+    given: dict[str, str] = field(default_factory=dict)
+    unsupported: tuple[str, ...] = ()
+    source: str = "<dict>"
+
+    def unsupported_message(self) -> str:
+        """The one warning (or strict error) text naming every ignored key."""
+        return (f"DeepSpeed config {self.source}: lightning_zero does not support these keys and ignores them: "
+                f"{', '.join(self.unsupported)}. Pass strict=True (lightning-zero train: deepspeed_strict=true) "
+                "to make this an error. See docs/deepspeed_config.md for the supported keys.")
+
+
+class _Section:
+    """A dict being read: remembers which keys were used, so the rest can be reported."""
+
+    def __init__(self, data: Any, path: str, unsupported: list[str]) -> None:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"DeepSpeed config: `{path or 'the config'}` must be a JSON object, got {data!r}.")
+        self.data, self.path, self.used, self.unsupported = dict(data), path, set(), unsupported
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def get(self, name: str, kind: type, default: Any = None) -> Any:
+        """The value of ``name`` checked against ``kind`` (``None`` when absent or ``"auto"``)."""
+        self.used.add(name)
+        value = self.data.get(name)
+        if value is None or value == AUTO:
+            return default
+        return _typed(value, kind, self.key(name))
+
+    def section(self, name: str) -> _Section | None:
+        self.used.add(name)
+        value = self.data.get(name)
+        return None if value is None else _Section(value, self.key(name), self.unsupported)
+
+    def noop(self, table: dict[str, tuple[Any, ...]]) -> None:
+        for name, ok in table.items():
+            if name in self.data:
+                self.used.add(name)
+                value = self.data[name]
+                if value != AUTO and not any(value == v and type(value) is type(v) for v in ok):
+                    self.unsupported.append(f"{self.key(name)}={json.dumps(value)}")
+
+    def finish(self) -> None:
+        self.unsupported.extend(self.key(k) for k in self.data if k not in self.used)
+
+
+def _typed(value: Any, kind: type, key: str) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # 5e8 in JSON is a float
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(value, kind):
+        return value
+    raise ValueError(f"DeepSpeed config: `{key}` must be {kind.__name__}, got {value!r}.")
+
+
+def _load(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(source, Mapping):
+        return dict(source), "<dict>"
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config {path} does not exist (relative to {Path.cwd()}).")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"DeepSpeed config {path}: duplicate key(s) {dup}.")
+        return dict(pairs)
+
+    try:
+        return json.loads(path.read_text(), object_pairs_hook=no_duplicates), str(path)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
+
+
+def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bool = False,
+                           warn: bool = True) -> DeepSpeedConfig:
+    """Parse and validate a DeepSpeed config file or dict.
+
+    Args:
+        source: a path to a JSON file, or the config as a dict.
+        strict: raise ``ValueError`` on unsupported keys instead of warning.
+        warn: emit the unsupported-keys warning here (callers that warn on rank 0 only pass ``False``).
+
+    Raises:
+        ValueError: invalid values or combinations (each naming the key), or unsupported keys with ``strict``.
+    """
+    data, origin = _load(source)
+    unsupported: list[str] = []
+    root = _Section(data, "", unsupported)
+    given: dict[str, str] = {}
+    zero, offload = _zero(root, given, unsupported)
+    precision, scaler, reduce_dtype, grad_accum_dtype = _precision(root, given)
+    batch = BatchSizes(root.get(TBS, int), root.get(MICRO, int), root.get(GAS, int))
+    clip = root.get("gradient_clipping", float)
+    if clip is not None and clip < 0:
+        raise ValueError(f"DeepSpeed config: `gradient_clipping` must be >= 0, got {clip}.")
+    if clip:
+        given["trainer.gradient_clip_val"] = "gradient_clipping"
+    optimizer, scheduler = _spec(root, "optimizer"), _spec(root, "scheduler")
+    if optimizer is not None:
+        optimizer_recipe(optimizer.type, optimizer.params)  # unknown types / params fail here, before any run
+    if scheduler is not None:
+        check_scheduler_params(scheduler.type, scheduler.params)
+    steps_per_print = root.get("steps_per_print", int)
+    if steps_per_print is not None and steps_per_print < 1:
+        raise ValueError(f"DeepSpeed config: `steps_per_print` must be >= 1, got {steps_per_print}.")
+    wall_clock = root.get("wall_clock_breakdown", bool, False)
+    root.noop(_NOOP_TOP)
+    amp = root.section("amp")
+    if amp is not None:
+        amp.noop({"enabled": (False,)})
+        amp.finish()
+    root.finish()
+    config = DeepSpeedConfig(zero=zero, offload=offload, precision=precision, loss_scaler=scaler,
+                             reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, batch=batch,
+                             gradient_clipping=clip or None, optimizer=optimizer, scheduler=scheduler,
+                             steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, given=given,
+                             unsupported=tuple(unsupported), source=origin)
+    if config.unsupported and strict:
+        raise ValueError(config.unsupported_message())
+    if config.unsupported and warn:
+        warnings.warn(config.unsupported_message(), UserWarning, stacklevel=2)
+    return config
+
+
+def _spec(root: _Section, name: str) -> SectionSpec | None:
+    section = root.section(name)
+    if section is None:
+        return None
+    kind = section.get("type", str)
+    if kind is None:
+        raise ValueError(f"DeepSpeed config: `{name}.type` is required.")
+    params = section.get("params", dict, {})
+    section.noop({"legacy_fusion": (False,)})
+    section.finish()
+    return SectionSpec(kind, {k: v for k, v in params.items() if v != AUTO})
+
+
+def _zero(root: _Section, given: dict[str, str], unsupported: list[str]) -> tuple[ZeroConfig, OffloadConfig]:
+    root.used.add("zero_optimization")
+    raw = root.data.get("zero_optimization")
+    if isinstance(raw, bool):  # DeepSpeed's legacy form: true = stage 1
+        raw = {"stage": int(raw)}
+    if raw is None:
+        return ZeroConfig(), OffloadConfig()
+    z = _Section(raw, "zero_optimization", unsupported)
+    kwargs: dict[str, Any] = {}
+    for key, name in _ZERO_KEYS.items():
+        value = z.get(key, bool if name == "overlap_comm" else int)
+        if value is not None:
+            kwargs[name] = value
+            given[f"zero.{name}"] = z.key(key)
+    reduce_scatter = z.get("reduce_scatter", bool)
+    if reduce_scatter is not None:
+        kwargs["collective"] = "reduce_scatter" if reduce_scatter else "all_reduce"
+        given["zero.collective"] = z.key("reduce_scatter")
+    try:
+        zero = ZeroConfig(**kwargs)
+    except ValueError as err:
+        raise ValueError(f"DeepSpeed config: zero_optimization: {err}") from err
+    offload = _offload(z, zero.stage, given)
+    z.noop(_NOOP_ZERO)
+    z.finish()
+    return zero, offload
+
+
+def _offload(z: _Section, stage: int, given: dict[str, str]) -> OffloadConfig:
+    values: dict[str, Any] = {}
+    if z.get("cpu_offload", bool):  # DeepSpeed's legacy switch for offload_optimizer.device=cpu
+        values["optimizer_device"] = "cpu"
+        given["offload.optimizer_device"] = z.key("cpu_offload")
+    shared = {"nvme_path": str, "pin_memory": bool, "buffer_count": int}
+    for kind, extra in (("optimizer", {}), ("param", {"max_in_cpu": int})):
+        section = z.section(f"offload_{kind}")
+        if section is None:
+            continue
+        device = section.get("device", str, "none")
+        if device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"DeepSpeed config: `{section.key('device')}` must be none, cpu or nvme, got {device!r}.")
+        values[f"{kind}_device"] = device
+        given[f"offload.{kind}_device"] = section.key("device")
+        for key, typ in {**shared, **extra}.items():
+            value = section.get(key, typ)
+            if value is None:
+                continue
+            if key in values and values[key] != value:
+                raise ValueError(f"DeepSpeed config: `{section.key(key)}`={value!r} differs from "
+                                 f"`{given[f'offload.{key}']}`={values[key]!r}; lightning_zero has one {key} for "
+                                 "both offloads. Fix: give both the same value.")
+            values[key] = value
+            given.setdefault(f"offload.{key}", section.key(key))
+        section.noop({"fast_init": (False,), "ratio": (1, 1.0)})
+        section.finish()
+    offload = OffloadConfig(**values)
+    _check_offload(offload, stage)
+    return offload
+
+
+def _check_offload(offload: OffloadConfig, stage: int) -> None:
+    if offload.param_device != "none" and offload.optimizer_device == "none":
+        raise ValueError("DeepSpeed config: zero_optimization.offload_param without offload_optimizer: lightning_zero "
+                         "moves the optimizer state with the parameters. Fix: add \"offload_optimizer\": "
+                         f"{{\"device\": \"{offload.param_device}\"}}.")
+    if stage not in OFFLOAD_STAGES[offload.name]:
+        what = "offload_param" if offload.param_device != "none" else "offload_optimizer"
+        need = "stage 3" if OFFLOAD_STAGES[offload.name] == (3,) else "stage 1, 2 or 3"
+        raise ValueError(f"DeepSpeed config: zero_optimization.{what} (device "
+                         f"{offload.param_device if what == 'offload_param' else offload.optimizer_device}) "
+                         f"needs ZeRO {need}, got zero_optimization.stage={stage}.")
+    if "nvme" in (offload.optimizer_device, offload.param_device) and not offload.nvme_path:
+        raise ValueError("DeepSpeed config: offload to nvme needs `nvme_path` (a directory on a local NVMe drive).")
+    if offload.buffer_count < 1:
+        raise ValueError(f"DeepSpeed config: offload `buffer_count` must be >= 1, got {offload.buffer_count}.")
+
+
+def _precision(root: _Section, given: dict[str, str]) -> tuple[str | None, LossScalerConfig | None,
+                                                              torch.dtype | None, torch.dtype | None]:
+    fp16 = root.section("fp16")
+    bf16 = root.section("bf16")
+    alias = root.section("bfloat16")  # DeepSpeed's older name of the bf16 section
+    if bf16 is None:
+        bf16 = alias
+    elif alias is not None:
+        raise ValueError("DeepSpeed config: both `bf16` and `bfloat16` sections; keep one (`bf16`).")
+    precision, scaler = None, None
+    fp16_on = fp16 is not None and fp16.get("enabled", bool, False)
+    bf16_on = bf16 is not None and bf16.get("enabled", bool, False)
+    if fp16_on and bf16_on:
+        raise ValueError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; enable one.")
+    if fp16 is not None:
+        knobs = {k: fp16.get(k, t) for k, t in _SCALER_KEYS.items()}
+        fp16.noop({"auto_cast": (False,), "fp16_master_weights_and_grads": (False,)})
+        fp16.finish()
+        if fp16_on:
+            precision = "16-mixed"
+            given["precision.name"] = fp16.key("enabled")
+            set_knobs = {k: v for k, v in knobs.items() if v is not None}
+            given.update({f"precision.{k}": fp16.key(k) for k in set_knobs})
+            try:
+                scaler = LossScalerConfig(**set_knobs)
+            except ValueError as err:
+                raise ValueError(f"DeepSpeed config: fp16: {err}") from err
+    if bf16 is not None:
+        bf16.noop({"immediate_grad_update": (True, False)})
+        bf16.finish()
+        if bf16_on:
+            precision = "bf16-mixed"
+            given["precision.name"] = bf16.key("enabled")
+    reduce_dtype = _dtype(root.get("communication_data_type", str), "communication_data_type")
+    types = root.section("data_types")
+    grad_accum = None
+    if types is not None:
+        grad_accum = _dtype(types.get("grad_accum_dtype", str), "data_types.grad_accum_dtype")
+        types.finish()
+    if reduce_dtype is not None:
+        given["precision.reduce_dtype"] = "communication_data_type"
+    if grad_accum is not None:
+        given["precision.grad_accum_dtype"] = "data_types.grad_accum_dtype"
+    return precision, scaler, reduce_dtype, grad_accum
+
+
+def _dtype(name: str | None, key: str) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name.lower() not in _DTYPES:
+        raise ValueError(f"DeepSpeed config: `{key}` must be one of fp32, fp16, bf16, got {name!r}.")
+    return _DTYPES[name.lower()]
+

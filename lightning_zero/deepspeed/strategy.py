@@ -1,0 +1,371 @@
+"""``ZeroStrategy.from_deepspeed_config``: a ZeroStrategy driven by a DeepSpeed JSON config.
+
+Precedence (the table is in ``docs/deepspeed_config.md``): a value set only in the JSON is used;
+a value set both in the JSON and elsewhere (``from_deepspeed_config`` keyword arguments, the
+``Trainer``, the ``DataLoader``, ``configure_optimizers``) must be equal, else ``ValueError`` names
+both. Lightning defaults count as not set: ``Trainer(accumulate_grad_batches=1)``,
+``gradient_clip_val=None`` (or 0) and ``precision="32-true"``.
+
+What the JSON decides is applied when the world size is known, in the strategy's ``setup`` (on
+every rank, before any collective), and the micro-batch size is checked against the training
+DataLoader once it exists (``on_train_start``). The optimizer and scheduler sections are applied
+where the strategy builds the optimizers, following ``optimizer_source``:
+
+* ``"auto"`` (default): a section is used where ``configure_optimizers`` provides nothing:
+  returning ``None`` (or not defining ``configure_optimizers`` at all) takes the JSON's optimizer and
+  scheduler; returning only an optimizer adds the JSON's scheduler to it. Where both give an
+  optimizer they must be the same class with the same hyper-parameters (the JSON's keys compared
+  with ``optimizer.defaults``); where both give a scheduler it is an error.
+* ``"config"``: the JSON's sections replace what ``configure_optimizers`` returns (its optimizer is
+  not even built when the JSON has one). ``lightning-zero train`` uses this: there the module's
+  optimizer comes from the model group's YAML defaults.
+
+The JSON's optimizer is built over the module's trainable parameters in one param group, as
+DeepSpeed builds it over ``model.parameters()``.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+import warnings
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, ResolvedBatch
+from lightning_zero.deepspeed.config import DeepSpeedConfig, parse_deepspeed_config
+from lightning_zero.deepspeed.optim import optimizer_recipe
+from lightning_zero.deepspeed.schedulers import NEEDS_TOTAL_STEPS, build_scheduler
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.strategy import ZeroStrategy
+
+OptimizerSource = Literal["auto", "config"]
+
+
+def precision_plugin_args(ds: DeepSpeedConfig, default: str | None = None) -> tuple[str, dict[str, Any]] | None:
+    """``(precision, keyword arguments)`` of the :class:`ZeroPrecision` the JSON asks for (``None``: not set).
+
+    Only what differs from the plugin's own defaults is passed (a default ``LossScalerConfig`` is not).
+    ``default`` is the precision to use when the JSON sets only dtypes (else ``"32-true"``).
+    """
+    kwargs: dict[str, Any] = {}
+    if ds.loss_scaler is not None and ds.loss_scaler != LossScalerConfig():
+        kwargs["loss_scaler"] = ds.loss_scaler
+    if ds.reduce_dtype is not None:
+        kwargs["reduce_dtype"] = ds.reduce_dtype
+    if ds.grad_accum_dtype is not None:
+        kwargs["grad_accum_dtype"] = ds.grad_accum_dtype
+    if ds.precision is None and not kwargs:
+        return None
+    return ds.precision or default or "32-true", kwargs
+
+
+def build_precision_plugin(ds: DeepSpeedConfig, default: str | None = None) -> ZeroPrecision | None:
+    """The one place a DeepSpeed config's precision plugin is built (``None``: the JSON sets no precision)."""
+    args = precision_plugin_args(ds, default)
+    return None if args is None else ZeroPrecision(args[0], **args[1])
+
+
+def _conflict(ds: DeepSpeedConfig, setting: str, json_value: Any, other: str, other_value: Any) -> str:
+    key = ds.given.get(setting, setting)
+    said = f"{key}=true (precision={json_value!r})" if setting == "precision.name" else f"{key}={json_value!r}"
+    return f"the DeepSpeed config {ds.source} sets {said}, but {other}={other_value!r}. Set it in one place."
+
+
+def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``ZeroStrategy`` keyword arguments from the JSON and the caller's ``overrides``.
+
+    ``overrides`` are ``ZeroStrategy`` arguments: ``config=`` (a ``ZeroConfig``: every field counts as
+    set), ``ZeroConfig`` fields (``stage=``, ``reduce_bucket_size=``, ...), ``precision=`` /
+    ``precision_plugin=``, and the rest (``check_step_errors``, ``process_group_backend``, ...) as is.
+
+    Raises:
+        ValueError: a setting given both here and in the JSON with different values (all listed).
+        NotImplementedError: the JSON asks for offload, which lightning_zero does not implement yet.
+    """
+    rest = dict(overrides)
+    names = [f.name for f in fields(ZeroConfig)]
+    user: dict[str, Any] = {}
+    base = rest.pop("config", None)
+    if base is not None:
+        user = {n: getattr(base, n) for n in names}
+    for name in names:
+        if name in rest:
+            user[name] = rest.pop(name)
+    problems = [_conflict(ds, f"zero.{n}", getattr(ds.zero, n), n, v) for n, v in user.items()
+                if f"zero.{n}" in ds.given and getattr(ds.zero, n) != v]
+    precision, plugin = rest.pop("precision", None), rest.pop("precision_plugin", None)
+    wanted = getattr(plugin, "precision", None) if plugin is not None else precision
+    if ds.precision is not None and wanted is not None and str(wanted) != ds.precision:
+        problems.append(_conflict(ds, "precision.name", ds.precision,
+                                  "precision_plugin.precision" if plugin is not None else "precision", wanted))
+    if problems:
+        raise ValueError("conflicting settings:\n  - " + "\n  - ".join(problems))
+    if ds.offload.enabled:
+        raise NotImplementedError(
+            f"the DeepSpeed config {ds.source} offloads (offload={ds.offload.name}: zero_optimization."
+            "offload_optimizer / offload_param); ZeRO-Offload / ZeRO-Infinity are not implemented in lightning_zero "
+            "yet. Remove the offload sections (or set their device to \"none\").")
+    zero = replace(ds.zero, **{n: v for n, v in user.items() if f"zero.{n}" not in ds.given})
+    if plugin is None:
+        plugin = build_precision_plugin(ds, default=precision)
+    return {**rest, "config": zero, "precision": None if plugin is not None else precision,
+            "precision_plugin": plugin}
+
+
+def from_deepspeed_config(source: str | Path | Mapping[str, Any] | DeepSpeedConfig, /, *, strict: bool = False,
+                          optimizer_source: OptimizerSource = "auto", **overrides: Any) -> DeepSpeedZeroStrategy:
+    """The logic of :meth:`ZeroStrategy.from_deepspeed_config` (see there)."""
+    if optimizer_source not in ("auto", "config"):
+        raise ValueError(f"optimizer_source must be 'auto' or 'config', got {optimizer_source!r}.")
+    if isinstance(source, DeepSpeedConfig):
+        ds = source
+        if strict and ds.unsupported:
+            raise ValueError(ds.unsupported_message())
+    else:
+        ds = parse_deepspeed_config(source, strict=strict, warn=False)
+        if ds.unsupported:
+            rank_zero_warn(ds.unsupported_message())
+    kwargs = strategy_kwargs(ds, overrides)
+    return DeepSpeedZeroStrategy(deepspeed_config=ds, optimizer_source=optimizer_source, **kwargs)
+
+
+def _no_optimizer(module: pl.LightningModule) -> None:
+    """Installed as ``configure_optimizers`` on a module without one: the JSON's optimizer is used."""
+    return None
+
+
+class DeepSpeedZeroStrategy(ZeroStrategy):
+    """A :class:`ZeroStrategy` that also applies a DeepSpeed config's batch, clipping, optimizer and
+    scheduler settings (built by :meth:`ZeroStrategy.from_deepspeed_config`)."""
+
+    def __init__(self, *args: Any, deepspeed_config: DeepSpeedConfig, optimizer_source: OptimizerSource = "auto",
+                 **kwargs: Any) -> None:
+        self.deepspeed_config = deepspeed_config
+        self.optimizer_source = optimizer_source
+        self.resolved_batch: ResolvedBatch | None = None  # set in setup(), when the world size is known
+        self._trainer_precision: str | None = None  # what Trainer(precision=...) asked for
+        self._patched: pl.LightningModule | None = None
+        super().__init__(*args, **kwargs)
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> ZeroPrecision:
+        return ZeroStrategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, ZeroPrecision):
+            self._trainer_precision = str(getattr(plugin, "precision", "32-true"))
+        ZeroStrategy.precision_plugin.fset(self, plugin)  # type: ignore[attr-defined]
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        if self.deepspeed_config.optimizer is not None and not is_overridden("configure_optimizers", model):
+            model.configure_optimizers = types.MethodType(_no_optimizer, model)  # type: ignore[method-assign]
+            self._patched = model
+        super().connect(model)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._apply_to_trainer(trainer)
+        super().setup(trainer)
+
+    def _apply_to_trainer(self, trainer: pl.Trainer) -> None:
+        ds, problems = self.deepspeed_config, []
+        asked = self._trainer_precision
+        if ds.precision is not None and asked not in (None, "32-true", "32", ds.precision):
+            problems.append(_conflict(ds, "precision.name", ds.precision, "Trainer(precision)", asked) +
+                            " (Lightning turns precision='16-mixed' into 'bf16-mixed' on CPU: leave the Trainer's "
+                            "precision unset when the DeepSpeed config chooses it.)")
+        try:
+            self.resolved_batch = ds.batch.resolve(self.world_size)
+        except ValueError as err:
+            raise ValueError(f"DeepSpeed config {ds.source}: {err}") from err
+        manual = not self.lightning_module.automatic_optimization
+        batch = self.resolved_batch
+        if batch is not None:
+            acc = trainer.accumulate_grad_batches
+            if acc != 1 and acc != batch.accumulation_steps:
+                problems.append(f"the DeepSpeed config {ds.source} gives {GAS}={batch.accumulation_steps} "
+                                f"({_batch_text(batch)}), but Trainer(accumulate_grad_batches={acc}). Set it in one "
+                                "place (or to the same value).")
+            elif manual and batch.accumulation_steps > 1:
+                problems.append(f"{GAS}={batch.accumulation_steps} with manual optimization: Lightning does not "
+                                "accumulate for manual optimization. Accumulate in training_step and drop the key.")
+            else:
+                trainer.accumulate_grad_batches = batch.accumulation_steps
+        if ds.gradient_clipping:
+            clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+            if clip and float(clip) != ds.gradient_clipping:
+                problems.append(_conflict(ds, "trainer.gradient_clip_val", ds.gradient_clipping,
+                                          "Trainer(gradient_clip_val)", clip))
+            elif algorithm == GradClipAlgorithmType.VALUE:
+                problems.append(f"the DeepSpeed config {ds.source} clips by global norm (gradient_clipping="
+                                f"{ds.gradient_clipping}), but Trainer(gradient_clip_algorithm='value').")
+            elif manual:
+                problems.append("gradient_clipping with manual optimization: call self.clip_gradients(...) in "
+                                "training_step and drop the key.")
+            else:
+                trainer.gradient_clip_val = ds.gradient_clipping
+                trainer.gradient_clip_algorithm = GradClipAlgorithmType.NORM
+        if problems:
+            raise ValueError("conflicting settings:\n  - " + "\n  - ".join(problems))
+        if (ds.steps_per_print or ds.wall_clock_breakdown) and not any(
+                isinstance(c, DeepSpeedReport) for c in trainer.callbacks):
+            trainer.callbacks.append(DeepSpeedReport(ds.steps_per_print or 10, ds.wall_clock_breakdown))
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        self.optimizers, self.lr_scheduler_configs = configure_optimizers(self, trainer)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        batch = self.resolved_batch
+        if batch is None or self.lightning_module is None:
+            return
+        found: list[DataLoader] = []
+        apply_to_collection(self.lightning_module.trainer.train_dataloader, DataLoader, found.append)
+        for loader in found:
+            size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+            if size is not None and size != batch.micro_batch_size:
+                raise ValueError(
+                    f"the training DataLoader's batch_size={size}, but the DeepSpeed config "
+                    f"{self.deepspeed_config.source} gives {MICRO}={batch.micro_batch_size} ({_batch_text(batch)}). "
+                    f"Fix: DataLoader(batch_size={batch.micro_batch_size}), or change the config.")
+
+    @override
+    def teardown(self) -> None:
+        if self._patched is not None:
+            self._patched.__dict__.pop("configure_optimizers", None)
+            self._patched = None
+        super().teardown()
+
+
+def _batch_text(batch: ResolvedBatch) -> str:
+    return (f"{TBS}={batch.train_batch_size} = {MICRO}={batch.micro_batch_size} x {GAS}={batch.accumulation_steps}"
+            f" x {batch.world_size} data-parallel rank(s)")
+
+
+def _total_steps(trainer: pl.Trainer) -> int | None:
+    if trainer.max_steps and trainer.max_steps > 0:
+        return int(trainer.max_steps)
+    estimated = trainer.estimated_stepping_batches
+    return int(estimated) if estimated != float("inf") else None
+
+
+def configure_optimizers(strategy: DeepSpeedZeroStrategy,
+                         trainer: pl.Trainer) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
+    """The strategy's optimizers and LR scheduler configs: ``configure_optimizers`` merged with the JSON."""
+    ds, module = strategy.deepspeed_config, strategy.lightning_module
+    assert module is not None
+
+    def json_optimizer() -> Optimizer:
+        assert ds.optimizer is not None
+        return optimizer_recipe(ds.optimizer.type, ds.optimizer.params).build(
+            p for p in module.parameters() if p.requires_grad)
+
+    def json_schedulers(optimizer: Optimizer) -> list[LRSchedulerConfig]:
+        if ds.scheduler is None:
+            return []
+        total = _total_steps(trainer) if ds.scheduler.type in NEEDS_TOTAL_STEPS else None
+        scheduler = build_scheduler(ds.scheduler.type, ds.scheduler.params, optimizer, total)
+        return [LRSchedulerConfig(scheduler=scheduler, interval="step")]
+
+    if strategy.optimizer_source == "config" and ds.optimizer is not None:
+        optimizer = json_optimizer()
+        return [optimizer], json_schedulers(optimizer)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*configure_optimizers` returned `None`")
+        optimizers, configs = _init_optimizers_and_lr_schedulers(module)
+    if len(optimizers) == 1 and isinstance(optimizers[0], _MockOptimizer):
+        if ds.optimizer is None:
+            raise ValueError(f"configure_optimizers returned None and the DeepSpeed config {ds.source} has no "
+                             "`optimizer` section: nothing to train with. Add one of them.")
+        optimizer = json_optimizer()
+        return [optimizer], json_schedulers(optimizer)
+    if ds.optimizer is None and ds.scheduler is None:
+        return optimizers, configs
+    if len(optimizers) != 1:
+        raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers; the DeepSpeed config's "
+                         "optimizer/scheduler sections apply to one optimizer.")
+    if ds.optimizer is not None:
+        recipe = optimizer_recipe(ds.optimizer.type, ds.optimizer.params)
+        diff = recipe.differences(optimizers[0])
+        if diff:
+            raise ValueError(
+                f"the DeepSpeed config {ds.source} sets optimizer {recipe.describe()}, but configure_optimizers "
+                f"returned {type(optimizers[0]).__name__} ({'; '.join(diff)}). Set it in one place: return None "
+                "from configure_optimizers, remove the `optimizer` section, or pass optimizer_source='config'.")
+    if ds.scheduler is not None:
+        if configs and strategy.optimizer_source == "auto":
+            raise ValueError(
+                f"both the DeepSpeed config {ds.source} (scheduler {ds.scheduler.type}) and configure_optimizers "
+                f"({type(configs[0].scheduler).__name__}) define an LR scheduler. Set it in one place, or pass "
+                "optimizer_source='config' to use the config's.")
+        configs = json_schedulers(optimizers[0])
+    return optimizers, configs
+
+
+class DeepSpeedReport(Callback):
+    """``steps_per_print`` / ``wall_clock_breakdown``: a line on rank 0 every ``every`` optimizer steps with the
+    LRs (and the loss scale when there is one), plus forward / backward / step milliseconds when timing."""
+
+    def __init__(self, every: int, wall_clock: bool) -> None:
+        self.every, self.wall_clock = every, wall_clock
+        self._mark, self._stepping, self._printed = 0.0, False, -1
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+    def _lap(self, name: str | None) -> None:
+        now = time.perf_counter()
+        if name is not None:
+            self._times[name] += now - self._mark
+        self._mark = now
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._lap(None)
+
+    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._lap("forward")
+
+    def on_after_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._lap("backward")
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._lap(None)
+        self._stepping = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._stepping:
+            self._lap("step")
+            self._stepping = False
+        step = trainer.global_step
+        if step == 0 or step % self.every or self._printed == step:
+            return
+        self._printed = step
+        lrs = [round(g["lr"], 10) for opt in trainer.optimizers for g in opt.param_groups]
+        scale = getattr(trainer.strategy, "loss_scale", None)
+        line = f"[lightning-zero] step={step} lr={lrs}" + ("" if scale is None else f" loss_scale={scale}")
+        if self.wall_clock:
+            line += " | " + " | ".join(f"{k}: {v * 1e3 / self.every:.2f} ms" for k, v in self._times.items())
+            self._times = dict.fromkeys(self._times, 0.0)
+        rank_zero_info(line)

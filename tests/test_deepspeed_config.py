@@ -1,0 +1,290 @@
+"""DeepSpeed JSON configs: parsing into lightning_zero's settings, the strategy / precision arguments they
+produce, unsupported keys, the batch-size triple, offload (compared field by field with the Hydra
+options), and the precedence of ``from_deepspeed_config``'s keyword arguments over nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero.config.build import strategy_kwargs as hydra_strategy_kwargs
+from lightning_zero.config.deepspeed import apply_deepspeed_config, deepspeed_settings, strategy_settings
+from lightning_zero.config.launch import compose_config
+from lightning_zero.config.validate import validate_config
+from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.deepspeed import BatchSizes, parse_deepspeed_config
+from lightning_zero.deepspeed import strategy as ds_strategy
+from lightning_zero.deepspeed.strategy import precision_plugin_args
+
+# The two configs of the seed documents (/work/shared/seeds), exactly as written there.
+SEED_FP16 = {"train_batch_size": 64, "gradient_accumulation_steps": 4,
+             "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2,
+                      "min_loss_scale": 1}}
+SEED_BF16 = {"train_batch_size": 64, "gradient_accumulation_steps": 4, "bf16": {"enabled": True}}
+
+
+class RecordingPrecision:
+    """Stands in for ZeroPrecision: records the arguments the DeepSpeed glue constructs it with."""
+
+    def __init__(self, precision: str = "32-true", **kwargs: Any) -> None:
+        self.precision, self.kwargs = precision, kwargs
+
+
+def _write(tmp_path: Path, config: dict, name: str = "ds.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return path
+
+
+# ---------------------------------------------------------------------------- the seed configs
+@pytest.mark.parametrize(("config", "precision"), [(SEED_FP16, "16-mixed"), (SEED_BF16, "bf16-mixed")],
+                         ids=["fp16", "bf16"])
+def test_seed_configs_parse_into_precision_and_batch(config: dict, precision: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every key of the seeds is supported: no warning
+        ds = parse_deepspeed_config(_write(tmp_path, config))
+    assert ds.precision == precision and ds.unsupported == ()
+    assert ds.source == str(tmp_path / "ds.json")
+    assert ds.batch == BatchSizes(train_batch_size=64, accumulation_steps=4)
+    resolved = ds.batch.resolve(2)
+    assert (resolved.train_batch_size, resolved.micro_batch_size, resolved.accumulation_steps) == (64, 8, 4)
+    assert ds.batch.resolve(1).micro_batch_size == 16
+    assert ds.zero == ZeroConfig() and ds.offload == OffloadConfig()  # no zero section: lightning_zero's defaults
+    if precision == "16-mixed":
+        # loss_scale 0 = dynamic; window 1000, hysteresis 2, min 1 happen to be the defaults
+        assert ds.loss_scaler == LossScalerConfig(loss_scale=0.0, loss_scale_window=1000, hysteresis=2,
+                                                  min_loss_scale=1.0) == LossScalerConfig()
+        assert set(ds.given) == {"precision.name", "precision.loss_scale", "precision.loss_scale_window",
+                                 "precision.hysteresis", "precision.min_loss_scale"}
+    else:
+        assert ds.loss_scaler is None and set(ds.given) == {"precision.name"}
+    # the plugin: ZeroPrecision(precision) with the plugin's default loss scaler
+    assert precision_plugin_args(ds) == (precision, {})
+    monkeypatch.setattr(ds_strategy, "ZeroPrecision", RecordingPrecision)
+    kwargs = ds_strategy.strategy_kwargs(ds, {})
+    plugin = kwargs["precision_plugin"]
+    assert (plugin.precision, plugin.kwargs) == (precision, {})
+    assert kwargs["config"] == ZeroConfig() and kwargs["precision"] is None
+
+
+def test_fp16_loss_scaler_keys_and_dtypes_reach_the_precision_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = parse_deepspeed_config({
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+                 "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 0.5},
+        "communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}})
+    scaler = LossScalerConfig(loss_scale=0.0, initial_scale_power=12, loss_scale_window=500, hysteresis=3,
+                              consecutive_hysteresis=True, min_loss_scale=0.5)
+    expected = ("16-mixed", {"loss_scaler": scaler, "reduce_dtype": torch.float32, "grad_accum_dtype": torch.float32})
+    assert precision_plugin_args(ds) == expected
+    monkeypatch.setattr(ds_strategy, "ZeroPrecision", RecordingPrecision)
+    plugin = ds_strategy.build_precision_plugin(ds)
+    assert (plugin.precision, plugin.kwargs) == expected
+    static = parse_deepspeed_config({"fp16": {"enabled": True, "loss_scale": 128}})
+    assert precision_plugin_args(static) == ("16-mixed", {"loss_scaler": LossScalerConfig(loss_scale=128.0)})
+    # no precision section: the Trainer's precision decides, nothing is fixed on the strategy
+    assert precision_plugin_args(parse_deepspeed_config({"fp16": {"enabled": False, "loss_scale": 4}})) is None
+    assert ds_strategy.strategy_kwargs(parse_deepspeed_config({}), {})["precision_plugin"] is None
+
+
+# ---------------------------------------------------------------------------- zero_optimization
+def test_zero_section_maps_onto_zero_config() -> None:
+    ds = parse_deepspeed_config({"zero_optimization": {
+        "stage": 1, "reduce_bucket_size": 5e8, "overlap_comm": False, "reduce_scatter": False,
+        "contiguous_gradients": True, "allgather_partitions": True, "stage3_prefetch_bucket_size": 1e6,
+        "stage3_max_live_parameters": 2e6, "stage3_param_persistence_threshold": 1e3}})
+    assert ds.zero == ZeroConfig(stage=1, reduce_bucket_size=500_000_000, overlap_comm=False, collective="all_reduce",
+                                 prefetch_bucket_size=1_000_000, max_live_parameters=2_000_000,
+                                 param_persistence_threshold=1000)
+    assert ds.given["zero.collective"] == "zero_optimization.reduce_scatter"
+    assert ds.given["zero.reduce_bucket_size"] == "zero_optimization.reduce_bucket_size"
+    assert ds.unsupported == ()
+    auto = parse_deepspeed_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+                                   "train_batch_size": "auto", "gradient_clipping": "auto"})
+    assert auto.zero == ZeroConfig(stage=2) and not auto.batch.given and auto.gradient_clipping is None
+    assert parse_deepspeed_config({"zero_optimization": True}).zero.stage == 1  # DeepSpeed's legacy switch
+    assert parse_deepspeed_config({"zero_optimization": {"reduce_scatter": True}}).zero.collective == "reduce_scatter"
+
+
+def test_unsupported_keys_are_named_in_one_warning_or_a_strict_error(tmp_path: Path) -> None:
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": 2, "allgather_bucket_size": 5e8,
+                                                           "contiguous_gradients": False, "sub_group_size": 1e9},
+              "tensorboard": {"enabled": True}, "prescale_gradients": True, "activation_checkpointing": {},
+              "fp16": {"enabled": False, "auto_cast": True}}
+    with pytest.warns(UserWarning) as record:
+        ds = parse_deepspeed_config(config)
+    assert len(record) == 1
+    message = str(record[0].message)
+    for key in ("zero_optimization.allgather_bucket_size", "zero_optimization.contiguous_gradients=false",
+                "zero_optimization.sub_group_size", "tensorboard", "prescale_gradients=true",
+                "activation_checkpointing", "fp16.auto_cast=true", "strict=True"):
+        assert key in message, key
+    assert len(ds.unsupported) == 7 and ds.zero.stage == 2  # the supported keys still apply
+    with pytest.raises(ValueError, match=r"does not support these keys.*allgather_bucket_size.*tensorboard"):
+        parse_deepspeed_config(_write(tmp_path, config), strict=True)
+    with pytest.raises(ValueError, match="tensorboard"):
+        ZeroStrategy.from_deepspeed_config(config, strict=True)
+    with warnings.catch_warnings():  # values lightning_zero has anyway are accepted silently
+        warnings.simplefilter("error")
+        parse_deepspeed_config({"prescale_gradients": False, "gradient_predivide_factor": 1.0,
+                                "zero_optimization": {"contiguous_gradients": True, "round_robin_gradients": False},
+                                "amp": {"enabled": False}, "wall_clock_breakdown": False, "steps_per_print": 10})
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"zero_optimization": {"stage": "two"}}, r"`zero_optimization.stage` must be int, got 'two'"),
+    ({"zero_optimization": {"stage": 4}}, "ZeRO stage must be 0, 1, 2 or 3"),
+    ({"zero_optimization": {"overlap_comm": 1}}, "`zero_optimization.overlap_comm` must be bool"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true; enable one"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16: `hysteresis` must be >= 1"),
+    ({"gradient_clipping": -1}, "`gradient_clipping` must be >= 0"),
+    ({"gradient_accumulation_steps": 4}, "alone does not define a batch size"),
+    ({"train_batch_size": 0}, "`train_batch_size` must be a positive integer"),
+    ({"communication_data_type": "fp8"}, "must be one of fp32, fp16, bf16"),
+    ({"optimizer": {"params": {"lr": 1}}}, r"`optimizer.type` is required"),
+    ({"optimizer": {"type": "OneBitAdam"}}, "DeepSpeed-only optimizer"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "momentum": 0.9}}}, r"\['momentum'\] not accepted"),
+    ({"scheduler": {"type": "CosineAnnealing"}}, "not a DeepSpeed scheduler"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}}, r"unknown key\(s\) \['warmup_steps'\]"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1}}}, r"missing \['cycle_max_lr'\]"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}},
+     "offload_param .* needs ZeRO stage 3, got zero_optimization.stage=2"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+     "offload_param without offload_optimizer"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs ZeRO stage 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}, "needs `nvme_path`"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "disk"}}}, "must be none, cpu or nvme"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                            "offload_param": {"device": "cpu", "pin_memory": False}}}, "one pin_memory for both"),
+])
+def test_invalid_values_are_refused_naming_the_key(config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_deepspeed_config(config)
+
+
+def test_files_bad_json_and_duplicate_keys(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        parse_deepspeed_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8,}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_deepspeed_config(bad)
+    bad.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ValueError, match=r"duplicate key\(s\) \['train_batch_size'\]"):
+        parse_deepspeed_config(bad)
+
+
+# ---------------------------------------------------------------------------- the batch triple
+@pytest.mark.parametrize(("given", "world", "expected"), [
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}, 2, (64, 8, 4)),
+    ({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
+    ({"train_batch_size": 64}, 4, (64, 16, 1)),
+    ({"train_micro_batch_size_per_gpu": 8}, 3, (24, 8, 1)),
+])
+def test_two_of_three_batch_keys_suffice(given: dict, world: int, expected: tuple[int, int, int]) -> None:
+    batch = parse_deepspeed_config(given).batch.resolve(world)
+    assert (batch.train_batch_size, batch.micro_batch_size, batch.accumulation_steps) == expected
+
+
+@pytest.mark.parametrize(("given", "world", "message"), [
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, 1,
+     r"train_batch_size=64 does not equal .*8 x .*4 x data-parallel world size 1 = 32\. Fix: train_batch_size=32, "
+     r"or drop one of the three keys.*or run on 2 data-parallel ranks"),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 3,
+     r"not divisible by gradient_accumulation_steps=4 x data-parallel world size 3 = 12.*Fix: train_batch_size=60 "
+     r"or 72 \(a multiple of 12\), or a data-parallel world size in \[1, 2, 4, 8, 16\]"),
+    ({"train_batch_size": 10}, 4, r"not divisible by 1 accumulation step x data-parallel world size 4 = 4.*=8 or 12"),
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 6}, 2, "not divisible by train_micro_batch_size"),
+])
+def test_a_bad_batch_triple_names_the_fix(given: dict, world: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_deepspeed_config(given).batch.resolve(world)
+
+
+# ---------------------------------------------------------------------------- offload vs Hydra, field by field
+STAGE3_OFFLOAD = {"zero_optimization": {
+    "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 2e7,
+    "stage3_prefetch_bucket_size": 4e7, "stage3_max_live_parameters": 5e8, "stage3_param_persistence_threshold": 1e4,
+    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "offload_param": {"device": "cpu", "pin_memory": True, "max_in_cpu": 2e9}}, "bf16": {"enabled": True}}
+STAGE3_HYDRA = ["zero=stage3", "offload=param_cpu", "precision=bf16", "zero.reduce_bucket_size=20000000",
+                "zero.prefetch_bucket_size=40000000", "zero.max_live_parameters=500000000",
+                "zero.param_persistence_threshold=10000", "offload.max_in_cpu=2000000000"]
+NVME_OFFLOAD = {"zero_optimization": {
+    "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5},
+    "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5}},
+    "fp16": {"enabled": True, "loss_scale_window": 200}}
+NVME_HYDRA = ["zero=stage3", "offload=param_nvme", "precision=fp16", "precision.loss_scale_window=200",
+              "trainer=gpu"]
+
+
+@pytest.mark.parametrize(("config", "overrides"), [(STAGE3_OFFLOAD, STAGE3_HYDRA), (NVME_OFFLOAD, NVME_HYDRA)],
+                         ids=["param_cpu", "param_nvme"])
+def test_stage3_offload_config_equals_the_hydra_options_field_by_field(config: dict, overrides: list[str],
+                                                                      tmp_path: Path) -> None:
+    ds = parse_deepspeed_config(config)
+    hydra = validate_config_or_unbuilt(compose_config(overrides))
+    from_json, from_hydra = deepspeed_settings(ds), strategy_settings(hydra)
+    assert from_json.keys() == from_hydra.keys()
+    for part in ("zero", "offload"):
+        for f in dataclasses.fields(from_json[part]):
+            a, b = getattr(from_json[part], f.name), getattr(from_hydra[part], f.name)
+            assert a == b, f"{part}.{f.name}: JSON gives {a!r}, Hydra {b!r}"
+    assert from_json["precision"] == from_hydra["precision"]
+    assert from_json["loss_scaler"] == from_hydra["loss_scaler"]
+    # the strategy arguments the Hydra path builds carry the same ZeroConfig
+    assert hydra_strategy_kwargs(hydra)["config"] == ds.zero
+    # and the JSON merged over the default composition amounts to the same groups as the Hydra options
+    merged = validate_config_or_unbuilt(apply_deepspeed_config(
+        compose_config([f"deepspeed_config={_write(tmp_path, config)}", *[o for o in overrides if "trainer" in o]])))
+    for group in ("zero", "offload", "precision"):
+        assert getattr(merged, group) == getattr(hydra, group), group
+    # offload is not built: the strategy refuses it, naming the feature
+    with pytest.raises(NotImplementedError, match=f"offload={ds.offload.name}"):
+        ZeroStrategy.from_deepspeed_config(config)
+
+
+def validate_config_or_unbuilt(cfg: Any) -> Any:
+    """The typed config; stage 3 / offload / 16-bit are valid but unbuilt, so validation raises after checking."""
+    from lightning_zero.config.schema import to_train_config
+    from lightning_zero.config.validate import invalid_combinations
+
+    typed = to_train_config(cfg)
+    assert invalid_combinations(typed) == []
+    with pytest.raises(NotImplementedError, match="offload"):
+        validate_config(typed)
+    return typed
+
+
+# ---------------------------------------------------------------------------- from_deepspeed_config arguments
+def test_keyword_arguments_fill_in_or_must_agree() -> None:
+    config = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 1000}}
+    strategy = ZeroStrategy.from_deepspeed_config(config, overlap_comm=False, check_step_errors=False,
+                                                  process_group_backend="gloo")
+    z = strategy.zero_config
+    assert (z.stage, z.reduce_bucket_size, z.overlap_comm) == (1, 1000, False)  # JSON, JSON, keyword
+    assert strategy.check_step_errors is False and strategy.process_group_backend == "gloo"
+    assert ZeroStrategy.from_deepspeed_config(config, stage=1, reduce_bucket_size=1000).zero_config.stage == 1
+    with pytest.raises(ValueError) as info:
+        ZeroStrategy.from_deepspeed_config(config, stage=2, reduce_bucket_size=5)
+    text = str(info.value)
+    assert "zero_optimization.stage=1, but stage=2" in text
+    assert "zero_optimization.reduce_bucket_size=1000, but reduce_bucket_size=5" in text
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=1, but stage=2"):
+        ZeroStrategy.from_deepspeed_config(config, config=ZeroConfig(stage=2, reduce_bucket_size=1000))
+    with pytest.raises(ValueError, match=r"sets bf16.enabled=true \(precision='bf16-mixed'\), but precision='32-true'"):
+        ZeroStrategy.from_deepspeed_config(SEED_BF16, precision="32-true")
+    with pytest.raises(ValueError, match="optimizer_source"):
+        ZeroStrategy.from_deepspeed_config({}, optimizer_source="module")
+    parsed = parse_deepspeed_config(config)
+    assert ZeroStrategy.from_deepspeed_config(parsed).deepspeed_config is parsed
