@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero.advisor import Advice, advise
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.gathered import gathered_parameters
 from lightning_zero.core.memory import ModelStateBytes, model_state_formula
 from lightning_zero.estimator import MemoryEstimate, estimate_memory
 from lightning_zero.precision import ZeroPrecision
@@ -24,6 +25,7 @@ __all__ = [
     "ZeroStrategy",
     "advise",
     "estimate_memory",
+    "gathered_parameters",
     "model_state_formula",
 ]
 __version__ = "0.1.0"

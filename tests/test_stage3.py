@@ -267,3 +267,63 @@ def test_a_changed_unit_order_is_retraced(gloo_pool) -> None:
         assert r["retraces"] >= 1
         assert _rel(r["zero3"]["losses"], r["ddp"]["losses"]) < 1e-5
         assert max((a - b).abs().max().item() for a, b in zip(r["zero3"]["params"], r["ddp"]["params"])) < 1e-6
+
+
+# ---------------------------------------------------------------------------- gathered_parameters, checkpointing
+class _ModifyOnRank0(pl.Callback):
+    """At fit start: read blocks.0.up.weight whole, then set it to a known value on rank 0 only."""
+
+    def __init__(self) -> None:
+        self.read_shape: tuple[int, ...] = ()
+        self.after: torch.Tensor | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        from lightning_zero import gathered_parameters
+
+        w = pl_module.blocks[0].up.weight
+        with gathered_parameters(w):
+            self.read_shape = tuple(w.clone().shape)
+        with gathered_parameters(pl_module.blocks[0].parameters(), modifier_rank=0):
+            if trainer.global_rank == 0:
+                with torch.no_grad():
+                    w.fill_(0.125)
+        with gathered_parameters([w]):
+            self.after = w.detach().clone()
+
+
+def gathered_body(stage: int) -> dict[str, Any]:
+    model = StackedLM("sgd")
+    probe = _ModifyOnRank0()
+    strategy = ZeroStrategy(stage=stage, param_persistence_threshold=0)
+    make_trainer(strategy, max_steps=1, callbacks=[probe]).fit(model, token_loader())
+    return {"shape": probe.read_shape, "after": probe.after}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [3, 2])
+def test_gathered_parameters_reads_whole_and_scatters_one_ranks_change(gloo_pool, stage: int) -> None:
+    for r in gloo_pool.run("tests.test_stage3:gathered_body", stage=stage):
+        assert r["shape"] == (24, 13)
+        assert torch.equal(r["after"], torch.full((24, 13), 0.125))  # rank 1 sees rank 0's change too
+
+
+def checkpointing_body(stage: int) -> dict[str, Any]:
+    out = {}
+    for name, on in (("plain", False), ("checkpointed", True)):
+        model = StackedLM("sgd")
+        strategy = ZeroStrategy(stage=stage, param_persistence_threshold=0, activation_checkpointing=on,
+                                prefetch_bucket_size=BLOCK_NUMEL)
+        make_trainer(strategy, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.05).fit(
+            model, token_loader()
+        )
+        out[name] = {"losses": model.losses, "params": params_of(model)}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [3, 2])
+def test_activation_checkpointing_changes_nothing_but_memory(gloo_pool, stage: int) -> None:
+    for r in gloo_pool.run("tests.test_stage3:checkpointing_body", stage=stage):
+        assert _rel(r["checkpointed"]["losses"], r["plain"]["losses"]) < 1e-6
+        diff = max((a - b).abs().max().item() for a, b in zip(r["checkpointed"]["params"], r["plain"]["params"]))
+        assert diff < 1e-6

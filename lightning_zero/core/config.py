@@ -30,6 +30,8 @@ class ZeroConfig:
         prefetch_bucket_size: stage 3: elements gathered ahead of the running unit.
         max_live_parameters: stage 3: elements gathered at once, at most.
         param_persistence_threshold: stage 3: parameters with fewer elements stay gathered.
+        activation_checkpointing: recompute each unit's activations in backward instead of keeping
+            them (any stage; the units are stage 3's, see ``unit_classes``).
         unit_classes: stage 3: module classes whose instances are gathered as one unit; empty:
             the children of every ``nn.ModuleList`` (Note [units] in ``core/units.py``).
         elementwise_optimizers: extra optimizer classes to accept for stage >= 1 (their update
@@ -46,6 +48,7 @@ class ZeroConfig:
     param_persistence_threshold: int = 100_000
     elementwise_optimizers: tuple[type, ...] = field(default=())
     unit_classes: tuple[type, ...] = field(default=())
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):

@@ -26,14 +26,17 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.core import gathered
+from lightning_zero.core.checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, full_optimizer_state, trainable_groups
-from lightning_zero.core.sharded_unit import ShardedUnit
+from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.stage3 import Stage3Runtime, apply_stage3
+from lightning_zero.core.units import plan_units
 
 
 class ZeroEngine:
@@ -86,6 +89,10 @@ class ZeroEngine:
         self._broadcast_from_rank0()
         for unit in self.units:
             unit.shard()
+        self._undo_checkpointing = (
+            apply_activation_checkpointing(self._unit_modules()) if config.activation_checkpointing else None
+        )
+        gathered.register(self)
         self.reducer = GradReducer(
             self.groups,
             self.comm,
@@ -137,6 +144,9 @@ class ZeroEngine:
                 be saved or stepped after fit; else the shard state is dropped (after an error).
         """
         self.reducer.remove_hooks()
+        gathered.unregister(self)
+        if self._undo_checkpointing is not None:
+            self._undo_checkpointing()
         self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
         if self.runtime is not None:
             self.runtime.remove_hooks()
@@ -154,6 +164,47 @@ class ZeroEngine:
             g.shard = None
         for p in self.names:
             p.grad = None
+
+    def _unit_modules(self) -> list[nn.Module]:
+        if self.runtime is not None:
+            return [m for mods in self.runtime.unit_modules for m in mods]
+        plans = plan_units(self.module, self.names, self.config.unit_classes)
+        modules = [m for plan in plans for m in plan.modules]
+        if not modules:
+            raise ValueError(
+                f"activation_checkpointing found no unit in {type(self.module).__name__}: it checkpoints the "
+                "children of nn.ModuleLists, or the modules of `unit_classes`. Name the block class in `unit_classes`."
+            )
+        return modules
+
+    @contextmanager
+    def gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[None]:
+        """See :func:`lightning_zero.gathered_parameters` (every rank must call it together)."""
+        wanted = set(params)
+        groups = [g for g in self.all_groups if any(s.param in wanted for s in g.slots)]
+        in_groups = {s.param for g in groups for s in g.slots}
+        loose = [p for p in params if p not in in_groups]  # stages 0-2: frozen parameters, kept whole
+        opened = [u for u in self.units if u.state is UnitState.SHARDED and any(g in u.groups for g in groups)]
+        if self.runtime is not None:
+            for unit in opened:
+                self.runtime.gather_one(unit)
+            for unit in opened:
+                unit.wait()
+        yield
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for g in groups:
+                    self.comm.broadcast(g.flat, modifier_rank)
+                    if g.shard is not None:
+                        start, end = g.shard_range()
+                        g.shard.copy_(g.flat[start:end])
+                for p in loose:
+                    self.comm.broadcast(p.data, modifier_rank)
+                if self.sharded is not None:
+                    self.sharded.write_masters_from_params(groups)
+        if self.runtime is not None:
+            for unit in opened:
+                self.runtime.release_one(unit)
 
     @torch.no_grad()
     def _fill_from_shards(self) -> None:

@@ -130,6 +130,15 @@ class ShardedOptimizer:
             if own.data_ptr() != master.data_ptr():
                 own.copy_(master)
 
+    def write_masters_from_params(self, changed: list[FlatParamGroup]) -> None:
+        """After parameters were changed outside the optimizer: refresh the master copies of the
+        ``changed`` groups (where they are not views of the parameter shards)."""
+        ids = {id(g) for g in changed}
+        for master, fg in zip(self.masters, self.groups):
+            own = fg.own_shard()
+            if id(fg) in ids and own.data_ptr() != master.data_ptr():
+                master.copy_(own)
+
     def clear_grads(self) -> None:
         for pieces in self.pieces_of:
             for p in pieces:

@@ -67,6 +67,7 @@ class Stage3Runtime:
         max_live_numel: int,
     ) -> None:
         self.units = units
+        self.unit_modules = unit_modules  # the top module(s) of each unit
         self.comm = comm
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
@@ -118,6 +119,13 @@ class Stage3Runtime:
             return
         unit.release()
         self.live_numel -= unit.numel
+
+    def gather_one(self, unit: ShardedUnit) -> None:
+        """Start gathering ``unit`` outside forward / backward (e.g. ``gathered_parameters``)."""
+        self._gather(unit)
+
+    def release_one(self, unit: ShardedUnit) -> None:
+        self._release(unit)
 
     def use_root(self) -> None:
         """Gather the root unit if it is not (first use in a step)."""
