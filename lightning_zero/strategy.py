@@ -13,7 +13,8 @@ all partitioning lives in :mod:`lightning_zero.core`, which the strategy drives:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+import os
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -33,6 +34,8 @@ from typing_extensions import override
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.loading import load_full_state_dict, open_state_dict
+from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
@@ -51,6 +54,9 @@ class ZeroStrategy(DDPStrategy):
         check_step_errors: after every ``training_step`` the ranks agree on whether any of them
             raised, so an error in one rank's step is raised on every rank instead of leaving the
             others waiting in a collective (one tiny all-reduce per micro-step).
+        param_init_fn: stage 3 with ``configure_model``: ``fn(module, name)`` initialises a
+            module's own parameters, which were built on the meta device (default: the module's
+            ``reset_parameters()``). See docs/large_models.md.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -66,6 +72,7 @@ class ZeroStrategy(DDPStrategy):
         config: ZeroConfig | None = None,
         precision: str | None = None,
         check_step_errors: bool = True,
+        param_init_fn: ParamInitFn | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -89,6 +96,7 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self.check_step_errors = check_step_errors
+        self.param_init_fn = param_init_fn
         self._fixed_precision = precision_plugin is not None
         self._engine: ZeroEngine | None = None  # set in setup() when fitting
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
@@ -122,6 +130,8 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        if has_meta_parameters(self.model):
+            self._prepare_meta_model(trainer)
         self.model_to_device()
         self._comm = DataParallelComm(self._make_dp_group(), self.zero_config.collective)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -131,11 +141,36 @@ class ZeroStrategy(DDPStrategy):
                     f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
                     "parameter sets in param groups of one optimizer."
                 )
-            self._engine = ZeroEngine(self.lightning_module, self.optimizers[0], self.zero_config, self._comm)
+            self._engine = ZeroEngine(
+                self.lightning_module, self.optimizers[0], self.zero_config, self._comm,
+                param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
+            )
             self.precision_plugin.engine = self._engine
         else:
             self._broadcast_module_states()
         self.setup_precision_plugin()
+
+    def _prepare_meta_model(self, trainer: pl.Trainer) -> None:
+        """Parameters built on the meta device (``configure_model`` under stage 3): give them
+        storage-less CPU/GPU stand-ins that stage 3 initialises one unit at a time."""
+        if self.zero_config.stage != 3 or trainer.state.fn != TrainerFn.FITTING:
+            raise NotImplementedError(
+                "The model has parameters on the meta device. lightning_zero initialises meta-built models only "
+                "while fitting with ZeRO stage 3 (unit by unit, sharded). Use stage=3 for fit, or build the model "
+                "with real tensors."
+            )
+        replace_meta_parameters(self.model, self.root_device)
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: modules built in ``configure_model`` get meta parameters, materialised and
+        sharded unit by unit at setup (Note [sharded construction] in core/materialize.py)."""
+        if self.zero_config.stage != 3:
+            yield
+            return
+        with torch.device("meta"):
+            yield
 
     def _make_dp_group(self) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -262,6 +297,28 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is None:
             raise RuntimeError("model_state_bytes() is available while fitting, after the strategy's setup.")
         return self._engine.model_state_bytes()
+
+    def load_full_state_dict(
+        self, source: str | os.PathLike | Mapping[str, Tensor], prefix: str = "", strict: bool = True
+    ) -> None:
+        """Load whole (unsharded) weights, e.g. a Hugging Face ``.safetensors`` file, into the model.
+
+        Under stage 3 each rank streams the tensors one unit at a time into its shards, so the
+        whole model is never resident; call it while fitting (e.g. in ``on_fit_start``), on every
+        rank. Outside fit it is ``load_state_dict`` on the LightningModule.
+
+        Args:
+            source: a ``.safetensors`` or ``torch.save`` file (a Lightning checkpoint's
+                ``state_dict`` is found), or a mapping of key -> tensor.
+            prefix: the keys' prefix before the LightningModule's own parameter names.
+            strict: refuse missing and unexpected keys.
+        """
+        if self._engine is not None:
+            load_full_state_dict(self._engine, source, prefix, strict)
+            return
+        state = open_state_dict(source)
+        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        self.lightning_module.load_state_dict(own, strict=strict)
 
     @property
     def gathered_peak_numel(self) -> int:

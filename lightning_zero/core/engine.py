@@ -32,6 +32,7 @@ from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import BackwardState, GradReducer
+from lightning_zero.core.materialize import ParamInitFn
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, full_optimizer_state, trainable_groups
 from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
@@ -48,6 +49,9 @@ class ZeroEngine:
         config: the ZeRO policy (stage 0-3).
         comm: the data-parallel collectives (world size 1 without a process group).
         dtypes: parameter / gradient / master dtypes.
+        param_init_fn: stage 3, parameters built on the meta device: ``fn(module, name)``
+            initialises a module's own parameters (default ``reset_parameters``).
+        init_seed: base seed of that initialisation (Note [sharded construction] in materialize.py).
     """
 
     def __init__(
@@ -57,6 +61,8 @@ class ZeroEngine:
         config: ZeroConfig,
         comm: DataParallelComm | None = None,
         dtypes: DtypePolicy | None = None,
+        param_init_fn: ParamInitFn | None = None,
+        init_seed: int = 0,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -75,9 +81,9 @@ class ZeroEngine:
         self.units: list[ShardedUnit] = []  # stage 3 only
         self.runtime: Stage3Runtime | None = None  # stage 3's gather / release hooks
         if config.stage == 3:
+            # binds, initialises (meta-built models), broadcasts and shards one unit at a time
             self.units, self.runtime, self.all_groups = apply_stage3(
-                module, self.names, groups, self.comm, config.unit_classes, config.param_persistence_threshold,
-                config.prefetch_bucket_size, config.max_live_parameters,
+                module, self.names, groups, self.comm, config, param_init_fn, init_seed
             )
         else:
             self.all_groups = [FlatParamGroup(g, self.comm.world_size, self.comm.rank) for g in groups]
@@ -87,8 +93,6 @@ class ZeroEngine:
         # the flat groups of trainable parameters (stage 3 also has groups of frozen ones)
         self.groups: list[FlatParamGroup] = [g for g in self.all_groups if g.optimizer_group >= 0]
         self._broadcast_from_rank0()
-        for unit in self.units:
-            unit.shard()
         self._undo_checkpointing = (
             apply_activation_checkpointing(self._unit_modules()) if config.activation_checkpointing else None
         )
@@ -127,7 +131,8 @@ class ZeroEngine:
         if not self.comm.active:
             return
         for g in self.all_groups:
-            self.comm.broadcast(g.flat)
+            if g.shard is None:  # stage 3 broadcast its units while sharding them
+                self.comm.broadcast(g.flat)
         in_flat = {s.param for g in self.all_groups for s in g.slots}
         for p in self.names:
             if p not in in_flat:
@@ -209,8 +214,8 @@ class ZeroEngine:
     @torch.no_grad()
     def _fill_from_shards(self) -> None:
         for unit in self.units:
+            unit.allocate()
             for g in unit.groups:
-                g.flat.untyped_storage().resize_(g.padded_numel * g.flat.element_size())
                 g.flat.zero_()
                 start, end = g.shard_range()
                 g.flat[start:end].copy_(g.shard)

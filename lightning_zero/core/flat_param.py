@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_zero.core.materialize import is_uninitialized
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -96,7 +98,8 @@ class FlatParamGroup:
         with torch.no_grad():
             for s in self.slots:
                 view = flat[s.offset : s.offset + s.numel]
-                view.copy_(s.param.data.reshape(-1))
+                if not is_uninitialized(s.param):  # else: initialised in place later (materialize.py)
+                    view.copy_(s.param.data.reshape(-1))
                 s.param.data = view.view(s.shape)
         self.flat = flat
         return flat

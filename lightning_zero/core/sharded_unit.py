@@ -1,5 +1,15 @@
 """One stage-3 unit: its flat groups, this rank's shards, and gathering / freeing the whole.
 
+Note [released parameters]
+    A released unit's ``nn.Parameter`` objects keep their full shapes (so ``numel()``,
+    ``ModelSummary`` and shape-based code see the true model) but their ``.data`` is a NaN
+    scalar expanded to that shape: reading one outside the unit's forward / backward gives NaNs
+    instead of crashing on freed memory, and writing to it raises. The flat buffer's storage is
+    freed separately (``resize_(0)``); tensors the autograd graph saved are views of that
+    storage and become valid again when the unit is gathered into it, and the parameters are
+    pointed back at their views. Use ``gathered_parameters`` to read or change weights outside
+    forward.
+
 Note [version counter]
     Gathering writes into storage the autograd graph saved views of. The write is a re-fill of
     values the graph already saw, so it is done with the version counter preserved, or autograd
@@ -62,6 +72,24 @@ class ShardedUnit:
     def _free(self) -> None:
         for g in self.groups:
             g.flat.untyped_storage().resize_(0)
+            for slot in g.slots:  # Note [released parameters]
+                slot.param.data = _placeholder(g.flat).expand(slot.shape)
+
+    def _attach(self) -> None:
+        """Point the parameters at their views of the (gathered) flat buffers."""
+        for g in self.groups:
+            for slot, view in zip(g.slots, g.views(g.flat)):
+                slot.param.data = view
+
+    def free_storage(self) -> None:
+        """Free the flat buffers of a unit that was allocated outside gather / release."""
+        self._free()
+
+    def allocate(self) -> None:
+        """Give the flat buffers storage again (contents undefined) and attach the parameters."""
+        for g in self.groups:
+            g.flat.untyped_storage().resize_(g.padded_numel * g.flat.element_size())
+        self._attach()
 
     @torch.no_grad()
     def start_gather(self, comm: DataParallelComm) -> None:
@@ -80,6 +108,7 @@ class ShardedUnit:
             for h in self._handles:
                 h.wait()
             self._handles = []
+            self._attach()
             self.state = UnitState.GATHERED
             self.gathers += 1
 
@@ -100,3 +129,15 @@ class ShardedUnit:
             g.flat[start:end].copy_(g.shard)
             handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
         return handles
+
+
+_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    """One NaN (zero for integer dtypes) element of ``like``'s dtype and device, shared."""
+    key = (like.dtype, like.device)
+    if key not in _PLACEHOLDERS:
+        value = float("nan") if like.is_floating_point() else 0
+        _PLACEHOLDERS[key] = torch.full((1,), value, dtype=like.dtype, device=like.device)
+    return _PLACEHOLDERS[key]

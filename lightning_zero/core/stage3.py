@@ -34,7 +34,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm import DataParallelComm
+from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.flat_param import FlatParamGroup
+from lightning_zero.core.materialize import ParamInitFn, initialize_modules
 from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.units import PERSISTENT, ROOT
 
@@ -298,16 +300,17 @@ def apply_stage3(
     names: dict[nn.Parameter, str],
     optimizer_groups: list[list[nn.Parameter]],
     comm: DataParallelComm,
-    unit_classes: tuple[type[nn.Module], ...],
-    persistence_threshold: int,
-    prefetch_numel: int,
-    max_live_numel: int,
+    config: ZeroConfig,
+    param_init_fn: ParamInitFn | None = None,
+    init_seed: int = 0,
 ) -> tuple[list[ShardedUnit], Stage3Runtime, list[FlatParamGroup]]:
-    """Plan the units of ``module`` and bind one flat group per (unit, optimizer param group).
+    """Plan the units of ``module`` and shard them one at a time.
 
-    The groups are bound whole (so the caller can broadcast them from rank 0); the caller then
-    calls ``unit.shard()`` on every unit. Parameters in no optimizer group (frozen) get a flat
-    group with ``optimizer_group == -1`` in their unit: sharded, never stepped.
+    For each unit: one flat group per optimizer param group present (parameters in no group,
+    e.g. frozen ones, get a group with ``optimizer_group == -1``: sharded, never stepped) is
+    bound; parameters built on the meta device are initialised in it (Note [sharded
+    construction]); the buffers are broadcast from rank 0, this rank's shard is kept and the
+    buffer freed. So at most one unit is whole at any time.
 
     Returns:
         The units, the runtime whose hooks drive them, and every flat group (unit order).
@@ -315,7 +318,8 @@ def apply_stage3(
     from lightning_zero.core.units import direct_owners, plan_units
 
     group_of = {p: gi for gi, params in enumerate(optimizer_groups) for p in params}
-    plans = plan_units(module, names, unit_classes, persistence_threshold)
+    plans = plan_units(module, names, config.unit_classes, config.param_persistence_threshold)
+    module_names = {m: n for n, m in module.named_modules()}
     units: list[ShardedUnit] = []
     all_groups: list[FlatParamGroup] = []
     for index, plan in enumerate(plans):
@@ -328,7 +332,13 @@ def apply_stage3(
             fg.optimizer_group = gi
             fg.bind()
             groups.append(fg)
-        units.append(ShardedUnit(plan.name, index, groups))
+        owners = direct_owners(module, set(plan.params))
+        initialize_modules([(module_names[m], m) for m in owners], param_init_fn, init_seed)
+        for fg in groups:
+            comm.broadcast(fg.flat)
+        unit = ShardedUnit(plan.name, index, groups)
+        unit.shard()
+        units.append(unit)
         all_groups.extend(groups)
     root_params = {p for plan in plans if plan.name == ROOT for p in plan.params}
     runtime = Stage3Runtime(
@@ -336,7 +346,7 @@ def apply_stage3(
         [plan.modules for plan in plans],
         direct_owners(module, root_params),
         comm,
-        prefetch_numel,
-        max_live_numel,
+        config.prefetch_bucket_size,
+        config.max_live_parameters,
     )
     return units, runtime, all_groups

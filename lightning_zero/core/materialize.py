@@ -1,0 +1,93 @@
+"""Stage 3 sharded construction: a model built on the meta device is materialised unit by unit.
+
+Note [sharded construction]
+    Parameters created under ``torch.device("meta")`` (the strategy's ``model_sharded_context``
+    during ``configure_model``) have shapes but no values. :func:`replace_meta_parameters` swaps
+    each for a CPU ``nn.Parameter`` of the same shape whose storage is already freed (tied
+    parameters stay tied), so the optimizer can be built on them. Stage 3 then takes one unit
+    at a time: allocates its flat buffer, points the parameters at it, initialises them there
+    with ``param_init_fn`` (default: each module's ``reset_parameters``), broadcasts it from rank
+    0, keeps this rank's shard and frees the buffer. No rank ever holds more than its shards and
+    one unit.
+
+    Initialisation differs from building the model whole: every module is initialised with the
+    global RNG seeded from ``(base seed, module name)``, so the values do not depend on the
+    world size, the rank or the order modules were built in (they are not the values an eager
+    construction with the same seed gives).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+ParamInitFn = Callable[[nn.Module, str], None]  # (module, qualified name) -> initialise its own params
+
+_UNINITIALIZED = "_lightning_zero_uninitialized"  # attribute on parameters replaced from meta
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def replace_meta_parameters(module: nn.Module, device: torch.device) -> int:
+    """Replace every meta parameter of ``module`` by a storage-less parameter on ``device``.
+
+    Returns the number of parameters replaced. Raises when a buffer is on the meta device (a
+    buffer has no initialiser to rerun).
+    """
+    meta_buffers = [n for n, b in module.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise NotImplementedError(
+            f"Buffers {meta_buffers[:3]} were created on the meta device, and a buffer cannot be initialised "
+            "afterwards. Create buffers in the LightningModule's __init__ (outside configure_model), or compute "
+            "them in forward."
+        )
+    new: dict[int, nn.Parameter] = {}  # id(old meta param) -> replacement (keeps ties)
+    for mod in module.modules():
+        for key, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                t.untyped_storage().resize_(0)
+                replacement = nn.Parameter(t, requires_grad=p.requires_grad)
+                setattr(replacement, _UNINITIALIZED, True)
+                new[id(p)] = replacement
+            mod._parameters[key] = new[id(p)]
+    return len(new)
+
+
+def is_uninitialized(p: torch.Tensor) -> bool:
+    return bool(getattr(p, _UNINITIALIZED, False))
+
+
+def default_init(module: nn.Module, name: str) -> None:
+    """``module.reset_parameters()``; raises, naming the module, when it has none."""
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise ValueError(
+            f"Module {name!r} ({type(module).__name__}) was built on the meta device and has no reset_parameters() "
+            "to initialise its parameters. Pass `ZeroStrategy(param_init_fn=fn)` with fn(module, name) that "
+            "initialises the module's own parameters in place."
+        )
+    reset()
+
+
+@torch.no_grad()
+def initialize_modules(
+    owners: list[tuple[str, nn.Module]], init_fn: ParamInitFn | None, base_seed: int
+) -> None:
+    """Run the initialiser of each module owning uninitialised parameters (Note [sharded construction])."""
+    for name, module in owners:
+        own = [p for p in module.parameters(recurse=False) if is_uninitialized(p)]
+        if not own:
+            continue
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((base_seed + zlib.crc32(name.encode())) % (2**63))
+            (init_fn or default_init)(module, name)
+        for p in own:
+            delattr(p, _UNINITIALIZED)
