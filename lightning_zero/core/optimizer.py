@@ -8,6 +8,8 @@ and its state is created for the shard only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from torch.optim import Optimizer
@@ -77,52 +79,127 @@ class ShardedOptimizer:
         groups: the flat groups, bound (their ``flat`` buffers exist).
         master_dtype: dtype of the master shards; when it equals the parameter dtype the master
             is a view of the parameter buffer (no copy).
+        whole: stage 0 with a separate master (mixed precision): the master covers the whole flat
+            buffer and the optimizer steps per-parameter views of it, shaped like the parameters
+            and in the group's original order, so any optimizer works and its ``state_dict()`` is
+            that of a plain optimizer.
+        master_init: initial master values per parameter (e.g. the fp32 weights before the module
+            was cast to 16 bits); parameters not in it start from their current values.
+
+    Note [master shards]
+        ``masters[i]`` is the 1-D master of group ``i`` covering ``master_range(i)`` of the flat
+        layout: this rank's shard (stage >= 1) or the whole padded buffer (``whole``). The
+        optimizer's param group ``i`` holds ``stepped[i]``: ``[masters[i]]``, or with ``whole``
+        the per-parameter views. Stepping never touches the module: :meth:`write_back` casts the
+        masters into the parameter buffer.
     """
 
-    def __init__(self, optimizer: Optimizer, groups: list[FlatParamGroup], master_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        groups: list[FlatParamGroup],
+        master_dtype: torch.dtype,
+        whole: bool = False,
+        master_init: Mapping[nn.Parameter, torch.Tensor] | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.groups = groups
+        self.whole = whole
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
-        self.masters: list[torch.Tensor] = []  # 1-D master shard of this rank, per group
-        for pg, fg in zip(optimizer.param_groups, groups):
-            start, end = fg.shard_range()
+        self.masters: list[torch.Tensor] = []  # 1-D master of this rank, per group
+        self.stepped: list[list[torch.Tensor]] = []  # what each param group holds
+        for gi, (pg, fg) in enumerate(zip(optimizer.param_groups, groups)):
+            start, end = self.master_range(gi)
             own = fg.flat[start:end]
-            master = own if master_dtype == fg.dtype else own.detach().to(master_dtype).clone()
+            master = own if master_dtype == fg.dtype else _initial_master(fg, start, end, master_dtype, master_init)
             self.masters.append(master)
-            pg["params"] = [master]
+            if whole:
+                views = {s.param: v for s, v in zip(fg.slots, fg.views(master))}
+                stepped = [views.get(p, p) for p in pg["params"]]  # frozen members stay as they are
+            else:
+                stepped = [master]
+            self.stepped.append(stepped)
+            pg["params"] = list(stepped)
 
-    def set_grads(self, shard_grads: list[torch.Tensor]) -> None:
-        for master, grad in zip(self.masters, shard_grads):
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+    def master_range(self, group_index: int) -> tuple[int, int]:
+        fg = self.groups[group_index]
+        return (0, fg.padded_numel) if self.whole else fg.shard_range()
+
+    def set_grads(self, grads: list[torch.Tensor]) -> None:
+        """Give the masters these gradients (1-D, laid out like the masters; cast when needed)."""
+        for gi, (master, grad) in enumerate(zip(self.masters, grads)):
+            grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+            master.grad = grad
+            if self.whole:
+                views = dict(zip((s.param for s in self.groups[gi].slots), self.groups[gi].views(grad)))
+                for stepped, original in zip(self.stepped[gi], self.original_params[gi]):
+                    if stepped is not original:
+                        stepped.grad = views[original]
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self.masters if m.grad is not None]
 
     def write_back(self) -> None:
-        """Copy stepped masters into the parameter buffers' own shard (when not a view)."""
-        for master, fg in zip(self.masters, self.groups):
-            start, end = fg.shard_range()
+        """Copy stepped masters into the parameter buffers (when not a view)."""
+        for gi, (master, fg) in enumerate(zip(self.masters, self.groups)):
+            start, end = self.master_range(gi)
             own = fg.flat[start:end]
             if own.data_ptr() != master.data_ptr():
                 own.copy_(master)
 
     def clear_grads(self) -> None:
-        for m in self.masters:
+        for m, stepped in zip(self.masters, self.stepped):
             m.grad = None
+            for t in stepped:
+                t.grad = None
 
     def check_unchanged(self) -> None:
         if len(self.optimizer.param_groups) != len(self.groups) or any(
-            len(pg["params"]) != 1 or pg["params"][0] is not m
-            for pg, m in zip(self.optimizer.param_groups, self.masters)
+            len(pg["params"]) != len(st) or any(a is not b for a, b in zip(pg["params"], st))
+            for pg, st in zip(self.optimizer.param_groups, self.stepped)
         ):
             raise NotImplementedError(
                 "The optimizer's param groups changed after setup (e.g. `add_param_group`, as BaseFinetuning "
-                "does when it unfreezes layers). ZeRO stage >= 1 partitions the groups at setup: create every "
-                "group in `configure_optimizers` and keep `requires_grad` as it was at setup, or use stage 0."
+                "does when it unfreezes layers). ZeRO partitions the groups at setup: create every "
+                "group in `configure_optimizers` and keep `requires_grad` as it was at setup, or use stage 0 "
+                "with precision='32-true'."
             )
 
     def restore(self) -> None:
-        """Put the original parameters back into the param groups (shard state is dropped)."""
-        for pg, params, m in zip(self.optimizer.param_groups, self.original_params, self.masters):
-            self.optimizer.state.pop(m, None)
+        """Put the original parameters back into the param groups (master state is dropped)."""
+        for pg, params, stepped in zip(self.optimizer.param_groups, self.original_params, self.stepped):
+            for t in stepped:
+                if not any(t is p for p in params):
+                    self.optimizer.state.pop(t, None)
             pg["params"] = params
+
+    @torch.no_grad()
+    def full_masters(self, comm: DataParallelComm) -> list[torch.Tensor]:
+        """Every group's whole padded master buffer (a collective for stage >= 1: all ranks call it)."""
+        out = []
+        for gi, (master, fg) in enumerate(zip(self.masters, self.groups)):
+            if self.whole:
+                out.append(master)
+                continue
+            full = torch.zeros(fg.padded_numel, dtype=master.dtype, device=master.device)
+            start, end = self.master_range(gi)
+            full[start:end].copy_(master)
+            comm.all_gather_flat(full, start, end)
+            out.append(full)
+        return out
+
+
+def _initial_master(
+    fg: FlatParamGroup, start: int, end: int, dtype: torch.dtype, init: Mapping[nn.Parameter, torch.Tensor] | None
+) -> torch.Tensor:
+    """A new master for ``[start, end)`` of ``fg``'s layout: from ``init`` where given, else the buffer."""
+    master = fg.flat[start:end].to(dtype, copy=True)
+    for s in fg.slots if init else ():
+        source = init.get(s.param)
+        lo, hi = max(s.offset, start), min(s.offset + s.numel, end)
+        if source is not None and hi > lo:
+            master[lo - start : hi - start].copy_(source.reshape(-1)[lo - s.offset : hi - s.offset])
+    return master
 
 
 # per-parameter scalars of torch.optim optimizers (all other tensor states are per element)
@@ -144,6 +221,8 @@ def full_optimizer_state(sharded: ShardedOptimizer, comm: DataParallelComm) -> d
     Every rank contributes its shards (all ranks must call this together); the result does not
     depend on the world size, so it loads at any world size or stage, or into a plain optimizer.
     """
+    if sharded.whole:  # per-parameter views in the original order: already a plain optimizer's state
+        return sharded.optimizer.state_dict()
     index = _index_of_original(sharded)
     state: dict[int, dict] = {}
     groups = []
@@ -171,6 +250,9 @@ def full_optimizer_state(sharded: ShardedOptimizer, comm: DataParallelComm) -> d
 @torch.no_grad()
 def load_full_optimizer_state(sharded: ShardedOptimizer, full: dict) -> None:
     """Load a state made by :func:`full_optimizer_state` (or a plain optimizer) into the shards."""
+    if sharded.whole:
+        sharded.optimizer.load_state_dict(full)
+        return
     index = _index_of_original(sharded)
     saved_groups = full.get("param_groups", [])
     if len(saved_groups) != len(sharded.groups):
@@ -204,3 +286,4 @@ def load_full_optimizer_state(sharded: ShardedOptimizer, full: dict) -> None:
             shard_sd["state"][gi] = out
     sharded.optimizer.load_state_dict(shard_sd)
     sharded.masters[:] = [pg["params"][0] for pg in sharded.optimizer.param_groups]
+    sharded.stepped[:] = [list(pg["params"]) for pg in sharded.optimizer.param_groups]
