@@ -198,6 +198,38 @@ def test_bf16_true_trains_without_a_master(parity_results, stage: int) -> None:
         assert got["param_dtypes"] == got["after_fit"] == got["compute_dtypes"] == {torch.bfloat16}
 
 
+def accumulation_body() -> dict[str, list[float]]:
+    """Accumulation over 2 micro-steps with clipping, fp32 against the dtype options of the mixed modes."""
+    fp16 = dict(loss_scaler=NO_NATURAL_OVERFLOW)
+    runs = {  # name: (plugin options, collective)
+        "fp32": (("32-true", {}), "auto"),
+        "fp16/fp32-accum": (("16-mixed", {**fp16, "grad_accum_dtype": "float32"}), "reduce_scatter"),
+        "fp16/fp32-reduce": (("16-mixed", {**fp16, "reduce_dtype": "float32"}), "auto"),
+        "bf16/fp32-accum": (("bf16-mixed", {"grad_accum_dtype": torch.float32}), "reduce_scatter"),
+    }
+    out = {}
+    for name, ((mode, options), collective) in runs.items():
+        for stage in STAGES:
+            model = Model()
+            strategy = ZeroStrategy(stage=stage, precision=ZeroPrecision(mode, **options), collective=collective,
+                                    reduce_bucket_size=300)
+            make_trainer(strategy, max_steps=8, accumulate_grad_batches=2, gradient_clip_val=0.5).fit(
+                model, pattern_loader())
+            out[f"{name}/{stage}"] = model.losses
+    return out
+
+
+@pytest.mark.distributed
+def test_accumulation_reduce_and_accum_dtypes_follow_fp32(gloo_pool) -> None:
+    for result in gloo_pool.run("tests.test_precision:accumulation_body"):
+        for stage in STAGES:
+            ref = result[f"fp32/{stage}"]
+            assert len(ref) == 16
+            for name, tol in (("fp16/fp32-accum", 0.01), ("fp16/fp32-reduce", 0.01), ("bf16/fp32-accum", 0.02)):
+                got = result[f"{name}/{stage}"]
+                assert max(abs(a / b - 1) for a, b in zip(got, ref)) < tol, (name, stage, got, ref)
+
+
 # ---------------------------------------------------------------------------- model-state bytes
 class _Bytes(pl.Callback):
     def __init__(self) -> None:

@@ -1,6 +1,7 @@
 """ZeRO stage 2 in fp32, fp16, bf16 or pure bf16 on 2 CPU processes:
 
-    python docs/examples/mixed_precision.py 16-mixed     # or 32-true, bf16-mixed, bf16-true
+    python docs/examples/mixed_precision.py 16-mixed       # or 32-true, bf16-mixed, bf16-true
+    python docs/examples/mixed_precision.py bf16-true 200  # more steps (default 40)
 """
 
 import sys
@@ -26,20 +27,27 @@ class Report(pl.Callback):
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "16-mixed"
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 40
     # fp16 only: DeepSpeed's dynamic loss scaler (these are its defaults, except a shorter window)
-    scaler = LossScalerConfig(initial_scale_power=16, loss_scale_window=100, hysteresis=2) if mode == "16-mixed" else None
+    fp16 = mode == "16-mixed"
+    scaler = LossScalerConfig(initial_scale_power=16, loss_scale_window=100, hysteresis=2) if fp16 else None
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=ZeroStrategy(stage=2, precision=ZeroPrecision(mode, loss_scaler=scaler)),
-        max_steps=40,
+        max_steps=steps,
         gradient_clip_val=1.0,  # clipped by the global norm of the unscaled fp32 gradients
         callbacks=[ZeroStatsMonitor(prog_bar=True), Report()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        limit_val_batches=25,
     )
     data = TextDataModule(seq_len=32, micro_batch_size=8, max_bytes=200_000, deterministic_order=True)
-    trainer.fit(GPTLightningModule("gpt_tiny"), data)
+    model = GPTLightningModule("gpt_tiny")
+    trainer.fit(model, data)
+    val = trainer.validate(model, data, verbose=False)[0]["val_loss"]  # runs in the same precision
+    if trainer.is_global_zero:
+        print(f"{mode}: val_loss={val:.4f} after {steps} steps")

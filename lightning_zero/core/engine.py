@@ -37,7 +37,13 @@ from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
-from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, full_optimizer_state, trainable_groups
+from lightning_zero.core.optimizer import (
+    ShardedOptimizer,
+    broadcast_master_init,
+    check_optimizer,
+    full_optimizer_state,
+    trainable_groups,
+)
 
 
 class ZeroEngine:
@@ -102,8 +108,9 @@ class ZeroEngine:
         separate_master = not self.dtypes.master_is_param_view
         self.sharded: ShardedOptimizer | None = None
         if config.stage >= 1 or separate_master:
-            if separate_master and master_init:
-                master_init = self._broadcast_master_init(master_init, managed)
+            if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
+                master_init = broadcast_master_init(master_init, [p for p in self.names if p in managed],
+                                                    self.dtypes.master_dtype, self.comm)
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
                                             whole=config.stage == 0, master_init=master_init)
         self._user_zero_grad = optimizer.zero_grad
@@ -116,21 +123,6 @@ class ZeroEngine:
         self._norm: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ setup
-    @torch.no_grad()
-    def _broadcast_master_init(
-        self, init: Mapping[nn.Parameter, torch.Tensor], managed: set[nn.Parameter]
-    ) -> dict[nn.Parameter, torch.Tensor]:
-        """Rank 0's initial master values on every rank (the parameters were broadcast already)."""
-        out = {p: t for p, t in init.items() if p in managed}
-        if self.comm.active:
-            for p in self.names:  # module order: the same on every rank
-                if p in out:  # one parameter at a time on the collective's device
-                    home = out[p].device
-                    t = out[p].to(device=p.device, dtype=self.dtypes.master_dtype).contiguous()
-                    self.comm.broadcast(t)
-                    out[p] = t.to(home)
-        return out
-
     def _check_same_structure(self) -> None:
         signature = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in self.names.items()])
         signature += repr([len(g["params"]) for g in self.optimizer.param_groups])

@@ -189,6 +189,22 @@ class ShardedOptimizer:
         return out
 
 
+@torch.no_grad()
+def broadcast_master_init(
+    init: Mapping[nn.Parameter, torch.Tensor], params: list[nn.Parameter], dtype: torch.dtype,
+    comm: DataParallelComm,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Rank 0's initial master values of ``params`` (same order on every rank) on every rank, in
+    ``dtype``; one parameter at a time on the parameter's device (the collective's)."""
+    out = {p: init[p] for p in params if p in init}
+    if comm.active:
+        for p in out:
+            t = out[p].to(device=p.device, dtype=dtype).contiguous()
+            comm.broadcast(t)
+            out[p] = t.to(init[p].device)
+    return out
+
+
 def _initial_master(
     fg: FlatParamGroup, start: int, end: int, dtype: torch.dtype, init: Mapping[nn.Parameter, torch.Tensor] | None
 ) -> torch.Tensor:
