@@ -166,11 +166,8 @@ def any_rank(flag: bool, comm: DataParallelComm) -> bool:
 
 def local_sum_of_squares(tensors: Iterable[torch.Tensor]) -> float:
     """Sum of squares (in fp32) of this rank's elements; inf / nan when any element is."""
-    total = torch.zeros((), dtype=torch.float32)
-    for t in tensors:
-        if t.numel():
-            total = total + torch.linalg.vector_norm(t, 2, dtype=torch.float32).square().cpu()
-    return float(total)
+    parts = [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors if t.numel()]
+    return float(torch.stack(parts).square().sum()) if parts else 0.0  # one device sync
 
 
 def non_finite(value: float) -> bool:
