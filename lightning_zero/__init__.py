@@ -3,9 +3,11 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.advisor import Advice, advise
+from lightning_zero.callbacks import ZeroStatsMonitor
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.gathered import gathered_parameters
+from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScalerConfig
 from lightning_zero.core.memory import ModelStateBytes, model_state_formula
 from lightning_zero.estimator import MemoryEstimate, estimate_memory
 from lightning_zero.precision import ZeroPrecision
@@ -17,11 +19,14 @@ if "zero_stage_0" not in StrategyRegistry:
 __all__ = [
     "Advice",
     "DtypePolicy",
+    "DynamicLossScaler",
+    "LossScalerConfig",
     "MemoryEstimate",
     "ModelStateBytes",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroPrecision",
+    "ZeroStatsMonitor",
     "ZeroStrategy",
     "advise",
     "estimate_memory",

@@ -7,8 +7,14 @@ all partitioning lives in :mod:`lightning_zero.core`, which the strategy drives:
     block_backward_sync (non-boundary micro-steps) -> engine.no_sync()
     backward         -> loss.backward(); engine.finish_backward()
     clip (precision plugin) -> engine.clip_grad_norm_()     global norm over shards
-    optimizer_step   -> optimizer.step(); engine.after_step()   all-gather of updated shards
+    optimizer_step   -> [engine.prepare_step()] optimizer.step(); engine.after_step()
+                                                            all-gather of updated shards
     teardown         -> engine.detach()                     params own their storage again
+
+16-bit modes (``lightning_zero.precision``): the plugin casts the module before the engine is
+built, hands the engine its dtypes and the pre-cast weights (the fp32 masters start from them)
+and, for fp16, scales the loss and skips overflowing steps; the strategy then keeps step-interval
+LR schedulers from advancing (Note [skipped steps and schedulers]).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loading import load_full_state_dict, open_state_dict
+from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
@@ -50,7 +57,11 @@ class ZeroStrategy(DDPStrategy):
             3 (+ parameters, gathered per unit just in time).
         config: a full :class:`~lightning_zero.core.config.ZeroConfig`; overrides ``stage`` and
             ``zero_options`` when given.
-        precision: the precision mode (``"32-true"``); Lightning's ``Trainer(precision=...)`` works too.
+        precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or a
+            :class:`~lightning_zero.ZeroPrecision`; wins over the Trainer's ``precision``. Without
+            it ``Trainer(precision=...)`` is converted (on CPU Lightning turns ``"16-mixed"``
+            into ``"bf16-mixed"`` before the strategy sees it: pass fp16 here to keep it).
+        loss_scaler: fp16 loss-scaler policy when ``precision="16-mixed"`` is given as a string.
         check_step_errors: after every ``training_step`` the ranks agree on whether any of them
             raised, so an error in one rank's step is raised on every rank instead of leaving the
             others waiting in a collective (one tiny all-reduce per micro-step).
@@ -70,7 +81,8 @@ class ZeroStrategy(DDPStrategy):
         stage: int = 2,
         *,
         config: ZeroConfig | None = None,
-        precision: str | None = None,
+        precision: str | ZeroPrecision | None = None,
+        loss_scaler: LossScalerConfig | None = None,
         check_step_errors: bool = True,
         param_init_fn: ParamInitFn | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -83,8 +95,14 @@ class ZeroStrategy(DDPStrategy):
         **zero_options: Any,
     ) -> None:
         self.zero_config: ZeroConfig = config or ZeroConfig.from_kwargs(stage, zero_options)
-        if precision_plugin is None and precision is not None:
-            precision_plugin = ZeroPrecision(precision)
+        if isinstance(precision, ZeroPrecision):
+            if loss_scaler is not None:
+                raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
+            precision_plugin = precision
+        elif precision is not None:
+            precision_plugin = ZeroPrecision(precision, loss_scaler=loss_scaler)
+        elif loss_scaler is not None:
+            raise ValueError("`loss_scaler` needs precision='16-mixed' on the strategy.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -141,11 +159,16 @@ class ZeroStrategy(DDPStrategy):
                     f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
                     "parameter sets in param groups of one optimizer."
                 )
+            plugin, module = self.precision_plugin, self.lightning_module
             self._engine = ZeroEngine(
-                self.lightning_module, self.optimizers[0], self.zero_config, self._comm,
+                module, self.optimizers[0], self.zero_config, self._comm,
+                dtypes=plugin.dtype_policy(module), master_init=plugin.master_init(),
                 param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
             )
-            self.precision_plugin.engine = self._engine
+            plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
+            plugin.engine = self._engine
+            if plugin.scaler is not None:
+                self._guard_lr_schedulers()
         else:
             self._broadcast_module_states()
         self.setup_precision_plugin()
@@ -171,6 +194,28 @@ class ZeroStrategy(DDPStrategy):
             return
         with torch.device("meta"):
             yield
+
+    def _guard_lr_schedulers(self) -> None:
+        """Note [skipped steps and schedulers]
+            Lightning steps step-interval LR schedulers after every optimizer step, also one the
+            fp16 loss scaler skipped; DeepSpeed's schedule does not advance then. The module's
+            ``lr_scheduler_step`` hook (the user's override, or Lightning's default) is wrapped for
+            the fit (an instance attribute, removed at teardown) and does nothing for a
+            step-interval scheduler right after a skipped step. Epoch-interval schedulers and
+            manual optimization (the user calls ``scheduler.step()``; check
+            ``strategy.last_step_skipped``) are left alone.
+        """
+        module = self.lightning_module
+        original = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+            if self.last_step_skipped and any(
+                c.scheduler is scheduler and c.interval == "step" for c in self.lr_scheduler_configs
+            ):
+                return None
+            return original(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
 
     def _make_dp_group(self) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -243,12 +288,6 @@ class ZeroStrategy(DDPStrategy):
             if dl is loader:
                 return limit
         return float("inf")
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._engine is None:
-            return super().lightning_module_state_dict()
-        return self._engine.full_state_dict()  # stage 3 gathers unit by unit (every rank takes part)
 
     @contextmanager
     @override
@@ -335,6 +374,59 @@ class ZeroStrategy(DDPStrategy):
         return runtime.live_bound() if runtime is not None else 0
 
     @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (``None`` in the other modes)."""
+        return self.precision_plugin.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed (checkpointed)."""
+        return self.precision_plugin.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (overflow on some rank)."""
+        return self.precision_plugin.last_step_skipped
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm (unscaled) of the last step that measured it: every step in the 16-bit mixed
+        modes, else when clipping by norm."""
+        return self._engine.last_grad_norm if self._engine is not None else None
+
+    def step_stats(self) -> dict[str, float]:
+        """``zero/loss_scale``, ``zero/skipped_steps``, ``zero/grad_norm`` where known, for loggers
+        (:class:`~lightning_zero.callbacks.ZeroStatsMonitor` logs them)."""
+        out: dict[str, float] = {}
+        if self.loss_scale is not None:
+            out["zero/loss_scale"] = float(self.loss_scale)
+            out["zero/skipped_steps"] = float(self.skipped_steps)
+        if self.last_grad_norm is not None:
+            out["zero/grad_norm"] = float(self.last_grad_norm)
+        return out
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Whole tensors (stage 3 gathers them unit by unit; every rank calls this). With an fp32
+        master the checkpoint holds fp32 weights (the masters, gathered), like the module before
+        the cast, so a resumed run starts from exact masters."""
+        engine, module = self._engine, self.lightning_module
+        if engine is None or module is None:
+            return super().lightning_module_state_dict()
+        state = engine.full_state_dict()  # stage 3 gathers unit by unit (every rank takes part)
+        if not engine.separate_master:
+            return state
+        masters = engine.full_master_params()
+        owner = dict(module.named_parameters(remove_duplicate=False))
+        for key, value in state.items():
+            p = owner.get(key)
+            if p is not None and p in masters:
+                state[key] = masters[p]
+            elif isinstance(value, Tensor) and value.is_floating_point():
+                state[key] = value.to(engine.dtypes.master_dtype)
+        return state
+
+    @property
     def engine(self) -> ZeroEngine | None:
         """The ZeRO engine driving the current fit (``None`` outside fitting)."""
         return self._engine
@@ -368,6 +460,9 @@ class ZeroStrategy(DDPStrategy):
             self._engine.detach(keep_optimizer_state=not failed)
             self._engine = None
             self.precision_plugin.engine = None
+        if self.lightning_module is not None:
+            self.lightning_module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
+            self.precision_plugin.restore_module(self.lightning_module)
         super().teardown()
 
     @classmethod

@@ -47,7 +47,6 @@ COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("pipeline", "pp2_gpipe"): ["zero=stage1"],
     ("pipeline", "pp2_1f1b"): ["zero=stage1"],
     ("pipeline", "pp4_interleaved"): ["zero=stage1", "trainer.devices=4"],
-    ("precision", "fp16"): ["trainer=gpu"],
 }
 # Options whose feature is not built yet: the text their NotImplementedError must contain.
 UNBUILT: dict[tuple[str, str], str] = {
@@ -55,9 +54,6 @@ UNBUILT: dict[tuple[str, str], str] = {
     ("offload", "optimizer_nvme"): "offload=optimizer_nvme",
     ("offload", "param_cpu"): "offload=param_cpu",
     ("offload", "param_nvme"): "offload=param_nvme",
-    ("precision", "fp16"): "precision=fp16",
-    ("precision", "bf16"): "precision=bf16",
-    ("precision", "bf16_true"): "precision=bf16_true",
     ("pipeline", "pp2_gpipe"): "pipeline parallelism",
     ("pipeline", "pp2_1f1b"): "pipeline parallelism",
     ("pipeline", "pp4_interleaved"): "pipeline parallelism",
@@ -172,8 +168,9 @@ def test_big_presets_are_only_counted_on_meta(monkeypatch: pytest.MonkeyPatch) -
     (["pipeline=pp2_1f1b"], r"ZeRO stage 0 or 1 with pipelines\)\. Fix: zero=stage1"),
     (["pipeline=pp4_interleaved", "zero=stage1"], "must divide trainer.devices=2"),
     (["zero=stage1", "pipeline=pp2_1f1b", "model=gpt_tiny", "model.n_layer=1"], "fewer than pipeline.stages"),
-    (["precision=fp16"], "needs a GPU"),
     (["precision=bf16", "precision.loss_scale=128"], "loss scaling applies to fp16 only"),
+    (["precision=bf16_true", "precision.raise_at_min_scale=true"], "loss scaling applies to fp16 only"),
+    (["precision=bf16", "precision.grad_accum_dtype=int32"], "grad_accum_dtype=int32 is not a floating dtype"),
     (["model=mlp"], "needs classification data"),
     (["model=mlp", "data=teacher", "data.input_dim=8"], "differ from data.input_dim"),
     (["data.seq_len=512"], "exceeds the model's context 256"),
@@ -190,8 +187,9 @@ def test_invalid_combinations_are_rejected_with_the_reason(overrides: list[str],
 
 def test_invalid_beats_not_built_and_all_reasons_are_listed() -> None:
     with pytest.raises(ValueError) as info:  # pipelines are unbuilt, but the combination is invalid anyway
-        validate_config(compose_config(["zero=stage3", "pipeline=pp2_1f1b", "precision=fp16"]))
-    assert "pipeline" in str(info.value) and "needs a GPU" in str(info.value)
+        validate_config(compose_config(["zero=stage3", "pipeline=pp2_1f1b", "precision=bf16",
+                                        "precision.hysteresis=4"]))
+    assert "pipeline" in str(info.value) and "loss scaling applies to fp16 only" in str(info.value)
     with pytest.raises(NotImplementedError, match=r"offload=optimizer_cpu.*pipeline parallelism"):
         validate_config(compose_config(["zero=stage1", "pipeline=pp2_gpipe", "offload=optimizer_cpu"]))
 
@@ -247,6 +245,26 @@ def test_strategy_gets_the_zero_group() -> None:
     assert (z.stage, z.reduce_bucket_size, z.overlap_comm, z.collective) == (1, 1000, False, "reduce_scatter")
     assert z.elementwise_optimizers == (torch.optim.Adagrad,)
     assert strategy.precision_plugin.precision == "32-true"
+
+
+@pytest.mark.parametrize(("overrides", "mode", "dtype"), [
+    (["precision=fp32"], "32-true", torch.float32),
+    (["precision=fp16", "precision.initial_scale_power=8", "precision.hysteresis=3",
+      "precision.raise_at_min_scale=true", "precision.reduce_dtype=float32"], "16-mixed", torch.float16),
+    (["precision=bf16", "precision.grad_accum_dtype=float32"], "bf16-mixed", torch.bfloat16),
+    (["precision=bf16_true"], "bf16-true", torch.bfloat16),
+])
+def test_precision_group_builds_the_plugin(overrides: list[str], mode: str, dtype: torch.dtype) -> None:
+    plugin = build_strategy(validate_config(compose_config(overrides))).precision_plugin
+    assert (plugin.precision, plugin.compute_dtype) == (mode, dtype)
+    if mode == "16-mixed":  # fp16 stays fp16 on CPU (the Trainer's precision string would become bf16)
+        c = plugin.scaler.config
+        assert (plugin.loss_scale, c.hysteresis, c.raise_at_min_scale, c.loss_scale_window) == (256.0, 3, True, 1000)
+        assert plugin.reduce_dtype == torch.float32
+    else:
+        assert plugin.scaler is None
+    if mode == "bf16-mixed":
+        assert plugin.dtype_policy().grad_accum_dtype == torch.float32
 
 
 def test_sweeps_expand_like_hydra() -> None:

@@ -97,8 +97,8 @@ def test_bad_options_fail_before_any_process_starts() -> None:
         ZeroStrategy(stage=3, unit_classes=("Block",))
     with pytest.raises(ValueError, match="positive"):
         ZeroStrategy(stage=1, reduce_bucket_size=0)
-    with pytest.raises(NotImplementedError, match="not implemented"):
-        make_trainer(ZeroStrategy(stage=2), devices=1, precision="bf16-mixed")
+    with pytest.raises(ValueError, match="Unknown precision '16-true'"):
+        make_trainer(ZeroStrategy(stage=2), devices=1, precision="16-true")
 
 
 class _Broken(TinyTransformer):

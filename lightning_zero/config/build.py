@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
+from lightning_zero.callbacks import ZeroStatsMonitor
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
     GPTModelSchema,
@@ -30,6 +31,8 @@ from lightning_zero.config.schema import (
     TrainConfig,
 )
 from lightning_zero.config.validate import gpt_overrides, import_object, zero_config
+from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
 
 RESULT_FILE = "result.json"
@@ -41,10 +44,23 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     units = tuple(import_object(p) for p in cfg.zero.unit_classes)
     return {
         "config": replace(zero_config(cfg), elementwise_optimizers=extra, unit_classes=units),
-        "precision": LIGHTNING_PRECISION[cfg.precision.name.value],
+        "precision": build_precision(cfg),
         "check_step_errors": cfg.zero.check_step_errors,
         "process_group_backend": cfg.trainer.process_group_backend,
     }
+
+
+def build_precision(cfg: TrainConfig) -> ZeroPrecision:
+    """The :class:`~lightning_zero.ZeroPrecision` of ``cfg.precision`` (fp16 on CPU stays fp16)."""
+    p = cfg.precision
+    name = LIGHTNING_PRECISION[p.name.value]
+    scaler = None
+    if name == "16-mixed":
+        scaler = LossScalerConfig(loss_scale=p.loss_scale, initial_scale_power=p.initial_scale_power,
+                                  loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis,
+                                  consecutive_hysteresis=p.consecutive_hysteresis, min_loss_scale=p.min_loss_scale,
+                                  raise_at_min_scale=p.raise_at_min_scale)
+    return ZeroPrecision(name, loss_scaler=scaler, reduce_dtype=p.reduce_dtype, grad_accum_dtype=p.grad_accum_dtype)
 
 
 def build_strategy(cfg: TrainConfig) -> ZeroStrategy:
@@ -108,12 +124,15 @@ def build_logger(cfg: TrainConfig, run_dir: Path) -> Logger | bool:
 
 
 def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
-    """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled."""
+    """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled; with a logger,
+    :class:`~lightning_zero.ZeroStatsMonitor` (loss scale, skipped steps, gradient norm)."""
     ck = cfg.trainer.checkpoint
-    if not ck.enabled:
-        return []
-    return [ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_last=ck.save_last, save_top_k=ck.save_top_k,
-                            monitor=ck.monitor, every_n_train_steps=ck.every_n_train_steps)]
+    out: list[Callback] = [] if cfg.logger.kind is LoggerKind.none else [ZeroStatsMonitor()]
+    if ck.enabled:
+        out.append(ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_last=ck.save_last,
+                                   save_top_k=ck.save_top_k, monitor=ck.monitor,
+                                   every_n_train_steps=ck.every_n_train_steps))
+    return out
 
 
 def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:

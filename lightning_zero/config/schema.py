@@ -114,7 +114,9 @@ class OffloadSchema:
 
 @dataclass
 class PrecisionSchema:
-    """``precision/``: the mode, and DeepSpeed's fp16 loss-scaler knobs (``loss_scale=0`` means dynamic)."""
+    """``precision/``: the mode, DeepSpeed's fp16 loss-scaler knobs (``loss_scale=0`` means dynamic) and
+    the gradient dtypes (``reduce_dtype``: DeepSpeed's ``communication_data_type``; ``grad_accum_dtype``:
+    ``data_types.grad_accum_dtype``; ``null`` = the compute dtype)."""
 
     name: PrecisionName = PrecisionName.fp32
     loss_scale: float = 0.0
@@ -123,6 +125,9 @@ class PrecisionSchema:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
+    raise_at_min_scale: bool = False
+    reduce_dtype: str | None = None  # float32, float16 or bfloat16
+    grad_accum_dtype: str | None = None
 
 
 @dataclass

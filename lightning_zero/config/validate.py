@@ -31,13 +31,9 @@ from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
 
 BUILT_STAGES = (0, 1, 2, 3)
-_PRECISION_FEATURES = {
-    PrecisionName.fp16: "fp16 mixed precision: fp16 weights with fp32 master shards and dynamic loss scaling",
-    PrecisionName.bf16: "bf16 mixed precision: bf16 weights with fp32 master shards",
-    PrecisionName.bf16_true: "pure bf16: bf16 weights and optimizer state",
-}
 _SCALER_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-                 "min_loss_scale")
+                 "min_loss_scale", "raise_at_min_scale")
+_DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
 
 
 def offload_name(cfg: TrainConfig) -> str:
@@ -83,9 +79,11 @@ def _precision_problems(cfg: TrainConfig) -> list[str]:
     if p.name is not PrecisionName.fp16 and changed:
         out.append(f"precision.{', precision.'.join(changed)} set with precision={p.name.value}: loss scaling "
                    "applies to fp16 only. Fix: precision=fp16, or drop those overrides.")
-    if p.name is PrecisionName.fp16 and cfg.trainer.accelerator == "cpu":
-        out.append("precision=fp16 (16-mixed) needs a GPU; Lightning runs no fp16 autocast on CPU. "
-                   "Fix: precision=bf16 on CPU, or trainer=gpu.")
+    for key in ("reduce_dtype", "grad_accum_dtype"):
+        value = getattr(p, key)
+        if value is not None and value not in _DTYPES:
+            out.append(f"precision.{key}={value} is not a floating dtype. Fix: one of float32, float16, bfloat16, "
+                       "or null (the compute dtype).")
     if p.loss_scale < 0 or p.min_loss_scale <= 0:
         out.append("precision.loss_scale must be >= 0 (0 = dynamic) and precision.min_loss_scale > 0.")
     if not 0 <= p.initial_scale_power <= 63 or p.loss_scale_window < 1 or p.hysteresis < 1:
@@ -214,9 +212,6 @@ def unbuilt_features(cfg: TrainConfig) -> list[str]:
     if cfg.zero.stage not in BUILT_STAGES:
         out.append(f"ZeRO stage {cfg.zero.stage} (zero=stage{cfg.zero.stage}, partitioned parameters); "
                    "use zero=stage0, stage1 or stage2")
-    if cfg.precision.name is not PrecisionName.fp32:
-        out.append(f"precision={cfg.precision.name.value} ({_PRECISION_FEATURES[cfg.precision.name]}); "
-                   "use precision=fp32")
     if offload_name(cfg) != "none":
         out.append(f"offload={offload_name(cfg)} (ZeRO-Offload / ZeRO-Infinity); use offload=none")
     if cfg.pipeline.stages > 1:

@@ -6,20 +6,26 @@ Lifecycle, per optimizer step (the strategy calls these; plain PyTorch code can 
     with engine.no_sync():              # micro-steps before the last: stages 0-1 do not talk
         loss.backward(); engine.finish_backward()
     loss.backward(); engine.finish_backward()   # last micro-step: gradients reduced
-    engine.clip_grad_norm_(1.0)         # optional, global norm over all shards
-    optimizer.step()                    # steps this rank's master shards (stage >= 1)
+    if not engine.prepare_step(loss_scale):     # unscaled master gradients; False: no overflow
+        engine.clip_grad_norm_(1.0)     # optional, global norm over all shards
+        optimizer.step()                # steps this rank's master shards (stage >= 1)
     engine.after_step()                 # shards written back and all-gathered into the params
+
+``prepare_step`` may be left out when the optimizer can step on the reduced gradient buffers
+themselves (``dtypes.master_grad_is_view``, no loss scale): fp32 and bf16-true training.
 
 What each stage keeps whole on a rank (Note [flat shard layout] in flat_param.py):
 stage 0: params, grads, optimizer state; stage 1: params, grads; stage 2: params; stage 3:
 nothing (units are gathered just in time, see ``stage3.py``).
+Mixed precision adds a master copy in ``dtypes.master_dtype`` (whole at stage 0, else a shard)
+that the optimizer steps and that is cast back into the 16-bit parameters (Note [master shards]).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -32,9 +38,16 @@ from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import BackwardState, GradReducer
+from lightning_zero.core.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.materialize import ParamInitFn
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
-from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, full_optimizer_state, trainable_groups
+from lightning_zero.core.optimizer import (
+    ShardedOptimizer,
+    broadcast_master_init,
+    check_optimizer,
+    full_optimizer_state,
+    trainable_groups,
+)
 from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.stage3 import Stage3Runtime, apply_stage3
 from lightning_zero.core.units import plan_units
@@ -48,7 +61,9 @@ class ZeroEngine:
         optimizer: a ``torch.optim`` optimizer over (a subset of) ``module``'s parameters.
         config: the ZeRO policy (stage 0-3).
         comm: the data-parallel collectives (world size 1 without a process group).
-        dtypes: parameter / gradient / master dtypes.
+        dtypes: parameter / gradient / master dtypes (default: the module's dtype, fp32 master).
+        master_init: initial master values per parameter when the master is a separate copy (the
+            weights before the module was cast to 16 bits, so the master starts exact).
         param_init_fn: stage 3, parameters built on the meta device: ``fn(module, name)``
             initialises a module's own parameters (default ``reset_parameters``).
         init_seed: base seed of that initialisation (Note [sharded construction] in materialize.py).
@@ -61,6 +76,7 @@ class ZeroEngine:
         config: ZeroConfig,
         comm: DataParallelComm | None = None,
         dtypes: DtypePolicy | None = None,
+        master_init: Mapping[nn.Parameter, torch.Tensor] | None = None,
         param_init_fn: ParamInitFn | None = None,
         init_seed: int = 0,
     ) -> None:
@@ -69,6 +85,11 @@ class ZeroEngine:
         self.config = config
         self.comm = comm or DataParallelComm(collective=config.collective)
         self.dtypes = dtypes or DtypePolicy(param_dtype=_module_dtype(module))
+        if self.dtypes.param_dtype != _module_dtype(module):
+            raise ValueError(
+                f"The module's parameters are {_module_dtype(module)} but the dtype policy says "
+                f"{self.dtypes.param_dtype}. Cast the module first (the precision plugin's convert_module does)."
+            )
         check_optimizer(optimizer, config.stage, config.elementwise_optimizers)
         self.names: dict[nn.Parameter, str] = {}  # every module parameter -> qualified name, module order
         for name, p in module.named_parameters():
@@ -105,14 +126,26 @@ class ZeroEngine:
             config.overlap_comm,
             self.dtypes.grad_dtype,
             {p: n for p, n in self.names.items() if p in managed},
+            self.dtypes.grad_accum_dtype,
         )
-        # stage >= 1: the optimizer steps this rank's master shards; stage 0: the whole params
-        self.sharded: ShardedOptimizer | None = (
-            ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype) if config.stage >= 1 else None
-        )
+        # stage >= 1: the optimizer steps this rank's master shards; stage 0: the whole params, or
+        # with a separate master (mixed precision) per-parameter views of a whole master
+        separate_master = not self.dtypes.master_is_param_view
+        self.sharded: ShardedOptimizer | None = None
+        if config.stage >= 1 or separate_master:
+            if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
+                master_init = broadcast_master_init(master_init, [p for p in self.names if p in managed],
+                                                    self.dtypes.master_dtype, self.comm)
+            self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
+                                            whole=config.stage == 0, master_init=master_init)
         self._user_zero_grad = optimizer.zero_grad
         optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None  # global gradient norm of the last step that computed one
+        # Note [step preparation]: ``prepare_step`` runs once per optimizer step, after the last
+        # backward; ``step_skipped`` (an overflow on any rank) makes ``after_step`` leave params alone.
+        self._prepared = False
+        self.step_skipped = False
+        self._norm: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ setup
     def _check_same_structure(self) -> None:
@@ -159,16 +192,44 @@ class ZeroEngine:
                 self.runtime.gather_all()
             else:  # no collective after an error: each rank keeps its shard, the rest is zero
                 self._fill_from_shards()
+        full, masters = None, None
         if self.sharded is not None:
+            if self.separate_master and (keep_optimizer_state or self.sharded.whole):
+                masters = self.sharded.full_masters(self.comm)
             full = full_optimizer_state(self.sharded, self.comm) if keep_optimizer_state else None
             self.sharded.restore()
-            if full is not None:
-                self.optimizer.load_state_dict(full)
         for g in self.all_groups:
             g.unbind()
             g.shard = None
+        if self.separate_master:
+            # The master holds the trained values: the parameters take its dtype and values back
+            # (after an error at stage >= 1 only the 16-bit values are at hand). The caller casts
+            # the rest of the module (frozen parameters, buffers); the precision plugin does.
+            with torch.no_grad():
+                for gi, g in enumerate(self.groups):
+                    views = g.views(masters[gi]) if masters is not None else [None] * len(g.slots)
+                    for s, v in zip(g.slots, views):
+                        s.param.data = v.clone() if v is not None else s.param.data.to(self.dtypes.master_dtype)
+        if full is not None:
+            self.optimizer.load_state_dict(full)
         for p in self.names:
             p.grad = None
+
+    @property
+    def separate_master(self) -> bool:
+        """Whether the optimizer steps a master copy in another dtype than the parameters."""
+        return not self.dtypes.master_is_param_view
+
+    @torch.no_grad()
+    def full_master_params(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each trainable parameter's master value, whole (a collective for stage >= 1: every rank
+        calls it). Without a separate master these are the parameters themselves."""
+        if self.sharded is None or not self.separate_master:
+            return {s.param: s.param.detach() for g in self.groups for s in g.slots}
+        out = {}
+        for g, full in zip(self.groups, self.sharded.full_masters(self.comm)):
+            out.update({s.param: v for s, v in zip(g.slots, g.views(full))})
+        return out
 
     def _unit_modules(self) -> list[nn.Module]:
         if self.runtime is not None:
@@ -260,16 +321,79 @@ class ZeroEngine:
             self.runtime.end_backward()
         if self.reducer.communicating and self.reducer.whole_grads_valid():
             for g, flat in zip(self.groups, self.reducer.flat_grads):
+                if flat is None or flat.dtype != g.dtype:  # accumulated in another dtype: no .grad views
+                    continue
                 for s, view in zip(g.slots, g.views(flat)):
                     s.param.grad = view
-        if self.sharded is not None and self.reducer.communicating:
-            self.sharded.set_grads([self.reducer.shard_grad(i) for i in range(len(self.groups))])
+        if self.sharded is not None and self.reducer.communicating and self.dtypes.master_grad_is_view:
+            self.sharded.set_grads(self._reduced_for_masters())
+
+    def _reduced_for_masters(self) -> list[torch.Tensor]:
+        """The reduced gradients laid out like the masters (whole buffers at stage 0, else shards)."""
+        if self.sharded is not None and self.sharded.whole:
+            return [g for g in self.reducer.flat_grads if g is not None]
+        return [self.reducer.shard_grad(i) for i in range(len(self.groups))]
 
     # ------------------------------------------------------------------ step
+    def _grads_to_scale(self) -> list[torch.Tensor]:
+        """The gradients the optimizer steps on (unscaling and clipping act on these)."""
+        if self.sharded is not None and not self.dtypes.master_grad_is_view:
+            return self.sharded.master_grads()
+        return self._all_reduced_grads()
+
+    def _grads_for_norm(self) -> list[torch.Tensor]:
+        """This rank's share of the gradients; summed over ranks at stage >= 1 they are all of them."""
+        if self.sharded is not None and not self.dtypes.master_grad_is_view:
+            return self.sharded.master_grads()
+        return self.reducer.local_grads()
+
+    @torch.no_grad()
+    def prepare_step(self, loss_scale: float = 1.0, check_overflow: bool = False) -> bool:
+        """Get the optimizer's gradients ready, once per step: cast into the master dtype (a
+        transient copy with a separate master), divide by ``loss_scale``, measure the global norm
+        (:attr:`last_grad_norm`) and, with ``check_overflow``, agree across ranks whether any
+        rank's gradients hold inf / nan. Returns whether the step must be skipped (then the
+        master gradients are dropped and :meth:`after_step` leaves the parameters alone).
+        """
+        if self._prepared:
+            return self.step_skipped
+        if self.sharded is not None and not self.dtypes.master_grad_is_view:
+            self.sharded.set_grads(self._reduced_for_masters())
+        self._prepared = True
+        if loss_scale != 1.0:
+            for t in self._grads_to_scale():
+                t.mul_(1.0 / loss_scale)
+        sumsq = torch.tensor([local_sum_of_squares(self._grads_for_norm())], dtype=torch.float32,
+                             device=self.comm.device)
+        if check_overflow and any_rank(non_finite(float(sumsq)), self.comm):
+            self.skip_step()
+            self.last_grad_norm = math.inf
+            return True
+        if self.config.stage >= 1:
+            self.comm.all_reduce_sum(sumsq)
+        self._norm = sumsq.sqrt().reshape(())
+        self.last_grad_norm = float(self._norm)
+        return False
+
+    def skip_step(self) -> None:
+        """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
+        self._prepared = True
+        self.step_skipped = True
+        if self.sharded is not None:
+            self.sharded.clear_grads()
+
+    def _require_prepared(self, what: str) -> None:
+        if self.sharded is not None and not self.dtypes.master_grad_is_view and not self._prepared:
+            raise RuntimeError(
+                f"{what} needs the master gradients: call `engine.prepare_step(loss_scale)` after the last "
+                "backward of the step (the precision plugin does this under ZeroStrategy)."
+            )
+
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over all shards (every rank gets the same value)."""
-        local = [t.float() for t in self.reducer.local_grads() if t.numel()]
+        self._require_prepared("The gradient norm")
+        local = [t.float() for t in self._grads_for_norm() if t.numel()]
         if norm_type == math.inf:
             value = torch.stack([t.abs().max() for t in local]).max() if local else torch.zeros(())
             if self.config.stage >= 1:
@@ -287,17 +411,22 @@ class ZeroEngine:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the reduced gradients so their global norm is at most ``max_norm``."""
-        total = self.grad_norm(norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for t in self._all_reduced_grads():
-            t.mul_(coef.to(t.dtype))
+        """Scale the optimizer's gradients so their global norm is at most ``max_norm`` (a no-op on a
+        skipped step)."""
+        cached = self._norm if self._prepared and norm_type == 2.0 else None
+        total = cached if cached is not None else self.grad_norm(norm_type)
         self.last_grad_norm = float(total)
+        if self.step_skipped:
+            return total
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for t in self._grads_to_scale():
+            t.mul_(coef.to(device=t.device, dtype=t.dtype))
         return total
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
-        for t in self._all_reduced_grads():
+        self._require_prepared("Clipping")
+        for t in self._grads_to_scale():
             t.clamp_(-clip_value, clip_value)
 
     def _all_reduced_grads(self) -> list[torch.Tensor]:
@@ -324,13 +453,18 @@ class ZeroEngine:
     @torch.no_grad()
     def after_step(self) -> None:
         """Write the stepped master shards into the parameters, gather them on every rank and clear
-        the gradients (as DeepSpeed's ``engine.step()`` does: they never outlive their step)."""
-        if self.sharded is not None:
+        the gradients (as DeepSpeed's ``engine.step()`` does: they never outlive their step). After
+        a skipped step only the gradients are cleared."""
+        if not self.step_skipped:
+            self._require_prepared("The optimizer step")
+        if self.sharded is not None and not self.step_skipped:
             self.sharded.write_back()
-            if self.runtime is None:
-                handles = [self.comm.all_gather_flat(g.flat, *g.shard_range(), async_op=True) for g in self.groups]
-            else:  # stage 3: only the persistent unit is kept whole
+            if self.runtime is not None:  # stage 3: only the persistent unit is kept whole
                 handles = [h for u in self.units if u.persistent for h in u.refresh_persistent(self.comm)]
+            elif not self.sharded.whole:
+                handles = [self.comm.all_gather_flat(g.flat, *g.shard_range(), async_op=True) for g in self.groups]
+            else:
+                handles = []
             for h in handles:
                 h.wait()
         self.zero_grad()
@@ -346,6 +480,9 @@ class ZeroEngine:
             p.grad = None
         if self.sharded is not None:
             self.sharded.clear_grads()
+        self._prepared = False
+        self.step_skipped = False
+        self._norm = None
 
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self) -> ModelStateBytes:

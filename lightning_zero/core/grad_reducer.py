@@ -42,8 +42,9 @@ class BackwardState(enum.Enum):
 class _InFlight:
     bucket: Bucket
     handle: Handle
-    source: torch.Tensor  # the reduced bucket (staging buffer or view of the flat gradient)
+    source: torch.Tensor  # the reduced bucket (staging buffer, view of the flat gradient, or a cast copy)
     output: torch.Tensor | None  # reduce-scatter output (this rank's part), else None
+    home: torch.Tensor | None = None  # flat-gradient slice that ``source`` is a cast copy of (stages 0-1)
 
 
 class GradReducer:
@@ -55,8 +56,10 @@ class GradReducer:
         stage: ZeRO stage (0-3; stage 3 reduces like stage 2).
         bucket_numel: target elements per bucket.
         overlap: launch buckets from the hooks (else all at :meth:`finish`).
-        grad_dtype: dtype gradients are reduced and kept in.
+        grad_dtype: dtype gradients are reduced in.
         names: parameter -> qualified name, in module order (bucket order, error messages).
+        accum_dtype: dtype the whole gradients (stages 0-1) and gradient shards (stage 2) are kept
+            and accumulated in (``None``: ``grad_dtype``); see Note [gradient dtypes] in config.py.
     """
 
     def __init__(
@@ -68,12 +71,14 @@ class GradReducer:
         overlap: bool,
         grad_dtype: torch.dtype,
         names: dict[nn.Parameter, str],
+        accum_dtype: torch.dtype | None = None,
     ) -> None:
         self.groups = groups
         self.comm = comm
         self.stage = stage
         self.overlap = overlap
         self.grad_dtype = grad_dtype
+        self.accum_dtype = accum_dtype or grad_dtype
         self.names = names
         self.sync: bool = True  # False inside block_backward_sync: stages 0-1 only accumulate locally
         self.state = BackwardState.IDLE
@@ -85,9 +90,9 @@ class GradReducer:
         self.grad_shards: list[torch.Tensor | None] = [None] * len(groups)
         for i, g in enumerate(groups):
             if stage < 2:
-                self.flat_grads[i] = torch.zeros(g.padded_numel, dtype=grad_dtype, device=g.device)
+                self.flat_grads[i] = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
             else:
-                self.grad_shards[i] = torch.zeros(g.shard_numel, dtype=grad_dtype, device=g.device)
+                self.grad_shards[i] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
         self.buckets = self._plan_buckets(bucket_numel)
         # parameter -> (bucket order, slot index)
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
@@ -188,6 +193,9 @@ class GradReducer:
                 source = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype, device=g.device)
         if self.comm.world_size > 1:
             source.mul_(1.0 / self.comm.world_size)
+        home = None
+        if source.dtype != self.grad_dtype:  # accumulated in another dtype: reduce a cast copy
+            home, source = source, source.to(self.grad_dtype)
         output = None
         if self.stage == 0 or self.comm.use_all_reduce:
             handle = self.comm.all_reduce_sum(source, async_op=True)
@@ -197,7 +205,7 @@ class GradReducer:
             handle = self.comm.reduce_scatter_pieces(output, pieces, async_op=True)
         while len(self._in_flight) >= self.max_in_flight:
             self._retire(self._in_flight.popleft())
-        self._in_flight.append(_InFlight(bucket, handle, source, output))
+        self._in_flight.append(_InFlight(bucket, handle, source, output, home))
 
     @staticmethod
     def _clip_to(source: torch.Tensor, bucket: Bucket, rng: tuple[int, int]) -> torch.Tensor:
@@ -207,6 +215,8 @@ class GradReducer:
 
     def _retire(self, item: _InFlight) -> None:
         item.handle.wait()
+        if item.home is not None and item.output is None:
+            item.home.copy_(item.source)
         if self.stage == 0:
             return
         b = item.bucket

@@ -16,6 +16,8 @@ Note [master pieces]
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from torch.optim import Optimizer
@@ -86,47 +88,90 @@ class ShardedOptimizer:
         optimizer: the user's optimizer.
         groups: the flat groups, bound; ``group.optimizer_group`` names the param group each
             belongs to (one per param group for stages 0-2, one per unit and param group for
-            stage 3). Every param group must have at least one flat group.
+            stage 3).
         master_dtype: dtype of the master shards; when it equals the parameter dtype the master
             is a view of the parameter shard (no copy).
+        whole: stage 0 with a separate master (mixed precision): the master covers the whole flat
+            buffer and the optimizer steps per-parameter views of it, shaped like the parameters
+            and in the group's original order, so any optimizer works and its ``state_dict()`` is
+            that of a plain optimizer.
+        master_init: initial master values per parameter (e.g. the fp32 weights before the module
+            was cast to 16 bits); parameters not in it start from their current values.
+
+    Note [master shards]
+        ``masters[i]`` is the 1-D master of flat group ``i`` covering ``master_range(i)`` of the
+        flat layout: this rank's shard (stage >= 1) or the whole padded buffer (``whole``). The
+        optimizer's param groups hold ``stepped[j]``: the master pieces (Note [master pieces]) of
+        every flat group of param group ``j``, or with ``whole`` the per-parameter views.
+        Stepping never touches the module: :meth:`write_back` casts the masters into the
+        parameter shards.
     """
 
-    def __init__(self, optimizer: Optimizer, groups: list[FlatParamGroup], master_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        groups: list[FlatParamGroup],
+        master_dtype: torch.dtype,
+        whole: bool = False,
+        master_init: Mapping[nn.Parameter, torch.Tensor] | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.groups = groups
+        self.whole = whole
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
-        self.masters: list[torch.Tensor] = []  # 1-D master shard of this rank, per flat group
+        self.masters: list[torch.Tensor] = []  # 1-D master of this rank, per flat group
         self.pieces_of: list[list[torch.Tensor]] = []  # the optimizer's tensors, per flat group
-        new_params: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
-        for fg in groups:
-            own = fg.own_shard()
-            master = own if master_dtype == fg.dtype else own.detach().to(master_dtype).clone()
+        self.stepped: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]  # per param group
+        for fi, fg in enumerate(groups):
+            own = self._own(fi)
+            master = own if master_dtype == fg.dtype else _initial_master(fg, own, *self.master_range(fi),
+                                                                           master_dtype, master_init)
             self.masters.append(master)
-            pieces = list(master.split(MASTER_PIECE_NUMEL))  # views (Note [master pieces])
+            if whole:  # stage 0: one flat group per param group
+                views = {s.param: v for s, v in zip(fg.slots, fg.views(master))}
+                pg = optimizer.param_groups[fg.optimizer_group]
+                pieces = [views.get(p, p) for p in pg["params"]]  # frozen members stay as they are
+            else:
+                pieces = list(master.split(MASTER_PIECE_NUMEL))  # views (Note [master pieces])
             self.pieces_of.append(pieces)
-            new_params[fg.optimizer_group].extend(pieces)
-        for pg, params in zip(optimizer.param_groups, new_params):
-            pg["params"] = params
-        self._expected = [list(map(id, params)) for params in new_params]
+            self.stepped[fg.optimizer_group].extend(pieces)
+        for pg, stepped in zip(optimizer.param_groups, self.stepped):
+            pg["params"] = list(stepped)
 
-    def groups_of(self, param_group: int) -> list[int]:
-        """Indices of the flat groups of one optimizer param group."""
-        return [i for i, fg in enumerate(self.groups) if fg.optimizer_group == param_group]
+    def master_range(self, flat_group: int) -> tuple[int, int]:
+        fg = self.groups[flat_group]
+        return (0, fg.padded_numel) if self.whole else fg.shard_range()
 
-    def set_grads(self, shard_grads: list[torch.Tensor]) -> None:
-        for master, grad, pieces in zip(self.masters, shard_grads, self.pieces_of):
+    def _own(self, flat_group: int) -> torch.Tensor:
+        """The parameter elements the master of a flat group mirrors."""
+        fg = self.groups[flat_group]
+        return fg.flat if self.whole else fg.own_shard()
+
+    def set_grads(self, grads: list[torch.Tensor]) -> None:
+        """Give the masters these gradients (1-D, laid out like the masters; cast when needed)."""
+        for fi, (master, grad) in enumerate(zip(self.masters, grads)):
             grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-            for piece, g in zip(pieces, grad.split(MASTER_PIECE_NUMEL)):
-                piece.grad = g
+            if self.whole:
+                master.grad = grad
+                fg = self.groups[fi]
+                views = dict(zip((s.param for s in fg.slots), fg.views(grad)))
+                for stepped, original in zip(self.pieces_of[fi], self.original_params[fg.optimizer_group]):
+                    if stepped is not original:
+                        stepped.grad = views[original]
+            else:
+                for piece, g in zip(self.pieces_of[fi], grad.split(MASTER_PIECE_NUMEL)):
+                    piece.grad = g
 
-    def master_grads(self) -> list[torch.Tensor | None]:
-        """The gradient tensors handed to the optimizer (for accounting)."""
-        return [p.grad for pieces in self.pieces_of for p in pieces]
+    def master_grads(self) -> list[torch.Tensor]:
+        """The gradient tensors the optimizer steps on (unscaling, norms and clipping act on these)."""
+        if self.whole:
+            return [m.grad for m in self.masters if m.grad is not None]
+        return [p.grad for pieces in self.pieces_of for p in pieces if p.grad is not None]
 
     def write_back(self) -> None:
-        """Copy stepped masters into the parameter shards (when not a view)."""
-        for master, fg in zip(self.masters, self.groups):
-            own = fg.own_shard()
+        """Copy (cast) stepped masters into the parameter shards (when not a view)."""
+        for fi, master in enumerate(self.masters):
+            own = self._own(fi)
             if own.data_ptr() != master.data_ptr():
                 own.copy_(master)
 
@@ -134,30 +179,35 @@ class ShardedOptimizer:
         """After parameters were changed outside the optimizer: refresh the master copies of the
         ``changed`` groups (where they are not views of the parameter shards)."""
         ids = {id(g) for g in changed}
-        for master, fg in zip(self.masters, self.groups):
-            own = fg.own_shard()
+        for fi, (master, fg) in enumerate(zip(self.masters, self.groups)):
+            own = self._own(fi)
             if id(fg) in ids and own.data_ptr() != master.data_ptr():
                 master.copy_(own)
 
     def clear_grads(self) -> None:
-        for pieces in self.pieces_of:
-            for p in pieces:
-                p.grad = None
+        for m, pieces in zip(self.masters, self.pieces_of):
+            m.grad = None
+            for t in pieces:
+                t.grad = None
 
     def check_unchanged(self) -> None:
-        current = [list(map(id, pg["params"])) for pg in self.optimizer.param_groups]
-        if current != self._expected:
+        if len(self.optimizer.param_groups) != len(self.stepped) or any(
+            len(pg["params"]) != len(st) or any(a is not b for a, b in zip(pg["params"], st))
+            for pg, st in zip(self.optimizer.param_groups, self.stepped)
+        ):
             raise NotImplementedError(
                 "The optimizer's param groups changed after setup (e.g. `add_param_group`, as BaseFinetuning "
-                "does when it unfreezes layers). ZeRO stage >= 1 partitions the groups at setup: create every "
-                "group in `configure_optimizers` and keep `requires_grad` as it was at setup, or use stage 0."
+                "does when it unfreezes layers). ZeRO partitions the groups at setup: create every "
+                "group in `configure_optimizers` and keep `requires_grad` as it was at setup, or use stage 0 "
+                "with precision='32-true'."
             )
 
     def restore(self) -> None:
-        """Put the original parameters back into the param groups (shard state is dropped)."""
-        for pg, params in zip(self.optimizer.param_groups, self.original_params):
-            for piece in pg["params"]:
-                self.optimizer.state.pop(piece, None)
+        """Put the original parameters back into the param groups (master state is dropped)."""
+        for pg, params, stepped in zip(self.optimizer.param_groups, self.original_params, self.stepped):
+            for t in stepped:
+                if not any(t is p for p in params):
+                    self.optimizer.state.pop(t, None)
             pg["params"] = params
 
     def shard_state(self, flat_group: int) -> dict:
@@ -172,6 +222,52 @@ class ShardedOptimizer:
             else:
                 out[key] = values[0]  # per-tensor scalar (e.g. ``step``), equal on every piece
         return out
+
+    @torch.no_grad()
+    def full_masters(self, comm: DataParallelComm) -> list[torch.Tensor]:
+        """Every flat group's whole padded master buffer (a collective for stage >= 1: all ranks call it)."""
+        out = []
+        for fi, (master, fg) in enumerate(zip(self.masters, self.groups)):
+            if self.whole:
+                out.append(master)
+                continue
+            full = torch.zeros(fg.padded_numel, dtype=master.dtype, device=master.device)
+            start, end = self.master_range(fi)
+            full[start:end].copy_(master)
+            comm.all_gather_flat(full, start, end)
+            out.append(full)
+        return out
+
+
+@torch.no_grad()
+def broadcast_master_init(
+    init: Mapping[nn.Parameter, torch.Tensor], params: list[nn.Parameter], dtype: torch.dtype,
+    comm: DataParallelComm,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Rank 0's initial master values of ``params`` (same order on every rank) on every rank, in
+    ``dtype``; one parameter at a time on the parameter's device (the collective's)."""
+    out = {p: init[p] for p in params if p in init}
+    if comm.active:
+        for p in out:
+            t = out[p].to(device=p.device, dtype=dtype).contiguous()
+            comm.broadcast(t)
+            out[p] = t.to(init[p].device)
+    return out
+
+
+def _initial_master(
+    fg: FlatParamGroup, own: torch.Tensor, start: int, end: int, dtype: torch.dtype,
+    init: Mapping[nn.Parameter, torch.Tensor] | None,
+) -> torch.Tensor:
+    """A new master for ``[start, end)`` of ``fg``'s layout (``own`` holds those parameter
+    elements): from ``init`` where given, else the parameters' values."""
+    master = own.to(dtype, copy=True)
+    for s in fg.slots if init else ():
+        source = init.get(s.param)
+        lo, hi = max(s.offset, start), min(s.offset + s.numel, end)
+        if source is not None and hi > lo:
+            master[lo - start : hi - start].copy_(source.reshape(-1)[lo - s.offset : hi - s.offset])
+    return master
 
 
 # per-parameter scalars of torch.optim optimizers (all other tensor states are per element)
@@ -193,6 +289,10 @@ def full_optimizer_state(sharded: ShardedOptimizer, comm: DataParallelComm) -> d
     Every rank contributes its shards (all ranks must call this together); the result does not
     depend on the world size, so it loads at any world size or stage, or into a plain optimizer.
     """
+    if sharded.whole:  # per-parameter views in the original order: already a plain optimizer's state
+        return sharded.optimizer.state_dict()
+    if sharded.whole:  # per-parameter views in the original order: already a plain optimizer's state
+        return sharded.optimizer.state_dict()
     index = _index_of_original(sharded)
     state: dict[int, dict] = {}
     groups = []
@@ -220,6 +320,9 @@ def full_optimizer_state(sharded: ShardedOptimizer, comm: DataParallelComm) -> d
 @torch.no_grad()
 def load_full_optimizer_state(sharded: ShardedOptimizer, full: dict) -> None:
     """Load a state made by :func:`full_optimizer_state` (or a plain optimizer) into the shards."""
+    if sharded.whole:
+        sharded.optimizer.load_state_dict(full)
+        return
     index = _index_of_original(sharded)
     saved_groups = full.get("param_groups", [])
     if len(saved_groups) != len(sharded.optimizer.param_groups):
