@@ -20,7 +20,12 @@ from lightning_zero import ZeroPrecision, ZeroStrategy, model_state_formula
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from tests.models import VOCAB, RankSampler, TinyTransformer, make_trainer, rank_and_world
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
+
+
+def _sharded(stage: int) -> dict[str, Any]:
+    """Stage 3 with every parameter sharded (the tiny models' parameters would all stay gathered)."""
+    return {"param_persistence_threshold": 0} if stage == 3 else {}
 NO_NATURAL_OVERFLOW = LossScalerConfig(initial_scale_power=8)  # tiny model: 2**8 never overflows
 
 
@@ -75,7 +80,9 @@ def _state(trainer: pl.Trainer) -> dict[str, Any]:
     opt = engine.optimizer
     plugin = strategy.precision_plugin
     return {
-        "params": [p.detach().clone() for p in trainer.lightning_module.parameters()],
+        # stage 3 keeps only shards between steps (released parameters read as NaN placeholders)
+        "params": ([g.own_shard().clone() for g in engine.all_groups] if engine.runtime is not None
+                   else [p.detach().clone() for p in trainer.lightning_module.parameters()]),
         "masters": [m.detach().clone() for m in engine.sharded.masters] if engine.sharded else [],
         "opt": [v.clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
         "lr": [g["lr"] for g in opt.param_groups],
@@ -117,7 +124,8 @@ def overflow_body(stage: int) -> list[dict[str, Any]]:
     """fp16 fit of 6 steps; rank 1 alone gets an inf gradient at steps 2 and 3."""
     recorder = _Recorder()
     model = Model(poison_at=(2, 3))
-    strategy = ZeroStrategy(stage=stage, precision=ZeroPrecision("16-mixed", loss_scaler=NO_NATURAL_OVERFLOW))
+    strategy = ZeroStrategy(stage=stage, **_sharded(stage),
+                            precision=ZeroPrecision("16-mixed", loss_scaler=NO_NATURAL_OVERFLOW))
     make_trainer(strategy, max_steps=6, callbacks=[recorder]).fit(model, pattern_loader())
     out = []
     for before, after in zip(recorder.before, recorder.after):
@@ -157,7 +165,8 @@ def parity_body(modes: tuple[str, ...]) -> dict[str, Any]:
             recorder = _Recorder()
             model = Model()
             plugin = ZeroPrecision(mode, loss_scaler=NO_NATURAL_OVERFLOW if mode == "16-mixed" else None)
-            trainer = make_trainer(ZeroStrategy(stage=stage, precision=plugin), max_steps=30, callbacks=[recorder])
+            trainer = make_trainer(ZeroStrategy(stage=stage, **_sharded(stage), precision=plugin), max_steps=30,
+                                   callbacks=[recorder])
             trainer.fit(model, pattern_loader())
             out[f"{mode}/{stage}"] = {"losses": model.losses, **recorder.final,
                                       "skipped": trainer.strategy.skipped_steps,
@@ -211,8 +220,8 @@ def accumulation_body() -> dict[str, list[float]]:
     for name, ((mode, options), collective) in runs.items():
         for stage in STAGES:
             model = Model()
-            strategy = ZeroStrategy(stage=stage, precision=ZeroPrecision(mode, **options), collective=collective,
-                                    reduce_bucket_size=300)
+            strategy = ZeroStrategy(stage=stage, **_sharded(stage), precision=ZeroPrecision(mode, **options),
+                                    collective=collective, reduce_bucket_size=300)
             make_trainer(strategy, max_steps=8, accumulate_grad_batches=2, gradient_clip_val=0.5).fit(
                 model, pattern_loader())
             out[f"{name}/{stage}"] = model.losses
@@ -246,7 +255,7 @@ class _Bytes(pl.Callback):
 def memory_body(mode: str, stage: int) -> dict[str, Any]:
     model, probe = Model(), _Bytes()
     plugin = ZeroPrecision(mode, loss_scaler=NO_NATURAL_OVERFLOW if mode == "16-mixed" else None)
-    make_trainer(ZeroStrategy(stage=stage, precision=plugin, reduce_bucket_size=100), max_steps=2,
+    make_trainer(ZeroStrategy(stage=stage, **_sharded(stage), precision=plugin, reduce_bucket_size=100), max_steps=2,
                  callbacks=[probe]).fit(model, pattern_loader())
     return {"during": probe.during_step[-1], "after": probe.after_step[-1],
             "psi": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -257,15 +266,17 @@ def memory_body(mode: str, stage: int) -> dict[str, Any]:
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("mode", ["16-mixed", "bf16-mixed", "bf16-true"])
 def test_model_state_bytes_follow_the_zero_formulas(gloo_pool, mode: str, stage: int) -> None:
-    """mixed: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N; bf16-true: 8Ψ, 4Ψ + 4Ψ/N, 2Ψ + 6Ψ/N (AdamW, N = 2)."""
+    """mixed: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N; bf16-true: 8Ψ, 4Ψ + 4Ψ/N, 2Ψ + 6Ψ/N, 8Ψ/N (AdamW, N = 2)."""
     for r in gloo_pool.run("tests.test_precision:memory_body", mode=mode, stage=stage):
         psi, got = r["psi"], r["after"]
         expected = model_state_formula(stage, psi, 2, "bf16-true" if mode == "bf16-true" else "mixed")
-        total = {0: 16, 1: 4 + 12 / 2, 2: 2 + 14 / 2} if mode != "bf16-true" else {0: 8, 1: 4 + 4 / 2, 2: 2 + 6 / 2}
+        total = ({0: 16, 1: 4 + 12 / 2, 2: 2 + 14 / 2, 3: 16 / 2} if mode != "bf16-true"
+                 else {0: 8, 1: 4 + 4 / 2, 2: 2 + 6 / 2, 3: 8 / 2})
         assert expected.model_states == pytest.approx(total[stage] * psi)
         # padding: < N elements per group and buffer; AdamW's `step` scalars: 4 bytes per stepped tensor
         slack = 2 * 4 * 4 + 4 * 40
-        assert abs(got.params - r["frozen_16bit_bytes"] - expected.params) <= slack
+        frozen = r["frozen_16bit_bytes"] / (2 if stage == 3 else 1)  # stage 3 shards frozen parameters too
+        assert abs(got.params - frozen - expected.params) <= slack
         assert abs(got.grads - expected.grads) <= slack
         assert abs(got.optimizer - expected.optimizer) <= slack
         assert got.buffers == 0
@@ -302,8 +313,8 @@ def resume_body(stage: int, resume_stages: tuple[int, ...]) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     saver = ModelCheckpoint(dirpath=os.path.abspath("ckpt_fp16"), save_top_k=-1, every_n_epochs=1)
-    make_trainer(ZeroStrategy(stage=stage, precision=_fp16_growing()), max_steps=8, enable_checkpointing=True,
-                 callbacks=[saver]).fit(Model(), pattern_loader(n=32))
+    make_trainer(ZeroStrategy(stage=stage, **_sharded(stage), precision=_fp16_growing()), max_steps=8,
+                 enable_checkpointing=True, callbacks=[saver]).fit(Model(), pattern_loader(n=32))
     path = os.path.join("ckpt_fp16", "epoch=0-step=4.ckpt")
     ckpt = torch.load(path, weights_only=False)
     out: dict[str, Any] = {"ckpt_dtypes": {v.dtype for v in ckpt["state_dict"].values() if v.is_floating_point()},

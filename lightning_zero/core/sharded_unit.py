@@ -64,7 +64,8 @@ class ShardedUnit:
         """Keep this rank's shard of every group and free the whole buffers."""
         for g in self.groups:
             start, end = g.shard_range()
-            g.shard = g.flat[start:end].clone()
+            # persistent groups stay whole: their shard is a view (no second copy)
+            g.shard = g.flat[start:end] if self.persistent else g.flat[start:end].clone()
         if not self.persistent:
             self._free()
         self.state = UnitState.SHARDED if not self.persistent else UnitState.GATHERED
@@ -126,7 +127,8 @@ class ShardedUnit:
         handles = []
         for g in self.groups:
             start, end = g.shard_range()
-            g.flat[start:end].copy_(g.shard)
+            if g.shard.data_ptr() != g.flat[start:end].data_ptr():
+                g.flat[start:end].copy_(g.shard)
             handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
         return handles
 
