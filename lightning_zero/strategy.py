@@ -68,6 +68,9 @@ class ZeroStrategy(DDPStrategy):
         param_init_fn: stage 3 with ``configure_model``: ``fn(module, name)`` initialises a
             module's own parameters, which were built on the meta device (default: the module's
             ``reset_parameters()``). See docs/large_models.md.
+        gather_on_teardown: stage 3: after fit, give the module its whole parameters (and the
+            optimizer its whole state) back, as for other stages. ``False`` leaves them released,
+            for models that do not fit on one rank: save checkpoints during fit instead.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -85,6 +88,7 @@ class ZeroStrategy(DDPStrategy):
         loss_scaler: LossScalerConfig | None = None,
         check_step_errors: bool = True,
         param_init_fn: ParamInitFn | None = None,
+        gather_on_teardown: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -115,6 +119,7 @@ class ZeroStrategy(DDPStrategy):
         )
         self.check_step_errors = check_step_errors
         self.param_init_fn = param_init_fn
+        self.gather_on_teardown = gather_on_teardown
         self._fixed_precision = precision_plugin is not None
         self._engine: ZeroEngine | None = None  # set in setup() when fitting
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
@@ -457,7 +462,8 @@ class ZeroStrategy(DDPStrategy):
             failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
             # after an error another rank may be gone: no collective, the shard state is dropped
             self._last_runtime = self._engine.runtime
-            self._engine.detach(keep_optimizer_state=not failed)
+            self._engine.detach(keep_optimizer_state=not failed and self.gather_on_teardown,
+                                gather_params=self.gather_on_teardown)
             self._engine = None
             self.precision_plugin.engine = None
         if self.lightning_module is not None:

@@ -173,19 +173,30 @@ class ZeroEngine:
         for b in self.module.buffers():
             self.comm.broadcast(b)
 
-    def detach(self, keep_optimizer_state: bool = True) -> None:
+    def detach(self, keep_optimizer_state: bool = True, gather_params: bool = True) -> None:
         """Undo the binding: hooks removed, parameters own their storage, optimizer restored.
 
         Args:
             keep_optimizer_state: gather the sharded optimizer state (a collective: every rank
                 must call this together) and load it into the restored optimizer, so that it can
                 be saved or stepped after fit; else the shard state is dropped (after an error).
+            gather_params: stage 3: give the module its whole parameters back. ``False`` leaves
+                them released (NaN placeholders of the right shapes, Note [released parameters])
+                and drops the optimizer state: for models that do not fit on one rank.
         """
         self.reducer.remove_hooks()
         gathered.unregister(self)
         if self._undo_checkpointing is not None:
             self._undo_checkpointing()
         self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
+        if self.runtime is not None and not gather_params:
+            self.runtime.remove_hooks()
+            self.runtime.release_all()
+            if self.sharded is not None:
+                self.sharded.restore()
+            for p in self.names:
+                p.grad = None
+            return
         if self.runtime is not None:
             self.runtime.remove_hooks()
             if keep_optimizer_state:  # the parameters come back whole (a collective)

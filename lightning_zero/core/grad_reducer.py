@@ -86,13 +86,12 @@ class GradReducer:
         self.max_in_flight = 2 if stage >= 2 else 1 << 30
         # whole gradients of the accumulation window (stages 0-1), one per group, padded layout
         self.flat_grads: list[torch.Tensor | None] = [None] * len(groups)
-        # this rank's reduced gradient shard (stage 2), one per group
+        # this rank's reduced gradient shard (stages 2-3), one per group; allocated by the first
+        # backward that reduces into it (_grad_shard), so setup holds no gradient memory
         self.grad_shards: list[torch.Tensor | None] = [None] * len(groups)
         for i, g in enumerate(groups):
             if stage < 2:
                 self.flat_grads[i] = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
-            else:
-                self.grad_shards[i] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
         self.buckets = self._plan_buckets(bucket_numel)
         # parameter -> (bucket order, slot index)
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
@@ -231,7 +230,7 @@ class GradReducer:
             if item.output is not None:
                 self.flat_grads[b.group_index][lo:hi].copy_(reduced)
         else:
-            self.grad_shards[b.group_index][lo - own_start : hi - own_start].add_(reduced)
+            self._grad_shard(b.group_index)[lo - own_start : hi - own_start].add_(reduced)
 
     def finish(self) -> None:
         """End of a backward: launch what is left in the fixed order and wait for all of it."""
@@ -247,7 +246,7 @@ class GradReducer:
     def shard_grad(self, group_index: int) -> torch.Tensor:
         """This rank's reduced gradient shard of a group (stages 1-2)."""
         if self.stage >= 2:
-            return self.grad_shards[group_index]
+            return self._grad_shard(group_index)
         start, end = self.groups[group_index].shard_range()
         return self.flat_grads[group_index][start:end]
 
@@ -260,6 +259,13 @@ class GradReducer:
         if self.stage == 0:
             return [g for g in self.flat_grads if g is not None]
         return [self.shard_grad(i) for i in range(len(self.groups))]
+
+    def _grad_shard(self, group_index: int) -> torch.Tensor:
+        shard = self.grad_shards[group_index]
+        if shard is None:
+            g = self.groups[group_index]
+            shard = self.grad_shards[group_index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
+        return shard
 
     def zero(self) -> None:
         if not self._dirty:

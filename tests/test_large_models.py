@@ -1,0 +1,205 @@
+"""Stage 3 for models larger than one rank: sharded construction, streaming weights in.
+
+Memory is measured as the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs``): a true peak over the whole setup, not a snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero import ZeroStrategy
+from tests.models import make_trainer, token_loader
+
+DIM, BLOCKS, VOCAB = 2048, 16, 17  # 16 blocks of 4.2M parameters: 268 MB in fp32 whole
+WHOLE_BYTES = BLOCKS * (DIM * DIM + DIM) * 4
+
+
+class WideStack(pl.LightningModule):
+    """Built in configure_model (meta under stage 3): an embedding, 16 wide linear blocks, a head."""
+
+    def __init__(self, dim: int = DIM, blocks: int = BLOCKS) -> None:
+        super().__init__()
+        self.dim, self.num_blocks = dim, blocks
+        self.net: nn.Module | None = None
+        self.probe: dict[str, Any] = {}
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        self.net = nn.ModuleDict({
+            "emb": nn.Embedding(VOCAB, self.dim),
+            "blocks": nn.ModuleList(nn.Linear(self.dim, self.dim) for _ in range(self.num_blocks)),
+            "head": nn.Linear(self.dim, VOCAB),
+        })
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net["emb"](x)
+        for block in self.net["blocks"]:
+            h = torch.tanh(block(h))
+        return self.net["head"](h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return nn.functional.cross_entropy(self(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class _PeakAtTrainStart(pl.Callback):
+    def __init__(self, start_rss: int) -> None:
+        self.start_rss = start_rss
+
+        self.peak_increase = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.peak_increase = _status("VmHWM") - self.start_rss
+        trainer.should_stop = True  # setup is what is measured: no step
+
+
+def _return_freed_memory_to_the_os() -> None:
+    """Fix glibc's mmap threshold at 128 KiB: large tensors are then always mmap-ed and unmapped
+    on free. (By default the threshold grows after big frees, and freed buffers stay in the heap,
+    so the resident set would count memory the model no longer uses.)"""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 128 * 1024)
+
+
+def sharded_construction_body(limit_bytes: int | None) -> dict[str, Any]:
+    import gc
+
+    _return_freed_memory_to_the_os()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    start = _status("VmRSS")
+    probe = _PeakAtTrainStart(start)
+    # RLIMIT_DATA bounds the process's private writable memory (heap and anonymous mmaps, where
+    # tensors live); RLIMIT_AS would also count thread stacks and allocator reservations
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    out: dict[str, Any] = {}
+    try:
+        if limit_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData") + limit_bytes, hard))
+            try:  # the limit really is below one whole copy of the model
+                torch.empty(WHOLE_BYTES // 4)
+                out["whole_fits"] = True
+            except (RuntimeError, MemoryError):
+                out["whole_fits"] = False
+        model = WideStack()
+        strategy = ZeroStrategy(stage=3, param_persistence_threshold=0, prefetch_bucket_size=1,
+                                gather_on_teardown=False)
+        make_trainer(strategy, max_steps=1, callbacks=[probe]).fit(model, token_loader(n=8, batch_size=2))
+        out["peak_increase"] = probe.peak_increase
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sharded_construction_never_holds_the_whole_model(gloo_pool) -> None:
+    unit = (DIM * DIM + DIM) * 4
+    for r in gloo_pool.run("tests.test_large_models:sharded_construction_body", limit_bytes=None):
+        # this rank's shards (half the model) plus the unit being materialised, plus slack for
+        # Lightning's own allocations during setup; the whole model would be 268 MB
+        assert r["peak_increase"] <= WHOLE_BYTES / 2 + 2 * unit + 40e6, r
+        assert r["peak_increase"] < 0.85 * WHOLE_BYTES, r
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sharded_construction_fits_under_a_memory_limit_the_whole_model_exceeds(gloo_pool) -> None:
+    for r in gloo_pool.run("tests.test_large_models:sharded_construction_body", limit_bytes=int(0.85 * WHOLE_BYTES)):
+        assert r["whole_fits"] is False and r["peak_increase"] > 0
+
+
+# ---------------------------------------------------------------------------- weights in, init
+SMALL = dict(dim=24, blocks=3)
+
+
+class _OutputsAtStart(pl.Callback):
+    """Loads ``source`` at fit start (when given) and records the model's outputs before any step."""
+
+    def __init__(self, source: str | None) -> None:
+        self.source = source
+        self.outputs: torch.Tensor | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.source is not None:
+            trainer.strategy.load_full_state_dict(self.source)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        x = torch.arange(16).reshape(2, 8) % VOCAB
+        with torch.no_grad():
+            self.outputs = pl_module(x).clone()
+        trainer.strategy.engine.end_forward_only()  # stage 3: free what the forward gathered
+        trainer.should_stop = True
+
+
+def _reference() -> tuple[WideStack, torch.Tensor]:
+    torch.manual_seed(123)
+    ref = WideStack(**SMALL)
+    ref.configure_model()  # real tensors: the unsharded model
+    with torch.no_grad():
+        out = ref(torch.arange(16).reshape(2, 8) % VOCAB)
+    return ref, out
+
+
+def loading_body(fmt: str) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    ref, expected = _reference()
+    path = os.path.abspath(f"weights.{fmt}")
+    if fmt == "safetensors":
+        save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
+    else:
+        torch.save(ref.state_dict(), path)
+    probe = _OutputsAtStart(path)
+    strategy = ZeroStrategy(stage=3, param_persistence_threshold=0)
+    make_trainer(strategy, max_steps=1, callbacks=[probe]).fit(WideStack(**SMALL), token_loader(n=8, batch_size=2))
+    return {"equal": torch.equal(probe.outputs, expected), "max_diff": (probe.outputs - expected).abs().max().item()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_a_full_state_dict_streams_into_stage3_and_matches_the_unsharded_model(gloo_pool, fmt: str) -> None:
+    for r in gloo_pool.run("tests.test_large_models:loading_body", fmt=fmt):
+        assert r["equal"], r
+
+
+def init_body() -> list[torch.Tensor]:
+    torch.manual_seed(7)
+    model = WideStack(**SMALL)
+    make_trainer(ZeroStrategy(stage=3, param_persistence_threshold=0), max_steps=1,
+                 callbacks=[_OutputsAtStart(None)]).fit(model, token_loader(n=8, batch_size=2))
+    return [p.detach().clone() for p in model.parameters()]  # gathered back whole at teardown
+
+
+@pytest.mark.distributed
+def test_sharded_initialisation_does_not_depend_on_the_world_size(gloo_pool) -> None:
+    two_ranks = gloo_pool.run("tests.test_large_models:init_body")
+    assert all(torch.equal(a, b) for a, b in zip(two_ranks[0], two_ranks[1]))
+    one_rank = init_body()  # this process, no process group
+    assert len(one_rank) == len(two_ranks[0]) == 1 + 2 * SMALL["blocks"] + 2  # emb, blocks, head
+    assert all(torch.equal(a, b) for a, b in zip(one_rank, two_ranks[0]))
+    assert all(torch.isfinite(p).all() and p.std() > 0 for p in one_rank if p.dim() == 2)
