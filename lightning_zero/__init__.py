@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.advisor import Advice, advise
 from lightning_zero.callbacks import ZeroStatsMonitor
+from lightning_zero.checkpoint import CheckpointError, consolidate_checkpoint, convert_checkpoint
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.gathered import gathered_parameters
@@ -18,6 +19,7 @@ if "zero_stage_0" not in StrategyRegistry:
 
 __all__ = [
     "Advice",
+    "CheckpointError",
     "DtypePolicy",
     "DynamicLossScaler",
     "LossScalerConfig",
@@ -29,6 +31,8 @@ __all__ = [
     "ZeroStatsMonitor",
     "ZeroStrategy",
     "advise",
+    "consolidate_checkpoint",
+    "convert_checkpoint",
     "estimate_memory",
     "gathered_parameters",
     "model_state_formula",

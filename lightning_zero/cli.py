@@ -133,6 +133,31 @@ def train_command(argv: list[str]) -> int:
     return run(argv)
 
 
+def convert_command(argv: list[str]) -> int:
+    """``lightning-zero convert``: a sharded checkpoint directory -> one file (no process group)."""
+
+    def build(p: argparse.ArgumentParser) -> None:
+        p.add_argument("checkpoint", help="a sharded checkpoint directory (or its name, e.g. last.ckpt)")
+        p.add_argument("out", help="output file: *.safetensors (safetensors), anything else: torch.save")
+        p.add_argument("--lightning", action="store_true",
+                       help="write a normal Lightning .ckpt (weights, optimizer, loops, hyper-parameters) "
+                       "that LightningModule.load_from_checkpoint opens")
+        p.add_argument("--prefix", default="", help="keep only keys under this prefix, without it (e.g. 'model.')")
+
+    def act(a: argparse.Namespace) -> int:
+        from lightning_zero.checkpoint import CheckpointError, convert_checkpoint
+
+        try:
+            out = convert_checkpoint(a.checkpoint, a.out, lightning=a.lightning, prefix=a.prefix)
+        except (CheckpointError, ValueError, NotImplementedError) as err:
+            print(f"lightning-zero convert: {err}", file=sys.stderr)
+            return 1
+        print(f"wrote {out}")
+        return 0
+
+    return _run("convert", convert_command.__doc__ or "", build, act, argv)
+
+
 def _not_available(name: str) -> Callable[[list[str]], int]:
     def handler(argv: list[str]) -> int:
         print(f"lightning-zero {name}: not available yet in this version of lightning_zero. "
@@ -147,7 +172,7 @@ COMMANDS: dict[str, Command] = {
     "advise": Command(advise_command, "the fastest ZeRO stage / offload that fits your hardware"),
     # Hydra parses its own argv: main() hands it over untouched
     "train": Command(train_command, "train from Hydra configs in conf/ (e.g. experiment=gpt_small zero=stage2)"),
-    "convert": Command(_not_available("convert"), "convert checkpoints (not available yet)"),
+    "convert": Command(convert_command, "a sharded checkpoint -> one .pt / .safetensors / Lightning .ckpt"),
 }
 
 

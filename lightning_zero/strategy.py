@@ -37,6 +37,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.format import (
+    LazyStateDict,
+    ShardedCheckpoint,
+    is_sharded_checkpoint,
+    materialize_optimizer_state,
+    restore_rng,
+    save_sharded,
+)
+from lightning_zero.checkpoint.format import remove as remove_sharded
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
@@ -71,6 +80,11 @@ class ZeroStrategy(DDPStrategy):
         gather_on_teardown: stage 3: after fit, give the module its whole parameters (and the
             optimizer its whole state) back, as for other stages. ``False`` leaves them released,
             for models that do not fit on one rank: save checkpoints during fit instead.
+        checkpoint_format: ``"sharded"``: ``trainer.save_checkpoint(path)`` / ``ModelCheckpoint``
+            write a directory in which every rank writes its own shards, published atomically
+            (docs/checkpoints.md); ``"consolidated"``: Lightning's single file, gathered on rank 0;
+            ``"auto"`` (default): sharded at stage >= 1, consolidated at stage 0 (every rank holds
+            everything there). Both formats are read whatever this says.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -89,6 +103,7 @@ class ZeroStrategy(DDPStrategy):
         check_step_errors: bool = True,
         param_init_fn: ParamInitFn | None = None,
         gather_on_teardown: bool = True,
+        checkpoint_format: str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -120,6 +135,12 @@ class ZeroStrategy(DDPStrategy):
         self.check_step_errors = check_step_errors
         self.param_init_fn = param_init_fn
         self.gather_on_teardown = gather_on_teardown
+        if checkpoint_format not in ("auto", "sharded", "consolidated"):
+            raise ValueError(
+                f"checkpoint_format must be 'auto', 'sharded' or 'consolidated', got {checkpoint_format!r}."
+            )
+        self.checkpoint_format = checkpoint_format
+        self._pending_rng: dict[str, Any] | None = None  # RNG states of a loaded sharded checkpoint
         self._fixed_precision = precision_plugin is not None
         self._engine: ZeroEngine | None = None  # set in setup() when fitting
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
@@ -241,6 +262,9 @@ class ZeroStrategy(DDPStrategy):
     # ------------------------------------------------------------------ training
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pending_rng is not None:  # resumed: continue the saved random streams (dropout, ...)
+            restore_rng(self._pending_rng)
+            self._pending_rng = None
         if not self.check_step_errors or self._comm is None or not self._comm.active:
             return super().training_step(*args, **kwargs)
         error: BaseException | None = None
@@ -418,6 +442,8 @@ class ZeroStrategy(DDPStrategy):
         engine, module = self._engine, self.lightning_module
         if engine is None or module is None:
             return super().lightning_module_state_dict()
+        if self._writes_shards:
+            return {}  # save_checkpoint writes every rank's shards instead (no gather)
         state = engine.full_state_dict()  # stage 3 gathers unit by unit (every rank takes part)
         if not engine.separate_master:
             return state
@@ -442,21 +468,89 @@ class ZeroStrategy(DDPStrategy):
             optimizer = optimizer._optimizer
         if self._engine is None or self._engine.sharded is None:
             return optimizer.state_dict()
+        if self._writes_shards:
+            return {}  # save_checkpoint writes every rank's shards instead (no gather)
         # world-size independent: the state of the original parameters, gathered from all shards
         state = full_optimizer_state(self._engine.sharded, self._engine.comm)
         return state if self.is_global_zero else {}
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint.get("optimizer_states", [])
-        if self._engine is None or self._engine.sharded is None:
+        if self._engine is None or self._engine.sharded is None or self._engine.sharded.whole:
+            if any(isinstance(s.get("state"), Mapping) and not isinstance(s.get("state"), dict) for s in states):
+                checkpoint = {**checkpoint, "optimizer_states": [materialize_optimizer_state(s) for s in states]}
             return super().load_optimizer_state_dict(checkpoint)
         for state in states[:1]:  # one optimizer (checked at setup)
             load_full_optimizer_state(self._engine.sharded, state)
         return None
 
+    # ------------------------------------------------------------------ checkpoint files
+    @property
+    def _writes_shards(self) -> bool:
+        """Whether save_checkpoint writes the sharded format from the engine's shards."""
+        fmt = self.checkpoint_format
+        sharded = fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
+        return sharded and self._engine is not None and self.zero_config.stage >= 1
+
+    def _sharded_format(self) -> bool:
+        fmt = self.checkpoint_format
+        return fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Sharded format (docs/checkpoints.md): every rank writes its shards into a temporary
+        directory; once all succeeded rank 0 publishes it atomically under ``filepath``."""
+        if not self._sharded_format():
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("The sharded checkpoint format takes no `storage_options`.")
+        comm = self._comm
+        save_sharded(
+            filepath, checkpoint, self._engine if self._writes_shards else None, self.global_rank,
+            self.world_size, broadcast=lambda obj: self.broadcast(obj, 0),
+            failed_ranks=comm.ranks_with if comm is not None else (lambda flag: [0] if flag else []),
+        )
+        return None
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and is_sharded_checkpoint(filepath):
+            remove_sharded(filepath)
+            return
+        super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded checkpoint directory is read lazily (JSON + safetensors, never unpickled);
+        a file goes to Lightning's CheckpointIO."""
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        ckpt = ShardedCheckpoint(checkpoint_path)
+        self._pending_rng = ckpt.rng_state(self.global_rank) if ckpt.world_size == self.world_size else None
+        return ckpt.to_lightning()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        if not isinstance(state, LazyStateDict):
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        if self._engine is not None:
+            self.load_full_state_dict(state, strict=strict)
+            return None
+        if has_meta_parameters(self.lightning_module):
+            raise NotImplementedError(
+                "Resuming a model built on the meta device (`configure_model` under stage 3) from a sharded "
+                "checkpoint is not supported yet. Build the model with real tensors, or load the weights with "
+                "`strategy.load_full_state_dict(...)` in `on_fit_start` from `lightning-zero convert` output."
+            )
+        # before setup the module is whole (and in its original dtype)
+        self.lightning_module.load_state_dict(state.materialize(), strict=strict)
+        return None
+
     @override
     def teardown(self) -> None:
+        self._pending_rng = None
         if self._engine is not None:
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED

@@ -124,7 +124,7 @@ def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option:
     assert to_train_config(OmegaConf.load(tmp_path / CONFIG_FILE)) == typed  # what the ranks read back
     assert json.loads((tmp_path / RESULT_FILE).read_text())["global_step"] == 1
     if typed.trainer.checkpoint.enabled:
-        assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+        assert (tmp_path / "checkpoints" / "last.ckpt").exists()  # a file (stage 0) or a sharded directory
     logs = {"tensorboard": "tb/events.out.tfevents.*", "csv": "csv/hparams.yaml", "none": None}[typed.logger.kind.value]
     assert logs is None or list(tmp_path.glob(logs))
     _TRAINED[key] = {"group": group, "option": option}
@@ -285,5 +285,5 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=2, resume_from=str(last))
     assert run_job(cfg, tmp_path / "second").global_step == 2
-    with pytest.raises(ValueError, match="is not a checkpoint file"):
+    with pytest.raises(ValueError, match="is not a checkpoint file or directory"):
         validate_config(compose_config(["trainer.resume_from=/nonexistent.ckpt"]))

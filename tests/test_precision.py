@@ -313,7 +313,8 @@ def resume_body(stage: int, resume_stages: tuple[int, ...]) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     saver = ModelCheckpoint(dirpath=os.path.abspath("ckpt_fp16"), save_top_k=-1, every_n_epochs=1)
-    make_trainer(ZeroStrategy(stage=stage, **_sharded(stage), precision=_fp16_growing()), max_steps=8,
+    make_trainer(ZeroStrategy(stage=stage, **_sharded(stage), precision=_fp16_growing(),
+                              checkpoint_format="consolidated"), max_steps=8,
                  enable_checkpointing=True, callbacks=[saver]).fit(Model(), pattern_loader(n=32))
     path = os.path.join("ckpt_fp16", "epoch=0-step=4.ckpt")
     ckpt = torch.load(path, weights_only=False)

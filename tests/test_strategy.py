@@ -176,7 +176,7 @@ def re_search_any(text: str, needles: list[str]) -> bool:
     return any(n in text for n in needles)
 
 
-# ---------------------------------------------------------------------------- checkpoints (consolidated)
+# ---------------------------------------------------------------------------- checkpoints (consolidated format)
 def resume_body(stage: int, resume_stage: int) -> dict[str, Any]:
     """Train 8 steps at ``stage`` saving a checkpoint per epoch; resume from the first epoch's
     checkpoint at ``resume_stage`` and, as the reference, with Lightning's DDP (which loads the
@@ -189,7 +189,9 @@ def resume_body(stage: int, resume_stage: int) -> dict[str, Any]:
 
     full = TinyTransformer("sgd")
     saver = ModelCheckpoint(dirpath=os.path.abspath("ckpt"), save_top_k=-1, every_n_epochs=1)
-    make_trainer(ZeroStrategy(stage=stage), max_steps=8, enable_checkpointing=True, callbacks=[saver]).fit(
+    # the consolidated single file (the sharded format has tests/test_checkpoints.py); DDP reads it too
+    make_trainer(ZeroStrategy(stage=stage, checkpoint_format="consolidated"), max_steps=8, enable_checkpointing=True,
+                 callbacks=[saver]).fit(
         full, token_loader(n=32)
     )
     path = os.path.join("ckpt", "epoch=0-step=4.ckpt")

@@ -173,8 +173,8 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
     if isinstance(d, TextDataSchema) and not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction must be in (0, 1) for a held-out validation split, got {d.val_fraction}.")
     resume = cfg.trainer.resume_from
-    if resume and not Path(resume).expanduser().is_file():
-        out.append(f"trainer.resume_from={resume} is not a checkpoint file.")
+    if resume and not Path(resume).expanduser().exists():  # a file, or a sharded checkpoint directory
+        out.append(f"trainer.resume_from={resume} is not a checkpoint file or directory.")
     if d.micro_batch_size < 1 or cfg.trainer.devices < 1:
         out.append("data.micro_batch_size and trainer.devices must be >= 1.")
     return out
