@@ -19,8 +19,7 @@ LR schedulers from advancing (Note [skipped steps and schedulers]).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -29,7 +28,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -38,27 +36,19 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.format import (
-    LazyStateDict,
-    ShardedCheckpoint,
-    is_sharded_checkpoint,
-    materialize_optimizer_state,
     restore_rng,
-    save_sharded,
 )
-from lightning_zero.checkpoint.format import remove as remove_sharded
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.loading import load_full_state_dict, open_state_dict
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
-from lightning_zero.core.memory import ModelStateBytes
-from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.strategy_state import ZeroStateMixin
 from lightning_zero.uneven import JoinedEvalLoader
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(ZeroStateMixin, DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -357,196 +347,6 @@ class ZeroStrategy(DDPStrategy):
                                                       closure=checked_closure, **kwargs)
         engine.after_step()
         return output
-
-    # ------------------------------------------------------------------ state
-    def model_state_bytes(self) -> ModelStateBytes:
-        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``buffers``, counted from the
-        tensors that exist (each storage once), not from a formula."""
-        if self._engine is None:
-            raise RuntimeError("model_state_bytes() is available while fitting, after the strategy's setup.")
-        return self._engine.model_state_bytes()
-
-    def load_full_state_dict(
-        self, source: str | os.PathLike | Mapping[str, Tensor], prefix: str = "", strict: bool = True
-    ) -> None:
-        """Load whole (unsharded) weights, e.g. a Hugging Face ``.safetensors`` file, into the model.
-
-        Under stage 3 each rank streams the tensors one unit at a time into its shards, so the
-        whole model is never resident; call it while fitting (e.g. in ``on_fit_start``), on every
-        rank. Outside fit it is ``load_state_dict`` on the LightningModule.
-
-        Args:
-            source: a ``.safetensors`` or ``torch.save`` file (a Lightning checkpoint's
-                ``state_dict`` is found), or a mapping of key -> tensor.
-            prefix: the keys' prefix before the LightningModule's own parameter names.
-            strict: refuse missing and unexpected keys.
-        """
-        if self._engine is not None:
-            load_full_state_dict(self._engine, source, prefix, strict)
-            return
-        state = open_state_dict(source)
-        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        self.lightning_module.load_state_dict(own, strict=strict)
-
-    @property
-    def gathered_peak_numel(self) -> int:
-        """Stage 3: the most parameter elements ever gathered at once on this rank (a peak over the
-        whole fit, excluding the persistent unit); 0 for other stages."""
-        runtime = self._engine.runtime if self._engine is not None else self._last_runtime
-        return runtime.peak_live_numel if runtime is not None else 0
-
-    @property
-    def gathered_bound_numel(self) -> int:
-        """Stage 3: the bound on :attr:`gathered_peak_numel` implied by ``prefetch_bucket_size`` and
-        ``max_live_parameters`` for this model's units; 0 for other stages."""
-        runtime = self._engine.runtime if self._engine is not None else self._last_runtime
-        return runtime.live_bound() if runtime is not None else 0
-
-    @property
-    def loss_scale(self) -> float | None:
-        """The current fp16 loss scale (``None`` in the other modes)."""
-        return self.precision_plugin.loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because fp16 gradients overflowed (checkpointed)."""
-        return self.precision_plugin.skipped_steps
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (overflow on some rank)."""
-        return self.precision_plugin.last_step_skipped
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """Global gradient norm (unscaled) of the last step that measured it: every step in the 16-bit mixed
-        modes, else when clipping by norm."""
-        return self._engine.last_grad_norm if self._engine is not None else None
-
-    def step_stats(self) -> dict[str, float]:
-        """``zero/loss_scale``, ``zero/skipped_steps``, ``zero/grad_norm`` where known, for loggers
-        (:class:`~lightning_zero.callbacks.ZeroStatsMonitor` logs them)."""
-        out: dict[str, float] = {}
-        if self.loss_scale is not None:
-            out["zero/loss_scale"] = float(self.loss_scale)
-            out["zero/skipped_steps"] = float(self.skipped_steps)
-        if self.last_grad_norm is not None:
-            out["zero/grad_norm"] = float(self.last_grad_norm)
-        return out
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Whole tensors (stage 3 gathers them unit by unit; every rank calls this). With an fp32
-        master the checkpoint holds fp32 weights (the masters, gathered), like the module before
-        the cast, so a resumed run starts from exact masters."""
-        engine, module = self._engine, self.lightning_module
-        if engine is None or module is None:
-            return super().lightning_module_state_dict()
-        if self._writes_shards:
-            return {}  # save_checkpoint writes every rank's shards instead (no gather)
-        state = engine.full_state_dict()  # stage 3 gathers unit by unit (every rank takes part)
-        if not engine.separate_master:
-            return state
-        masters = engine.full_master_params()
-        owner = dict(module.named_parameters(remove_duplicate=False))
-        for key, value in state.items():
-            p = owner.get(key)
-            if p is not None and p in masters:
-                state[key] = masters[p]
-            elif isinstance(value, Tensor) and value.is_floating_point():
-                state[key] = value.to(engine.dtypes.master_dtype)
-        return state
-
-    @property
-    def engine(self) -> ZeroEngine | None:
-        """The ZeRO engine driving the current fit (``None`` outside fitting)."""
-        return self._engine
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        if self._engine is None or self._engine.sharded is None:
-            return optimizer.state_dict()
-        if self._writes_shards:
-            return {}  # save_checkpoint writes every rank's shards instead (no gather)
-        # world-size independent: the state of the original parameters, gathered from all shards
-        state = full_optimizer_state(self._engine.sharded, self._engine.comm)
-        return state if self.is_global_zero else {}
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint.get("optimizer_states", [])
-        if self._engine is None or self._engine.sharded is None or self._engine.sharded.whole:
-            if any(isinstance(s.get("state"), Mapping) and not isinstance(s.get("state"), dict) for s in states):
-                checkpoint = {**checkpoint, "optimizer_states": [materialize_optimizer_state(s) for s in states]}
-            return super().load_optimizer_state_dict(checkpoint)
-        for state in states[:1]:  # one optimizer (checked at setup)
-            load_full_optimizer_state(self._engine.sharded, state)
-        return None
-
-    # ------------------------------------------------------------------ checkpoint files
-    @property
-    def _writes_shards(self) -> bool:
-        """Whether save_checkpoint writes the sharded format from the engine's shards."""
-        fmt = self.checkpoint_format
-        sharded = fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
-        return sharded and self._engine is not None and self.zero_config.stage >= 1
-
-    def _sharded_format(self) -> bool:
-        fmt = self.checkpoint_format
-        return fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Sharded format (docs/checkpoints.md): every rank writes its shards into a temporary
-        directory; once all succeeded rank 0 publishes it atomically under ``filepath``."""
-        if not self._sharded_format():
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if storage_options is not None:
-            raise TypeError("The sharded checkpoint format takes no `storage_options`.")
-        comm = self._comm
-        save_sharded(
-            filepath, checkpoint, self._engine if self._writes_shards else None, self.global_rank,
-            self.world_size, broadcast=lambda obj: self.broadcast(obj, 0),
-            failed_ranks=comm.ranks_with if comm is not None else (lambda flag: [0] if flag else []),
-        )
-        return None
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero and is_sharded_checkpoint(filepath):
-            remove_sharded(filepath)
-            return
-        super().remove_checkpoint(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded checkpoint directory is read lazily (JSON + safetensors, never unpickled);
-        a file goes to Lightning's CheckpointIO."""
-        if not is_sharded_checkpoint(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        ckpt = ShardedCheckpoint(checkpoint_path)
-        self._pending_rng = ckpt.rng_state(self.global_rank) if ckpt.world_size == self.world_size else None
-        return ckpt.to_lightning()
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        state = checkpoint["state_dict"]
-        if not isinstance(state, LazyStateDict):
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        if self._engine is not None:
-            self.load_full_state_dict(state, strict=strict)
-            return None
-        if has_meta_parameters(self.lightning_module):
-            raise NotImplementedError(
-                "Resuming a model built on the meta device (`configure_model` under stage 3) from a sharded "
-                "checkpoint is not supported yet. Build the model with real tensors, or load the weights with "
-                "`strategy.load_full_state_dict(...)` in `on_fit_start` from `lightning-zero convert` output."
-            )
-        # before setup the module is whole (and in its original dtype)
-        self.lightning_module.load_state_dict(state.materialize(), strict=strict)
-        return None
 
     @override
     def teardown(self) -> None:
