@@ -158,15 +158,6 @@ def convert_command(argv: list[str]) -> int:
     return _run("convert", convert_command.__doc__ or "", build, act, argv)
 
 
-def _not_available(name: str) -> Callable[[list[str]], int]:
-    def handler(argv: list[str]) -> int:
-        print(f"lightning-zero {name}: not available yet in this version of lightning_zero. "
-              "Available commands: estimate, advise.", file=sys.stderr)
-        return 2
-
-    return handler
-
-
 COMMANDS: dict[str, Command] = {
     "estimate": Command(estimate_command, "per-rank memory of ZeRO stages 0-3, with and without offload"),
     "advise": Command(advise_command, "the fastest ZeRO stage / offload that fits your hardware"),
