@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.callbacks import add_monitor
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
@@ -45,6 +46,7 @@ from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.uneven import JoinedEvalLoader
 
@@ -68,6 +70,12 @@ class ZeroStrategy(DDPStrategy):
         param_init_fn: stage 3 with ``configure_model``: ``fn(module, name)`` initialises a
             module's own parameters, which were built on the meta device (default: the module's
             ``reset_parameters()``). See docs/large_models.md.
+        monitor: when fitting, add a :class:`~lightning_zero.ZeroStatsMonitor` (loss, lr, gradient
+            norm, loss scale, throughput, step-time split, memory per rank; docs/monitoring.md) to the
+            Trainer's callbacks unless it already has one. ``False``: don't.
+        profiler: a :class:`~lightning_zero.monitoring.ProfilerWindow` (``True``: the default window)
+            for the monitor this strategy adds: ``torch.profiler`` with memory profiling over a window
+            of optimizer steps, traces in ``<log dir>/profiler``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -85,6 +93,8 @@ class ZeroStrategy(DDPStrategy):
         loss_scaler: LossScalerConfig | None = None,
         check_step_errors: bool = True,
         param_init_fn: ParamInitFn | None = None,
+        monitor: bool = True,
+        profiler: ProfilerWindow | bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -115,6 +125,10 @@ class ZeroStrategy(DDPStrategy):
         )
         self.check_step_errors = check_step_errors
         self.param_init_fn = param_init_fn
+        if profiler and not monitor:
+            raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
+        self.monitor = monitor
+        self.profiler: ProfilerWindow | None = ProfilerWindow() if profiler is True else (profiler or None)
         self._fixed_precision = precision_plugin is not None
         self._engine: ZeroEngine | None = None  # set in setup() when fitting
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
@@ -153,6 +167,7 @@ class ZeroStrategy(DDPStrategy):
         self.model_to_device()
         self._comm = DataParallelComm(self._make_dp_group(), self.zero_config.collective)
         if trainer.state.fn == TrainerFn.FITTING:
+            add_monitor(trainer, self.monitor, self.profiler)
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise NotImplementedError(
@@ -395,14 +410,14 @@ class ZeroStrategy(DDPStrategy):
         return self._engine.last_grad_norm if self._engine is not None else None
 
     def step_stats(self) -> dict[str, float]:
-        """``zero/loss_scale``, ``zero/skipped_steps``, ``zero/grad_norm`` where known, for loggers
-        (:class:`~lightning_zero.callbacks.ZeroStatsMonitor` logs them)."""
+        """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known, named as
+        :class:`~lightning_zero.ZeroStatsMonitor` logs them."""
         out: dict[str, float] = {}
         if self.loss_scale is not None:
-            out["zero/loss_scale"] = float(self.loss_scale)
-            out["zero/skipped_steps"] = float(self.skipped_steps)
+            out["train/loss_scale"] = float(self.loss_scale)
+            out["train/skipped_steps"] = float(self.skipped_steps)
         if self.last_grad_norm is not None:
-            out["zero/grad_norm"] = float(self.last_grad_norm)
+            out["train/grad_norm"] = float(self.last_grad_norm)
         return out
 
     @override
