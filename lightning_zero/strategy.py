@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.callbacks import add_monitor
 from lightning_zero.checkpoint.format import (
     restore_rng,
 )
@@ -43,6 +44,7 @@ from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
+from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.strategy_state import ZeroStateMixin
 from lightning_zero.uneven import JoinedEvalLoader
@@ -75,6 +77,12 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             (docs/checkpoints.md); ``"consolidated"``: Lightning's single file, gathered on rank 0;
             ``"auto"`` (default): sharded at stage >= 1, consolidated at stage 0 (every rank holds
             everything there). Both formats are read whatever this says.
+        monitor: when fitting, add a :class:`~lightning_zero.ZeroStatsMonitor` (loss, lr, gradient
+            norm, loss scale, throughput, step-time split, memory per rank; docs/monitoring.md) to the
+            Trainer's callbacks unless it already has one. ``False``: don't.
+        profiler: a :class:`~lightning_zero.monitoring.ProfilerWindow` (``True``: the default window)
+            for the monitor this strategy adds: ``torch.profiler`` with memory profiling over a window
+            of optimizer steps, traces in ``<log dir>/profiler``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -94,6 +102,8 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         param_init_fn: ParamInitFn | None = None,
         gather_on_teardown: bool = True,
         checkpoint_format: str = "auto",
+        monitor: bool = True,
+        profiler: ProfilerWindow | bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -131,6 +141,10 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             )
         self.checkpoint_format = checkpoint_format
         self._pending_rng: dict[str, Any] | None = None  # RNG states of a loaded sharded checkpoint
+        if profiler and not monitor:
+            raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
+        self.monitor = monitor
+        self.profiler: ProfilerWindow | None = ProfilerWindow() if profiler is True else (profiler or None)
         self._fixed_precision = precision_plugin is not None
         self._engine: ZeroEngine | None = None  # set in setup() when fitting
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
@@ -169,6 +183,7 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         self.model_to_device()
         self._comm = DataParallelComm(self._make_dp_group(), self.zero_config.collective)
         if trainer.state.fn == TrainerFn.FITTING:
+            add_monitor(trainer, self.monitor, self.profiler)
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise NotImplementedError(

@@ -100,14 +100,14 @@ class ZeroStateMixin:
         return self._engine.last_grad_norm if self._engine is not None else None
 
     def step_stats(self) -> dict[str, float]:
-        """``zero/loss_scale``, ``zero/skipped_steps``, ``zero/grad_norm`` where known, for loggers
-        (:class:`~lightning_zero.callbacks.ZeroStatsMonitor` logs them)."""
+        """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known, named as
+        :class:`~lightning_zero.ZeroStatsMonitor` logs them."""
         out: dict[str, float] = {}
         if self.loss_scale is not None:
-            out["zero/loss_scale"] = float(self.loss_scale)
-            out["zero/skipped_steps"] = float(self.skipped_steps)
+            out["train/loss_scale"] = float(self.loss_scale)
+            out["train/skipped_steps"] = float(self.skipped_steps)
         if self.last_grad_norm is not None:
-            out["zero/grad_norm"] = float(self.last_grad_norm)
+            out["train/grad_norm"] = float(self.last_grad_norm)
         return out
 
     @override

@@ -74,8 +74,8 @@ def test_world_size_one_trains_fp16_without_collectives_and_logs_the_stats(monke
     trainer.fit(model, pattern_loader())
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    scales = [float(r["zero/loss_scale"]) for r in rows if r.get("zero/loss_scale")]
-    norms = [float(r["zero/grad_norm"]) for r in rows if r.get("zero/grad_norm")]
+    scales = [float(r["train/loss_scale"]) for r in rows if r.get("train/loss_scale")]
+    norms = [float(r["train/grad_norm"]) for r in rows if r.get("train/grad_norm")]
     assert len(scales) == 6 and scales[0] == 2.0**16 and len(norms) == 6
     assert trainer.strategy.skipped_steps == 0  # the loss is fp32: the default scale fits
 

@@ -19,8 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from omegaconf import OmegaConf
 
-from lightning_zero.callbacks import ZeroStatsMonitor
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
     GPTModelSchema,
@@ -32,6 +32,7 @@ from lightning_zero.config.schema import (
 )
 from lightning_zero.config.validate import gpt_overrides, import_object, zero_config
 from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.monitoring import ProfilerWindow, log_hyperparams
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
 
@@ -47,7 +48,25 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "precision": build_precision(cfg),
         "check_step_errors": cfg.zero.check_step_errors,
         "process_group_backend": cfg.trainer.process_group_backend,
+        "monitor": cfg.logger.monitor,
+        "profiler": build_profiler(cfg),
     }
+
+
+def build_profiler(cfg: TrainConfig) -> ProfilerWindow | None:
+    """The monitor's profiler window of ``cfg.profiler`` (``None`` unless enabled)."""
+    p = cfg.profiler
+    if not p.enabled:
+        return None
+    return ProfilerWindow(wait=p.wait, warmup=p.warmup, active=p.active, repeat=p.repeat,
+                          record_shapes=p.record_shapes, with_stack=p.with_stack)
+
+
+def config_hparams(cfg: TrainConfig) -> dict[str, Any]:
+    """The composed, validated config as nested plain data (enums by name), as loggers take hyperparameters."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    assert isinstance(data, dict)
+    return {str(k): v for k, v in data.items()}
 
 
 def build_precision(cfg: TrainConfig) -> ZeroPrecision:
@@ -124,10 +143,10 @@ def build_logger(cfg: TrainConfig, run_dir: Path) -> Logger | bool:
 
 
 def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
-    """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled; with a logger,
-    :class:`~lightning_zero.ZeroStatsMonitor` (loss scale, skipped steps, gradient norm)."""
+    """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled (the strategy adds
+    the :class:`~lightning_zero.ZeroStatsMonitor` itself, ``logger.monitor``)."""
     ck = cfg.trainer.checkpoint
-    out: list[Callback] = [] if cfg.logger.kind is LoggerKind.none else [ZeroStatsMonitor()]
+    out: list[Callback] = []
     if ck.enabled:
         out.append(ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_last=ck.save_last,
                                    save_top_k=ck.save_top_k, monitor=ck.monitor,
@@ -187,12 +206,14 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     """Train ``cfg`` in this process (one rank, or the only one) and return what happened.
 
     With ``trainer.validate_at_start`` / ``validate_at_end`` the validation loss is measured before the
-    first and after the last step (also written to the logger).
+    first and after the last step (also written to the logger). The logger gets the whole config as
+    hyperparameters (nested keys, ``/``-separated: ``zero/stage``, ``precision/name``, ...).
     """
     run_dir = Path(run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module, data = build_module(cfg), build_datamodule(cfg)
     trainer = pl.Trainer(strategy=build_strategy(cfg), **trainer_kwargs(cfg, run_dir))
+    log_hyperparams(trainer, config_hparams(cfg))  # first: TensorBoard's HPARAMS tab shows the first it finds
     start = _val_loss(trainer.validate(module, data, verbose=False)) if cfg.trainer.validate_at_start else None
     began = time.perf_counter()
     trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)

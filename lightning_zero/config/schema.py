@@ -266,6 +266,21 @@ class LoggerSchema:
     kind: LoggerKind = LoggerKind.tensorboard
     name: str = "tb"
     default_hp_metric: bool = False
+    monitor: bool = True  # ZeroStrategy(monitor=...): the ZeroStatsMonitor dashboard (docs/monitoring.md)
+
+
+@dataclass
+class ProfilerSchema:
+    """``profiler.*`` (a root key, no group): ``torch.profiler`` with memory profiling over a window of
+    optimizer steps, traces in ``<run dir>/<logger.name>/profiler`` (``lightning_zero.ProfilerWindow``)."""
+
+    enabled: bool = False
+    wait: int = 5
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    record_shapes: bool = True
+    with_stack: bool = False
 
 
 @dataclass
@@ -284,6 +299,7 @@ class TrainConfig:
     seed: int = 0
     deepspeed_config: str | None = None  # a DeepSpeed JSON over the groups (lightning_zero/config/deepspeed.py)
     deepspeed_strict: bool = False  # unsupported keys in that JSON are an error, not a warning
+    profiler: ProfilerSchema = field(default_factory=ProfilerSchema)
 
 
 # (group, name) -> schema; a YAML option lists its group's schema name first in its defaults.

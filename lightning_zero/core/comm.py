@@ -3,11 +3,18 @@
 Every method works without a process group (world size 1): then nothing is communicated, so the
 core is unit-tested in one process. The data-parallel group is always passed explicitly and never
 assumed to be the world (pipeline stages will make it a sub-group).
+
+Exposed communication: :attr:`DataParallelComm.wait_seconds` adds up the host time spent blocked in
+this group's collectives (blocking calls, and ``wait()`` on the handles of asynchronous ones). On a
+CPU backend (gloo) that is the time the rank could not compute because of communication; with NCCL
+``wait()`` only orders CUDA streams, so the counter says nothing there (docs/monitoring.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -43,6 +50,17 @@ class _AllOf:
         return True
 
 
+class _Timed:
+    """The handle of an asynchronous collective whose ``wait()`` counts into ``comm.wait_seconds``."""
+
+    def __init__(self, work: Handle, comm: DataParallelComm) -> None:
+        self.work, self.comm = work, comm
+
+    def wait(self) -> object:
+        with self.comm.blocking():
+            return self.work.wait()
+
+
 class DataParallelComm:
     """The data-parallel group and the collectives the ZeRO core needs.
 
@@ -65,6 +83,19 @@ class DataParallelComm:
         )
         # gloo's all-reduce is faster than its reduce-scatter + all-gather (docs/benchmarks.md).
         self.use_all_reduce: bool = collective == "all_reduce" or (collective == "auto" and self.backend == "gloo")
+        self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
+
+    @contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Count the time spent in the block into :attr:`wait_seconds`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def _issued(self, work: Handle | None, async_op: bool) -> Handle:
+        return _Timed(work, self) if async_op and work is not None else DONE
 
     @property
     def active(self) -> bool:
@@ -74,8 +105,15 @@ class DataParallelComm:
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
         if not self.active:
             return DONE
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        return work if async_op else DONE
+        with self.blocking():
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return self._issued(work, async_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Element-wise maximum over the ranks, in place (blocking)."""
+        if self.active:
+            with self.blocking():
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
     def reduce_scatter_pieces(
         self, out: torch.Tensor, pieces: Sequence[torch.Tensor], async_op: bool = False
@@ -84,12 +122,13 @@ class DataParallelComm:
         if not self.active:
             out.copy_(pieces[0])
             return DONE
-        if all(p.numel() == pieces[0].numel() for p in pieces):
-            work = dist.reduce_scatter_tensor(out, torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0],
-                                              group=self.group, async_op=async_op)
-        else:
-            work = dist.reduce_scatter(out, list(pieces), group=self.group, async_op=async_op)
-        return work if async_op else DONE
+        with self.blocking():
+            if all(p.numel() == pieces[0].numel() for p in pieces):
+                work = dist.reduce_scatter_tensor(out, torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0],
+                                                  group=self.group, async_op=async_op)
+            else:
+                work = dist.reduce_scatter(out, list(pieces), group=self.group, async_op=async_op)
+        return self._issued(work, async_op)
 
     def all_gather_flat(self, flat: torch.Tensor, start: int, end: int, async_op: bool = False) -> Handle:
         """Make ``flat`` whole on every rank from each rank's ``flat[start:end]`` (equal shards)."""
@@ -99,24 +138,27 @@ class DataParallelComm:
             # gloo: one broadcast per owner is measured ~1.8x faster than all_gather_into_tensor
             # (docs/benchmarks.md); the broadcasts run concurrently and are waited on together.
             size = end - start
-            works = [
-                dist.broadcast(flat[r * size : (r + 1) * size], src=self._global_rank(r), group=self.group,
-                               async_op=True)
-                for r in range(self.world_size)
-            ]
-            work = _AllOf(works)
-            if not async_op:
-                work.wait()
+            with self.blocking():
+                works = [
+                    dist.broadcast(flat[r * size : (r + 1) * size], src=self._global_rank(r), group=self.group,
+                                   async_op=True)
+                    for r in range(self.world_size)
+                ]
+                work: Handle | None = _AllOf(works)
+                if not async_op:
+                    work.wait()
         else:
-            work = dist.all_gather_into_tensor(flat, flat[start:end], group=self.group, async_op=async_op)
-        return work if async_op else DONE
+            with self.blocking():
+                work = dist.all_gather_into_tensor(flat, flat[start:end], group=self.group, async_op=async_op)
+        return self._issued(work, async_op)
 
     def _global_rank(self, dp_rank: int) -> int:
         return dist.get_global_rank(self.group, dp_rank) if self.group is not None else dp_rank
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         if self.active:
-            dist.broadcast(tensor, src=self._global_rank(src_rank), group=self.group)
+            with self.blocking():
+                dist.broadcast(tensor, src=self._global_rank(src_rank), group=self.group)
 
     def ranks_with(self, flag: bool) -> list[int]:
         """All-gather one boolean per rank; returns the DP ranks where it is true (same on all)."""
@@ -124,7 +166,8 @@ class DataParallelComm:
             return [0] if flag else []
         flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         flags[self.rank] = int(flag)
-        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
+        with self.blocking():
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
         return [r for r in range(self.world_size) if flags[r].item()]
 
     def raise_unless_same(self, value: int, what: str, fix: str) -> None:
@@ -132,6 +175,6 @@ class DataParallelComm:
         if not self.active:
             return
         both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        self.all_reduce_max(both)
         if both[0].item() != -both[1].item():
             raise ValueError(f"{what} differs between data-parallel ranks. {fix}")

@@ -417,18 +417,17 @@ class ZeroEngine:
         return total.pow(1.0 / norm_type)
 
     def comm_max(self, value: torch.Tensor) -> None:
-        if self.comm.active:
-            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=self.comm.group)
+        self.comm.all_reduce_max(value)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the optimizer's gradients so their global norm is at most ``max_norm`` (a no-op on a
-        skipped step)."""
+        skipped step, whose norm stays ``inf``)."""
+        if self.step_skipped:  # every rank agreed on the skip: no collective here on any of them
+            return torch.tensor(math.inf)
         cached = self._norm if self._prepared and norm_type == 2.0 else None
         total = cached if cached is not None else self.grad_norm(norm_type)
         self.last_grad_norm = float(total)
-        if self.step_skipped:
-            return total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for t in self._grads_to_scale():
             t.mul_(coef.to(device=t.device, dtype=t.dtype))

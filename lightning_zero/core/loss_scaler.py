@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_zero.core.comm import DataParallelComm
 
@@ -160,7 +159,7 @@ def any_rank(flag: bool, comm: DataParallelComm) -> bool:
     if not comm.active:
         return flag
     value = torch.tensor([1.0 if flag else 0.0], device=comm.device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=comm.group)
+    comm.all_reduce_max(value)
     return bool(value.item() > 0)
 
 

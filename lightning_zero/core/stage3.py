@@ -103,7 +103,7 @@ class Stage3Runtime:
             return
         agreed = torch.tensor([unit.index, -unit.index], dtype=torch.int64, device=self.comm.device)
         if self.comm.active:  # Note [gather agreement]
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=self.comm.group)
+            self.comm.all_reduce_max(agreed)
             if agreed[0].item() != -agreed[1].item():
                 raise RuntimeError(
                     f"ZeRO stage 3: this rank is about to gather unit {unit.name!r} (#{unit.index}) while another "

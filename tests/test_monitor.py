@@ -1,0 +1,222 @@
+"""The ZeroStatsMonitor dashboard: a 2-rank fp16 fit whose TensorBoard event file is read back (every scalar,
+with values checked against what the ranks saw), the custom-scalars layout, per-rank profiler traces; the
+monitor's wiring into the strategy and the Hydra path (one process)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+from lightning_zero import LossScalerConfig, ProfilerWindow, ZeroPrecision, ZeroStatsMonitor, ZeroStrategy
+from lightning_zero.monitoring import MEMORY_KEYS, TIME_KEYS, batch_counts, peak_memory_bytes
+from tests.models import make_trainer
+from tests.test_precision import Model, pattern_loader
+
+# the seed's fp16 config: {"loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+SEED_FP16 = LossScalerConfig(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2,
+                             min_loss_scale=1)
+STEPS, ACCUMULATE, POISONED_STEP = 6, 2, 2  # rank 1's gradient gets an inf in micro-batch 4: step 2 (0-based)
+GLOBAL_TAGS = ("train/loss", "train/lr", "train/lr_pg1", "train/grad_norm", "train/loss_scale",
+               "train/skipped_steps", "throughput/samples_per_s", "throughput/tokens_per_s")
+
+
+def _events(log_dir: Path, files: int = 1) -> EventAccumulator:
+    """The run's events (a directory: all its event files, as TensorBoard reads them)."""
+    found = list(log_dir.glob("events.out.tfevents.*"))
+    assert len(found) == files, found  # in a fit, rank 0 alone writes one file for every rank's scalars
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _series(acc: EventAccumulator, tag: str) -> dict[int, float]:
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+class _Probe(pl.Callback):
+    """What the rank knows: the strategy's gradient norm after each step; at the end, its model-state bytes
+    and peak RSS."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if len(self.norms) < trainer.global_step:
+            self.norms.append(trainer.strategy.last_grad_norm)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.bytes = dataclasses.asdict(trainer.strategy.model_state_bytes())
+        self.peak = peak_memory_bytes(torch.device("cpu"))
+
+
+def dashboard_body(log_dir: str) -> dict[str, Any]:
+    """fp16, stage 2, 6 steps of 2 micro-batches, clipping; one injected overflow; profiler over steps 2-3."""
+    probe, model = _Probe(), Model(poison_at=(2 * POISONED_STEP,))
+    strategy = ZeroStrategy(stage=2, precision=ZeroPrecision("16-mixed", loss_scaler=SEED_FP16),
+                            profiler=ProfilerWindow(wait=1, warmup=1, active=2))
+    trainer = make_trainer(strategy, max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, log_every_n_steps=1,
+                           gradient_clip_val=1.0, logger=TensorBoardLogger(log_dir, name="", version=""),
+                           enable_progress_bar=True, callbacks=[probe])
+    trainer.fit(model, pattern_loader())
+    return {"losses": model.losses, "norms": probe.norms, "bytes": probe.bytes, "peak": probe.peak,
+            "skipped": strategy.skipped_steps,
+            "monitors": sum(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks),
+            "pbar": dict(trainer.progress_bar_metrics)}
+
+
+@pytest.fixture(scope="module")
+def dashboard(gloo_pool, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    log_dir = tmp_path_factory.mktemp("tb")
+    return log_dir, gloo_pool.run("tests.test_monitor:dashboard_body", log_dir=str(log_dir))
+
+
+@pytest.mark.distributed
+def test_the_event_file_holds_every_scalar_with_plausible_values(dashboard) -> None:
+    log_dir, ranks = dashboard
+    acc = _events(log_dir)
+    tags = set(acc.Tags()["scalars"])
+    per_rank = {f"{topic}/rank{r}/{k}" for r in (0, 1) for topic, keys in (("time", TIME_KEYS), ("memory", MEMORY_KEYS))
+                for k in keys}
+    assert set(GLOBAL_TAGS) | per_rank <= tags, sorted(set(GLOBAL_TAGS) | per_rank - tags)
+    steps = list(range(STEPS))
+    for tag in (*GLOBAL_TAGS, *per_rank):
+        expected = [s for s in steps if not (tag == "train/grad_norm" and s == POISONED_STEP)]
+        assert sorted(_series(acc, tag)) == expected, tag  # every optimizer step, Lightning's step axis
+
+    # loss: the mean over both ranks' micro-batches of the step (accumulation undone)
+    loss = _series(acc, "train/loss")
+    for s in steps:
+        micro = [r["losses"][ACCUMULATE * s + i] for r in ranks for i in range(ACCUMULATE)]
+        assert loss[s] == pytest.approx(sum(micro) / len(micro), rel=1e-5)
+    # fp16: the seed config starts at 2**16; one overflow spends a hysteresis credit and keeps the scale
+    assert set(_series(acc, "train/loss_scale").values()) == {65536.0}
+    assert list(_series(acc, "train/skipped_steps").values()) == [float(s >= POISONED_STEP) for s in steps]
+    assert all(r["skipped"] == 1 for r in ranks)
+    assert all(0 < v < 100 for v in _series(acc, "train/grad_norm").values())
+    for r in ranks:  # the strategy's own value: inf on the skipped step, also when clipping (nothing to clip)
+        assert [math.isinf(n) for n in r["norms"]] == [s == POISONED_STEP for s in steps]
+        assert [n for s, n in enumerate(r["norms"]) if s != POISONED_STEP] == pytest.approx(
+            [v for s, v in sorted(_series(acc, "train/grad_norm").items())], rel=1e-5)
+    # the LR the step used; the per-step schedule (0.98**k) does not advance on the skipped step
+    stepped = [s - (s > POISONED_STEP) for s in steps]
+    assert list(_series(acc, "train/lr").values()) == pytest.approx([1e-2 * 0.98**k for k in stepped], rel=1e-6)
+    assert _series(acc, "train/lr_pg1") == _series(acc, "train/lr")
+
+    # throughput: 2 ranks x 2 micro-batches x 4 samples of 9 token ids per step, over the slowest rank's step
+    samples, tokens = _series(acc, "throughput/samples_per_s"), _series(acc, "throughput/tokens_per_s")
+    for s in steps:
+        slowest = max(_series(acc, f"time/rank{r}/step")[s] for r in (0, 1))
+        assert samples[s] * slowest == pytest.approx(16, rel=1e-4)
+        assert tokens[s] == pytest.approx(9 * samples[s], rel=1e-5)
+
+    for r, result in enumerate(ranks):
+        t = {k: _series(acc, f"time/rank{r}/{k}") for k in TIME_KEYS}
+        for s in steps:
+            assert t["step"][s] > 0 and t["forward"][s] > 0 and t["backward"][s] > 0 and t["optimizer"][s] > 0
+            assert t["comm"][s] >= 0 and t["other"][s] >= 0
+            parts = sum(t[k][s] for k in ("forward", "backward", "optimizer", "comm", "other"))
+            assert parts == pytest.approx(t["step"][s], rel=1e-4, abs=1e-5)
+        assert sum(t["comm"].values()) > 0  # gloo collectives block the host: exposed communication is measured
+        m = {k: _series(acc, f"memory/rank{r}/{k}") for k in MEMORY_KEYS}
+        for k in ("params", "grads", "optimizer", "buffers"):
+            assert m[k][STEPS - 1] == result["bytes"][k], (r, k)  # = strategy.model_state_bytes() on that rank
+        assert result["bytes"]["optimizer"] > result["bytes"]["params"] > 0
+        assert 50e6 < m["peak"][STEPS - 1] <= result["peak"]  # VmHWM: the process (torch + Lightning) at least
+
+
+@pytest.mark.distributed
+def test_the_layout_has_one_chart_per_topic_with_a_line_per_rank(dashboard) -> None:
+    log_dir, _ = dashboard
+    acc = _events(log_dir)
+    (event,) = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    assert len(layout.category) == 4 and len(charts) == 5 + 2 + len(TIME_KEYS) + len(MEMORY_KEYS)
+    tags = acc.Tags()["scalars"]
+    for title, patterns in charts.items():
+        lines = sorted(t for t in tags if any(re.search(p, t) for p in patterns))
+        ranks = "time" in patterns[0] or "memory" in patterns[0]
+        assert len(lines) == (2 if ranks else 1 + ("lr" in patterns[0])), (title, lines)  # ranks as lines
+
+
+@pytest.mark.distributed
+def test_progress_bar_profiler_traces_and_one_monitor(dashboard) -> None:
+    log_dir, ranks = dashboard
+    assert [r["monitors"] for r in ranks] == [1, 1]  # added by the strategy, once
+    assert set(ranks[0]["pbar"]) >= {"loss", "loss_scale", "tokens/s"} and ranks[0]["pbar"]["loss_scale"] == 65536
+    traces = sorted((log_dir / "profiler").glob("*.pt.trace.json"))
+    assert sorted(p.name.split(".")[0] for p in traces) == ["rank0", "rank1"]  # one window, each rank its own
+    assert all('"[memory]"' in p.read_text() for p in traces)  # profile_memory=True
+
+
+# ---------------------------------------------------------------------------- one process
+def test_batch_counts_rule() -> None:
+    ids = torch.zeros(4, 9, dtype=torch.long)
+    assert batch_counts((ids, ids)) == (4, 36)
+    assert batch_counts({"mask": torch.ones(4, 9), "input_ids": ids}) == (4, 36)
+    assert batch_counts([torch.randn(8, 3), torch.zeros(8, dtype=torch.long)]) == (8, 0)  # float inputs: no tokens
+    assert batch_counts({"x": [torch.zeros(2, 5, dtype=torch.uint8)]}) == (2, 10)
+
+
+def _fit(tmp_path: Path, strategy: ZeroStrategy, callbacks: list[pl.Callback] | None = None,
+         **kwargs: Any) -> pl.Trainer:
+    trainer = make_trainer(strategy, devices=1, max_steps=2, log_every_n_steps=1, callbacks=callbacks or [],
+                           logger=CSVLogger(str(tmp_path), name="", version=""), **kwargs)
+    trainer.fit(Model(), pattern_loader())
+    return trainer
+
+
+def test_monitor_is_on_by_default_off_by_option_and_logs_fp32_grad_norms(tmp_path: Path) -> None:
+    trainer = _fit(tmp_path / "on", ZeroStrategy(stage=2))
+    assert sum(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks) == 1
+    with open(tmp_path / "on" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(rows) == 2 and all(float(r["train/grad_norm"]) > 0 for r in rows)  # fp32: measured for the log
+    assert "train/loss_scale" not in rows[0] and all(float(r["memory/rank0/params"]) > 0 for r in rows)
+    assert float(rows[0]["time/rank0/comm"]) == 0.0  # one rank: nothing to wait for
+    trainer = _fit(tmp_path / "off", ZeroStrategy(stage=2, monitor=False))
+    assert not any(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks)
+    mine = ZeroStatsMonitor(log_every_n_steps=2)
+    trainer = _fit(tmp_path / "own", ZeroStrategy(stage=1), callbacks=[mine])
+    assert [c for c in trainer.callbacks if isinstance(c, ZeroStatsMonitor)] == [mine]
+
+
+def test_profiler_needs_the_monitor(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="monitor"):
+        ZeroStrategy(monitor=False, profiler=True)
+    with pytest.raises(ValueError, match="pass `profiler=` to that one"):
+        _fit(tmp_path, ZeroStrategy(stage=2, profiler=True), callbacks=[ZeroStatsMonitor()])
+
+
+def test_hydra_run_logs_the_composed_config_as_hyperparameters(tmp_path: Path) -> None:
+    from lightning_zero.config.build import fit
+    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.validate import validate_config
+
+    cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.devices=1", "trainer.max_steps=2",
+                                          "trainer.log_every_n_steps=1", "trainer.checkpoint.enabled=false",
+                                          "trainer.enable_model_summary=false", "data.max_bytes=20000",
+                                          "profiler.enabled=true", "profiler.wait=0", "profiler.active=1"]))
+    fit(cfg, tmp_path)
+    acc = _events(tmp_path / "tb", files=3)  # validate, fit, validate: Lightning reopens the writer each time
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    meta = acc.SummaryMetadata("_hparams_/session_start_info")  # what TensorBoard's HPARAMS tab reads
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(meta.plugin_data.content).session_start_info.hparams
+    assert hparams["zero/stage"].number_value == 2 and hparams["precision/name"].string_value == "fp32"
+    assert hparams["model/preset"].string_value == "gpt_tiny" and hparams["profiler/active"].number_value == 1
+    assert "hp_metric" not in acc.Tags()["scalars"]
+    assert {"train/loss", "throughput/tokens_per_s", "memory/rank0/peak"} <= set(acc.Tags()["scalars"])
+    assert list((tmp_path / "tb" / "profiler").glob("rank0.*.pt.trace.json"))
+    assert not math.isnan(_series(acc, "train/loss")[1])
