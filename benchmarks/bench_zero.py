@@ -1,4 +1,4 @@
-"""Step time and memory of ZeRO stages 0-2 against Lightning DDP, on CPU processes over gloo.
+"""Step time and memory of ZeRO stages 0-3 against Lightning DDP and PyTorch FSDP2, on CPU processes over gloo.
 
 Run from the repository root (see benchmarks/README.md)::
 
@@ -43,7 +43,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as tmp  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy, Strategy  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy  # noqa: E402
+from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
@@ -52,11 +54,13 @@ from experiments.gpt import GPT_PRESETS, GPTLightningModule, count_parameters  #
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.core.config import ZeroConfig  # noqa: E402
 from lightning_zero.core.memory import StorageCounter  # noqa: E402
+from lightning_zero.core.sharded_unit import UnitState  # noqa: E402
 
 PHASES = ("forward", "backward", "reduce", "optimizer", "after_step")
 STATE_KINDS = ("params", "grads", "optimizer", "buffers")
 DEFAULT_CONTENDERS = "ddp,ddp_nosync,zero0,zero1,zero2"
 TARGET_RATIO = 1.10  # stages 1 and 2 should stay within this factor of DDP's step time
+TARGET_RATIO_STAGE3 = 1.30  # stage 3: within this factor of DDP, and no slower / no larger than fsdp2
 MB = 1e6
 Runs = dict[str, list[list[dict[str, Any]]]]  # contender -> repeat -> rank -> run_contender()'s result
 
@@ -75,6 +79,8 @@ class BenchConfig:
     threads: int = 1
     data: str = "random"
     profile: bool = False
+    prefetch_size: int | None = None  # stage 3 prefetch_bucket_size in elements (None: bucket_size)
+    persistence_threshold: int = 100_000  # stage 3 param_persistence_threshold (DeepSpeed's default)
 
     @property
     def total_steps(self) -> int:
@@ -127,7 +133,7 @@ def _ddp_nosync(config: BenchConfig) -> Strategy:
 def _zero(stage: int, **options: Any) -> Callable[[BenchConfig], Strategy]:
     def build(config: BenchConfig) -> Strategy:
         kwargs = {"reduce_bucket_size": config.bucket_size, **options}  # a variant's own bucket size wins
-        return ZeroStrategy(stage, process_group_backend="gloo", **kwargs)
+        return ZeroStrategy(stage, process_group_backend="gloo", monitor=False, **kwargs)
 
     return build
 
@@ -139,6 +145,81 @@ for _s in (1, 2):  # diagnostic variants, not run by default
                               ("defaults", {"reduce_bucket_size": ZeroConfig().reduce_bucket_size})):  # fmt: skip
         register(f"zero{_s}_{_suffix}", "lightning", f"zero{_s} with {_options}")(_zero(_s, **_options))
 register("zero2_nooverlap", "lightning", "zero2 with {'overlap_comm': False}")(_zero(2, overlap_comm=False))
+
+
+def _zero3(cls: type[ZeroStrategy] = ZeroStrategy, **options: Any) -> Callable[[BenchConfig], Strategy]:
+    def build(config: BenchConfig) -> Strategy:
+        kwargs = {"reduce_bucket_size": config.bucket_size,
+                  "prefetch_bucket_size": config.prefetch_size or config.bucket_size,
+                  "param_persistence_threshold": config.persistence_threshold, **options}  # fmt: skip
+        return cls(3, process_group_backend="gloo", monitor=False, **kwargs)
+
+    return build
+
+
+register("zero3", "lightning", "ZeroStrategy(stage=3), buckets and prefetch of --bucket-size")(_zero3())
+for _suffix, _options in (("nocheck", {"check_step_errors": False}), ("rs", {"collective": "reduce_scatter"}),
+                          ("noprefetch", {"prefetch_bucket_size": 1}), ("persist0", {"param_persistence_threshold": 0}),
+                          ("defaults", {"prefetch_bucket_size": ZeroConfig().prefetch_bucket_size})):  # fmt: skip
+    register(f"zero3_{_suffix}", "lightning", f"zero3 with {_options}")(_zero3(**_options))
+
+
+class _Zero3NoAgreement(ZeroStrategy):
+    """Diagnostic prototype, not a supported mode: stage 3 whose unit gathers skip the agreement all-reduce
+    (Note [gather agreement] in core/stage3.py), to measure what that synchronous per-unit collective costs.
+    ``Stage3Runtime._gather`` is replaced on this run's runtime by the same code minus the agreement; ranks
+    that ran different units would exchange the wrong buffers instead of raising."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        runtime = self.engine.runtime if self.engine is not None else None
+        if runtime is None:
+            return
+
+        def gather(unit: Any) -> None:
+            if unit.state is not UnitState.SHARDED:
+                return
+            unit.start_gather(runtime.comm)
+            runtime.live_numel += unit.numel
+            runtime.peak_live_numel = max(runtime.peak_live_numel, runtime.live_numel)
+
+        runtime._gather = gather
+
+
+register("zero3_noagree", "lightning", "zero3 without the per-unit agreement all-reduce (diagnostic "
+         "prototype)")(_zero3(_Zero3NoAgreement))  # fmt: skip
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """PyTorch FSDP2 driven by Lightning's ModelParallelStrategy (which, unlike FSDPStrategy, runs on CPU):
+    ``fully_shard`` on every transformer block, then on the root, over a 1-D data-parallel mesh of all ranks.
+    Defaults otherwise (``reshard_after_forward=True``, fp32, no mixed precision, no CPU offload)."""
+
+    def __init__(self, **fsdp_options: Any) -> None:
+        super().__init__(tensor_parallel_size=1, process_group_backend="gloo")
+        self.fsdp_options = fsdp_options
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes  # every rank is a data-parallel rank
+        super().setup_environment()
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        gpt = self.lightning_module.model
+        for block in gpt.blocks:
+            fully_shard(block, mesh=mesh, **self.fsdp_options)
+        fully_shard(gpt, mesh=mesh, **self.fsdp_options)
+        super().setup(trainer)  # then the optimizer is built on the sharded (DTensor) parameters
+
+
+@register("fsdp2", "lightning", "PyTorch FSDP2 fully_shard per block + root, via ModelParallelStrategy")
+def _fsdp2(config: BenchConfig) -> Strategy:
+    return FSDP2Strategy()
+
+
+@register("fsdp2_noreshard", "lightning", "fsdp2 with reshard_after_forward=False (ZeRO-2-like gathers)")
+def _fsdp2_noreshard(config: BenchConfig) -> Strategy:
+    return FSDP2Strategy(reshard_after_forward=False)
 
 
 @register("local", "loop", "plain PyTorch loop: no Lightning, no communication (each rank trains alone)")
@@ -189,23 +270,36 @@ class StepRecorder:
             values.append(self._now.get("probe:" + key, 0.0))
 
 
+def _local(t: Any) -> Any:
+    """The tensor holding this rank's data: a DTensor's local shard, anything else itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _count_by_hand(module: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: bool) -> dict[str, float]:
     """params + grads + optimizer state, each storage once; with ``ddp``, ``buffers`` = DDP's reducer buckets
-    (a full gradient copy, since Lightning's DDP keeps ``gradient_as_bucket_view=False``): sized, not counted."""
+    (a full gradient copy, since Lightning's DDP keeps ``gradient_as_bucket_view=False``): sized, not counted.
+    FSDP2: the DTensors' local shards (padding included), and as ``buffers`` the unsharded parameters alive."""
     params = list(module.parameters())
     counter = StorageCounter()
-    counter.add("params", params)
-    counter.add("grads", [p.grad for p in params])
+    counter.add("params", [_local(p) for p in params])
+    counter.add("grads", [_local(p.grad) for p in params])
     for state in optimizer.state.values():
-        counter.add("optimizer", [v for v in state.values() if isinstance(v, torch.Tensor)])
+        counter.add("optimizer", [_local(v) for v in state.values() if isinstance(v, torch.Tensor)])
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                counter.add("buffers", [t for fp in group.fsdp_params for t in fp.all_gather_outputs])
     out = asdict(counter.result())
-    out["buffers"] = float(sum(p.numel() * p.element_size() for p in params if p.requires_grad)) if ddp else 0.0
+    if ddp:
+        out["buffers"] = float(sum(p.numel() * p.element_size() for p in params if p.requires_grad))
     return out
 
 
 def _attach_probes(strategy: ZeroStrategy, rec: StepRecorder) -> None:
     """--profile: time the engine's per-parameter hooks, bucket launches / waits, after_step, zero_grad and
-    the strategy's step-error check by wrapping them on this run's objects (hooks are re-registered)."""
+    the strategy's step-error check by wrapping them on this run's objects (hooks are re-registered). Stage 3
+    also: ``s3_gather`` (a unit's agreement all-reduce + gather launch), ``s3_gather_launch`` (the launch
+    alone: shard copy + broadcasts issued), ``s3_gather_wait`` (waiting for a gather) and ``s3_release``."""
     engine, comm = strategy.engine, strategy._comm
     assert engine is not None and comm is not None
     reducer = engine.reducer
@@ -223,9 +317,15 @@ def _attach_probes(strategy: ZeroStrategy, rec: StepRecorder) -> None:
     reducer.remove_hooks()
     hook = timed(reducer._on_grad_ready, "hooks")
     reducer._hooks = [p.register_post_accumulate_grad_hook(hook) for p in reducer._where]
-    for obj, name, key in ((reducer, "_launch", "bucket_launch"), (reducer, "_retire", "bucket_wait"),
-                           (engine, "after_step", "after_step"), (engine, "zero_grad", "zero_grad"),
-                           (comm, "ranks_with", "step_check")):  # fmt: skip
+    targets = [(reducer, "_launch", "bucket_launch"), (reducer, "_retire", "bucket_wait"),
+               (engine, "after_step", "after_step"), (engine, "zero_grad", "zero_grad"),
+               (comm, "ranks_with", "step_check")]  # fmt: skip
+    if engine.runtime is not None:  # stage 3: the unit gathers (the hooks look these up on the objects)
+        targets.append((engine.runtime, "_gather", "s3_gather"))
+        for unit in engine.units:
+            targets += [(unit, "start_gather", "s3_gather_launch"), (unit, "wait", "s3_gather_wait"),
+                        (unit, "release", "s3_release")]  # fmt: skip
+    for obj, name, key in targets:
         setattr(obj, name, timed(getattr(obj, name), key))
 
 
@@ -331,8 +431,9 @@ def run_contender(name: str, config: BenchConfig, rank: int, world_size: int) ->
     else:
         built(config, rec, rank, world_size)
     rss, source = _peak_rss()
+    gathered = built.gathered_peak_numel if isinstance(built, ZeroStrategy) else 0  # stage 3, elements
     return {"times": rec.times, "cpu": rec.cpu, "phases": rec.phases, "extra": rec.extra, "state": rec.state,
-            "rss": rss, "rss_source": source}  # fmt: skip
+            "rss": rss, "rss_source": source, "gathered_peak_numel": gathered}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ process pool
@@ -447,6 +548,8 @@ def summarize(runs: Runs, warmup: int) -> list[dict[str, Any]]:
             "probes": {k: _part(reps, warmup, "extra", k) for k in reps[0][0]["extra"]},
             "state": {k: max(r["state"].get(k, 0.0) for r in reps[-1]) for k in STATE_KINDS},
             "rss": _med([max(r["rss"] for r in rk) for rk in reps]),
+            "gathered_peak": max(r.get("gathered_peak_numel", 0) for rk in reps for r in rk),
+            "steps": steps,
         })  # fmt: skip
     return rows
 
@@ -477,6 +580,32 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}, lightning {pl.__version__}")  # fmt: skip
 
 
+def stage3_verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """The stage 3 goals: zero3 <= TARGET_RATIO_STAGE3 x ddp, and no slower and no larger than fsdp2 (step time:
+    median over repeats of the same-repeat ratio; memory: model state of all kinds, and peak RSS)."""
+    by_name = {r["name"]: r for r in rows}
+    z3, f2, out = by_name.get("zero3"), by_name.get("fsdp2"), []
+    if z3 is None:
+        return out
+    if z3["ratio"] is not None:
+        verdict = "met" if z3["ratio"] <= TARGET_RATIO_STAGE3 else "NOT met"
+        out.append(f"Target zero3 <= {TARGET_RATIO_STAGE3:.2f}x ddp: {z3['ratio']:.3f}x, {verdict} (fastest repeat "
+                   f"vs fastest ddp repeat {z3['best_ratio']:.3f}x; CPU time {z3['cpu_ratio']:.3f}x).")  # fmt: skip
+    if z3["gathered_peak"]:
+        out.append(f"zero3 gathered at most {z3['gathered_peak'] / 1e6:.2f}M parameter elements at once per rank "
+                   "(ZeroStrategy.gathered_peak_numel, persistent unit excluded).")  # fmt: skip
+    if f2 is not None:
+        speed = _med([a / b for a, b in zip(z3["steps"], f2["steps"])])
+        state_z3, state_f2 = sum(z3["state"].values()), sum(f2["state"].values())
+        verdicts = ["met" if speed <= 1.0 else "NOT met", "met" if state_z3 <= state_f2 else "NOT met",
+                    "met" if z3["rss"] <= f2["rss"] else "NOT met"]  # fmt: skip
+        out.append(f"Target zero3 no slower than fsdp2: {speed:.3f}x fsdp2's step (median over repeats of the "
+                   f"same-repeat ratio), {verdicts[0]}.")  # fmt: skip
+        out.append(f"Target zero3 no larger than fsdp2: model state {state_z3 / MB:.1f} MB vs {state_f2 / MB:.1f} MB "
+                   f"({verdicts[1]}); peak RSS {z3['rss'] / MB:.0f} MB vs {f2['rss'] / MB:.0f} MB ({verdicts[2]}).")
+    return out
+
+
 def report(rows: list[dict[str, Any]], config: BenchConfig, share: float | None, header: list[str],
            markdown: bool) -> str:  # fmt: skip
     """Header, main table, DDP's communication share, the target check, phases and (--profile) probes."""
@@ -499,13 +628,15 @@ def report(rows: list[dict[str, Any]], config: BenchConfig, share: float | None,
                 f"Target {r['name']} <= {TARGET_RATIO:.2f}x ddp: {r['ratio']:.3f}x, {verdict} (fastest repeat "
                 f"vs fastest ddp repeat {r['best_ratio']:.3f}x; CPU time {r['cpu_ratio']:.3f}x)."
             )
+    out += stage3_verdicts(rows)
     out += ["", "Phases, ms per step (each phase's median step, mean over ranks, median over repeats):", ""]
     phase_rows = [[r["name"], *[ms(r["phases"][p]) for p in PHASES], ms(sum(r["phases"].values()))] for r in rows]
     out.append(_table(["contender", *PHASES, "sum"], phase_rows, markdown))
     probes = sorted({k for r in rows for k in r["probes"]})
     if probes:
         out += ["", "ZeroEngine probes (--profile), ms per step as for phases; nested: hooks include the bucket "
-                "launches and waits they trigger, after_step includes one zero_grad:", ""]  # fmt: skip
+                "launches and waits they trigger, after_step includes one zero_grad; s3_gather includes "
+                "s3_gather_launch (stage 3):", ""]  # fmt: skip
         out.append(_table(["contender", *probes], [[r["name"], *[f"{r['probes'].get(k, float('nan')) * 1e3:.1f}"
                                                                  for k in probes]] for r in rows if r["probes"]],
                           markdown))  # fmt: skip
@@ -524,6 +655,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--repeats", type=int, default=3, help="runs of every contender, interleaved")
     add("--contenders", default=DEFAULT_CONTENDERS, help="comma separated (see --list); ddp adds ddp_nosync")
     add("--bucket-size", type=int, default=BenchConfig.bucket_size, help="gradient bucket in elements, all rows")
+    add("--prefetch-size", type=int, default=None, help="stage 3 prefetch_bucket_size (default: --bucket-size)")
+    add("--persistence-threshold", type=int, default=BenchConfig.persistence_threshold,
+        help="stage 3 param_persistence_threshold in elements (DeepSpeed's default 1e5)")
     add("--threads", type=int, default=1, help="torch threads per rank")
     add("--world-size", type=int, default=2, help="processes")
     add("--data", default="random", choices=["random", "stdlib"], help="random tokens or stdlib source text")
@@ -546,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     if "ddp" in names and "ddp_nosync" not in names:  # the baseline of DDP's communication share
         names.insert(names.index("ddp") + 1, "ddp_nosync")
     config = BenchConfig(args.model, args.micro_batch, args.seq_len, args.steps, args.warmup, args.bucket_size,
-                         args.threads, args.data, args.profile)  # fmt: skip
+                         args.threads, args.data, args.profile, args.prefetch_size,
+                         args.persistence_threshold)  # fmt: skip
     started, load = time.strftime("%Y-%m-%d %H:%M %Z"), os.getloadavg()[0]
     runs: Runs = {n: [] for n in names}
     pool = WorkerPool(args.world_size, args.threads, args.timeout)
@@ -573,6 +708,15 @@ def main(argv: list[str] | None = None) -> int:
         "= DDP's reducer buckets, a full gradient copy, sized from the parameters). Peak RSS = VmHWM per run, max "
         "over ranks: noisy (allocator caching, Lightning, imports).",
     ]  # fmt: skip
+    if any(n.startswith("zero3") for n in names):
+        header.append(f"Stage 3: prefetch_bucket_size {config.prefetch_size or config.bucket_size:,} elements, "
+                      f"param_persistence_threshold {config.persistence_threshold:,}, max_live_parameters "
+                      f"{ZeroConfig().max_live_parameters:,}; gathered units count as buffers")  # fmt: skip
+    if any(n.startswith("fsdp2") for n in names):
+        header.append("FSDP2: torch.distributed.fsdp.fully_shard on every block, then the root, through Lightning's "
+                      "ModelParallelStrategy (1-D data-parallel mesh, gloo), reshard_after_forward=True "
+                      "(fsdp2_noreshard: False); memory counted from the DTensors' local shards (params, grads, AdamW "
+                      "state), buffers = unsharded parameters alive")  # fmt: skip
     print(report(summarize(runs, config.warmup), config, comm_share(runs, config.warmup), header, args.markdown))
     if args.json:
         args.json.write_text(json.dumps({"config": asdict(config), "argv": sys.argv[1:], "runs": runs}))

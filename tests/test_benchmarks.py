@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_zero.py: the whole harness end to end on a tiny GPT, 2 measured steps."""
+"""Smoke tests of benchmarks/bench_zero.py: the whole harness end to end on a tiny GPT, a few measured steps."""
 
 from __future__ import annotations
 
@@ -71,11 +71,69 @@ def test_bench_zero_end_to_end(tmp_path: Path) -> None:
     assert rows["ddp"]["ratio"] == 1.0 and all(rows[n]["step"] > 0 for n in ROWS)
 
 
+@pytest.mark.slow
+def test_bench_zero_stage3_and_fsdp2(tmp_path: Path) -> None:
+    """zero3 and fsdp2 end to end on a tiny GPT, 1 warm-up + 1 measured step (the model state is sampled
+    before the last optimizer step, when AdamW's state exists); everything sharded (persistence threshold 0)."""
+    raw_path = tmp_path / "raw.json"
+    command = [sys.executable, str(SCRIPT), "--model", "gpt_tiny", "--micro-batch", "2", "--seq-len", "32",
+               "--steps", "1", "--warmup", "1", "--repeats", "1", "--contenders", "ddp,zero3,fsdp2",
+               "--persistence-threshold", "0", "--profile", "--timeout", "25", "--json", str(raw_path)]  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert elapsed < 60, f"the smoke run took {elapsed:.0f} s"  # ~13 s at load 3, ~24 s at load 9 on 2 cores
+    out = done.stdout
+    assert "Target zero3 <= 1.30x ddp:" in out
+    assert "Target zero3 no slower than fsdp2:" in out and "Target zero3 no larger than fsdp2:" in out
+    assert "Stage 3: prefetch_bucket_size 6,553,600 elements, param_persistence_threshold 0" in out
+    assert "FSDP2: torch.distributed.fsdp.fully_shard on every block" in out
+    assert "s3_gather_wait" in out  # stage 3 probes
+
+    raw = json.loads(raw_path.read_text())
+    assert list(raw["runs"]) == ["ddp", "ddp_nosync", "zero3", "fsdp2"]
+    rows = {r["name"]: r for r in _load_harness().summarize(raw["runs"], warmup=1)}
+    full, z3, f2 = rows["ddp"]["state"], rows["zero3"]["state"], rows["fsdp2"]["state"]
+    for state in (z3, f2):  # 16 bytes per parameter over 2 ranks, nothing left gathered after backward
+        assert state["params"] == pytest.approx(full["params"] / 2, rel=0.02)
+        assert state["grads"] == pytest.approx(state["params"], rel=0.02)
+        assert state["optimizer"] == pytest.approx(2 * state["params"], rel=0.02)
+        assert state["buffers"] == 0
+    numel = full["params"] / 4
+    assert 0 < rows["zero3"]["gathered_peak"] <= numel
+    assert rows["fsdp2"]["gathered_peak"] == 0 and rows["zero3"]["rss"] > 0 and rows["fsdp2"]["rss"] > 0
+
+
+def test_stage3_verdicts() -> None:
+    harness = _load_harness()
+    state = {"params": 1e6, "grads": 1e6, "optimizer": 2e6, "buffers": 0.0}
+    rows = [
+        {"name": "zero3", "ratio": 1.2, "best_ratio": 1.1, "cpu_ratio": 1.15, "gathered_peak": 2_000_000,
+         "steps": [1.2, 1.0, 1.4], "state": state, "rss": 900e6},
+        {"name": "fsdp2", "ratio": 1.3, "best_ratio": 1.2, "cpu_ratio": 1.2, "gathered_peak": 0,
+         "steps": [1.0, 1.25, 1.3], "state": {**state, "params": 1.1e6}, "rss": 950e6},
+    ]  # fmt: skip
+    lines = harness.stage3_verdicts(rows)
+    assert lines[0].startswith("Target zero3 <= 1.30x ddp: 1.200x, met")
+    assert "2.00M parameter elements" in lines[1]
+    assert lines[2].startswith("Target zero3 no slower than fsdp2: 1.077x") and lines[2].endswith("NOT met.")
+    assert lines[3] == ("Target zero3 no larger than fsdp2: model state 4.0 MB vs 4.1 MB (met); peak RSS 900 MB "
+                        "vs 950 MB (met).")  # fmt: skip
+    assert harness.stage3_verdicts(rows[1:]) == []
+
+
 def test_contender_registry() -> None:
     harness = _load_harness()
     assert set(ROWS) | {"local"} <= set(harness.CONTENDERS)
     assert harness.CONTENDERS["ddp"].kind == "lightning" and harness.CONTENDERS["local"].kind == "loop"
     strategy = harness.CONTENDERS["zero2"].build(harness.BenchConfig(bucket_size=1000))
     assert strategy.zero_config.stage == 2 and strategy.zero_config.reduce_bucket_size == 1000
+    zero3 = harness.CONTENDERS["zero3"].build(harness.BenchConfig(bucket_size=1000))
+    assert (zero3.zero_config.stage, zero3.zero_config.reduce_bucket_size) == (3, 1000)
+    assert zero3.zero_config.prefetch_bucket_size == 1000 and zero3.zero_config.param_persistence_threshold == 100_000
+    assert not zero3.monitor and not strategy.monitor  # no ZeroStatsMonitor in the timed rows
+    fsdp2 = harness.CONTENDERS["fsdp2"].build(harness.BenchConfig())
+    assert isinstance(fsdp2, harness.ModelParallelStrategy) and fsdp2.fsdp_options == {}
     table = harness._table(["contender", "step ms"], [["ddp", "12"], ["zero2", "13"]], markdown=False)
     assert table.splitlines() == ["contender  step ms", "ddp             12", "zero2           13"]

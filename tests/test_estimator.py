@@ -293,7 +293,7 @@ def test_cluster_layout() -> None:
         (["advise", "--params", "1e9", "--device-memory", "lots", "--world-size", "8"], "write it like 80GB"),
         (["advise", "--params", "1e9", "--device-memory", "80GB", "--world-size", "8", "--headroom", "1.5"],
          "fraction"),
-        (["convert"], "not available yet"),
+        (["convert"], "the following arguments are required: checkpoint, out"),
         (["frobnicate"], "unknown command"),
     ],
 )
