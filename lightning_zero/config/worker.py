@@ -30,7 +30,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     path = Path(args[0]).resolve()
     cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(path))))  # type: ignore[arg-type]
-    fit(cfg, path.parent)
+    try:
+        fit(cfg, path.parent)
+    finally:
+        # tear the process groups down while every thread is alive: leaving it to interpreter
+        # exit can abort a rank in gloo's destructors after a successful run
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
