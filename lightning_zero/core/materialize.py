@@ -14,6 +14,15 @@ Note [sharded construction]
     global RNG seeded from ``(base seed, module name)``, so the values do not depend on the
     world size, the rank or the order modules were built in (they are not the values an eager
     construction with the same seed gives).
+
+Note [split owners]
+    One module's parameters can belong to different units: below ``param_persistence_threshold``
+    a bias goes to the persistent unit while its weight stays in a block, and a weight tied to
+    another unit's module goes to the root. The module is initialised once, when the first unit
+    holding one of its parameters is built; its parameters outside that unit have no storage
+    then (writing into them crashed the interpreter), so they get a temporary tensor for the
+    initialiser, and the unit built later copies the values in (``FlatParamGroup.bind`` copies
+    every parameter that is no longer marked uninitialised).
 """
 
 from __future__ import annotations
@@ -79,15 +88,35 @@ def default_init(module: nn.Module, name: str) -> None:
 
 @torch.no_grad()
 def initialize_modules(
-    owners: list[tuple[str, nn.Module]], init_fn: ParamInitFn | None, base_seed: int
+    owners: list[tuple[str, nn.Module]], init_fn: ParamInitFn | None, base_seed: int,
+    bound: set[nn.Parameter] | None = None,
 ) -> None:
-    """Run the initialiser of each module owning uninitialised parameters (Note [sharded construction])."""
+    """Run the initialiser of each module owning uninitialised parameters (Note [sharded construction]).
+
+    Args:
+        owners: ``(qualified name, module)`` of the modules to initialise, in module order.
+        init_fn: ``fn(module, name)``; ``None``: the module's ``reset_parameters``.
+        base_seed: the run's base seed.
+        bound: the parameters that have storage now (the unit being built). A module's other
+            parameters (Note [split owners]) get temporary storage for the initialiser: an
+            uninitialised one keeps the values it gets (its own unit copies them in when it is
+            built); one initialised before (and sharded since) gets its value back untouched.
+    """
     for name, module in owners:
-        own = [p for p in module.parameters(recurse=False) if is_uninitialized(p)]
+        params = list(module.parameters(recurse=False))
+        own = [p for p in params if is_uninitialized(p)]
         if not own:
             continue
+        kept: dict[nn.Parameter, torch.Tensor] = {}
+        for p in params:
+            if bound is not None and p not in bound:  # Note [split owners]
+                if not is_uninitialized(p):
+                    kept[p] = p.data
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed((base_seed + zlib.crc32(name.encode())) % (2**63))
             (init_fn or default_init)(module, name)
+        for p, data in kept.items():
+            p.data = data
         for p in own:
             delattr(p, _UNINITIALIZED)

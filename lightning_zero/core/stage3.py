@@ -333,7 +333,7 @@ def apply_stage3(
             fg.bind()
             groups.append(fg)
         owners = direct_owners(module, set(plan.params))
-        initialize_modules([(module_names[m], m) for m in owners], param_init_fn, init_seed)
+        initialize_modules([(module_names[m], m) for m in owners], param_init_fn, init_seed, set(plan.params))
         for fg in groups:
             comm.broadcast(fg.flat)
         unit = ShardedUnit(plan.name, index, groups)
