@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.format import (
+    LazyOptimizerState,
     LazyStateDict,
     ShardedCheckpoint,
     is_sharded_checkpoint,
@@ -22,6 +23,7 @@ from lightning_zero.checkpoint.format import (
     save_sharded,
 )
 from lightning_zero.checkpoint.format import remove as remove_sharded
+from lightning_zero.checkpoint.owned import load_owned_optimizer_state, load_owned_state_dict, load_whole_module
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loading import load_full_state_dict, open_state_dict
 from lightning_zero.core.materialize import has_meta_parameters
@@ -158,7 +160,10 @@ class ZeroStateMixin:
                 checkpoint = {**checkpoint, "optimizer_states": [materialize_optimizer_state(s) for s in states]}
             return super().load_optimizer_state_dict(checkpoint)
         for state in states[:1]:  # one optimizer (checked at setup)
-            load_full_optimizer_state(self._engine.sharded, state)
+            if isinstance(state.get("state"), LazyOptimizerState):  # a sharded checkpoint: owned slices only
+                load_owned_optimizer_state(self._engine, state)
+            else:
+                load_full_optimizer_state(self._engine.sharded, state)
         return None
 
     # ------------------------------------------------------------------ checkpoint files
@@ -206,21 +211,30 @@ class ZeroStateMixin:
         self._pending_rng = ckpt.rng_state(self.global_rank) if ckpt.world_size == self.world_size else None
         return ckpt.to_lightning()
 
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Stage 3 reads a ``ckpt_path`` after setup, each rank only the slices of its shards
+        (Note [owned slices] in checkpoint/owned.py), so the whole model never exists anywhere."""
+        return self.zero_config.stage == 3
+
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
+        if self._engine is not None:  # after setup: into the shards
+            if isinstance(state, LazyStateDict):
+                load_owned_state_dict(self._engine, state, strict)  # this rank's slices only
+            else:
+                self.load_full_state_dict(state, strict=strict)
+            return None
         if not isinstance(state, LazyStateDict):
             return super().load_model_state_dict(checkpoint, strict=strict)
-        if self._engine is not None:
-            self.load_full_state_dict(state, strict=strict)
-            return None
         if has_meta_parameters(self.lightning_module):
             raise NotImplementedError(
                 "Resuming a model built on the meta device (`configure_model` under stage 3) from a sharded "
                 "checkpoint is not supported yet. Build the model with real tensors, or load the weights with "
                 "`strategy.load_full_state_dict(...)` in `on_fit_start` from `lightning-zero convert` output."
             )
-        # before setup the module is whole (and in its original dtype)
-        self.lightning_module.load_state_dict(state.materialize(), strict=strict)
+        # before setup the module is whole (and in its original dtype): one tensor at a time
+        load_whole_module(self.lightning_module, state, strict)
         return None
 

@@ -20,4 +20,4 @@ class _Report(Callback):
 
 if __name__ == "__main__":
     _fit(TinyTransformer("sgd"), ZeroStrategy(stage=2, timeout_s=60), max_steps=4,
-         callbacks=[_saver(sys.argv[1], every=2, save_last=True), _Report(), _FaultAfter(3, "1:kill")])
+         callbacks=[_saver(sys.argv[1], every=2, save_last=True), _Report(), _FaultAfter(3, 1, "kill")])

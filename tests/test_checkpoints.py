@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.checkpoint import CheckpointError, ShardedCheckpoint, consolidate_checkpoint
+from lightning_zero.checkpoint import CheckpointError, ShardedCheckpoint, consolidate_checkpoint, publish
 from lightning_zero.checkpoint.plain import from_plain, to_plain
 from lightning_zero.cli import main as cli_main
 from tests.models import VOCAB, StackedLM, TinyTransformer, make_trainer, params_of, token_loader
@@ -215,14 +215,27 @@ def test_convert_cli_writes_pt_safetensors_and_a_lightning_ckpt(stage3_checkpoin
 
 # ---------------------------------------------------------------------------------------------- failures
 class _FaultAfter(Callback):
-    """From global step ``step`` on, make rank ``rank``'s checkpoint writer fail (``how``)."""
+    """From global step ``step`` on, make rank ``rank``'s checkpoint writer fail: ``"raise"`` an
+    OSError after it wrote its files, or ``"kill"`` the process there (``publish.after_write_hook``)."""
 
-    def __init__(self, step: int, spec: str) -> None:
-        self.step, self.spec = step, spec
+    def __init__(self, step: int, rank: int, how: str) -> None:
+        self.step, self.rank, self.how = step, rank, how
 
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step >= self.step:
-            os.environ["LIGHTNING_ZERO_TEST_SAVE_FAULT"] = self.spec
+            publish.after_write_hook = self._fault
+
+    def _fault(self, rank: int, directory: Path) -> None:
+        if rank != self.rank:
+            return
+        if self.how == "kill":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(f"injected writer failure on rank {rank}")
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        publish.after_write_hook = None
 
 
 class _StartStep(Callback):
@@ -234,11 +247,11 @@ def writer_error_body(root: str) -> dict[str, Any]:
     error = None
     try:
         _fit(TinyTransformer("sgd"), ZeroStrategy(stage=2), max_steps=4,
-             callbacks=[_saver(root, every=2, save_last=True), _FaultAfter(3, "1:raise")])
+             callbacks=[_saver(root, every=2, save_last=True), _FaultAfter(3, 1, "raise")])
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        os.environ.pop("LIGHTNING_ZERO_TEST_SAVE_FAULT", None)
+        publish.after_write_hook = None
     return {"error": error, **resume_last_body(root)}
 
 

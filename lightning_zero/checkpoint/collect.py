@@ -1,0 +1,165 @@
+"""What each rank writes into a sharded checkpoint: its shards (views, never copies) and the metadata.
+
+See Note [sharded checkpoint format] in format.py for the layout. Every tensor collected here is
+the training state's own storage (a parameter, master or optimizer-state shard, or the list of a
+master's pieces); ``tensor_file.write_file`` writes it from there (Note [streamed safetensors]).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_zero.checkpoint.layout import FORMAT_NAME, FORMAT_VERSION, MODEL_KEYS, dtype_name, rank_file
+from lightning_zero.checkpoint.plain import to_plain
+from lightning_zero.checkpoint.rng import capture_rng
+
+if TYPE_CHECKING:
+    from lightning_zero.core.engine import ZeroEngine
+
+Tensors = dict[str, "torch.Tensor | list[torch.Tensor]"]
+
+
+def collect(
+    checkpoint: Mapping[str, Any], engine: ZeroEngine | None, rank: int, world_size: int
+) -> tuple[Tensors, dict[str, Any] | None, dict[str, Any]]:
+    """This rank's tensors, and on rank 0 the metadata and the Lightning state's tensors.
+
+    With an engine at stage >= 1 the model and optimizer come from the shards; otherwise (stage
+    0, or no engine) rank 0 writes ``checkpoint['state_dict']`` / ``['optimizer_states']`` whole.
+    Returns ``(tensors, metadata or None, extra)``; ``extra["__header__"]`` is the rank file's header.
+    """
+    tensors: Tensors = {}
+    meta: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": world_size,
+                            "files": [rank_file(r) for r in range(world_size)], "groups": []}
+    with_optimizer = "optimizer_states" in checkpoint
+    if engine is not None and engine.config.stage >= 1:
+        meta["stage"] = engine.config.stage
+        _collect_shards(engine, rank, world_size, with_optimizer, tensors, meta)
+    else:
+        meta["stage"] = engine.config.stage if engine is not None else None
+        if rank == 0:
+            _collect_whole(checkpoint, with_optimizer, tensors, meta)
+    rng_tensors: dict[str, torch.Tensor] = {}
+    rng_plain = to_plain(capture_rng(), rng_tensors, "RNG state")
+    tensors.update({f"rng.{k}": v for k, v in rng_tensors.items()})
+    header = {"rng": json.dumps(rng_plain), "format": FORMAT_NAME, "version": str(FORMAT_VERSION)}
+    if rank != 0:
+        return tensors, None, {"__header__": header}
+    extra: dict[str, Any] = {}
+    rest = {k: v for k, v in checkpoint.items() if k not in MODEL_KEYS}
+    meta["lightning"] = to_plain(rest, extra, "checkpoint")
+    return tensors, meta, {"__header__": header, **extra}
+
+
+def _flat_ref(gi: int, kind: str, slot: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    return {"flat": gi, "kind": kind, "offset": slot.offset, "numel": slot.numel, "shape": list(slot.shape),
+            "dtype": dtype_name(dtype) if dtype is not None else None}
+
+
+def _optimizer_shard(engine: ZeroEngine, fi: int) -> dict[str, Any]:
+    """A flat group's optimizer state: per-element keys as the list of the master's pieces' state
+    tensors (written end to end: no concatenated copy), others (``step``) from the first piece."""
+    sharded = engine.sharded
+    pieces = sharded.pieces_of[fi]
+    states = [sharded.optimizer.state.get(p, {}) for p in pieces]
+    out: dict[str, Any] = {}
+    for key in states[0] if states else ():
+        values = [st.get(key) for st in states]
+        if all(isinstance(v, torch.Tensor) and v.shape == p.shape for v, p in zip(values, pieces)):
+            out[key] = [v.reshape(-1) for v in values]
+        else:
+            out[key] = values[0]
+    return out
+
+
+def _collect_shards(
+    engine: ZeroEngine, rank: int, world_size: int, with_optimizer: bool, tensors: Tensors, meta: dict[str, Any],
+) -> None:
+    from lightning_zero.core.optimizer import _index_of_original
+
+    sharded, module = engine.sharded, engine.module
+    separate = engine.separate_master
+    master_dtype = engine.dtypes.master_dtype
+    trainable = {id(g): fi for fi, g in enumerate(engine.groups)}
+    index = _index_of_original(sharded) if sharded is not None else {}
+    where: dict[torch.Tensor, dict[str, Any]] = {}  # parameter -> its state-dict ref
+    opt_state: dict[str, dict[str, Any]] = {}
+    for gi, g in enumerate(engine.all_groups):
+        fi = trainable.get(id(g))
+        has_master = separate and fi is not None and sharded is not None
+        tensors[f"g{gi}.param"] = g.own_shard()
+        if has_master:
+            tensors[f"g{gi}.master"] = sharded.masters[fi]
+        opt_keys: list[str] = []
+        scalars: dict[str, Any] = {}
+        if with_optimizer and fi is not None and sharded is not None:
+            for key, value in sorted(_optimizer_shard(engine, fi).items()):
+                if isinstance(value, list):
+                    tensors[f"g{gi}.opt.{key}"] = value
+                    opt_keys.append(key)
+                elif isinstance(value, torch.Tensor):
+                    tensors[f"g{gi}.scalar.{key}"] = value
+                    scalars[key] = {"file": 0, "key": f"g{gi}.scalar.{key}"}
+                else:
+                    scalars[key] = {"value": to_plain(value, {}, f"optimizer state {key!r}")}
+        meta["groups"].append({
+            "padded_numel": g.padded_numel,
+            "shards": [[r, *g.shard_range(r)] for r in range(world_size)],
+            "dtype": dtype_name(g.dtype),
+            "master": has_master,
+            "optimizer_group": g.optimizer_group,
+            "params": [{"name": engine.names.get(s.param), "offset": s.offset, "shape": list(s.shape)}
+                       for s in g.slots],
+        })
+        for s in g.slots:
+            cast = master_dtype if separate and not has_master and g.dtype.is_floating_point else None
+            where[s.param] = _flat_ref(gi, "master" if has_master else "param", s, cast)
+            if opt_keys or scalars:
+                opt_state[str(index[s.param])] = {**{k: _flat_ref(gi, f"opt.{k}", s) for k in opt_keys}, **scalars}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    entries = []
+    for key, value in module.state_dict(keep_vars=True).items():
+        p = params.get(key)
+        if p is not None and p in where:
+            entries.append([key, where[p]])
+            continue
+        if rank == 0:
+            value = value.detach()
+            if separate and value.is_floating_point():
+                value = value.to(master_dtype)
+            tensors[f"sd.{key}"] = value
+        entries.append([key, {"file": 0, "key": f"sd.{key}"}])
+    meta["state_dict"] = entries
+    meta["optimizers"] = []
+    if with_optimizer and sharded is not None:
+        groups = [{**{k: v for k, v in pg.items() if k != "params"}, "params": [index[p] for p in params_]}
+                  for pg, params_ in zip(sharded.optimizer.param_groups, sharded.original_params)]
+        meta["optimizers"].append({"param_groups": to_plain(groups, {}, "optimizer param_groups"),
+                                   "state": opt_state})
+
+
+def _collect_whole(
+    checkpoint: Mapping[str, Any], with_optimizer: bool, tensors: Tensors, meta: dict[str, Any]
+) -> None:
+    entries = []
+    for key, value in checkpoint.get("state_dict", {}).items():
+        tensors[f"sd.{key}"] = value
+        entries.append([key, {"file": 0, "key": f"sd.{key}"}])
+    meta["state_dict"] = entries
+    meta["optimizers"] = []
+    for j, state in enumerate(checkpoint.get("optimizer_states", []) if with_optimizer else []):
+        refs: dict[str, dict[str, Any]] = {}
+        for idx, per_param in state.get("state", {}).items():
+            refs[str(idx)] = {}
+            for key, value in per_param.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"o{j}.{idx}.{key}"] = value
+                    refs[str(idx)][key] = {"file": 0, "key": f"o{j}.{idx}.{key}"}
+                else:
+                    refs[str(idx)][key] = {"value": to_plain(value, {}, f"optimizer state {key!r}")}
+        meta["optimizers"].append({"param_groups": to_plain(state.get("param_groups", []), {}, "param_groups"),
+                                   "state": refs})
