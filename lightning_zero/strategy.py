@@ -44,6 +44,7 @@ from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
+from lightning_zero.core.teardown import plan_teardown
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.strategy_state import ZeroStateMixin
@@ -70,8 +71,9 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             module's own parameters, which were built on the meta device (default: the module's
             ``reset_parameters()``). See docs/large_models.md.
         gather_on_teardown: stage 3: after fit, give the module its whole parameters (and the
-            optimizer its whole state) back, as for other stages. ``False`` leaves them released,
-            for models that do not fit on one rank: save checkpoints during fit instead.
+            optimizer its whole state) back, as for other stages, when that fits in the memory
+            every rank can still allocate (else less, with one warning; Note [teardown gather] in
+            core/teardown.py). ``False`` leaves them released: save checkpoints during fit instead.
         checkpoint_format: ``"sharded"``: ``trainer.save_checkpoint(path)`` / ``ModelCheckpoint``
             write a directory in which every rank writes its own shards, published atomically
             (docs/checkpoints.md); ``"consolidated"``: Lightning's single file, gathered on rank 0;
@@ -371,8 +373,8 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
             # after an error another rank may be gone: no collective, the shard state is dropped
             self._last_runtime = self._engine.runtime
-            self._engine.detach(keep_optimizer_state=not failed and self.gather_on_teardown,
-                                gather_params=self.gather_on_teardown)
+            plan = plan_teardown(self._engine, failed, self.gather_on_teardown)  # Note [teardown gather]
+            self._engine.detach(keep_optimizer_state=plan.keep_optimizer_state, gather_params=plan.gather_params)
             self._engine = None
             self.precision_plugin.engine = None
         if self.lightning_module is not None:

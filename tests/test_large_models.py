@@ -285,3 +285,76 @@ def test_sharded_construction_at_the_default_threshold_mixes_persistent_and_shar
     params = default[0]["params"]
     assert torch.equal(params["net.blocks.0.norm.weight"], torch.ones(160))  # LayerNorm reset
     assert params["net.blocks.0.fc.bias"].abs().max() > 0  # Linear bias initialised, not left empty
+
+
+# ---------------------------------------------------------------------------- teardown
+class _FailAt(pl.Callback):
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if trainer.global_step == 2:
+            raise RuntimeError("boom at step 2")
+
+
+def teardown_body(room: int | None, fail: bool = False) -> dict[str, Any]:
+    """A stage-3 fit (sharded for real) whose teardown sees ``room`` bytes available (None: the
+    real figure); returns what the module holds afterwards and the warnings."""
+    import warnings
+
+    from lightning_zero.core import teardown
+
+    real = teardown.available_bytes
+    if room is not None:
+        teardown.available_bytes = lambda device: room
+    torch.manual_seed(0)
+    model = MixedLM()
+    strategy = ZeroStrategy(stage=3, param_persistence_threshold=0, prefetch_bucket_size=1)
+    error = None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_trainer(strategy, max_steps=3, callbacks=[_FailAt()] if fail else []).fit(
+                model, token_loader(n=16, batch_size=2))
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        teardown.available_bytes = real
+    weights = [p.detach() for p in model.parameters()]
+    opt = model.trainer.optimizers[0] if model.trainer.optimizers else None
+    return {
+        "error": error,
+        "warnings": [str(w.message) for w in caught if "ZeroStrategy" in str(w.message)],
+        "all_nan": all(torch.isnan(w).all() for w in weights),
+        "any_nan": any(torch.isnan(w).any() for w in weights),
+        "zeros": sum(int((w == 0).sum()) for w in weights),
+        "opt_state": bool(opt and opt.state),
+        "peak_live": strategy._last_runtime.peak_live_numel,
+        "total": sum(w.numel() for w in weights),
+    }
+
+
+@pytest.mark.distributed
+def test_teardown_gathers_only_what_fits_and_warns_once(gloo_pool) -> None:
+    everything = gloo_pool.run("tests.test_large_models:teardown_body", room=None)
+    for r in everything:
+        assert r["peak_live"] < r["total"], r  # units were released during training
+        assert not r["any_nan"] and r["opt_state"] and r["warnings"] == [], r
+    total = everything[0]["total"]
+    # room for the parameters (4 bytes each, plus 5% and 64 MiB) but not for AdamW's 8 more bytes each
+    params_only = gloo_pool.run("tests.test_large_models:teardown_body", room=int(total * 4 * 1.06) + 64 * 2**20 + 1)
+    for r in params_only:
+        assert not r["any_nan"] and not r["opt_state"], r
+    assert len(params_only[0]["warnings"]) == 1 and params_only[1]["warnings"] == []
+    assert "only the parameters were gathered" in params_only[0]["warnings"][0]
+    assert "gather_on_teardown=False" in params_only[0]["warnings"][0]
+    nothing = gloo_pool.run("tests.test_large_models:teardown_body", room=1)
+    for r in nothing:
+        assert r["error"] is None and r["all_nan"] and not r["opt_state"], r  # released, fit did not fail
+    assert len(nothing[0]["warnings"]) == 1 and "left released" in nothing[0]["warnings"][0]
+
+
+@pytest.mark.distributed
+def test_a_failed_stage3_fit_leaves_parameters_released_never_partly_zero(gloo_pool) -> None:
+    for r in gloo_pool.run("tests.test_large_models:teardown_body", room=None, fail=True):
+        assert r["error"] and "boom at step 2" in r["error"], r
+        assert r["all_nan"] and r["zeros"] == 0, r  # before: this rank's shard and zeros elsewhere
+    r = gloo_pool.run("tests.test_large_models:teardown_body", room=None, fail=True)[0]
+    assert len(r["warnings"]) == 1 and "fit failed" in r["warnings"][0] and "released" in r["warnings"][0]

@@ -180,9 +180,11 @@ class ZeroEngine:
             keep_optimizer_state: gather the sharded optimizer state (a collective: every rank
                 must call this together) and load it into the restored optimizer, so that it can
                 be saved or stepped after fit; else the shard state is dropped (after an error).
-            gather_params: stage 3: give the module its whole parameters back. ``False`` leaves
-                them released (NaN placeholders of the right shapes, Note [released parameters])
-                and drops the optimizer state: for models that do not fit on one rank.
+            gather_params: stage 3: give the module its whole parameters back (a collective).
+                ``False`` leaves them released (NaN placeholders of the right shapes, Note
+                [released parameters]) and drops the optimizer state: for models that do not fit
+                on one rank, and after an error (no collective). ``plan_teardown`` in
+                ``core/teardown.py`` decides both flags for the strategy (Note [teardown gather]).
         """
         self.reducer.remove_hooks()
         gathered.unregister(self)
@@ -197,12 +199,9 @@ class ZeroEngine:
             for p in self.names:
                 p.grad = None
             return
-        if self.runtime is not None:
+        if self.runtime is not None:  # the parameters come back whole (a collective)
             self.runtime.remove_hooks()
-            if keep_optimizer_state:  # the parameters come back whole (a collective)
-                self.runtime.gather_all()
-            else:  # no collective after an error: each rank keeps its shard, the rest is zero
-                self._fill_from_shards()
+            self.runtime.gather_all()
         full, masters = None, None
         if self.sharded is not None:
             if self.separate_master and (keep_optimizer_state or self.sharded.whole):
@@ -282,15 +281,6 @@ class ZeroEngine:
         if self.runtime is not None:
             for unit in opened:
                 self.runtime.release_one(unit)
-
-    @torch.no_grad()
-    def _fill_from_shards(self) -> None:
-        for unit in self.units:
-            unit.allocate()
-            for g in unit.groups:
-                g.flat.zero_()
-                start, end = g.shard_range()
-                g.flat[start:end].copy_(g.shard)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
