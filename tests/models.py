@@ -184,3 +184,23 @@ class StackedLM(pl.LightningModule):
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
         )
+
+
+# stage 3 that really shards TinyTransformer (every parameter below the default persistence
+# threshold of 100k): no persistent unit, the encoder and each Linear a unit, no prefetch
+STAGE3_SHARDED: dict[str, Any] = dict(param_persistence_threshold=0, prefetch_bucket_size=1,
+                                      unit_classes=(nn.TransformerEncoderLayer, nn.Linear))
+
+
+def units_released(strategy: Any, model: nn.Module) -> dict[str, Any]:
+    """What a stage-3 fit's runtime saw: the most parameter elements gathered at once (a peak
+    over training) against the model's total, and how many units were released at least once."""
+    runtime = strategy._last_runtime
+    return {"peak_live": runtime.peak_live_numel, "total": sum(p.numel() for p in model.parameters()),
+            "released_units": sum(u.releases > 0 for u in runtime.units if not u.persistent),
+            "persistent": sum(u.numel for u in runtime.units if u.persistent)}
+
+
+def assert_released(info: dict[str, Any]) -> None:
+    assert info["persistent"] == 0 and info["released_units"] >= 2, info
+    assert 0 < info["peak_live"] < info["total"], info

@@ -20,7 +20,17 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError, ShardedCheckpoint, consolidate_checkpoint, publish
 from lightning_zero.checkpoint.plain import from_plain, to_plain
 from lightning_zero.cli import main as cli_main
-from tests.models import VOCAB, StackedLM, TinyTransformer, make_trainer, params_of, token_loader
+from tests.models import (
+    STAGE3_SHARDED,
+    VOCAB,
+    StackedLM,
+    TinyTransformer,
+    assert_released,
+    make_trainer,
+    params_of,
+    token_loader,
+    units_released,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,18 +93,18 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def mid_epoch_body(stage: int, root: str, precision: str = "32-true") -> dict[str, Any]:
     """Uninterrupted 10 steps (6 batches per epoch, saves every 4 steps: mid-epoch) vs. resumed from
     step 4, at the same stage and world size, with dropout."""
-    fmt = {"checkpoint_format": "sharded"} if stage == 0 else {}
-    full = DropoutLM("adamw")
-    _fit(full, ZeroStrategy(stage=stage, precision=precision, **fmt), callbacks=[_saver(root)])
-    resumed = DropoutLM("adamw")
-    _fit(resumed, ZeroStrategy(stage=stage, precision=precision, **fmt),
-         ckpt_path=os.path.join(root, "epoch=0-step=4.ckpt"))
+    fmt = {"checkpoint_format": "sharded"} if stage == 0 else STAGE3_SHARDED if stage == 3 else {}
+    full, first = DropoutLM("adamw"), ZeroStrategy(stage=stage, precision=precision, **fmt)
+    _fit(full, first, callbacks=[_saver(root)])
+    resumed, second = DropoutLM("adamw"), ZeroStrategy(stage=stage, precision=precision, **fmt)
+    _fit(resumed, second, ckpt_path=os.path.join(root, "epoch=0-step=4.ckpt"))
+    released = [units_released(first, full), units_released(second, resumed)] if stage == 3 else []
     # trainable parameters: frozen ones hold the 16-bit values in a checkpoint (a bf16 run keeps its
     # frozen fp32 originals in memory and restores them at teardown)
     trained = [n for n, p in full.named_parameters() if p.requires_grad]
     full_p, resumed_p = dict(full.named_parameters()), dict(resumed.named_parameters())
     diff = _max_diff([full_p[n].detach() for n in trained], [resumed_p[n].detach() for n in trained])
-    return {"full": full.losses, "resumed": resumed.losses, "diff": diff,
+    return {"full": full.losses, "resumed": resumed.losses, "diff": diff, "released": released,
             "is_dir": os.path.isdir(os.path.join(root, "epoch=0-step=4.ckpt"))}
 
 
@@ -108,12 +118,16 @@ def test_mid_epoch_resume_equals_the_uninterrupted_run(gloo_pool, tmp_path, stag
         assert len(r["resumed"]) == 6
         assert r["resumed"] == pytest.approx(r["full"][4:], rel=1e-6, abs=0), r
         assert r["diff"] < 1e-6, r
+        assert len(r["released"]) == (2 if stage == 3 else 0)
+        for info in r["released"]:  # stage 3 sharded for real (every parameter is below the default threshold)
+            assert_released(info)
 
 
 def two_rank_run_body(stage: int, root: str, ckpt_path: str | None = None) -> dict[str, Any]:
-    model = TinyTransformer("adamw")
-    _fit(model, ZeroStrategy(stage=stage), callbacks=None if ckpt_path else [_saver(root)], ckpt_path=ckpt_path)
-    return {"losses": model.losses, "params": params_of(model)}
+    model, strategy = TinyTransformer("adamw"), ZeroStrategy(stage=stage, **(STAGE3_SHARDED if stage == 3 else {}))
+    _fit(model, strategy, callbacks=None if ckpt_path else [_saver(root)], ckpt_path=ckpt_path)
+    return {"losses": model.losses, "params": params_of(model),
+            "released": units_released(strategy, model) if stage == 3 else None}
 
 
 def _global(per_rank: list[list[float]]) -> list[float]:
@@ -136,11 +150,15 @@ def test_resume_at_another_world_size_or_stage(gloo_pool, tmp_path, stage: int, 
     ckpt = os.path.join(root, "epoch=0-step=4.ckpt")
     full = gloo_pool.run("tests.test_checkpoints:two_rank_run_body", stage=stage, root=root)
     reference = _global([r["losses"] for r in full])[4:]
+    for r in full if stage == 3 else []:
+        assert_released(r["released"])
     if stage == resume_stage:  # 2 -> 1 ranks
         resumed = _one_rank(resume_stage, None, ckpt_path=ckpt).losses
     else:  # 2 -> 2 ranks at another stage
         runs = gloo_pool.run("tests.test_checkpoints:two_rank_run_body", stage=resume_stage, root=root, ckpt_path=ckpt)
         resumed = _global([r["losses"] for r in runs])
+        for r in runs if resume_stage == 3 else []:
+            assert_released(r["released"])
     assert len(resumed) == 6
     assert resumed == pytest.approx(reference, rel=1e-5), (resumed, reference)
 
@@ -164,12 +182,14 @@ def stage3_save_body(root: str) -> dict[str, Any]:
     trained weights and outputs."""
     model = StackedLM("adamw")
     model.save_hyperparameters({"optimizer": "adamw", "num_blocks": 3})
-    make_trainer(ZeroStrategy(stage=3), max_steps=3, enable_checkpointing=True,
+    strategy = ZeroStrategy(stage=3, param_persistence_threshold=0, prefetch_bucket_size=1)
+    make_trainer(strategy, max_steps=3, enable_checkpointing=True,
                  callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_last=True)]).fit(
         model, token_loader(n=32))
     x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "out": model(x), "x": x}
+        return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "out": model(x), "x": x,
+                "released": units_released(strategy, model)}
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +202,7 @@ def stage3_checkpoint(gloo_pool, tmp_path_factory) -> tuple[Path, dict[str, Any]
 @pytest.mark.distributed
 def test_consolidate_loads_strictly_into_the_plain_module(stage3_checkpoint) -> None:
     path, trained = stage3_checkpoint
+    assert_released(trained["released"])  # the checkpoint was written from released units
     assert path.is_symlink() and ShardedCheckpoint(path).stage == 3
     state = consolidate_checkpoint(path)
     assert all(v.dtype == torch.float32 for v in state.values())

@@ -11,7 +11,16 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroStrategy, model_state_formula
-from tests.models import TinyTransformer, make_trainer, params_of, rank_and_world, token_loader
+from tests.models import (
+    STAGE3_SHARDED,
+    TinyTransformer,
+    assert_released,
+    make_trainer,
+    params_of,
+    rank_and_world,
+    token_loader,
+    units_released,
+)
 
 
 # ---------------------------------------------------------------------------- memory accounting
@@ -177,40 +186,52 @@ def re_search_any(text: str, needles: list[str]) -> bool:
 
 
 # ---------------------------------------------------------------------------- checkpoints (consolidated format)
-def resume_body(stage: int, resume_stage: int) -> dict[str, Any]:
+def resume_body(stage: int, resume_stage: int, default_threshold: bool = False) -> dict[str, Any]:
     """Train 8 steps at ``stage`` saving a checkpoint per epoch; resume from the first epoch's
     checkpoint at ``resume_stage`` and, as the reference, with Lightning's DDP (which loads the
     checkpoint's optimizer state with plain ``torch.optim`` code). Lightning's loop decides which
-    batches a resumed run replays; both resumed runs replay the same ones."""
+    batches a resumed run replays; both resumed runs replay the same ones. Stage 3 shards for real
+    (``STAGE3_SHARDED``) unless ``default_threshold`` (every parameter persistent)."""
     import os
 
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
 
+    sharded = {} if default_threshold else STAGE3_SHARDED
     full = TinyTransformer("sgd")
     saver = ModelCheckpoint(dirpath=os.path.abspath("ckpt"), save_top_k=-1, every_n_epochs=1)
     # the consolidated single file (the sharded format has tests/test_checkpoints.py); DDP reads it too
-    make_trainer(ZeroStrategy(stage=stage, checkpoint_format="consolidated"), max_steps=8, enable_checkpointing=True,
-                 callbacks=[saver]).fit(
-        full, token_loader(n=32)
-    )
+    saving = ZeroStrategy(stage=stage, checkpoint_format="consolidated", **(sharded if stage == 3 else {}))
+    make_trainer(saving, max_steps=8, enable_checkpointing=True, callbacks=[saver]).fit(full, token_loader(n=32))
     path = os.path.join("ckpt", "epoch=0-step=4.ckpt")
     runs = {}
     reference = DDPStrategy(find_unused_parameters=True)
-    for name, strategy in (("zero", ZeroStrategy(stage=resume_stage)), ("ddp", reference)):
+    zero = ZeroStrategy(stage=resume_stage, **(sharded if resume_stage == 3 else {}))
+    for name, strategy in (("zero", zero), ("ddp", reference)):
         model = TinyTransformer("sgd")
         make_trainer(strategy, max_steps=8).fit(model, token_loader(n=32), ckpt_path=path)
         runs[name] = model
-    return {"zero": runs["zero"].losses, "ddp": runs["ddp"].losses,
+    released = [units_released(s, m) for s, m in ((saving, full), (zero, runs["zero"])) if s.zero_config.stage == 3]
+    return {"zero": runs["zero"].losses, "ddp": runs["ddp"].losses, "released": released,
             "diff": max((a - b).abs().max().item() for a, b in zip(params_of(runs["zero"]), params_of(runs["ddp"])))}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("stage", "resume_stage"), [(2, 2), (1, 0), (0, 2), (2, 1), (3, 3), (3, 1), (2, 3)])
-def test_checkpoint_resumes_at_any_stage_like_ddp(gloo_pool, stage: int, resume_stage: int) -> None:
-    for r in gloo_pool.run("tests.test_strategy:resume_body", stage=stage, resume_stage=resume_stage):
+@pytest.mark.parametrize(("stage", "resume_stage", "default_threshold"),
+                         [(2, 2, False), (1, 0, False), (0, 2, False), (2, 1, False), (3, 3, False), (3, 1, False),
+                          (2, 3, False), (3, 3, True)])
+def test_checkpoint_resumes_at_any_stage_like_ddp(gloo_pool, stage: int, resume_stage: int,
+                                                  default_threshold: bool) -> None:
+    for r in gloo_pool.run("tests.test_strategy:resume_body", stage=stage, resume_stage=resume_stage,
+                           default_threshold=default_threshold):
         assert len(r["zero"]) >= 3 and r["zero"] == pytest.approx(r["ddp"], rel=1e-6)
         assert r["diff"] < 1e-6, r
+        assert len(r["released"]) == (stage == 3) + (resume_stage == 3)
+        for info in r["released"]:  # stage 3 sharded for real, except the one default-threshold case
+            if default_threshold:
+                assert info["persistent"] >= info["total"], info  # all persistent: the stage-2 path
+            else:
+                assert_released(info)
 
 
 @pytest.mark.slow
