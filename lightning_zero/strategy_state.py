@@ -24,11 +24,13 @@ from lightning_zero.checkpoint.format import (
 )
 from lightning_zero.checkpoint.format import remove as remove_sharded
 from lightning_zero.checkpoint.owned import load_owned_optimizer_state, load_owned_state_dict, load_whole_module
+from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loading import load_full_state_dict, open_state_dict
 from lightning_zero.core.materialize import has_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.core.sharded_unit import is_released
 
 
 class ZeroStateMixin:
@@ -186,6 +188,13 @@ class ZeroStateMixin:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError("The sharded checkpoint format takes no `storage_options`.")
+        module = self.lightning_module
+        if self._engine is None and module is not None and any(is_released(p) for p in module.parameters()):
+            raise CheckpointError(
+                "The model's stage-3 parameters were left released at the end of fit (it did not fit to be gathered, "
+                "or `gather_on_teardown=False`), so there is nothing to save now. Save during fit: "
+                "`trainer.save_checkpoint` in a callback or `ModelCheckpoint`."
+            )
         comm = self._comm
         save_sharded(
             filepath, checkpoint, self._engine if self._writes_shards else None, self.global_rank,

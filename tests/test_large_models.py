@@ -319,8 +319,15 @@ def teardown_body(room: int | None, fail: bool = False) -> dict[str, Any]:
         teardown.available_bytes = real
     weights = [p.detach() for p in model.parameters()]
     opt = model.trainer.optimizers[0] if model.trainer.optimizers else None
+    save_after = None
+    if room is not None and not fail:
+        try:  # nothing to save once released: refused, never a file of NaNs
+            model.trainer.save_checkpoint(os.path.abspath(f"after-{room}.ckpt"))
+        except Exception as exc:
+            save_after = f"{type(exc).__name__}: {exc}"
     return {
         "error": error,
+        "save_after": save_after,
         "warnings": [str(w.message) for w in caught if "ZeroStrategy" in str(w.message)],
         "all_nan": all(torch.isnan(w).all() for w in weights),
         "any_nan": any(torch.isnan(w).any() for w in weights),
@@ -341,13 +348,14 @@ def test_teardown_gathers_only_what_fits_and_warns_once(gloo_pool) -> None:
     # room for the parameters (4 bytes each, plus 5% and 64 MiB) but not for AdamW's 8 more bytes each
     params_only = gloo_pool.run("tests.test_large_models:teardown_body", room=int(total * 4 * 1.06) + 64 * 2**20 + 1)
     for r in params_only:
-        assert not r["any_nan"] and not r["opt_state"], r
+        assert not r["any_nan"] and not r["opt_state"] and r["save_after"] is None, r
     assert len(params_only[0]["warnings"]) == 1 and params_only[1]["warnings"] == []
     assert "only the parameters were gathered" in params_only[0]["warnings"][0]
     assert "gather_on_teardown=False" in params_only[0]["warnings"][0]
     nothing = gloo_pool.run("tests.test_large_models:teardown_body", room=1)
     for r in nothing:
         assert r["error"] is None and r["all_nan"] and not r["opt_state"], r  # released, fit did not fail
+        assert "were left released at the end of fit" in r["save_after"], r
     assert len(nothing[0]["warnings"]) == 1 and "left released" in nothing[0]["warnings"][0]
 
 

@@ -133,6 +133,11 @@ class ShardedUnit:
         return handles
 
 
+def is_released(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a released parameter's placeholder (Note [released parameters])."""
+    return t.numel() > 1 and t.dim() > 0 and all(stride == 0 for stride in t.stride())
+
+
 _PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
