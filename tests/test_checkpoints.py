@@ -124,9 +124,23 @@ def test_mid_epoch_resume_equals_the_uninterrupted_run(gloo_pool, tmp_path, stag
 
 
 def two_rank_run_body(stage: int, root: str, ckpt_path: str | None = None) -> dict[str, Any]:
+    from lightning_zero.checkpoint.tensor_file import TensorFile
+
     model, strategy = TinyTransformer("adamw"), ZeroStrategy(stage=stage, **(STAGE3_SHARDED if stage == 3 else {}))
-    _fit(model, strategy, callbacks=None if ckpt_path else [_saver(root)], ckpt_path=ckpt_path)
-    return {"losses": model.losses, "params": params_of(model),
+    read, original = [0], TensorFile.read
+
+    def counting(self: TensorFile, key: str, start: int = 0, end: int | None = None, out: Any = None) -> Any:
+        value = original(self, key, start, end, out)
+        if key.startswith("g"):  # shards: parameters, masters, optimizer state
+            read[0] += value.numel() * torch.empty((), dtype=self.dtype(key)).element_size()
+        return value
+
+    TensorFile.read = counting  # type: ignore[method-assign]
+    try:
+        _fit(model, strategy, callbacks=None if ckpt_path else [_saver(root)], ckpt_path=ckpt_path)
+    finally:
+        TensorFile.read = original  # type: ignore[method-assign]
+    return {"losses": model.losses, "params": params_of(model), "shard_bytes_read": read[0],
             "released": units_released(strategy, model) if stage == 3 else None}
 
 
@@ -159,6 +173,10 @@ def test_resume_at_another_world_size_or_stage(gloo_pool, tmp_path, stage: int, 
         resumed = _global([r["losses"] for r in runs])
         for r in runs if resume_stage == 3 else []:
             assert_released(r["released"])
+            # each rank read only the slices it owns: about half of the parameters and of AdamW's two
+            # moments (4 bytes each), never the whole (3 x 4 bytes x every trainable element)
+            trainable = sum(p.numel() for p in TinyTransformer("adamw").parameters() if p.requires_grad)
+            assert 0 < r["shard_bytes_read"] < 0.6 * 12 * trainable, (r["shard_bytes_read"], 12 * trainable)
     assert len(resumed) == 6
     assert resumed == pytest.approx(reference, rel=1e-5), (resumed, reference)
 
