@@ -11,11 +11,11 @@ import re
 from dataclasses import dataclass
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
-# torch schedules refused, with the reason (Note [weight-gradient schedules] in docs/pipeline.md)
+# torch schedules refused, with the reason (docs/pipeline.md)
 REFUSED_SCHEDULES: dict[str, str] = {
-    name: "it computes weight gradients in a separate pass and assigns them to `param.grad` by hand, bypassing "
-    "the hooks that hand gradients to the ZeRO reduction (stage 2/3 shards); use 'gpipe', '1f1b' or "
-    "'interleaved_1f1b'"
+    name: "it is not wired into lightning_zero: the zero-bubble schedules compute weight gradients in a "
+    "separate pass and assign `param.grad` by hand (lightning_zero's deferred reduction would read them, but "
+    "their stage placement and that pass are untested with ZeRO here); use 'gpipe', '1f1b' or 'interleaved_1f1b'"
     for name in ("interleaved_zero_bubble", "zbv_zero_bubble", "zero_bubble", "dualpipev", "looped_bfs")
 }
 _ALIASES = {"one_f_one_b": "1f1b", "interleaved": "interleaved_1f1b"}
