@@ -144,6 +144,30 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class GPTEmbedding(nn.Module):
+    """Pipeline layer: token + position embeddings (and dropout) of a :class:`GPT`."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop, self.seq_len = gpt.tok_emb, gpt.pos_emb, gpt.drop, gpt.config.seq_len
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.size(1) > self.seq_len:
+            raise ValueError(f"sequence length {idx.size(1)} exceeds the model's seq_len {self.seq_len}")
+        return self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(idx.size(1), device=idx.device)))
+
+
+class GPTHead(nn.Module):
+    """Pipeline layer: final LayerNorm and the (tied) LM head of a :class:`GPT`."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
 def count_parameters(config: GPTConfig | str | dict[str, Any]) -> int:
     """Number of distinct parameters (tied weights counted once), built on the meta device."""
     with torch.device("meta"):
@@ -249,11 +273,22 @@ class GPTLightningModule(LightningModule):
             raise RuntimeError("model not built yet: call configure_model() first")
         return self.model(idx)
 
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The pipeline protocol (docs/pipeline.md): embedding, blocks, head; a tied head shares the
+        token embedding across the first and last stage."""
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        return [GPTEmbedding(self.model), *self.model.blocks, GPTHead(self.model)]
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of one micro-batch (the pipeline protocol)."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Mean next-token cross-entropy (nats) of an ``(inputs, targets)`` batch."""
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        return self.pipeline_loss(self(x), y)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

@@ -12,6 +12,7 @@ from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScalerConfig
 from lightning_zero.core.memory import ModelStateBytes, model_state_formula
 from lightning_zero.estimator import MemoryEstimate, estimate_memory
 from lightning_zero.monitoring import ProfilerWindow
+from lightning_zero.pipeline import PipelineConfig
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
 
@@ -26,6 +27,7 @@ __all__ = [
     "LossScalerConfig",
     "MemoryEstimate",
     "ModelStateBytes",
+    "PipelineConfig",
     "ProfilerWindow",
     "ZeroConfig",
     "ZeroEngine",

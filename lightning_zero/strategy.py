@@ -46,6 +46,8 @@ from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
 from lightning_zero.core.teardown import plan_teardown
 from lightning_zero.monitoring import ProfilerWindow
+from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.strategy_state import ZeroStateMixin
 from lightning_zero.uneven import JoinedEvalLoader
@@ -85,6 +87,9 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         profiler: a :class:`~lightning_zero.monitoring.ProfilerWindow` (``True``: the default window)
             for the monitor this strategy adds: ``torch.profiler`` with memory profiling over a window
             of optimizer steps, traces in ``<log dir>/profiler``.
+        pipeline: a :class:`~lightning_zero.PipelineConfig`: split the module into pipeline stages
+            (it must follow the pipeline protocol, docs/pipeline.md); ZeRO then partitions each
+            stage over its data-parallel group (world size / stages ranks).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -106,6 +111,7 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         checkpoint_format: str = "auto",
         monitor: bool = True,
         profiler: ProfilerWindow | bool | None = None,
+        pipeline: PipelineConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -151,6 +157,8 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         self._engine: ZeroEngine | None = None  # set in setup() when fitting
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
         self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
+        self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
+        self._pipeline: StrategyPipeline | None = None  # this rank's stage (setup, when pipelined)
 
     # ------------------------------------------------------------------ plugins
     @property  # type: ignore[override]
@@ -180,10 +188,15 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if has_meta_parameters(self.model):
+        if self.pipeline_config is not None:  # split: the other stages' layers go to meta
+            self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
+                                              self.zero_config.timeout_s)
+        elif has_meta_parameters(self.model):
             self._prepare_meta_model(trainer)
-        self.model_to_device()
-        self._comm = DataParallelComm(self._make_dp_group(), self.zero_config.collective)
+        if self._pipeline is None:
+            self.model_to_device()
+        dp_group = self._pipeline.groups.dp if self._pipeline is not None else self._make_dp_group()
+        self._comm = DataParallelComm(dp_group, self.zero_config.collective)
         if trainer.state.fn == TrainerFn.FITTING:
             add_monitor(trainer, self.monitor, self.profiler)
             self.setup_optimizers(trainer)
@@ -193,15 +206,21 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
                     "parameter sets in param groups of one optimizer."
                 )
             plugin, module = self.precision_plugin, self.lightning_module
+            if self._pipeline is not None:
+                self._pipeline.restrict_optimizer(self.optimizers[0])
             self._engine = ZeroEngine(
-                module, self.optimizers[0], self.zero_config, self._comm,
-                dtypes=plugin.dtype_policy(module), master_init=plugin.master_init(),
+                self._pipeline.local.module if self._pipeline is not None else module, self.optimizers[0],
+                self.zero_config, self._comm, dtypes=plugin.dtype_policy(module), master_init=plugin.master_init(),
                 param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
             )
+            if self._pipeline is not None:
+                self._pipeline.attach(self._engine)
             plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
             plugin.engine = self._engine
             if plugin.scaler is not None:
                 self._guard_lr_schedulers()
+        elif self._pipeline is not None:
+            self._pipeline.broadcast_local(self._comm)
         else:
             self._broadcast_module_states()
         self.setup_precision_plugin()
@@ -273,10 +292,10 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             restore_rng(self._pending_rng)
             self._pending_rng = None
         if not self.check_step_errors or self._comm is None or not self._comm.active:
-            return super().training_step(*args, **kwargs)
+            return self._training_step(*args, **kwargs)
         error: BaseException | None = None
         try:
-            output = super().training_step(*args, **kwargs)
+            output = self._training_step(*args, **kwargs)
         except Exception as exc:
             error = exc
         failed = self._comm.ranks_with(error is not None)
@@ -288,6 +307,22 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
                 "The traceback of the failing rank(s) says why."
             )
         return output
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None or self._engine is None:
+            return super().training_step(*args, **kwargs)
+        scaler = self.precision_plugin.scaler  # the schedule scales each micro-batch's loss itself
+        return self._pipeline.training_step(self.lightning_module, self._engine,
+                                            scaler.scale if scaler is not None else 1.0, args[0])
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.pipeline_config is None:
+            return super().distributed_sampler_kwargs
+        world = self.num_nodes * self.num_processes
+        mesh_dp = self.pipeline_config.data_parallel_size(world)
+        return {"num_replicas": mesh_dp, "rank": self.global_rank % mesh_dp}  # Note [rank layout]
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -302,6 +337,9 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         return self._evaluation_step(super().predict_step, *args, **kwargs)
 
     def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            stage = {"validation_step": "val", "test_step": "test"}.get(step.__name__, "predict")
+            return self._pipeline.evaluation_step(self.lightning_module, self._engine, stage, args[0])
         try:
             return step(*args, **kwargs)
         finally:
@@ -336,6 +374,9 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None and self._engine is not None:
+            self._pipeline.backward(self._engine)  # the schedule ran the backwards in training_step
+            return closure_loss
         if self._engine is not None:
             self._engine.before_backward()
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -377,6 +418,11 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             self._engine.detach(keep_optimizer_state=plan.keep_optimizer_state, gather_params=plan.gather_params)
             self._engine = None
             self.precision_plugin.engine = None
+        if self._pipeline is not None:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED and self.gather_on_teardown:
+                self._pipeline.reassemble()  # the whole (trained) module on every rank again
+            self._pipeline = None
         if self.lightning_module is not None:
             self.lightning_module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
             self.precision_plugin.restore_module(self.lightning_module)

@@ -85,7 +85,7 @@ def test_a_failing_rank_fails_the_launch(tmp_path: Path) -> None:
      "job [zero=stage1 offload=optimizer_cpu]: not implemented in lightning_zero yet: offload=optimizer_cpu"),
     (["offload=param_cpu"], "offload=param_cpu (offload_param) needs ZeRO stage 3"),
     (["precision=bf16", "precision.reduce_dtype=int8"], "precision.reduce_dtype=int8 is not a floating dtype"),
-    (["pipeline=pp2_1f1b", "zero=stage1"], "not implemented in lightning_zero yet: pipeline parallelism"),
+    (["pipeline=pp2_1f1b", "data.micro_batch_size=6"], "does not split into pipeline.micro_batches=8"),
     (["zero.stagee=1"], "Could not override 'zero.stagee'. Did you mean zero.stage?"),
     (["+trainer.devicez=2"], "Key 'devicez' not in 'TrainerSchema'"),
 ])

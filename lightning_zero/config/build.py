@@ -33,6 +33,7 @@ from lightning_zero.config.schema import (
 from lightning_zero.config.validate import gpt_overrides, import_object, zero_config
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.monitoring import ProfilerWindow, log_hyperparams
+from lightning_zero.pipeline import PipelineConfig
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
 
@@ -50,7 +51,18 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "process_group_backend": cfg.trainer.process_group_backend,
         "monitor": cfg.logger.monitor,
         "profiler": build_profiler(cfg),
+        "pipeline": pipeline_config(cfg),
     }
+
+
+def pipeline_config(cfg: TrainConfig) -> PipelineConfig | None:
+    """The :class:`~lightning_zero.PipelineConfig` of ``cfg.pipeline`` (``None`` for ``pipeline=none``)."""
+    pp = cfg.pipeline
+    if pp.stages <= 1:
+        return None
+    return PipelineConfig(stages=pp.stages, micro_batches=pp.micro_batches, schedule=pp.schedule.value,
+                          virtual_stages=pp.virtual_stages, partition_method=pp.partition_method,
+                          activation_checkpoint_interval=pp.activation_checkpoint_interval)
 
 
 def build_profiler(cfg: TrainConfig) -> ProfilerWindow | None:

@@ -99,11 +99,11 @@ def _pipeline_problems(cfg: TrainConfig) -> list[str]:
     if (pp.stages == 1) != (pp.schedule is PipeSchedule.none):
         out.append(f"pipeline.stages={pp.stages} with pipeline.schedule={pp.schedule.value}: a schedule needs "
                    "stages > 1 and stages > 1 needs a schedule. Fix: pipeline=none or a pipeline/ preset.")
-    if pp.stages > 1 and cfg.zero.stage >= 2:
-        out.append(f"pipeline parallelism (pipeline.stages={pp.stages}) with zero.stage={cfg.zero.stage}: stages 2 "
-                   "and 3 partition gradients across ranks on every backward, which clashes with the pipeline's "
-                   "gradient accumulation over micro-batches (DeepSpeed allows ZeRO stage 0 or 1 with pipelines). "
-                   "Fix: zero=stage1 or pipeline=none.")
+    batch = getattr(cfg.data, "micro_batch_size", None)
+    if pp.stages > 1 and batch is not None and batch % pp.micro_batches:
+        out.append(f"data.micro_batch_size={batch} (the batch per data-parallel rank) does not split into "
+                   f"pipeline.micro_batches={pp.micro_batches} equal micro-batches. Fix: a multiple of "
+                   f"{pp.micro_batches}, or other micro_batches.")
     if cfg.trainer.devices % pp.stages:
         out.append(f"pipeline.stages={pp.stages} must divide trainer.devices={cfg.trainer.devices} "
                    "(data-parallel size = devices / stages).")
@@ -114,8 +114,13 @@ def _pipeline_problems(cfg: TrainConfig) -> list[str]:
     if not interleaved and pp.virtual_stages != 1:
         out.append("pipeline.virtual_stages > 1 needs pipeline.schedule=interleaved_1f1b.")
     layers = _layers(cfg)
+    if pp.stages > 1 and isinstance(cfg.model, MLPModelSchema):
+        out.append("pipeline.stages > 1 with model=mlp: the MLP classifier does not follow the pipeline protocol "
+                   "(pipeline_layers / pipeline_loss, docs/pipeline.md). Fix: a GPT model, or pipeline=none.")
+    if isinstance(cfg.model, GPTModelSchema) and layers:
+        layers += 2  # pipeline_layers(): the embedding, the blocks, the head
     if pp.stages > 1 and layers < pp.stages * pp.virtual_stages:
-        out.append(f"the model has {layers} layers, fewer than pipeline.stages x virtual_stages = "
+        out.append(f"the model has {layers} pipeline layers, fewer than pipeline.stages x virtual_stages = "
                    f"{pp.stages * pp.virtual_stages} chunks.")
     return out
 
@@ -214,9 +219,6 @@ def unbuilt_features(cfg: TrainConfig) -> list[str]:
                    "use zero=stage0, stage1 or stage2")
     if offload_name(cfg) != "none":
         out.append(f"offload={offload_name(cfg)} (ZeRO-Offload / ZeRO-Infinity); use offload=none")
-    if cfg.pipeline.stages > 1:
-        out.append(f"pipeline parallelism (pipeline.stages={cfg.pipeline.stages}, "
-                   f"schedule={cfg.pipeline.schedule.value}); use pipeline=none")
     return out
 
 

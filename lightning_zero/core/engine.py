@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -146,6 +146,11 @@ class ZeroEngine:
         self._prepared = False
         self.step_skipped = False
         self._norm: torch.Tensor | None = None
+        # Pipelines (Note [deferred reduction]): the ranks holding the other pipeline stages, over which
+        # gradient norms and the overflow decision are combined, and the norm share to leave out
+        # (``fn(grads, groups, norm_type)``: tied parameters another stage counts).
+        self.model_parallel: DataParallelComm | None = None
+        self.norm_excess: Callable[[list[torch.Tensor], list[FlatParamGroup], float], float] | None = None
 
     # ------------------------------------------------------------------ setup
     def _check_same_structure(self) -> None:
@@ -316,6 +321,33 @@ class ZeroEngine:
                 for s in g.slots:
                     s.param.grad = None
 
+    @contextmanager
+    def deferred_reduction(self) -> Iterator[None]:
+        """Note [deferred reduction]
+            A pipeline schedule runs the backward of every micro-batch of a step, interleaved with
+            forwards, inside one call. In this window the gradient hooks leave each gradient in
+            ``param.grad``, where autograd accumulates the micro-batches (the whole gradient of this
+            rank's stage: the memory a pipeline costs at stages 2-3, docs/pipeline.md), and stage 3
+            gathers every unit once and keeps it until the window ends, instead of once per
+            micro-batch. :meth:`reduce_deferred` then reduces once over the data-parallel group
+            (Lightning's ``zero_grad``, which runs between the step and its backward, leaves the
+            window's ``.grad`` alone).
+        """
+        self.before_backward()
+        self.reducer.deferred = True
+        if self.runtime is not None:
+            self.runtime.hold_all()
+        try:
+            yield
+        finally:
+            if self.runtime is not None:
+                self.runtime.holding = False
+
+    def reduce_deferred(self) -> None:
+        """End of a deferred window: reduce the accumulated gradients (as one backward would)."""
+        self.reducer.reduce_deferred()
+        self.finish_backward()
+
     def finish_backward(self) -> None:
         self.reducer.finish()
         if self.runtime is not None:
@@ -364,17 +396,27 @@ class ZeroEngine:
         if loss_scale != 1.0:
             for t in self._grads_to_scale():
                 t.mul_(1.0 / loss_scale)
-        sumsq = torch.tensor([local_sum_of_squares(self._grads_for_norm())], dtype=torch.float32,
-                             device=self.comm.device)
-        if check_overflow and any_rank(non_finite(float(sumsq)), self.comm):
+        sumsq = torch.tensor([local_sum_of_squares(self._grads_for_norm()) - self._norm_excess(2.0)],
+                             dtype=torch.float32, device=self.comm.device)
+        if check_overflow and self._any_rank(non_finite(float(sumsq))):
             self.skip_step()
             self.last_grad_norm = math.inf
             return True
         if self.config.stage >= 1:
             self.comm.all_reduce_sum(sumsq)
+        if self.model_parallel is not None:
+            self.model_parallel.all_reduce_sum(sumsq)
         self._norm = sumsq.sqrt().reshape(())
         self.last_grad_norm = float(self._norm)
         return False
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any data-parallel rank, or any rank of the other pipeline stages."""
+        flag = any_rank(flag, self.comm)
+        return any_rank(flag, self.model_parallel) if self.model_parallel is not None else flag
+
+    def _norm_excess(self, norm_type: float) -> float:
+        return self.norm_excess(self._grads_for_norm(), self.groups, norm_type) if self.norm_excess else 0.0
 
     def skip_step(self) -> None:
         """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
@@ -399,11 +441,15 @@ class ZeroEngine:
             value = torch.stack([t.abs().max() for t in local]).max() if local else torch.zeros(())
             if self.config.stage >= 1:
                 self.comm_max(value)
+            if self.model_parallel is not None:
+                self.model_parallel.all_reduce_max(value)
             return value
         parts = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in local]) if local else torch.zeros(1)
-        total = parts.pow(norm_type).sum()
+        total = parts.pow(norm_type).sum() - self._norm_excess(norm_type)
         if self.config.stage >= 1 and self.comm.active:
             self.comm.all_reduce_sum(total)
+        if self.model_parallel is not None:
+            self.model_parallel.all_reduce_sum(total)
         return total.pow(1.0 / norm_type)
 
     def comm_max(self, value: torch.Tensor) -> None:
@@ -471,13 +517,15 @@ class ZeroEngine:
 
     def _zero_grad_hook(self, set_to_none: bool = True) -> None:
         self.zero_grad()
-        self._user_zero_grad(set_to_none=set_to_none)
+        if not self.reducer.deferred:
+            self._user_zero_grad(set_to_none=set_to_none)
 
     def zero_grad(self) -> None:
         """Clear gradients: the reduced buffers, the per-parameter views and the shards' grads."""
         self.reducer.zero()
-        for p in self.names:
-            p.grad = None
+        if not self.reducer.deferred:  # a deferred window's gradients await reduce_deferred()
+            for p in self.names:
+                p.grad = None
         if self.sharded is not None:
             self.sharded.clear_grads()
         self._prepared = False

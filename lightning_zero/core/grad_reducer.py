@@ -81,6 +81,7 @@ class GradReducer:
         self.accum_dtype = accum_dtype or grad_dtype
         self.names = names
         self.sync: bool = True  # False inside block_backward_sync: stages 0-1 only accumulate locally
+        self.deferred: bool = False  # pipelines: hooks leave gradients in .grad until reduce_deferred()
         self.state = BackwardState.IDLE
         self._dirty = False  # whether any gradient buffer may be non-zero (zero() is a no-op otherwise)
         self.max_in_flight = 2 if stage >= 2 else 1 << 30
@@ -153,6 +154,8 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.deferred:  # autograd keeps accumulating into param.grad (Note [deferred reduction])
+            return
         self.state = BackwardState.RUNNING
         order, slot_index = self._where[param]
         bucket = self.buckets[order]
@@ -175,6 +178,13 @@ class GradReducer:
             self._pending[order] -= 1
         if self.overlap and self.communicating:
             self._launch_ready(force=False)
+
+    def reduce_deferred(self) -> None:
+        """End a deferred window: hand every accumulated ``.grad`` to the buckets, in backward order."""
+        self.deferred = False
+        for param in reversed(list(self._where)):
+            if param.grad is not None:
+                self._on_grad_ready(param)
 
     def _launch_ready(self, force: bool) -> None:
         while self._next_launch < len(self.buckets) and (force or self._pending[self._next_launch] == 0):

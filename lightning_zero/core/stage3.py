@@ -81,6 +81,7 @@ class Stage3Runtime:
         self.traces: dict[Phase, list[int]] = {Phase.FORWARD: [], Phase.BACKWARD: []}  # recorded unit order
         self._current: dict[Phase, list[int]] = {Phase.FORWARD: [], Phase.BACKWARD: []}  # this pass so far
         self.retraces: int = 0
+        self.holding: bool = False  # hold_all(): nothing is released until release_held()
         self._hooks: list[RemovableHandle] = []
         for unit, mods in zip(units, unit_modules):
             for m in mods:
@@ -117,7 +118,7 @@ class Stage3Runtime:
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
     def _release(self, unit: ShardedUnit) -> None:
-        if unit.persistent or unit.state is UnitState.SHARDED:
+        if self.holding or unit.persistent or unit.state is UnitState.SHARDED:
             return
         unit.release()
         self.live_numel -= unit.numel
@@ -259,6 +260,16 @@ class Stage3Runtime:
     def release_all(self) -> None:
         for u in self.units:
             self._release(u)
+
+    def hold_all(self) -> None:
+        """Pipelines: gather every unit once and keep it through all micro-batches of a step (one
+        gather per unit per step instead of one per micro-batch); ``release_held`` ends it."""
+        self.gather_all()
+        self.holding = True
+
+    def release_held(self) -> None:
+        self.holding = False
+        self.release_all()
 
     def gather_all(self) -> None:
         """Gather every unit (state dicts, teardown); collective. Not counted in the peak, which

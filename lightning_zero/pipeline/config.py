@@ -1,0 +1,100 @@
+"""``PipelineConfig``: the pipeline-parallel policy (stages, schedule, micro-batches, partitioning).
+
+Field names follow DeepSpeed's pipeline engine where it has one (``partition_method``,
+``activation_checkpoint_interval``, ``micro_batches``). The schedules are PyTorch's own
+(``torch.distributed.pipelining``); see docs/pipeline.md for which of them compose with ZeRO.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+# torch schedules refused, with the reason (docs/pipeline.md)
+REFUSED_SCHEDULES: dict[str, str] = {
+    name: "it is not wired into lightning_zero: the zero-bubble schedules compute weight gradients in a "
+    "separate pass and assign `param.grad` by hand (lightning_zero's deferred reduction would read them, but "
+    "their stage placement and that pass are untested with ZeRO here); use 'gpipe', '1f1b' or 'interleaved_1f1b'"
+    for name in ("interleaved_zero_bubble", "zbv_zero_bubble", "zero_bubble", "dualpipev", "looped_bfs")
+}
+_ALIASES = {"one_f_one_b": "1f1b", "interleaved": "interleaved_1f1b"}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How the model is split into pipeline stages and how micro-batches flow through them.
+
+    Args:
+        stages: pipeline stages (ranks per pipeline); the world size must be a multiple of it and
+            the quotient is the data-parallel size over which ZeRO partitions.
+        micro_batches: micro-batches per batch; must divide the per-data-parallel-rank batch size.
+        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one forward one backward, DeepSpeed's
+            TrainSchedule) or ``"interleaved_1f1b"`` (needs ``virtual_stages >= 2``).
+        virtual_stages: model chunks per rank (interleaved schedules).
+        partition_method: ``"uniform"`` (equal layer counts), ``"parameters"`` (balanced parameter
+            counts) or ``"type:<regex>"`` (balance the layers whose class name matches).
+        activation_checkpoint_interval: recompute activations in backward for every group of this many
+            layers (0: keep them).
+    """
+
+    stages: int = 2
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    partition_method: str = "parameters"
+    activation_checkpoint_interval: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", _ALIASES.get(self.schedule, self.schedule))
+        if self.schedule in REFUSED_SCHEDULES:
+            reason = REFUSED_SCHEDULES[self.schedule]
+            raise ValueError(f"pipeline schedule {self.schedule!r} is not supported: {reason}.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
+        for name in ("stages", "micro_batches", "virtual_stages"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"pipeline `{name}` must be >= 1, got {getattr(self, name)!r}.")
+        if self.activation_checkpoint_interval < 0:
+            raise ValueError("`activation_checkpoint_interval` must be >= 0 (0: no activation checkpointing).")
+        interleaved = self.schedule == "interleaved_1f1b"
+        if interleaved != (self.virtual_stages > 1):
+            raise ValueError(
+                f"schedule={self.schedule!r} with virtual_stages={self.virtual_stages}: the interleaved schedule needs "
+                "virtual_stages >= 2 and the others need virtual_stages=1."
+            )
+        if interleaved and self.micro_batches % self.stages:
+            raise ValueError(f"interleaved_1f1b needs micro_batches ({self.micro_batches}) to be a multiple of "
+                             f"stages ({self.stages}).")
+        method = self.partition_method
+        if method not in ("uniform", "parameters") and not method.startswith("type:"):
+            raise ValueError(f"partition_method must be 'uniform', 'parameters' or 'type:<regex>', got {method!r}.")
+        if method.startswith("type:"):
+            try:
+                re.compile(method[5:])
+            except re.error as err:
+                raise ValueError(f"partition_method {method!r}: bad regular expression ({err}).") from err
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks in the whole pipeline (``stages x virtual_stages``)."""
+        return self.stages * self.virtual_stages
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size for ``world_size`` ranks; raises when it does not divide."""
+        if world_size % self.stages:
+            raise ValueError(
+                f"The world size ({world_size} ranks) is not a multiple of pipeline stages={self.stages}: every "
+                f"data-parallel replica needs {self.stages} ranks. Fix: devices x num_nodes a multiple of "
+                f"{self.stages}, or fewer stages."
+            )
+        return world_size // self.stages
+
+    def check_batch(self, batch_size: int) -> None:
+        """Raise unless ``micro_batches`` divides the per-rank batch size."""
+        if batch_size % self.micro_batches:
+            raise ValueError(
+                f"The batch of {batch_size} samples per data-parallel rank does not split into micro_batches="
+                f"{self.micro_batches} equal micro-batches. Fix: a batch size that is a multiple of "
+                f"{self.micro_batches} (data.micro_batch_size / the DataLoader's batch_size), or other micro_batches."
+            )

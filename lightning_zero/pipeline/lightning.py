@@ -1,0 +1,126 @@
+"""Lightning glue of pipelines: what ``ZeroStrategy`` calls when it has a ``PipelineConfig``.
+
+``ZeroStrategy.setup`` builds a :class:`StrategyPipeline` (the 2D groups, this rank's chunks, the
+schedules); the engine then partitions only the local chunks over the stage's data-parallel group.
+``training_step`` / evaluation steps run the schedules instead of the module's step methods and log
+``<stage>_loss`` (or call the module's ``on_pipeline_loss(stage, loss, batch)`` when it has one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.core.comm import DataParallelComm
+from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.pipeline.mesh import PipelineGroups, PipelineMesh, make_groups
+from lightning_zero.pipeline.model import LocalModel, plan_split, reassemble, split_batch, split_module
+from lightning_zero.pipeline.runner import PipelineRunner
+
+
+class StrategyPipeline:
+    """This rank's pipeline: groups, local chunks and runner.
+
+    Args:
+        config: the pipeline policy.
+        module: the LightningModule (split in place: the other stages' layers go to the meta device).
+        device: this rank's device.
+        timeout_s: timeout of the pipeline's process groups.
+    """
+
+    def __init__(self, config: PipelineConfig, module: pl.LightningModule, device: torch.device,
+                 timeout_s: float) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.config = config
+        self.mesh = PipelineMesh(config.stages, config.data_parallel_size(world), rank)
+        if config.stages > 1 and not dist.is_initialized():
+            raise RuntimeError("A pipeline with stages > 1 needs one process per stage: devices x num_nodes >= stages.")
+        _, _, tie_sets = plan_split(module, config)  # the protocol and the layer count are checked here
+        self.groups: PipelineGroups = make_groups(self.mesh, timeout_s, tie_sets)
+        self.local: LocalModel = split_module(module, config, self.mesh.stage, config.activation_checkpoint_interval)
+        self.local.module.to(device)
+        self.runner = PipelineRunner(config, self.local, self.groups, module.pipeline_loss, device)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ setup
+    def sampler_kwargs(self) -> dict[str, int]:
+        """The sampler shards over the data-parallel group only: every stage of a replica sees the same batch."""
+        return {"num_replicas": self.mesh.dp_size, "rank": self.mesh.dp_rank}
+
+    def restrict_optimizer(self, optimizer: Optimizer) -> None:
+        """Drop the other stages' (meta) parameters from the optimizer's param groups."""
+        local = set(self.local.names)
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if p in local]
+
+    def attach(self, engine: ZeroEngine) -> None:
+        """Combine the engine's norms and overflow checks over the pipeline's stages."""
+        if self.config.stages > 1:
+            engine.model_parallel = DataParallelComm(self.groups.pp, engine.config.collective)
+        engine.norm_excess = self.runner.tied_norm_excess
+
+    @torch.no_grad()
+    def broadcast_local(self, comm: DataParallelComm) -> None:
+        """Outside fit: make the local chunks identical over the data-parallel group."""
+        for t in (*self.local.module.parameters(), *self.local.module.buffers()):
+            comm.broadcast(t.data)
+
+    def reassemble(self) -> None:
+        """After fit: every rank gets the other stages' trained parameters back (a collective)."""
+        if self.config.stages == 1:
+            return
+
+        def broadcast(t: Tensor, stage: int) -> None:
+            dist.broadcast(t, src=self.mesh.global_rank(stage, self.mesh.dp_rank), group=self.groups.pp)
+
+        reassemble(self.local, self.mesh.stage, broadcast)
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, module: pl.LightningModule, engine: ZeroEngine, loss_scale: float, batch: Any) -> Tensor:
+        """Forward and backward of every micro-batch (gradients kept for :meth:`backward`); the batch-mean loss."""
+        inputs, target = split_batch(module, batch)
+        self.runner.loss_factor = loss_scale
+        with engine.deferred_reduction():
+            loss = self.runner.train_step(inputs, target)
+        self._report(module, "train", loss, batch, inputs)
+        return loss
+
+    def backward(self, engine: ZeroEngine) -> None:
+        """Where Lightning calls backward: sum tied gradients over stages, then reduce once over the
+        data-parallel group (Note [deferred reduction] in core/engine.py)."""
+        self.runner.sync_tied_grads()
+        engine.reduce_deferred()
+
+    def evaluation_step(self, module: pl.LightningModule, engine: ZeroEngine | None, stage: str, batch: Any) -> Any:
+        """Forward-only schedule; validation / test return (and log) the loss, predict the output."""
+        inputs, target = split_batch(module, batch) if stage != "predict" else (batch, None)
+        if isinstance(inputs, (list, tuple)) and stage == "predict":
+            inputs = inputs[0]
+        runtime = engine.runtime if engine is not None else None
+        if runtime is not None:
+            runtime.hold_all()
+        try:
+            loss, output = self.runner.eval_step(inputs, target)
+        finally:
+            if runtime is not None:
+                runtime.release_held()
+        if stage == "predict":
+            return output
+        assert loss is not None
+        self._report(module, stage, loss, batch, inputs)
+        return loss
+
+    @staticmethod
+    def _report(module: pl.LightningModule, stage: str, loss: Tensor, batch: Any, inputs: Any) -> None:
+        hook = getattr(module, "on_pipeline_loss", None)
+        if callable(hook):
+            hook(stage, loss, batch)
+            return
+        size = (inputs[0] if isinstance(inputs, (list, tuple)) else inputs).shape[0]
+        module.log(f"{stage}_loss", loss, prog_bar=True, batch_size=size, sync_dist=stage != "train")

@@ -1,0 +1,172 @@
+"""Running one batch through the pipeline: PyTorch's schedules over this rank's chunks.
+
+Training (``train_step``): the ZeRO engine's reduction is deferred for the whole schedule
+(Note [deferred reduction] in ``core/engine.py``): every micro-batch's backward accumulates into
+the local parameters' ``.grad``; then tied parameters' gradients are summed across the stages
+sharing them and the engine reduces once over the data-parallel group.
+
+Note [loss scaling in the schedule]
+    The schedules are built with ``scale_grads=False``: torch's own scaling divides ``p.grad`` after
+    the last backward, which the ZeRO hooks have consumed by then (and the zero-bubble schedules
+    assign weight gradients by hand, see ``config.REFUSED_SCHEDULES``). Instead the loss of each
+    micro-batch is multiplied by ``loss_scale / micro_batches`` before its backward, so the summed
+    gradients are those of the batch mean, scaled like the fp16 loss scaler expects. The loss
+    reported is the sum of the micro-batch terms divided by the loss scale: the true batch mean.
+
+Evaluation (``eval_step``) runs the forward-only pass of the same schedule (``schedule.eval``),
+with as many micro-batches as divide the batch (at most ``micro_batches``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.pipeline.mesh import PipelineGroups
+from lightning_zero.pipeline.model import LocalModel
+
+
+class PipelineRunner:
+    """The schedules of this rank's chunks (one per batch shape and mode, built on first use).
+
+    Args:
+        config: the pipeline policy.
+        local: this rank's chunks (``model.split_module``).
+        groups: its process groups.
+        loss_fn: ``(output, target) -> mean loss`` of one micro-batch.
+        device: where the chunks run.
+    """
+
+    def __init__(self, config: PipelineConfig, local: LocalModel, groups: PipelineGroups,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device) -> None:
+        self.config, self.local, self.groups = config, local, groups
+        self.loss_fn, self.device = loss_fn, device
+        self.loss_factor: float = 1.0  # Note [loss scaling in the schedule]
+        self._schedules: dict[tuple[Any, ...], Any] = {}
+        self.last_rank = groups.mesh.global_rank(config.stages - 1, groups.mesh.dp_rank)
+
+    @property
+    def is_first(self) -> bool:
+        return self.groups.mesh.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.groups.mesh.stage == self.config.stages - 1
+
+    def _scaled_loss(self, micro_batches: int) -> Callable[[Any, Any], torch.Tensor]:
+        def loss(output: Any, target: Any) -> torch.Tensor:
+            return self.loss_fn(output, target).float() * (self.loss_factor / micro_batches)
+
+        return loss
+
+    def _schedule(self, micro_batches: int, training: bool, key: tuple[Any, ...]) -> Any:
+        full_key = (micro_batches, training, *key)
+        schedule = self._schedules.get(full_key)
+        if schedule is not None:
+            return schedule
+        stages = [PipelineStage(chunk, c, self.config.chunks, self.device, group=self.groups.pp)
+                  for chunk, c in zip(self.local.chunks, self.local.chunk_ids)]
+        loss = self._scaled_loss(micro_batches)
+        if self.config.schedule == "interleaved_1f1b":
+            schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss, scale_grads=False)
+        else:
+            cls = Schedule1F1B if self.config.schedule == "1f1b" and training else ScheduleGPipe
+            schedule = cls(stages[0], micro_batches, loss_fn=loss, scale_grads=False)
+        self._schedules[full_key] = schedule
+        return schedule
+
+    def _broadcast_loss(self, losses: list[torch.Tensor], micro_batches: int) -> torch.Tensor:
+        """The batch-mean loss on every rank of the pipeline (computed on the last stage)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last:
+            total = torch.stack([t.detach().float() for t in losses]).sum() / self.loss_factor
+        if self.config.stages > 1:
+            dist.broadcast(total, src=self.last_rank, group=self.groups.pp)
+        return total
+
+    @staticmethod
+    def _shape_key(*values: Any) -> tuple[Any, ...]:
+        return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in values)
+
+    def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the batch-mean loss (every rank)."""
+        size = _batch_size(inputs)
+        self.config.check_batch(size)
+        m = self.config.micro_batches
+        schedule = self._schedule(m, True, self._shape_key(inputs, target))
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        schedule.step(*args, target=target if self.is_last else None, losses=losses if self.is_last else None,
+                      return_outputs=False)
+        return self._broadcast_loss(losses, m)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, target: Any | None) -> tuple[torch.Tensor | None, Any]:
+        """Forward-only pass. Returns ``(mean loss or None, output)``; the output (the last stage's,
+        merged over micro-batches) is broadcast to every rank of the pipeline."""
+        size = _batch_size(inputs)
+        m = max(d for d in range(1, self.config.micro_batches + 1) if size % d == 0)
+        if self.config.schedule == "interleaved_1f1b" and m % self.config.stages:
+            raise ValueError(f"An evaluation batch of {size} samples does not split into a multiple of "
+                             f"stages={self.config.stages} micro-batches, which the interleaved schedule needs. "
+                             "Fix: an evaluation batch size that is a multiple of micro_batches.")
+        schedule = self._schedule(m, False, self._shape_key(inputs, target))
+        losses: list[torch.Tensor] = []
+        with_loss = target is not None
+        args = (inputs,) if self.is_first else ()
+        output = schedule.eval(*args, target=target if self.is_last and with_loss else None,
+                               losses=losses if self.is_last and with_loss else None)
+        loss = self._broadcast_loss(losses, m) if with_loss else None
+        return loss, self._broadcast_output(output)
+
+    def _broadcast_output(self, output: Any) -> Any:
+        if self.config.stages == 1:
+            return output
+        meta = [(tuple(output.shape), output.dtype) if self.is_last else None]
+        dist.broadcast_object_list(meta, src=self.last_rank, group=self.groups.pp)
+        shape, dtype = meta[0]
+        out = output.contiguous() if self.is_last else torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(out, src=self.last_rank, group=self.groups.pp)
+        return out
+
+    @torch.no_grad()
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of parameters shared by several stages across those stages."""
+        for stages, params in self.local.ties.items():
+            group = self.groups.ties[stages]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+
+    def tied_norm_excess(self, grads: list[torch.Tensor], groups: list[Any], norm_type: float) -> float:
+        """Sum of ``|g|^norm_type`` over this rank's elements of tied parameters whose gradient another
+        stage owns: subtracted so that a tied gradient counts once in the global norm."""
+        stage = self.groups.mesh.stage
+        if not self.local.ties or math.isinf(norm_type):
+            return 0.0
+        total = 0.0
+        for g, t in zip(groups, grads):
+            whole = t.numel() == g.padded_numel
+            start, end = (0, g.padded_numel) if whole else g.shard_range()
+            for s in g.slots:
+                if self.local.owner_stage[s.param] == stage:
+                    continue
+                lo, hi = max(s.offset, start), min(s.offset + s.numel, end)
+                if hi > lo:
+                    total += float(t[lo - start : hi - start].float().abs().pow(norm_type).sum())
+        return total
+
+
+def _batch_size(inputs: Any) -> int:
+    first = inputs[0] if isinstance(inputs, (list, tuple)) else inputs
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"Pipeline inputs must be a tensor (or a tuple of tensors), got {type(first).__name__}.")
+    return int(first.shape[0])
+

@@ -1,0 +1,128 @@
+"""A tiny language model following the pipeline protocol, its data and a plain-PyTorch reference
+(shared by tests/test_pipeline.py and its worker processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+VOCAB, WIDTH, SEQ = 13, 8, 6
+
+
+class Embed(nn.Module):
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb(idx)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class Head(nn.Module):
+    def __init__(self, norm: nn.LayerNorm, out: nn.Linear) -> None:
+        super().__init__()
+        self.norm, self.out = norm, out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+class PipeLM(pl.LightningModule):
+    """Embedding (tied to the output head), ``n_blocks`` residual blocks, a norm and the head."""
+
+    def __init__(self, optimizer: str = "adamw", n_blocks: int = 3, tie: bool = True, lr: float = 0.05) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.out = nn.Linear(WIDTH, VOCAB)
+        if tie:
+            self.out.weight = self.emb.weight
+        self.optimizer_name, self.lr = optimizer, lr
+        self.losses: list[float] = []
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [Embed(self.emb), *self.blocks, Head(self.norm, self.out)]
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = idx
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.pipeline_loss(self(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.optimizer_name, self.parameters(), self.lr)
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+class Shard(Sampler[int]):
+    """Fixed, unshuffled: sample ``i`` goes to data-parallel rank ``i % world``."""
+
+    def __init__(self, n: int, rank: int, world: int) -> None:
+        self.indices = list(range(rank, n, world))
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def dataset(n: int = 96) -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=gen)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def loader(batch: int, dp_rank: int = 0, dp_size: int = 1, n: int = 96) -> DataLoader:
+    return DataLoader(dataset(n), batch_size=batch, sampler=Shard(n, dp_rank, dp_size))
+
+
+def reference(optimizer: str, batch: int, dp_size: int, steps: int, clip: float | None = None) -> dict[str, Any]:
+    """Plain PyTorch on one process: each step averages the data-parallel ranks' batch losses (what
+    data-parallel training computes), then clips and steps."""
+    model = PipeLM(optimizer)
+    opt = model.configure_optimizers()
+    loaders = [iter(loader(batch, r, dp_size)) for r in range(dp_size)]
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        per_rank = [model.pipeline_loss(model(x), y) for x, y in (next(it) for it in loaders)]
+        loss = torch.stack(per_rank).mean()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append([float(t) for t in per_rank])
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
