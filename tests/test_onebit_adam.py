@@ -199,7 +199,8 @@ def _fit(model: Any, strategy: Any, steps: int, ckpt_dir: str | None = None, res
 
 
 def training_body(tmp: str) -> dict[str, Any]:
-    reference = _fit(TinyTransformer("adamw", record_grad_norm=True), ZeroStrategy(stage=0), 3, accumulate_grad_batches=2)
+    adamw = TinyTransformer("adamw", record_grad_norm=True)
+    reference = _fit(adamw, ZeroStrategy(stage=0), 3, accumulate_grad_batches=2)
     onebit = _fit(OneBitTiny(), ZeroStrategy(stage=0), 8, ckpt_dir=tmp, accumulate_grad_batches=2)
     resumed = _fit(OneBitTiny(), ZeroStrategy(stage=0), 8, resume=str(Path(tmp) / "epoch=0-step=5.ckpt"),
                    accumulate_grad_batches=2)
@@ -230,3 +231,45 @@ def test_training_with_onebit_adam(gloo_pool, tmp_path) -> None:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0][run]["params"], ranks[1][run]["params"])), run
     assert ranks[0]["onebit"]["norms"] == ranks[1]["onebit"]["norms"]
 
+
+
+# ------------------------------------------------------------------------------------------ configs
+def test_deepspeed_json_builds_onebit_adam_and_notes_backend_keys() -> None:
+    from lightning_zero.deepspeed.optim import optimizer_recipe
+
+    params = {"lr": 1e-3, "freeze_step": 40, "betas": [0.9, 0.99], "cuda_aware": False, "comm_backend_name": "nccl"}
+    with pytest.warns(UserWarning, match="comm_backend_name.*cuda_aware.*ignored"):
+        recipe = optimizer_recipe("OneBitAdam", params)
+    assert recipe.cls is OneBitAdam and recipe.kwargs == {"lr": 1e-3, "freeze_step": 40, "betas": (0.9, 0.99)}
+    built = recipe.build([torch.nn.Parameter(torch.ones(2))])
+    assert isinstance(built, OneBitAdam) and built.freeze_step == 40
+    for bad, match in (({"amsgrad": True}, "amsgrad"), ({"max_grad_norm": 1.0}, "gradient_clipping"),
+                       ({"bias_correction": False}, "bias_correction"), ({"momentum": 0.9}, "momentum")):
+        with pytest.raises(ValueError, match=match):
+            optimizer_recipe("OneBitAdam", bad)
+
+
+def test_cli_refuses_onebit_adam_beyond_stage_0_before_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_zero.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "experiment=gpt_tiny", "model.optimizer=onebit_adam", "zero=stage2"]) == 2
+    assert "model.optimizer=onebit_adam runs with ZeRO stage 0" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing started
+
+
+@pytest.mark.slow
+def test_cli_trains_the_gpt_experiment_with_onebit_adam(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    args = ["experiment=gpt_tiny", "zero=stage0", "model.optimizer=onebit_adam", "model.freeze_step=2",
+            "trainer.max_steps=5", "trainer.enable_model_summary=false"]
+    done = subprocess.run([sys.executable, "-m", "lightning_zero", "train", *args], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=300, check=False, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    (result,) = tmp_path.glob("outputs/*/*/result.json")
+    assert json.loads(result.read_text())["global_step"] == 5
