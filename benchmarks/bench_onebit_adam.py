@@ -210,9 +210,9 @@ def convergence(args: argparse.Namespace) -> None:
         ref = results["adamw"]["val"][-1][1]
         print(f"| {name} | {final:.4f} | {100 * (final / ref - 1):+.2f}% | {total / 1e6:.2f} MB | "
               f"1/{adamw_bytes / total:.1f} |")
-    after = results["onebit"]["bytes"][freeze + 1:]
-    print(f"bytes per step after the freeze: {statistics.median(after):.0f} vs AdamW's "
-          f"{statistics.median(results['adamw']['bytes']):.0f} (1/{statistics.median(results['adamw']['bytes']) / statistics.median(after):.1f})")
+    after = statistics.median(results["onebit"]["bytes"][freeze + 1:])
+    plain = statistics.median(results["adamw"]["bytes"])
+    print(f"bytes per step after the freeze: {after:.0f} vs AdamW's {plain:.0f} (1/{plain / after:.1f})")
     _plot(results, freeze, DOCS / "onebit_adam_convergence.png")
 
 
