@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from lightning_zero.core.onebit_adam import OneBitAdam
+
 
 @dataclass
 class GPTConfig:
@@ -217,12 +219,13 @@ class GPTLightningModule(LightningModule):
         weight_decay: decay of the decayed group (see :func:`param_groups`).
         betas: Adam betas; for SGD, ``betas[0]`` is the momentum.
         warmup_steps: linear warmup steps (0 = none).
-        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or ``"onebit_adam"`` (1-bit Adam, ZeRO stage 0).
         scheduler: ``None``/``"constant"`` (warmup only), ``"cosine"`` or ``"linear"`` decay.
         lr_decay_steps: decay horizon; default ``trainer.max_steps`` (or the estimated stepping batches).
         min_lr_ratio: final LR as a fraction of ``lr`` for the decaying schedules.
         model_overrides: ``GPTConfig`` fields replacing the preset's (e.g. ``{"seq_len": 128}``).
         build_in_configure_model: build the network in :meth:`configure_model` (sharded construction).
+        freeze_step: ``optimizer="onebit_adam"``: AdamW warm-up steps before the momentum is compressed.
     """
 
     def __init__(
@@ -238,9 +241,10 @@ class GPTLightningModule(LightningModule):
         min_lr_ratio: float = 0.1,
         model_overrides: dict[str, Any] | None = None,
         build_in_configure_model: bool = False,
+        freeze_step: int = 100,
     ) -> None:
         super().__init__()
-        if optimizer not in ("adamw", "adam", "sgd"):
+        if optimizer not in ("adamw", "adam", "sgd", "onebit_adam"):
             raise ValueError(f"unknown optimizer {optimizer!r}")
         if scheduler not in (None, "none", "constant", "cosine", "linear"):
             raise ValueError(f"unknown scheduler {scheduler!r}")
@@ -258,6 +262,7 @@ class GPTLightningModule(LightningModule):
                 "min_lr_ratio": min_lr_ratio,
                 "model_overrides": dict(model_overrides) if model_overrides else None,
                 "build_in_configure_model": build_in_configure_model,
+                "freeze_step": freeze_step,
             }
         )
         self.model: GPT | None = None if build_in_configure_model else GPT(self.config)
@@ -318,6 +323,8 @@ class GPTLightningModule(LightningModule):
         groups = param_groups(self.model, hp.weight_decay)
         if hp.optimizer == "sgd":
             opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.betas[0])
+        elif hp.optimizer == "onebit_adam":
+            opt = OneBitAdam(groups, lr=hp.lr, betas=tuple(hp.betas), freeze_step=hp.get("freeze_step", 100))
         else:
             cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
             opt = cls(groups, lr=hp.lr, betas=tuple(hp.betas))

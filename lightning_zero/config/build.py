@@ -113,7 +113,7 @@ def build_module(cfg: TrainConfig) -> pl.LightningModule:
             model=m.preset, lr=m.lr, weight_decay=m.weight_decay, betas=list(m.betas), warmup_steps=m.warmup_steps,
             optimizer=m.optimizer.value, scheduler=m.scheduler.value, lr_decay_steps=m.lr_decay_steps,
             min_lr_ratio=m.min_lr_ratio, model_overrides=gpt_overrides(m) or None,
-            build_in_configure_model=m.build_in_configure_model,
+            build_in_configure_model=m.build_in_configure_model, freeze_step=m.freeze_step,
         )
     if isinstance(m, MLPModelSchema):
         from experiments.mlp import MLPClassifier

@@ -63,6 +63,7 @@ class OptimizerName(Enum):
     adamw = "adamw"
     adam = "adam"
     sgd = "sgd"
+    onebit_adam = "onebit_adam"  # 1-bit Adam (lightning_zero.OneBitAdam): ZeRO stage 0, GPT only
 
 
 class LRSchedule(Enum):
@@ -170,6 +171,7 @@ class GPTModelSchema(ModelSchema):
     lr_decay_steps: int | None = None
     min_lr_ratio: float = 0.1
     build_in_configure_model: bool = False
+    freeze_step: int = 100  # optimizer=onebit_adam: AdamW warm-up steps before the momentum is compressed
 
 
 @dataclass

@@ -19,6 +19,7 @@ from lightning_zero.config.schema import (
     GPTModelSchema,
     MLPModelSchema,
     OffloadDevice,
+    OptimizerName,
     PipeSchedule,
     PrecisionName,
     PrecisionSchema,
@@ -166,7 +167,16 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
         if isinstance(d, TextDataSchema) and d.seq_len > shape.seq_len:
             out.append(f"data.seq_len={d.seq_len} exceeds the model's context {shape.seq_len} ({m.preset}). "
                        f"Fix: data.seq_len={shape.seq_len} or less, or model.seq_len={d.seq_len}.")
-    elif isinstance(m, MLPModelSchema):
+    if m.optimizer is OptimizerName.onebit_adam:
+        if not isinstance(m, GPTModelSchema):
+            out.append(f"model.optimizer=onebit_adam is built by the GPT experiment, not model.kind={m.kind}. "
+                       "Fix: model.optimizer=adamw.")
+        elif cfg.zero.stage != 0:
+            out.append(f"model.optimizer=onebit_adam runs with ZeRO stage 0 (it compresses the all-reduce of every "
+                       f"rank's whole momentum), got zero.stage={cfg.zero.stage}. Fix: zero=stage0.")
+        elif m.freeze_step < 1:
+            out.append(f"model.freeze_step must be >= 1 (AdamW warm-up steps), got {m.freeze_step}.")
+    if isinstance(m, MLPModelSchema):
         if not isinstance(d, TeacherDataSchema):
             out.append(f"model.kind=mlp needs classification data, got data.kind={d.kind}. Fix: data=teacher.")
         elif (m.input_dim, m.num_classes) != (d.input_dim, d.num_classes):

@@ -8,6 +8,12 @@ Exposed communication: :attr:`DataParallelComm.wait_seconds` adds up the host ti
 this group's collectives (blocking calls, and ``wait()`` on the handles of asynchronous ones). On a
 CPU backend (gloo) that is the time the rank could not compute because of communication; with NCCL
 ``wait()`` only orders CUDA streams, so the counter says nothing there (docs/monitoring.md).
+
+Traffic: :attr:`DataParallelComm.bytes_sent` adds up the bytes this rank sends, counted as the
+bandwidth-optimal (ring) algorithms send them: an all-reduce of B bytes sends 2(N-1)/N·B, a
+reduce-scatter, all-gather or all-to-all (N-1)/N of its whole buffer, a broadcast (N-1)/N·B on
+average. It is a model of the wire, the same for every collective, so that stages and compressed
+collectives (``compressed_allreduce.py``) compare on one scale.
 """
 
 from __future__ import annotations
@@ -84,6 +90,11 @@ class DataParallelComm:
         # gloo's all-reduce is faster than its reduce-scatter + all-gather (docs/benchmarks.md).
         self.use_all_reduce: bool = collective == "all_reduce" or (collective == "auto" and self.backend == "gloo")
         self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
+        self.bytes_sent: int = 0  # bytes this rank sent, ever, under the ring model (see the module doc)
+
+    def _count(self, tensor: torch.Tensor, hops: int) -> None:
+        """Add ``hops``/N of ``tensor``'s bytes to :attr:`bytes_sent` (2(N-1) for an all-reduce, else N-1)."""
+        self.bytes_sent += tensor.numel() * tensor.element_size() * hops // self.world_size
 
     @contextmanager
     def blocking(self) -> Iterator[None]:
@@ -105,6 +116,7 @@ class DataParallelComm:
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
         if not self.active:
             return DONE
+        self._count(tensor, 2 * (self.world_size - 1))
         with self.blocking():
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return self._issued(work, async_op)
@@ -112,6 +124,7 @@ class DataParallelComm:
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Element-wise maximum over the ranks, in place (blocking)."""
         if self.active:
+            self._count(tensor, 2 * (self.world_size - 1))
             with self.blocking():
                 dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
@@ -122,6 +135,7 @@ class DataParallelComm:
         if not self.active:
             out.copy_(pieces[0])
             return DONE
+        self.bytes_sent += sum(p.numel() * p.element_size() for i, p in enumerate(pieces) if i != self.rank)
         with self.blocking():
             if all(p.numel() == pieces[0].numel() for p in pieces):
                 work = dist.reduce_scatter_tensor(out, torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0],
@@ -134,6 +148,7 @@ class DataParallelComm:
         """Make ``flat`` whole on every rank from each rank's ``flat[start:end]`` (equal shards)."""
         if not self.active:
             return DONE
+        self._count(flat, self.world_size - 1)
         if self.use_all_reduce:
             # gloo: one broadcast per owner is measured ~1.8x faster than all_gather_into_tensor
             # (docs/benchmarks.md); the broadcasts run concurrently and are waited on together.
@@ -152,11 +167,30 @@ class DataParallelComm:
                 work = dist.all_gather_into_tensor(flat, flat[start:end], group=self.group, async_op=async_op)
         return self._issued(work, async_op)
 
+    def all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        """Rank r's ``inputs[q]`` arrives in rank q's ``outputs[r]`` (equal-size pieces; blocking)."""
+        if not self.active:
+            outputs[0].copy_(inputs[0])
+            return
+        self.bytes_sent += sum(t.numel() * t.element_size() for i, t in enumerate(inputs) if i != self.rank)
+        with self.blocking():
+            dist.all_to_all(outputs, inputs, group=self.group)
+
+    def all_gather(self, out: torch.Tensor, piece: torch.Tensor) -> None:
+        """``out`` (N pieces end to end) gets every rank's ``piece``, in rank order (blocking)."""
+        if not self.active:
+            out.copy_(piece.reshape(out.shape))
+            return
+        self._count(out, self.world_size - 1)
+        with self.blocking():
+            dist.all_gather_into_tensor(out, piece, group=self.group)
+
     def _global_rank(self, dp_rank: int) -> int:
         return dist.get_global_rank(self.group, dp_rank) if self.group is not None else dp_rank
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         if self.active:
+            self._count(tensor, self.world_size - 1)
             with self.blocking():
                 dist.broadcast(tensor, src=self._global_rank(src_rank), group=self.group)
 
@@ -166,6 +200,7 @@ class DataParallelComm:
             return [0] if flag else []
         flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         flags[self.rank] = int(flag)
+        self._count(flags, 2 * (self.world_size - 1))
         with self.blocking():
             dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
         return [r for r in range(self.world_size) if flags[r].item()]

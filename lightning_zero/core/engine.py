@@ -27,6 +27,7 @@ import math
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -90,6 +91,9 @@ class ZeroEngine:
                 f"The module's parameters are {_module_dtype(module)} but the dtype policy says "
                 f"{self.dtypes.param_dtype}. Cast the module first (the precision plugin's convert_module does)."
             )
+        # an optimizer that averages over the ranks itself once it compresses (1-bit Adam): stage 0 only
+        self._self_reducing: SelfReducingOptimizer | None = _self_reducing(optimizer, config.stage, self.comm)
+        self._grads_local = False  # this step's gradients were left unreduced for that optimizer
         check_optimizer(optimizer, config.stage, config.elementwise_optimizers)
         self.names: dict[nn.Parameter, str] = {}  # every module parameter -> qualified name, module order
         for name, p in module.named_parameters():
@@ -314,6 +318,10 @@ class ZeroEngine:
             self.reducer.sync = previous
 
     def before_backward(self) -> None:
+        if (self._self_reducing is not None and self.reducer.sync and self.config.stage == 0
+                and self._self_reducing.reduces_gradients_itself()):
+            self._grads_local = True
+            self.reducer.sync = False  # the boundary backward accumulates locally, like no_sync
         # stage 0 hands the optimizer per-parameter views of the reduced gradients; detach them
         # so the next backward's gradients arrive fresh (grad_reducer adds them to the buffer)
         if self.config.stage < 2:
@@ -350,6 +358,8 @@ class ZeroEngine:
 
     def finish_backward(self) -> None:
         self.reducer.finish()
+        if self._grads_local:
+            self.reducer.sync = True  # the local gradients are complete: hand them on as reduced ones
         if self.runtime is not None:
             self.runtime.end_backward()
         if self.reducer.communicating and self.reducer.whole_grads_valid():
@@ -402,8 +412,10 @@ class ZeroEngine:
             self.skip_step()
             self.last_grad_norm = math.inf
             return True
-        if self.config.stage >= 1:
+        if self._norm_is_partial:
             self.comm.all_reduce_sum(sumsq)
+            if self._grads_local:
+                sumsq /= self.comm.world_size  # Note [norm of local gradients]
         if self.model_parallel is not None:
             self.model_parallel.all_reduce_sum(sumsq)
         self._norm = sumsq.sqrt().reshape(())
@@ -439,18 +451,33 @@ class ZeroEngine:
         local = [t.float() for t in self._grads_for_norm() if t.numel()]
         if norm_type == math.inf:
             value = torch.stack([t.abs().max() for t in local]).max() if local else torch.zeros(())
-            if self.config.stage >= 1:
+            if self._norm_is_partial:
                 self.comm_max(value)
             if self.model_parallel is not None:
                 self.model_parallel.all_reduce_max(value)
             return value
         parts = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in local]) if local else torch.zeros(1)
         total = parts.pow(norm_type).sum() - self._norm_excess(norm_type)
-        if self.config.stage >= 1 and self.comm.active:
+        if self._norm_is_partial and self.comm.active:
             self.comm.all_reduce_sum(total)
+            if self._grads_local:
+                total /= self.comm.world_size  # Note [norm of local gradients]
         if self.model_parallel is not None:
             self.model_parallel.all_reduce_sum(total)
         return total.pow(1.0 / norm_type)
+
+    @property
+    def _norm_is_partial(self) -> bool:
+        """Whether this rank's gradients are only part of the norm (shards, or unreduced local gradients).
+
+        Note [norm of local gradients]
+            When the optimizer reduces the gradients itself (1-bit Adam after its warm-up), each
+            rank holds its own local gradient. Clipping then measures the root mean square of the
+            ranks' local norms, sqrt(mean_r ||g_r||^2): one scalar all-reduce, the same value on
+            every rank (so every rank clips by the same factor), and never below the norm of the
+            averaged gradient, so clipping is at least as strict as before the freeze.
+        """
+        return self.config.stage >= 1 or self._grads_local
 
     def comm_max(self, value: torch.Tensor) -> None:
         self.comm.all_reduce_max(value)
@@ -531,6 +558,7 @@ class ZeroEngine:
         self._prepared = False
         self.step_skipped = False
         self._norm = None
+        self._grads_local = False
 
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self) -> ModelStateBytes:
@@ -552,6 +580,28 @@ class ZeroEngine:
             counter.add("optimizer", [v for v in state.values() if isinstance(v, torch.Tensor)])
         counter.add("buffers", list(self.reducer.live_buffers()))
         return counter.result()
+
+
+class SelfReducingOptimizer(Protocol):
+    """An optimizer that averages over the ranks itself once :meth:`reduces_gradients_itself` says so
+    (:class:`~lightning_zero.core.onebit_adam.OneBitAdam`); until then the engine reduces as usual."""
+
+    def bind_comm(self, comm: DataParallelComm) -> None: ...
+
+    def reduces_gradients_itself(self) -> bool: ...
+
+
+def _self_reducing(optimizer: Optimizer, stage: int, comm: DataParallelComm) -> SelfReducingOptimizer | None:
+    if not (hasattr(optimizer, "reduces_gradients_itself") and hasattr(optimizer, "bind_comm")):
+        return None
+    if stage != 0:
+        raise ValueError(
+            f"{type(optimizer).__name__} compresses the all-reduce of every rank's whole momentum, which needs "
+            f"whole local gradients and optimizer state on each rank: use it with ZeRO stage 0, not {stage} "
+            "(stages 1-3 partition that state; a compressed stage 1 is not built)."
+        )
+    optimizer.bind_comm(comm)  # type: ignore[attr-defined]
+    return optimizer  # type: ignore[return-value]
 
 
 def _module_dtype(module: nn.Module) -> torch.dtype:

@@ -13,13 +13,20 @@
 * ``Lamb`` is not in torch: it is built from the ``torch-optimizer`` package when that is installed
   (only the common ``lr``, ``betas``, ``eps``, ``weight_decay`` keys), else it is refused with what to do.
   Lamb's trust ratio needs whole tensors, so ZeRO stages >= 1 refuse it anyway (stage 0 only).
-* DeepSpeed-only optimizers (1-bit Adam/Lamb, 0/1 Adam, MuAdam, ...) are refused, naming the supported ones.
+* ``OneBitAdam`` builds :class:`lightning_zero.OneBitAdam` (ZeRO stage 0; docs/onebit_adam.md):
+  ``lr``, ``freeze_step``, ``betas``, ``eps``, ``weight_decay`` are taken; ``cuda_aware`` and
+  ``comm_backend_name`` are ignored with a warning (the compressed all-reduce runs on the
+  strategy's own process group, gloo or NCCL, from host or device tensors alike);
+  ``amsgrad``, ``eps_inside_sqrt``, ``max_grad_norm > 0`` and ``bias_correction: false`` are
+  refused with the fix.
+* Other DeepSpeed-only optimizers (1-bit Lamb, 0/1 Adam, MuAdam, ...) are refused, naming the supported ones.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +35,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-_DEEPSPEED_ONLY = ("onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "lion", "cpuadam",
+from lightning_zero.core.onebit_adam import OneBitAdam
+
+_DEEPSPEED_ONLY = ("zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "lion", "cpuadam",
                    "fusedadam", "deepspeedcpuadam")
 _FUSED_ADAM_DEFAULTS = {"weight_decay": 0.0}
 
@@ -94,6 +103,29 @@ def _check_kwargs(cls: type[Optimizer], kwargs: dict[str, Any], name: str) -> No
                          f"valid keys: {valid}.")
 
 
+def _onebit_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's OneBitAdam params as :class:`OneBitAdam`'s arguments (see the module doc)."""
+    ignored = sorted(k for k in ("cuda_aware", "comm_backend_name") if kwargs.pop(k, None) is not None)
+    if ignored:
+        warnings.warn(f"optimizer.params {ignored} of OneBitAdam are ignored: lightning_zero's compressed "
+                      "all-reduce runs on the strategy's own process group (gloo or NCCL).", stacklevel=3)
+    refused = {
+        "amsgrad": "1-bit Adam freezes the variance; AMSGrad's running maximum has no meaning there",
+        "eps_inside_sqrt": "eps is added outside the square root, as in AdamW",
+    }
+    for key, why in refused.items():
+        if kwargs.pop(key, False):
+            raise ValueError(f"optimizer.params.{key}=true is not supported by OneBitAdam: {why}. Remove the key.")
+    if kwargs.pop("max_grad_norm", 0) or 0:
+        raise ValueError("optimizer.params.max_grad_norm of OneBitAdam: clip with the top-level "
+                         "`gradient_clipping` key instead (the strategy clips, see docs/onebit_adam.md).")
+    if not kwargs.pop("bias_correction", True):
+        raise ValueError("optimizer.params.bias_correction=false: OneBitAdam always corrects the bias, as AdamW "
+                         "does. Remove the key (or set it to true).")
+    _check_kwargs(OneBitAdam, kwargs, "OneBitAdam")
+    return kwargs
+
+
 def optimizer_recipe(type_name: str, params: dict[str, Any] | None = None) -> OptimizerRecipe:
     """The torch class and keyword arguments for DeepSpeed's ``optimizer.type`` / ``optimizer.params``.
 
@@ -115,6 +147,8 @@ def optimizer_recipe(type_name: str, params: dict[str, Any] | None = None) -> Op
             kwargs = {**_FUSED_ADAM_DEFAULTS, **kwargs}
         _check_kwargs(cls, kwargs, type_name)
         return OptimizerRecipe(cls, kwargs, fused_on_cuda=not torch_adam)
+    if lowered == "onebitadam":
+        return OptimizerRecipe(OneBitAdam, _onebit_kwargs(kwargs))
     if lowered == "lamb":
         lamb = _lamb_class()
         if lamb is None:
