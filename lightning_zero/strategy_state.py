@@ -24,7 +24,6 @@ from lightning_zero.checkpoint.format import (
 from lightning_zero.checkpoint.format import remove as remove_sharded
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loading import load_full_state_dict, open_state_dict
-from lightning_zero.core.materialize import has_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
 
@@ -48,8 +47,9 @@ class ZeroStateMixin:
         """Load whole (unsharded) weights, e.g. a Hugging Face ``.safetensors`` file, into the model.
 
         Under stage 3 each rank streams the tensors one unit at a time into its shards, so the
-        whole model is never resident; call it while fitting (e.g. in ``on_fit_start``), on every
-        rank. Outside fit it is ``load_state_dict`` on the LightningModule.
+        whole model is never resident; call it after the strategy's setup (e.g. in
+        ``on_fit_start`` / ``on_test_start``), on every rank. Without an engine (stages 0-2 outside
+        fit) it is ``load_state_dict`` on the LightningModule.
 
         Args:
             source: a ``.safetensors`` or ``torch.save`` file (a Lightning checkpoint's
@@ -135,7 +135,8 @@ class ZeroStateMixin:
 
     @property
     def engine(self) -> ZeroEngine | None:
-        """The ZeRO engine driving the current fit (``None`` outside fitting)."""
+        """The ZeRO engine driving the current fit, or, for a stage-3 model built in
+        ``configure_model``, the current test / validate / predict run (``None`` otherwise)."""
         return self._engine
 
     @override
@@ -208,19 +209,14 @@ class ZeroStateMixin:
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Before setup the module is whole (and in its original dtype): ``load_state_dict``. After
+        setup (stage 3 with a model built in ``configure_model``: ``restore_checkpoint_after_setup``)
+        the values are streamed into the engine's shards one unit at a time, also for evaluation."""
         state = checkpoint["state_dict"]
-        if not isinstance(state, LazyStateDict):
-            return super().load_model_state_dict(checkpoint, strict=strict)
         if self._engine is not None:
             self.load_full_state_dict(state, strict=strict)
             return None
-        if has_meta_parameters(self.lightning_module):
-            raise NotImplementedError(
-                "Resuming a model built on the meta device (`configure_model` under stage 3) from a sharded "
-                "checkpoint is not supported yet. Build the model with real tensors, or load the weights with "
-                "`strategy.load_full_state_dict(...)` in `on_fit_start` from `lightning-zero convert` output."
-            )
-        # before setup the module is whole (and in its original dtype)
+        if not isinstance(state, LazyStateDict):
+            return super().load_model_state_dict(checkpoint, strict=strict)
         self.lightning_module.load_state_dict(state.materialize(), strict=strict)
         return None
-
