@@ -137,7 +137,7 @@ class _Units(pl.Callback):
         self.start: dict[str, Any] = {}
 
     def _record(self, trainer: pl.Trainer, *_: Any) -> None:
-        engine = trainer.strategy.engine
+        engine = getattr(trainer.strategy, "engine", None)
         self.units = [(u.name, u.gathers, u.releases) for u in engine.units] if engine is not None else []
 
     on_train_end = on_test_end = on_validation_end = on_predict_end = _record
@@ -250,3 +250,84 @@ def test_test_validate_predict_from_a_checkpoint(gloo_pool, checkpoints) -> None
         assert test["test_loss"] == pytest.approx(loss, rel=1e-6)
         assert val["val_loss"] == pytest.approx(loss, rel=1e-6)
         assert test["test_acc"] == pytest.approx(acc) and val["val_acc"] == pytest.approx(acc)
+
+
+# ---------------------------------------------------------------------------- training like DDP
+def training_body(mode: str) -> dict[str, Any]:
+    """``mode``: ``norm`` / ``value`` (automatic optimization, 2 micro-batches a step, clipping by
+    norm or value) or ``manual`` (``manual_backward``, ``clip_gradients`` by norm, scheduler stepped
+    by hand), each with DDP and with stage 3 from the same initial weights."""
+    out: dict[str, Any] = {}
+    for name, strategy in (("ddp", DDPStrategy()), ("zero3", zero3())):
+        model, units = MetricNet(manual=mode == "manual"), _Units()
+        kw: dict[str, Any] = {} if mode == "manual" else dict(
+            accumulate_grad_batches=2, gradient_clip_val=0.5 if mode == "norm" else 0.05,
+            gradient_clip_algorithm=mode)
+        make_trainer(strategy, max_steps=3, callbacks=[units], **kw).fit(model, loader(n=48))
+        out[name] = {"losses": model.losses, "weights": weights(model), "units": units.units,
+                     "start": units.start, "acc": float(model.acc.compute())}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["norm", "value", "manual"])
+def test_training_matches_ddp(gloo_pool, mode: str) -> None:
+    for r in gloo_pool.run("tests.test_lightning_expectations:training_body", mode=mode):
+        ddp, zero = r["ddp"], r["zero3"]
+        assert len(zero["losses"]) == (3 if mode == "manual" else 6)
+        torch.testing.assert_close(zero["losses"], ddp["losses"], rtol=1e-5, atol=0)
+        for key, value in ddp["weights"].items():
+            torch.testing.assert_close(zero["weights"][key], value, rtol=0, atol=1e-6, msg=key)
+        assert zero["acc"] == ddp["acc"]  # the metric built in configure_model saw the same predictions
+        assert _released(zero["units"]), zero["units"]
+        # ModelSummary counts the whole model while it is sharded
+        assert zero["start"]["summary"] == ddp["start"]["summary"] == (NUM_PARAMS, NUM_PARAMS)
+
+
+# ---------------------------------------------------------------------------- defaults, errors
+def defaults_body(tmp: str) -> dict[str, Any]:
+    """``strategy="zero_stage_3"`` as is (default persistence threshold, default initialisation):
+    fit -> save_checkpoint -> resume, and predict from the checkpoint."""
+    path = str(Path(tmp) / "default")
+    trainer = make_trainer("zero_stage_3", max_epochs=1, max_steps=-1)
+    trainer.fit(MetricNet(), loader())
+    trainer.save_checkpoint(path)
+    resumed, units = MetricNet(), _Units()
+    make_trainer("zero_stage_3", max_epochs=2, max_steps=-1, callbacks=[units]).fit(resumed, loader(), ckpt_path=path)
+    predicted = make_trainer("zero_stage_3").predict(MetricNet(), loader(), ckpt_path=path)
+    reference = MetricNet()
+    reference.configure_model()
+    reference.load_state_dict(consolidate_checkpoint(path))
+    with torch.no_grad():
+        expected = torch.cat([reference(x) for x, _ in loader()])
+    return {"start": units.start, "losses": resumed.losses, "predict": torch.cat(predicted), "expected": expected}
+
+
+@pytest.mark.distributed
+def test_zero_stage_3_at_its_defaults(gloo_pool, tmp_path) -> None:
+    for r in gloo_pool.run("tests.test_lightning_expectations:defaults_body", tmp=str(tmp_path)):
+        assert r["start"]["global_step"] == 2 and r["start"]["opt_steps"] == [2]
+        assert len(r["losses"]) == 2
+        torch.testing.assert_close(r["predict"], r["expected"], rtol=0, atol=1e-6)
+
+
+class _BrokenNet(MetricNet):
+    def configure_model(self) -> None:
+        super().configure_model()  # some parameters exist (on the meta device under stage 3)
+        raise ValueError("configure_model failed")
+
+
+def error_body() -> tuple[str, str, str]:
+    try:
+        make_trainer(zero3()).fit(_BrokenNet(), loader())
+    except Exception as err:
+        return type(err).__name__, str(err), repr(err.__context__)
+    return "no error", "", ""
+
+
+@pytest.mark.distributed
+def test_an_error_before_setup_is_the_error_the_user_sees(gloo_pool) -> None:
+    for name, message, context in gloo_pool.run("tests.test_lightning_expectations:error_body"):
+        # not torch's "Cannot copy out of meta tensor" raised by teardown on top of it
+        assert (name, message, context) == ("ValueError", "configure_model failed", "None")
