@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from torch.optim import Optimizer
@@ -162,6 +163,23 @@ class ZeroStateMixin:
             load_full_optimizer_state(self._engine.sharded, state)
         return None
 
+    @torch.no_grad()
+    def _load_masters(self, state: Mapping[str, Tensor]) -> None:
+        """Mixed precision: the masters were refreshed from the 16-bit parameters while loading;
+        give them the checkpoint's own (fp32) values, this rank's range of each flat group."""
+        engine = self._engine
+        if engine is None or engine.sharded is None or not engine.separate_master:
+            return
+        for fi, g in enumerate(engine.groups):
+            start, end = engine.sharded.master_range(fi)
+            master = engine.sharded.masters[fi]
+            for s in g.slots:
+                lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+                key = engine.names[s.param]
+                if hi > lo and key in state:
+                    value = state[key].reshape(-1)[lo - s.offset : hi - s.offset]
+                    master[lo - start : hi - start].copy_(value)
+
     # ------------------------------------------------------------------ checkpoint files
     @property
     def _writes_shards(self) -> bool:
@@ -215,6 +233,7 @@ class ZeroStateMixin:
         state = checkpoint["state_dict"]
         if self._engine is not None:
             self.load_full_state_dict(state, strict=strict)
+            self._load_masters(state)
             return None
         if not isinstance(state, LazyStateDict):
             return super().load_model_state_dict(checkpoint, strict=strict)

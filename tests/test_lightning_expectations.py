@@ -331,3 +331,28 @@ def test_an_error_before_setup_is_the_error_the_user_sees(gloo_pool) -> None:
     for name, message, context in gloo_pool.run("tests.test_lightning_expectations:error_body"):
         # not torch's "Cannot copy out of meta tensor" raised by teardown on top of it
         assert (name, message, context) == ("ValueError", "configure_model failed", "None")
+
+
+class _Masters(pl.Callback):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        engine = trainer.strategy.engine
+        self.masters = {engine.names[p]: v.clone() for p, v in engine.full_master_params().items()}
+
+
+def mixed_resume_body(tmp: str) -> dict[str, Any]:
+    """bf16-mixed: the resumed fp32 masters are the checkpoint's, not its 16-bit parameters cast up."""
+    path = str(Path(tmp) / "bf16")
+    make_trainer(zero3(precision="bf16-mixed"), max_steps=2, callbacks=[_SaveAtEpochEnd(path)]).fit(
+        MetricNet(), loader())
+    probe = _Masters()
+    make_trainer(zero3(precision="bf16-mixed"), max_steps=3, callbacks=[probe]).fit(
+        MetricNet(), loader(), ckpt_path=path)
+    saved = consolidate_checkpoint(path)
+    return {"masters": probe.masters, "saved": {k: saved[k].clone() for k in probe.masters}}
+
+
+@pytest.mark.distributed
+def test_mixed_precision_resume_restores_the_fp32_masters(gloo_pool, tmp_path) -> None:
+    for r in gloo_pool.run("tests.test_lightning_expectations:mixed_resume_body", tmp=str(tmp_path)):
+        for key, value in r["saved"].items():
+            assert value.dtype == torch.float32 and torch.equal(r["masters"][key], value), key
