@@ -44,22 +44,17 @@ from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
-from lightning_zero.core.materialize import (
-    ParamInitFn,
-    has_meta_parameters,
-    has_unmaterialized_tensors,
-    parameters_on_meta,
-    replace_meta_parameters,
-)
+from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.sharded_build import ShardedBuildMixin
 from lightning_zero.strategy_state import ZeroStateMixin
 from lightning_zero.uneven import JoinedEvalLoader
 
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(ZeroStateMixin, DDPStrategy):
+class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -221,39 +216,6 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             dtypes=plugin.dtype_policy(module), master_init=plugin.master_init() if optimizer is not None else None,
             param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
         )
-
-    def _prepare_meta_model(self) -> None:
-        """Parameters built on the meta device (``configure_model`` under stage 3): give them
-        storage-less CPU/GPU stand-ins that stage 3 initialises one unit at a time."""
-        if self.zero_config.stage != 3:
-            raise NotImplementedError(
-                "The model has parameters on the meta device. lightning_zero initialises meta-built models only "
-                "with ZeRO stage 3 (unit by unit, sharded). Use stage=3, or build the model with real tensors."
-            )
-        replace_meta_parameters(self.model, self.root_device)
-        self._built_sharded = True
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Stage 3 with a model built in ``configure_model``: it has no values before setup, so a
-        ``ckpt_path`` is read after setup, straight into the shards (as Lightning's DeepSpeed strategy)."""
-        module = self.lightning_module
-        return self._built_sharded or (
-            self.zero_config.stage == 3 and module is not None and has_meta_parameters(module)
-        )
-
-    @contextmanager
-    @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3: parameters built in ``configure_model`` go to the meta device, and are
-        materialised and sharded unit by unit at setup (Note [sharded construction] in
-        core/materialize.py); buffers and metric states are created for real."""
-        if self.zero_config.stage != 3:
-            yield
-            return
-        with parameters_on_meta():  # buffers and metric states stay real (Note [sharded construction])
-            yield
 
     def _guard_lr_schedulers(self) -> None:
         """Note [skipped steps and schedulers]
@@ -420,16 +382,8 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         if module is not None:
             module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
             self.precision_plugin.restore_module(module)
-        if module is not None and has_unmaterialized_tensors(module):
-            # an error before setup sharded the model: it has no values, and Lightning's teardown
-            # would call module.cpu(), raising torch's meta-tensor error over the real error
-            self._lightning_module = None
-            try:
-                super().teardown()
-            finally:
-                self._lightning_module = module
-            return
-        super().teardown()
+        with self._unmoved_if_unmaterialized():
+            super().teardown()
 
     @classmethod
     def from_deepspeed_config(cls, path_or_dict: Any, /, **overrides: Any) -> ZeroStrategy:

@@ -1,7 +1,7 @@
 """Stage 3 sharded construction: a model built on the meta device is materialised unit by unit.
 
 Note [sharded construction]
-    Parameters created under ``torch.device("meta")`` (the strategy's ``model_sharded_context``
+    Parameters registered under :func:`parameters_on_meta` (the strategy's ``model_sharded_context``
     during ``configure_model``) have shapes but no values. :func:`replace_meta_parameters` swaps
     each for a CPU ``nn.Parameter`` of the same shape whose storage is already freed (tied
     parameters stay tied), so the optimizer can be built on them. Stage 3 then takes one unit
@@ -10,9 +10,9 @@ Note [sharded construction]
     0, keeps this rank's shard and frees the buffer. No rank ever holds more than its shards and
     one unit.
 
-    Only parameters are intercepted (:func:`parameters_on_meta`, as DeepSpeed's ``zero.Init``
-    intercepts parameters only): buffers, torchmetrics states and any other tensor created in
-    ``configure_model`` are real, with their values, and stay whole on every rank.
+    Only parameters are intercepted (as DeepSpeed's ``zero.Init`` intercepts parameters only):
+    buffers, torchmetrics states and any other tensor created in ``configure_model`` are real,
+    with their values, and stay whole on every rank.
 
     Initialisation differs from building the model whole: every module is initialised with the
     global RNG seeded from ``(base seed, module name)``, so the values do not depend on the
