@@ -25,6 +25,7 @@ from lightning_zero.checkpoint.format import (
 from lightning_zero.checkpoint.format import remove as remove_sharded
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loading import load_full_state_dict, open_state_dict
+from lightning_zero.core.materialize import has_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
 
@@ -235,6 +236,12 @@ class ZeroStateMixin:
             self.load_full_state_dict(state, strict=strict)
             self._load_masters(state)
             return None
+        if has_meta_parameters(self.lightning_module):  # load_state_dict would silently copy into nothing
+            raise RuntimeError(
+                "The model's parameters are on the meta device (built in `configure_model` under stage 3); they "
+                "exist only after the strategy's setup. Load weights after setup: Lightning does so for `ckpt_path`; "
+                "by hand, call `trainer.strategy.load_full_state_dict(...)` in `on_fit_start` / `on_test_start`."
+            )
         if not isinstance(state, LazyStateDict):
             return super().load_model_state_dict(checkpoint, strict=strict)
         self.lightning_module.load_state_dict(state.materialize(), strict=strict)
