@@ -270,7 +270,6 @@ def training_body(mode: str) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["norm", "value", "manual"])
 def test_training_matches_ddp(gloo_pool, mode: str) -> None:
     for r in gloo_pool.run("tests.test_lightning_expectations:training_body", mode=mode):
