@@ -135,6 +135,12 @@ class _Units(pl.Callback):
     def __init__(self) -> None:
         self.units: list[tuple[str, int, int]] = []
         self.start: dict[str, Any] = {}
+        self.grad_norms: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+        norm = getattr(trainer.strategy, "last_grad_norm", None)  # measured by clipping by norm
+        if norm is not None and (i + 1) % trainer.accumulate_grad_batches == 0:
+            self.grad_norms.append(norm)
 
     def _record(self, trainer: pl.Trainer, *_: Any) -> None:
         engine = getattr(trainer.strategy, "engine", None)
@@ -265,7 +271,7 @@ def training_body(mode: str) -> dict[str, Any]:
             gradient_clip_algorithm=mode)
         make_trainer(strategy, max_steps=3, callbacks=[units], **kw).fit(model, loader(n=48))
         out[name] = {"losses": model.losses, "weights": weights(model), "units": units.units,
-                     "start": units.start, "acc": float(model.acc.compute())}
+                     "start": units.start, "acc": float(model.acc.compute()), "norms": units.grad_norms}
     return out
 
 
@@ -280,6 +286,8 @@ def test_training_matches_ddp(gloo_pool, mode: str) -> None:
             torch.testing.assert_close(zero["weights"][key], value, rtol=0, atol=1e-6, msg=key)
         assert zero["acc"] == ddp["acc"]  # the metric built in configure_model saw the same predictions
         assert _released(zero["units"]), zero["units"]
+        if mode != "value":  # clipping by norm had work to do at every step
+            assert len(zero["norms"]) == 3 and min(zero["norms"]) > 0.5, zero["norms"]
         # ModelSummary counts the whole model while it is sharded
         assert zero["start"]["summary"] == ddp["start"]["summary"] == (NUM_PARAMS, NUM_PARAMS)
 
