@@ -227,7 +227,7 @@ class ZeroEngine:
                     views = g.views(masters[gi]) if masters is not None else [None] * len(g.slots)
                     for s, v in zip(g.slots, views):
                         s.param.data = v.clone() if v is not None else s.param.data.to(self.dtypes.master_dtype)
-        if full is not None and self.optimizer is not None:
+        if full is not None:
             self.optimizer.load_state_dict(full)
         for p in self.names:
             p.grad = None
