@@ -171,6 +171,24 @@ def _released(units: list[tuple[str, int, int]]) -> bool:
     return bool(units) and all(releases > 0 for _, _, releases in units)
 
 
+def test_only_parameters_go_to_the_meta_device() -> None:
+    from lightning_zero.core.materialize import parameters_on_meta
+
+    shared = nn.Parameter(torch.ones(3))
+    with parameters_on_meta():
+        emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        head.weight = emb.weight  # tied after the move: the same meta parameter
+        first, second = nn.Module(), nn.Module()
+        first.w, second.w = shared, shared  # one real parameter registered twice: one meta twin
+        first.register_buffer("scale", torch.arange(3.0))
+        acc = Accuracy(task="multiclass", num_classes=2)
+    assert emb.weight.is_meta and head.weight is emb.weight
+    assert first.w is second.w and first.w.is_meta and not shared.is_meta
+    assert torch.equal(first.scale, torch.arange(3.0))  # buffers keep their values
+    assert not any(t.is_meta for t in (*acc.buffers(), acc.tp, acc.fn))  # metric states are real
+    assert not nn.Linear(2, 2).weight.is_meta  # outside the block nothing changes
+
+
 # ---------------------------------------------------------------------------- resume, evaluation
 def resume_body(tmp: str) -> dict[str, Any]:
     mid, after = str(Path(tmp) / "mid"), str(Path(tmp) / "after")
