@@ -19,6 +19,7 @@ LR schedulers from advancing (Note [skipped steps and schedulers]).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,17 +44,20 @@ from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
-from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
+from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters
 from lightning_zero.core.teardown import plan_teardown
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.sharded_build import ShardedBuildMixin
 from lightning_zero.strategy_state import ZeroStateMixin
 from lightning_zero.uneven import JoinedEvalLoader
 
+log = logging.getLogger(__name__)
 
-class ZeroStrategy(ZeroStateMixin, DDPStrategy):
+
+class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -154,7 +158,8 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         self.monitor = monitor
         self.profiler: ProfilerWindow | None = ProfilerWindow() if profiler is True else (profiler or None)
         self._fixed_precision = precision_plugin is not None
-        self._engine: ZeroEngine | None = None  # set in setup() when fitting
+        self._engine: ZeroEngine | None = None  # set in setup() when fitting (or evaluating a sharded build)
+        self._built_sharded = False  # this run's model was built in configure_model (stage 3), until teardown
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
         self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
         self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
@@ -192,11 +197,12 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
                                               self.zero_config.timeout_s)
         elif has_meta_parameters(self.model):
-            self._prepare_meta_model(trainer)
+            self._prepare_meta_model()
         if self._pipeline is None:
             self.model_to_device()
         dp_group = self._pipeline.groups.dp if self._pipeline is not None else self._make_dp_group()
         self._comm = DataParallelComm(dp_group, self.zero_config.collective)
+        plugin = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
             add_monitor(trainer, self.monitor, self.profiler)
             self.setup_optimizers(trainer)
@@ -205,14 +211,9 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
                     f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
                     "parameter sets in param groups of one optimizer."
                 )
-            plugin, module = self.precision_plugin, self.lightning_module
             if self._pipeline is not None:
                 self._pipeline.restrict_optimizer(self.optimizers[0])
-            self._engine = ZeroEngine(
-                self._pipeline.local.module if self._pipeline is not None else module, self.optimizers[0],
-                self.zero_config, self._comm, dtypes=plugin.dtype_policy(module), master_init=plugin.master_init(),
-                param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
-            )
+            self._engine = self._make_engine(self.optimizers[0])
             if self._pipeline is not None:
                 self._pipeline.attach(self._engine)
             plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
@@ -221,31 +222,22 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
                 self._guard_lr_schedulers()
         elif self._pipeline is not None:
             self._pipeline.broadcast_local(self._comm)
+        elif self._built_sharded:
+            # evaluating a model built in configure_model: it exists only as shards, so stage 3
+            # shards it here too (no optimizer) and gathers one unit at a time in every forward
+            self._engine = self._make_engine(None)
         else:
             self._broadcast_module_states()
         self.setup_precision_plugin()
 
-    def _prepare_meta_model(self, trainer: pl.Trainer) -> None:
-        """Parameters built on the meta device (``configure_model`` under stage 3): give them
-        storage-less CPU/GPU stand-ins that stage 3 initialises one unit at a time."""
-        if self.zero_config.stage != 3 or trainer.state.fn != TrainerFn.FITTING:
-            raise NotImplementedError(
-                "The model has parameters on the meta device. lightning_zero initialises meta-built models only "
-                "while fitting with ZeRO stage 3 (unit by unit, sharded). Use stage=3 for fit, or build the model "
-                "with real tensors."
-            )
-        replace_meta_parameters(self.model, self.root_device)
-
-    @contextmanager
-    @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3: modules built in ``configure_model`` get meta parameters, materialised and
-        sharded unit by unit at setup (Note [sharded construction] in core/materialize.py)."""
-        if self.zero_config.stage != 3:
-            yield
-            return
-        with torch.device("meta"):
-            yield
+    def _make_engine(self, optimizer: Optimizer | None) -> ZeroEngine:
+        plugin, module = self.precision_plugin, self.lightning_module
+        return ZeroEngine(
+            self._pipeline.local.module if self._pipeline is not None else module, optimizer, self.zero_config,
+            self._comm,
+            dtypes=plugin.dtype_policy(module), master_init=plugin.master_init() if optimizer is not None else None,
+            param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
+        )
 
     def _guard_lr_schedulers(self) -> None:
         """Note [skipped steps and schedulers]
@@ -409,24 +401,37 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._pending_rng = None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
+        try:
+            self._teardown(failed)
+        except Exception as err:
+            if not failed:
+                raise
+            # the run already failed: its error, which Lightning re-raises next, is the one to see
+            log.warning(f"ZeroStrategy.teardown after the error also failed: {err!r}")
+        finally:
+            self._built_sharded = False
+
+    def _teardown(self, failed: bool) -> None:
         if self._engine is not None:
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
             # after an error another rank may be gone: no collective, the shard state is dropped
-            self._last_runtime = self._engine.runtime
+            if self._engine.optimizer is not None:
+                self._last_runtime = self._engine.runtime
             plan = plan_teardown(self._engine, failed, self.gather_on_teardown)  # Note [teardown gather]
             self._engine.detach(keep_optimizer_state=plan.keep_optimizer_state, gather_params=plan.gather_params)
             self._engine = None
             self.precision_plugin.engine = None
         if self._pipeline is not None:
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED and self.gather_on_teardown:
+            if not failed and self.gather_on_teardown:
                 self._pipeline.reassemble()  # the whole (trained) module on every rank again
             self._pipeline = None
-        if self.lightning_module is not None:
-            self.lightning_module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
-            self.precision_plugin.restore_module(self.lightning_module)
-        super().teardown()
+        module = self.lightning_module
+        if module is not None:
+            module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
+            self.precision_plugin.restore_module(module)
+        with self._unmoved_if_unmaterialized():
+            super().teardown()
 
     @classmethod
     def from_deepspeed_config(cls, path_or_dict: Any, /, **overrides: Any) -> ZeroStrategy:

@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from torch.optim import Optimizer
@@ -52,8 +53,9 @@ class ZeroStateMixin:
         """Load whole (unsharded) weights, e.g. a Hugging Face ``.safetensors`` file, into the model.
 
         Under stage 3 each rank streams the tensors one unit at a time into its shards, so the
-        whole model is never resident; call it while fitting (e.g. in ``on_fit_start``), on every
-        rank. Outside fit it is ``load_state_dict`` on the LightningModule.
+        whole model is never resident; call it after the strategy's setup (e.g. in
+        ``on_fit_start`` / ``on_test_start``), on every rank. Without an engine (stages 0-2 outside
+        fit) it is ``load_state_dict`` on the LightningModule.
 
         Args:
             source: a ``.safetensors`` or ``torch.save`` file (a Lightning checkpoint's
@@ -139,7 +141,8 @@ class ZeroStateMixin:
 
     @property
     def engine(self) -> ZeroEngine | None:
-        """The ZeRO engine driving the current fit (``None`` outside fitting)."""
+        """The ZeRO engine driving the current fit, or, for a stage-3 model built in
+        ``configure_model``, the current test / validate / predict run (``None`` otherwise)."""
         return self._engine
 
     @override
@@ -167,6 +170,23 @@ class ZeroStateMixin:
             else:
                 load_full_optimizer_state(self._engine.sharded, state)
         return None
+
+    @torch.no_grad()
+    def _load_masters(self, state: Mapping[str, Tensor]) -> None:
+        """Mixed precision: the masters were refreshed from the 16-bit parameters while loading;
+        give them the checkpoint's own (fp32) values, this rank's range of each flat group."""
+        engine = self._engine
+        if engine is None or engine.sharded is None or not engine.separate_master:
+            return
+        for fi, g in enumerate(engine.groups):
+            start, end = engine.sharded.master_range(fi)
+            master = engine.sharded.masters[fi]
+            for s in g.slots:
+                lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+                key = engine.names[s.param]
+                if hi > lo and key in state:
+                    value = state[key].reshape(-1)[lo - s.offset : hi - s.offset]
+                    master[lo - start : hi - start].copy_(value)
 
     # ------------------------------------------------------------------ checkpoint files
     @property
@@ -228,22 +248,25 @@ class ZeroStateMixin:
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Before setup the module is whole (and in its original dtype): ``load_state_dict``. After
+        setup (stage 3 with a model built in ``configure_model``: ``restore_checkpoint_after_setup``)
+        the values are streamed into the engine's shards one unit at a time, also for evaluation."""
         state = checkpoint["state_dict"]
         if self._engine is not None:  # after setup: into the shards
             if isinstance(state, LazyStateDict):
                 load_owned_state_dict(self._engine, state, strict)  # this rank's slices only
             else:
                 self.load_full_state_dict(state, strict=strict)
+                self._load_masters(state)
             return None
+        if has_meta_parameters(self.lightning_module):  # load_state_dict would silently copy into nothing
+            raise RuntimeError(
+                "The model's parameters are on the meta device (built in `configure_model` under stage 3); they "
+                "exist only after the strategy's setup. Load weights after setup: Lightning does so for `ckpt_path`; "
+                "by hand, call `trainer.strategy.load_full_state_dict(...)` in `on_fit_start` / `on_test_start`."
+            )
         if not isinstance(state, LazyStateDict):
             return super().load_model_state_dict(checkpoint, strict=strict)
-        if has_meta_parameters(self.lightning_module):
-            raise NotImplementedError(
-                "Resuming a model built on the meta device (`configure_model` under stage 3) from a sharded "
-                "checkpoint is not supported yet. Build the model with real tensors, or load the weights with "
-                "`strategy.load_full_state_dict(...)` in `on_fit_start` from `lightning-zero convert` output."
-            )
         # before setup the module is whole (and in its original dtype): one tensor at a time
         load_whole_module(self.lightning_module, state, strict)
         return None
-

@@ -59,7 +59,9 @@ class ZeroEngine:
 
     Args:
         module: the model; its parameters become views into flat buffers.
-        optimizer: a ``torch.optim`` optimizer over (a subset of) ``module``'s parameters.
+        optimizer: a ``torch.optim`` optimizer over (a subset of) ``module``'s parameters;
+            ``None`` for evaluation only (stage 3: parameters sharded and gathered per unit in
+            forward, nothing trained).
         config: the ZeRO policy (stage 0-3).
         comm: the data-parallel collectives (world size 1 without a process group).
         dtypes: parameter / gradient / master dtypes (default: the module's dtype, fp32 master).
@@ -73,7 +75,7 @@ class ZeroEngine:
     def __init__(
         self,
         module: nn.Module,
-        optimizer: Optimizer,
+        optimizer: Optimizer | None,
         config: ZeroConfig,
         comm: DataParallelComm | None = None,
         dtypes: DtypePolicy | None = None,
@@ -94,12 +96,13 @@ class ZeroEngine:
         # an optimizer that averages over the ranks itself once it compresses (1-bit Adam): stage 0 only
         self._self_reducing: SelfReducingOptimizer | None = _self_reducing(optimizer, config.stage, self.comm)
         self._grads_local = False  # this step's gradients were left unreduced for that optimizer
-        check_optimizer(optimizer, config.stage, config.elementwise_optimizers)
+        if optimizer is not None:
+            check_optimizer(optimizer, config.stage, config.elementwise_optimizers)
         self.names: dict[nn.Parameter, str] = {}  # every module parameter -> qualified name, module order
         for name, p in module.named_parameters():
             self.names.setdefault(p, name)
         self._check_same_structure()
-        groups = trainable_groups(optimizer, self.names)
+        groups = trainable_groups(optimizer, self.names) if optimizer is not None else []
         managed = {p for g in groups for p in g}
         # trainable parameters no optimizer group holds: they are never updated nor reduced
         self.unmanaged: list[nn.Parameter] = [p for p in self.names if p.requires_grad and p not in managed]
@@ -136,14 +139,15 @@ class ZeroEngine:
         # with a separate master (mixed precision) per-parameter views of a whole master
         separate_master = not self.dtypes.master_is_param_view
         self.sharded: ShardedOptimizer | None = None
-        if config.stage >= 1 or separate_master:
+        if optimizer is not None and (config.stage >= 1 or separate_master):
             if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
                 master_init = broadcast_master_init(master_init, [p for p in self.names if p in managed],
                                                     self.dtypes.master_dtype, self.comm)
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
                                             whole=config.stage == 0, master_init=master_init)
-        self._user_zero_grad = optimizer.zero_grad
-        optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
+        if optimizer is not None:
+            self._user_zero_grad = optimizer.zero_grad
+            optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
         self.last_grad_norm: float | None = None  # global gradient norm of the last step that computed one
         # Note [step preparation]: ``prepare_step`` runs once per optimizer step, after the last
         # backward; ``step_skipped`` (an overflow on any rank) makes ``after_step`` leave params alone.
@@ -159,7 +163,8 @@ class ZeroEngine:
     # ------------------------------------------------------------------ setup
     def _check_same_structure(self) -> None:
         signature = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in self.names.items()])
-        signature += repr([len(g["params"]) for g in self.optimizer.param_groups])
+        if self.optimizer is not None:
+            signature += repr([len(g["params"]) for g in self.optimizer.param_groups])
         self.comm.raise_unless_same(
             zlib.crc32(signature.encode()),
             "The module's parameter names, shapes, dtypes or requires_grad flags (or the optimizer's groups)",
@@ -199,7 +204,8 @@ class ZeroEngine:
         gathered.unregister(self)
         if self._undo_checkpointing is not None:
             self._undo_checkpointing()
-        self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
+        if self.optimizer is not None:
+            self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
         if self.runtime is not None and not gather_params:
             self.runtime.remove_hooks()
             self.runtime.release_all()
@@ -576,7 +582,7 @@ class ZeroEngine:
         if self.sharded is not None:
             counter.add("grads", self.sharded.master_grads())
             counter.add("optimizer", self.sharded.masters)
-        for state in self.optimizer.state.values():
+        for state in self.optimizer.state.values() if self.optimizer is not None else ():
             counter.add("optimizer", [v for v in state.values() if isinstance(v, torch.Tensor)])
         counter.add("buffers", list(self.reducer.live_buffers()))
         return counter.result()

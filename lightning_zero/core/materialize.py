@@ -1,7 +1,7 @@
 """Stage 3 sharded construction: a model built on the meta device is materialised unit by unit.
 
 Note [sharded construction]
-    Parameters created under ``torch.device("meta")`` (the strategy's ``model_sharded_context``
+    Parameters registered under :func:`parameters_on_meta` (the strategy's ``model_sharded_context``
     during ``configure_model``) have shapes but no values. :func:`replace_meta_parameters` swaps
     each for a CPU ``nn.Parameter`` of the same shape whose storage is already freed (tied
     parameters stay tied), so the optimizer can be built on them. Stage 3 then takes one unit
@@ -9,6 +9,10 @@ Note [sharded construction]
     with ``param_init_fn`` (default: each module's ``reset_parameters``), broadcasts it from rank
     0, keeps this rank's shard and frees the buffer. No rank ever holds more than its shards and
     one unit.
+
+    Only parameters are intercepted (as DeepSpeed's ``zero.Init`` intercepts parameters only):
+    buffers, torchmetrics states and any other tensor created in ``configure_model`` are real,
+    with their values, and stay whole on every rank.
 
     Initialisation differs from building the model whole: every module is initialised with the
     global RNG seeded from ``(base seed, module name)``, so the values do not depend on the
@@ -27,8 +31,10 @@ Note [split owners]
 
 from __future__ import annotations
 
+import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -120,3 +126,38 @@ def initialize_modules(
             p.data = data
         for p in own:
             delattr(p, _UNINITIALIZED)
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside the block every ``nn.Parameter`` registered on a module is moved to the meta device
+    (shape, dtype, ``requires_grad`` and attributes kept; a parameter registered twice stays one
+    object). Everything else (buffers, metric states, plain tensors) is created for real, on the
+    current default device. A parameter's values are freed at registration, so at most one
+    parameter is ever allocated. Not thread-safe: ``nn.Module.register_parameter`` is patched.
+    """
+    original = nn.Module.register_parameter
+    moved: dict[int, tuple[weakref.ref, nn.Parameter]] = {}  # id(real) -> (its ref, its meta twin)
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and type(param) is nn.Parameter and not param.is_meta:
+            seen = moved.get(id(param))
+            if seen is None or seen[0]() is not param:
+                meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+                meta.__dict__.update(param.__dict__)
+                seen = moved[id(param)] = (weakref.ref(param), meta)
+            param = seen[1]
+        original(self, name, param)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def has_unmaterialized_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` holds meta tensors or parameters replaced from meta whose storage was
+    never filled (a setup that failed before sharding them): moving it to a device would raise."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return any(t.is_meta or is_uninitialized(t) for t in tensors)

@@ -1,0 +1,81 @@
+"""Lightning glue for stage-3 models built in ``configure_model``: their parameters go to the meta
+device as they are registered, are sharded unit by unit at the strategy's setup (for fit and for
+test / validate / predict), and a ``ckpt_path`` is read after setup, into the shards. A mixin of
+:class:`~lightning_zero.ZeroStrategy`; the mechanism is ``core/materialize.py`` and ``core/stage3.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.materialize import (
+    has_meta_parameters,
+    has_unmaterialized_tensors,
+    parameters_on_meta,
+    replace_meta_parameters,
+)
+
+
+class ShardedBuildMixin:
+    """``model_sharded_context``, ``restore_checkpoint_after_setup`` and the teardown guard of
+    :class:`~lightning_zero.ZeroStrategy` for models built in ``configure_model``."""
+
+    zero_config: ZeroConfig
+    model: Any
+    root_device: torch.device
+    lightning_module: Any
+    _lightning_module: Any
+    _built_sharded: bool  # this run's model was built in configure_model (stage 3), until teardown
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: parameters built in ``configure_model`` go to the meta device, and are
+        materialised and sharded unit by unit at setup (Note [sharded construction] in
+        core/materialize.py); buffers and metric states are created for real."""
+        if self.zero_config.stage != 3:
+            yield
+            return
+        with parameters_on_meta():
+            yield
+
+    def _prepare_meta_model(self) -> None:
+        """Parameters built on the meta device: give them storage-less CPU/GPU stand-ins that
+        stage 3 initialises (or fills from a checkpoint) one unit at a time."""
+        if self.zero_config.stage != 3:
+            raise NotImplementedError(
+                "The model has parameters on the meta device. lightning_zero initialises meta-built models only "
+                "with ZeRO stage 3 (unit by unit, sharded). Use stage=3, or build the model with real tensors."
+            )
+        replace_meta_parameters(self.model, self.root_device)
+        self._built_sharded = True
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """True for a model built in ``configure_model`` under stage 3 (as in Lightning's DeepSpeed
+        strategy): it has no values before setup, so ``ckpt_path`` is read after setup, into the shards."""
+        module = self.lightning_module
+        return self._built_sharded or (
+            self.zero_config.stage == 3 and module is not None and has_meta_parameters(module)
+        )
+
+    @contextmanager
+    def _unmoved_if_unmaterialized(self) -> Generator[None, None, None]:
+        """Around Lightning's teardown, which calls ``module.cpu()``: a model that an error stopped
+        before setup sharded it has meta tensors, and moving them would raise torch's meta-tensor
+        error on top of the real one. Such a module is hidden from it (it has nothing to move)."""
+        module = self.lightning_module
+        if module is None or not has_unmaterialized_tensors(module):
+            yield
+            return
+        self._lightning_module = None
+        try:
+            yield
+        finally:
+            self._lightning_module = module
