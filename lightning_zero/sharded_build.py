@@ -11,11 +11,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from typing_extensions import override
 
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.materialize import (
-    has_meta_parameters,
     has_unmaterialized_tensors,
     parameters_on_meta,
     replace_meta_parameters,
@@ -23,7 +21,7 @@ from lightning_zero.core.materialize import (
 
 
 class ShardedBuildMixin:
-    """``model_sharded_context``, ``restore_checkpoint_after_setup`` and the teardown guard of
+    """``model_sharded_context``, the meta-model preparation and the teardown guard of
     :class:`~lightning_zero.ZeroStrategy` for models built in ``configure_model``."""
 
     zero_config: ZeroConfig
@@ -54,16 +52,6 @@ class ShardedBuildMixin:
             )
         replace_meta_parameters(self.model, self.root_device)
         self._built_sharded = True
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """True for a model built in ``configure_model`` under stage 3 (as in Lightning's DeepSpeed
-        strategy): it has no values before setup, so ``ckpt_path`` is read after setup, into the shards."""
-        module = self.lightning_module
-        return self._built_sharded or (
-            self.zero_config.stage == 3 and module is not None and has_meta_parameters(module)
-        )
 
     @contextmanager
     def _unmoved_if_unmaterialized(self) -> Generator[None, None, None]:

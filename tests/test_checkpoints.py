@@ -412,3 +412,52 @@ def test_a_deepspeed_checkpoint_is_not_read_yet(tmp_path) -> None:
     (tmp_path / "latest").write_text("global_step10")
     with pytest.raises(NotImplementedError, match="DeepSpeed ZeRO checkpoint"):
         convert_checkpoint(tmp_path, tmp_path / "out.pt")
+
+
+# ---------------------------------------------------------------------------------------------- streamed files
+def test_streamed_files_are_safetensors_and_read_errors_say_what_failed(tmp_path) -> None:
+    """Files are written without a copy (pieces end to end) and open with the safetensors library;
+    a read that fails for I/O or memory is reported as such, not as an invalid file."""
+    from safetensors.torch import load_file
+
+    from lightning_zero.checkpoint.tensor_file import TensorFile, save_tensors
+
+    pieces = [torch.arange(5, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)]
+    tensors = {"w": torch.randn(4, 6).t(), "p": pieces, "flag": torch.tensor(True), "empty": torch.empty(0, 3)}
+    save_tensors(tmp_path / "a.safetensors", tensors, {"k": "v"})
+    loaded = load_file(tmp_path / "a.safetensors")
+    assert torch.equal(loaded["w"], tensors["w"]) and torch.equal(loaded["p"], torch.cat(pieces))
+    assert loaded["flag"].item() is True and loaded["empty"].shape == (0, 3)
+    f = TensorFile(tmp_path / "a.safetensors")
+    out = torch.zeros(5, dtype=torch.float64)
+    assert torch.equal(f.read("w", 7, 12, out), tensors["w"].reshape(-1)[7:12].double())  # cast into `out`
+    assert f.metadata() == {"k": "v"}
+    data = (tmp_path / "a.safetensors").read_bytes()
+    (tmp_path / "a.safetensors").write_bytes(data[:-40])  # truncated under an open reader: an I/O failure
+    with pytest.raises(CheckpointError, match="I/O or memory error, not a problem of the file") as err:
+        f.read("p")
+    assert "not a valid safetensors" not in str(err.value)
+    (tmp_path / "b.safetensors").write_bytes(b"\x80\x04" + b"x" * 64)
+    with pytest.raises(CheckpointError, match=r"not a valid safetensors file \(it looks like a pickle\)"):
+        TensorFile(tmp_path / "b.safetensors")
+
+
+@pytest.mark.slow
+def test_a_read_that_exceeds_the_memory_limit_is_reported_as_a_memory_error(tmp_path) -> None:
+    from lightning_zero.checkpoint.tensor_file import save_tensors
+
+    save_tensors(tmp_path / "big.safetensors", {"t": torch.zeros(50 * 2**20)})  # 200 MiB
+    script = (
+        "import resource, torch\n"
+        "from lightning_zero.checkpoint.tensor_file import TensorFile\n"
+        "from tests.large_model_phases import status\n"
+        f"f = TensorFile({str(tmp_path / 'big.safetensors')!r})\n"
+        "resource.setrlimit(resource.RLIMIT_DATA, (status('VmData') + 64 * 2**20, resource.RLIM_INFINITY))\n"
+        "part = f.read('t', 0, 4 * 2**20)\n"  # a bounded slice fits
+        "f.read('t')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "CheckpointError: Reading 209715200 bytes of 't'" in proc.stderr, proc.stderr[-2000:]
+    assert "I/O or memory error" in proc.stderr and "not a valid safetensors" not in proc.stderr

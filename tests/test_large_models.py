@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroStrategy
-from tests.models import make_trainer, token_loader
+from tests.models import assert_released, make_trainer, token_loader, units_released
 
 DIM, BLOCKS, VOCAB = 2048, 16, 17  # 16 blocks of 4.2M parameters: 268 MB in fp32 whole
 WHOLE_BYTES = BLOCKS * (DIM * DIM + DIM) * 4
@@ -175,9 +175,11 @@ def loading_body(fmt: str) -> dict[str, Any]:
     else:
         torch.save(ref.state_dict(), path)
     probe = _OutputsAtStart(path)
-    strategy = ZeroStrategy(stage=3, param_persistence_threshold=0)
-    make_trainer(strategy, max_steps=1, callbacks=[probe]).fit(WideStack(**SMALL), token_loader(n=8, batch_size=2))
-    return {"equal": torch.equal(probe.outputs, expected), "max_diff": (probe.outputs - expected).abs().max().item()}
+    strategy = ZeroStrategy(stage=3, param_persistence_threshold=0, prefetch_bucket_size=1)
+    model = WideStack(**SMALL)
+    make_trainer(strategy, max_steps=1, callbacks=[probe]).fit(model, token_loader(n=8, batch_size=2))
+    return {"equal": torch.equal(probe.outputs, expected), "max_diff": (probe.outputs - expected).abs().max().item(),
+            "released": units_released(strategy, model)}
 
 
 @pytest.mark.distributed
@@ -185,6 +187,7 @@ def loading_body(fmt: str) -> dict[str, Any]:
 def test_a_full_state_dict_streams_into_stage3_and_matches_the_unsharded_model(gloo_pool, fmt: str) -> None:
     for r in gloo_pool.run("tests.test_large_models:loading_body", fmt=fmt):
         assert r["equal"], r
+        assert_released(r["released"])  # the forward gathered one unit at a time
 
 
 def init_body(devices: int = 2) -> list[torch.Tensor]:

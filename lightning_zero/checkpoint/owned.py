@@ -61,11 +61,16 @@ def _fill(ckpt: ShardedCheckpoint, g: FlatParamGroup, lo: int, hi: int, dest: to
         ckpt.read_range(ref, a - s.offset, b - s.offset, dest[a - lo : b - lo])
 
 
+def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds (non-persistent ones are not saved, so never missing)."""
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if not isinstance(v, nn.Parameter)}
+
+
 def _key_of(engine: ZeroEngine, keys: set[str], strict: bool) -> dict[nn.Parameter, str | None]:
     names_of: dict[nn.Parameter, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         names_of.setdefault(p, []).append(name)
-    buffers = dict(engine.module.named_buffers())
+    buffers = _persistent_buffers(engine.module)
     key_of = {p: next((n for n in names if n in keys), None) for p, names in names_of.items()}
     missing = [names[0] for p, names in names_of.items() if key_of[p] is None] + [n for n in buffers if n not in keys]
     unexpected = sorted(keys - {n for names in names_of.values() for n in names} - set(buffers))
@@ -107,7 +112,7 @@ def load_owned_state_dict(engine: ZeroEngine, state: LazyStateDict, strict: bool
     for p, key in key_of.items():
         if p not in in_flat and key is not None:  # outside the flat groups: small, whole on every rank
             p.data.copy_(ckpt.read(refs[key]))
-    for name, b in engine.module.named_buffers():
+    for name, b in _persistent_buffers(engine.module).items():
         if name in refs:
             b.copy_(ckpt.read(refs[name]))
 
@@ -184,8 +189,7 @@ def load_owned_optimizer_state(engine: ZeroEngine, state: Mapping[str, Any]) -> 
 def load_whole_module(module: nn.Module, state: LazyStateDict, strict: bool = True) -> None:
     """A module that is whole (before a stage 1-2 setup): copy the checkpoint's tensors into its
     parameters and buffers one at a time (never a whole second copy of the state dict)."""
-    own = dict(module.named_parameters(remove_duplicate=False))
-    own.update(dict(module.named_buffers()))
+    own = module.state_dict(keep_vars=True)  # what a state dict holds (no non-persistent buffers)
     missing = [k for k in own if k not in state.refs]
     unexpected = [k for k in state.refs if k not in own]
     if strict and (missing or unexpected):
@@ -198,4 +202,4 @@ def load_whole_module(module: nn.Module, state: LazyStateDict, strict: bool = Tr
             value = state[key]
             if tuple(value.shape) != tuple(t.shape):
                 raise RuntimeError(f"{key!r} has shape {tuple(value.shape)} in the checkpoint, {tuple(t.shape)} here.")
-            t.copy_(value)
+            t.data.copy_(value)

@@ -209,6 +209,8 @@ class ZeroEngine:
         if self.runtime is not None and not gather_params:
             self.runtime.remove_hooks()
             self.runtime.release_all()
+            for unit in self.units:
+                unit.park_on_cpu()
             if self.sharded is not None:
                 self.sharded.restore()
             for p in self.names:

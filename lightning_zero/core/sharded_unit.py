@@ -121,6 +121,15 @@ class ShardedUnit:
         self.state = UnitState.SHARDED
         self.releases += 1
 
+    def park_on_cpu(self) -> None:
+        """A released unit left released for good (teardown): point its parameters at CPU
+        placeholders, so that moving the module to the CPU (Lightning's teardown) allocates
+        nothing, where an expanded device placeholder would be copied at full size."""
+        if self.state is UnitState.SHARDED:
+            for g in self.groups:
+                for slot in g.slots:
+                    slot.param.data = _placeholder(g.flat.new_empty(0, device="cpu")).expand(slot.shape)
+
     @torch.no_grad()
     def refresh_persistent(self, comm: DataParallelComm) -> list[Handle]:
         """After an optimizer step: all-gather the persistent groups' updated shards."""
