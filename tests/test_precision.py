@@ -337,9 +337,9 @@ def resume_body(stage: int, resume_stages: tuple[int, ...]) -> dict[str, Any]:
 def test_fp16_checkpoint_holds_fp32_weights_and_the_scaler(gloo_pool) -> None:
     for r in gloo_pool.run("tests.test_precision:resume_body", stage=1, resume_stages=(2, 0)):
         assert r["ckpt_dtypes"] == {torch.float32}
-        assert r["ckpt_scaler"]["scale"] == 512.0 and r["ckpt_scaler"]["iteration"] == 4  # grew at step 2
+        assert r["ckpt_scaler"]["scale"] == 512.0 and r["ckpt_scaler"]["iteration"] == 4  # grew at step 3 (stable = 3)
         for run in r["runs"].values():
             assert run["weights_exact"] and run["optimizer_exact"]  # the fp32 masters and moments, exactly
             assert run["scaler"] == r["ckpt_scaler"]
-            assert run["scale_after"] == 1024.0  # grew again at step 5
+            assert run["scale_after"] == 1024.0  # grew again at step 6
         assert r["runs"][2]["losses"] == pytest.approx(r["runs"][0]["losses"], rel=1e-3)
