@@ -146,6 +146,9 @@ class ZeroEngine:
         self._prepared = False
         self.step_skipped = False
         self._norm: torch.Tensor | None = None
+        # stage 0 without a separate master, gradients accumulated in another dtype than the params:
+        # prepare_step casts them into these param-dtype buffers, which the params' .grad views
+        self._cast_grads: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ setup
     def _check_same_structure(self) -> None:
@@ -348,6 +351,8 @@ class ZeroEngine:
     # ------------------------------------------------------------------ step
     def _grads_to_scale(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps on (unscaling and clipping act on these)."""
+        if self._cast_grads is not None:
+            return self._cast_grads
         if self.sharded is not None and not self.dtypes.master_grad_is_view:
             return self.sharded.master_grads()
         return self._all_reduced_grads()
@@ -370,6 +375,8 @@ class ZeroEngine:
             return self.step_skipped
         if self.sharded is not None and not self.dtypes.master_grad_is_view:
             self.sharded.set_grads(self._reduced_for_masters())
+        elif not self.dtypes.master_grad_is_view:  # stage 0, the params are the master: cast for them
+            self._cast_grads = self._param_dtype_grads()
         self._prepared = True
         if loss_scale != 1.0:
             for t in self._grads_to_scale():
@@ -386,6 +393,17 @@ class ZeroEngine:
         self.last_grad_norm = float(self._norm)
         return False
 
+    def _param_dtype_grads(self) -> list[torch.Tensor]:
+        """The reduced whole gradients cast into the params' dtype, as the params' ``.grad`` views."""
+        out = []
+        for g, flat in zip(self.groups, self.reducer.flat_grads):
+            if flat is not None:
+                cast = flat.to(g.dtype)
+                for s, view in zip(g.slots, g.views(cast)):
+                    s.param.grad = view
+                out.append(cast)
+        return out
+
     def skip_step(self) -> None:
         """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
         self._prepared = True
@@ -394,7 +412,7 @@ class ZeroEngine:
             self.sharded.clear_grads()
 
     def _require_prepared(self, what: str) -> None:
-        if self.sharded is not None and not self.dtypes.master_grad_is_view and not self._prepared:
+        if not self.dtypes.master_grad_is_view and not self._prepared:
             raise RuntimeError(
                 f"{what} needs the master gradients: call `engine.prepare_step(loss_scale)` after the last "
                 "backward of the step (the precision plugin does this under ZeroStrategy)."
@@ -493,6 +511,7 @@ class ZeroEngine:
         self._prepared = False
         self.step_skipped = False
         self._norm = None
+        self._cast_grads = None
 
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self) -> ModelStateBytes:
