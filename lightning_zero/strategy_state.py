@@ -23,10 +23,11 @@ from lightning_zero.checkpoint.format import (
 )
 from lightning_zero.checkpoint.format import remove as remove_sharded
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.loading import load_full_state_dict, open_state_dict
+from lightning_zero.core.loading import load_full_state_dict
 from lightning_zero.core.materialize import has_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.state_files import open_state_dict
 
 
 class ZeroStateMixin:
@@ -58,7 +59,7 @@ class ZeroStateMixin:
             strict: refuse missing and unexpected keys.
         """
         if self._engine is not None:
-            load_full_state_dict(self._engine, source, prefix, strict)
+            load_full_state_dict(self._engine, open_state_dict(source), prefix, strict)
             return
         state = open_state_dict(source)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}

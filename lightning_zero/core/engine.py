@@ -99,6 +99,7 @@ class ZeroEngine:
         managed = {p for g in groups for p in g}
         # trainable parameters no optimizer group holds: they are never updated nor reduced
         self.unmanaged: list[nn.Parameter] = [p for p in self.names if p.requires_grad and p not in managed]
+        self.frozen_at_setup: list[nn.Parameter] = [p for p in self.names if not p.requires_grad]
         self.units: list[ShardedUnit] = []  # stage 3 only
         self.runtime: Stage3Runtime | None = None  # stage 3's gather / release hooks
         if config.stage == 3:
@@ -238,6 +239,9 @@ class ZeroEngine:
     def full_master_params(self) -> dict[nn.Parameter, torch.Tensor]:
         """Each trainable parameter's master value, whole (a collective for stage >= 1: every rank
         calls it). Without a separate master these are the parameters themselves."""
+        if (self.sharded is None or not self.separate_master) and self.runtime is not None:
+            full = self.full_state_dict()  # stage 3: the parameters are released placeholders; gather
+            return {s.param: full[self.names[s.param]] for g in self.groups for s in g.slots}
         if self.sharded is None or not self.separate_master:
             return {s.param: s.param.detach() for g in self.groups for s in g.slots}
         out = {}
@@ -270,21 +274,23 @@ class ZeroEngine:
                 self.runtime.gather_one(unit)
             for unit in opened:
                 unit.wait()
-        yield
-        if modifier_rank is not None:
-            with torch.no_grad():
-                for g in groups:
-                    self.comm.broadcast(g.flat, modifier_rank)
-                    if g.shard is not None:
-                        start, end = g.shard_range()
-                        g.shard.copy_(g.flat[start:end])
-                for p in loose:
-                    self.comm.broadcast(p.data, modifier_rank)
-                if self.sharded is not None:
-                    self.sharded.write_masters_from_params(groups)
-        if self.runtime is not None:
-            for unit in opened:
-                self.runtime.release_one(unit)
+        try:
+            yield  # an exception in the block skips the scatter but still releases the units
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    for g in groups:
+                        self.comm.broadcast(g.flat, modifier_rank)
+                        if g.shard is not None:
+                            start, end = g.shard_range()
+                            g.shard.copy_(g.flat[start:end])
+                    for p in loose:
+                        self.comm.broadcast(p.data, modifier_rank)
+                    if self.sharded is not None:
+                        self.sharded.write_masters_from_params(groups)
+        finally:
+            if self.runtime is not None:
+                for unit in opened:
+                    self.runtime.release_one(unit)
 
     @torch.no_grad()
     def _fill_from_shards(self) -> None:
@@ -470,6 +476,15 @@ class ZeroEngine:
             )
         if self.sharded is not None:
             self.sharded.check_unchanged()
+        unfrozen = [self.names[p] for p in self.frozen_at_setup if p.requires_grad]
+        if unfrozen:
+            raise RuntimeError(
+                f"Parameters {unfrozen[:5]} were frozen (requires_grad=False) when ZeRO partitioned the model at "
+                "setup and have been unfrozen since; their gradients would not be reduced across ranks (stage 0: "
+                "the ranks would diverge; stage >= 1: the updates would be dropped). Set requires_grad before "
+                "`trainer.fit` (e.g. in `configure_model`), or train each phase as its own fit: save a checkpoint, "
+                "change requires_grad, and fit again from it."
+            )
         strays = [self.names[p] for p in self.unmanaged if p.grad is not None]
         if strays:
             raise RuntimeError(
