@@ -185,7 +185,7 @@ class ZeroStateMixin:
         comm = self._comm
         save_sharded(
             filepath, checkpoint, self._engine if self._writes_shards else None, self.global_rank,
-            self.world_size, broadcast=lambda obj: self.broadcast(obj, 0),
+            self.world_size, broadcast=comm.broadcast_text if comm is not None else (lambda name: name),
             failed_ranks=comm.ranks_with if comm is not None else (lambda flag: [0] if flag else []),
         )
         return None

@@ -273,6 +273,8 @@ def new_temporary(path: str | os.PathLike) -> str:
 def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
     """Rank 0, after every rank wrote ``tmp``: make it the checkpoint ``path`` atomically."""
     final = Path(path)
+    refuse_plain_directory(final)
+    _fsync_dir(Path(tmp))  # the rank files' directory entries are durable before the rename publishes them
     parent = final.parent
     pattern = re.compile(re.escape(final.name) + r"\.v(\d+)$")
     versions = [int(m.group(1)) for p in parent.iterdir() if (m := pattern.match(p.name))]
@@ -281,13 +283,19 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
     previous = os.readlink(final) if final.is_symlink() else None
     link = parent / f".{final.name}.link-{uuid.uuid4().hex[:12]}"
     os.symlink(target.name, link)
-    if final.is_dir() and not final.is_symlink():
-        shutil.rmtree(final)  # an unversioned directory in the way (not written by this format)
     os.replace(link, final)  # the atomic switch
     _fsync_dir(parent)
     if previous is not None and (parent / previous).resolve() != target.resolve():
         shutil.rmtree(parent / previous, ignore_errors=True)
     return target
+
+
+def refuse_plain_directory(final: Path) -> None:
+    """A directory (not this format's symlink) at the checkpoint's name is the user's: never replace it."""
+    if final.is_dir() and not final.is_symlink():
+        raise CheckpointError(f"{os.fspath(final)!r} is a directory that this checkpoint format did not write (it "
+                              "publishes NAME as a symlink to NAME.v<K>); it is left as it is. Move it away, or save "
+                              "the checkpoint under another name.")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -315,12 +323,15 @@ def save_sharded(
     """Every rank calls this together (Note [sharded checkpoint format]).
 
     Args:
-        broadcast: rank 0's object on every rank.
+        broadcast: rank 0's temporary directory name (a str) on every rank (the strategy's
+            ``DataParallelComm.broadcast_text``: its own group and timeout, no pickling).
         failed_ranks: all-gather of one flag per rank; the ranks where it is true.
     """
     tmp = broadcast(new_temporary(path) if rank == 0 else None)
     error: BaseException | None = None
     try:
+        if rank == 0:
+            refuse_plain_directory(Path(path))  # agreed on below: every rank raises
         tensors, meta, extra = collect(checkpoint, engine, rank, world_size)
         write_rank(Path(tmp), rank, tensors, meta, extra)
         _test_hook(rank, Path(tmp))
