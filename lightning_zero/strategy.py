@@ -47,7 +47,7 @@ from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, re
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.strategy_state import ZeroStateMixin
-from lightning_zero.uneven import JoinedEvalLoader
+from lightning_zero.uneven import JoinedEvalLoader, check_training_batches
 
 
 class ZeroStrategy(ZeroStateMixin, DDPStrategy):
@@ -172,6 +172,14 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             self.set_world_ranks()
             return
         super().setup_environment()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if self._comm is not None:  # uneven training batches would hang a rank: refuse on every rank
+            steps = trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps > 0 else float("inf")
+            check_training_batches(trainer.num_training_batches, self._comm, steps)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
