@@ -52,7 +52,7 @@ from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.sharded_build import ShardedBuildMixin
 from lightning_zero.strategy_state import ZeroStateMixin
-from lightning_zero.uneven import JoinedEvalLoader
+from lightning_zero.uneven import JoinedEvalLoader, check_training_batches
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,14 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
             self.set_world_ranks()
             return
         super().setup_environment()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if self._comm is not None:  # uneven training batches would hang a rank: refuse on every rank
+            steps = trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps > 0 else float("inf")
+            check_training_batches(trainer.num_training_batches, self._comm, steps)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -9,7 +9,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from torch.optim import Optimizer
@@ -27,11 +26,12 @@ from lightning_zero.checkpoint.format import remove as remove_sharded
 from lightning_zero.checkpoint.owned import load_owned_optimizer_state, load_owned_state_dict, load_whole_module
 from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.loading import load_full_state_dict, open_state_dict
+from lightning_zero.core.loading import load_full_state_dict
 from lightning_zero.core.materialize import has_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.core.sharded_unit import is_released
+from lightning_zero.state_files import open_state_dict
 
 
 class ZeroStateMixin:
@@ -64,7 +64,7 @@ class ZeroStateMixin:
             strict: refuse missing and unexpected keys.
         """
         if self._engine is not None:
-            load_full_state_dict(self._engine, source, prefix, strict)
+            load_full_state_dict(self._engine, open_state_dict(source), prefix, strict)
             return
         state = open_state_dict(source)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -171,23 +171,6 @@ class ZeroStateMixin:
                 load_full_optimizer_state(self._engine.sharded, state)
         return None
 
-    @torch.no_grad()
-    def _load_masters(self, state: Mapping[str, Tensor]) -> None:
-        """Mixed precision: the masters were refreshed from the 16-bit parameters while loading;
-        give them the checkpoint's own (fp32) values, this rank's range of each flat group."""
-        engine = self._engine
-        if engine is None or engine.sharded is None or not engine.separate_master:
-            return
-        for fi, g in enumerate(engine.groups):
-            start, end = engine.sharded.master_range(fi)
-            master = engine.sharded.masters[fi]
-            for s in g.slots:
-                lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
-                key = engine.names[s.param]
-                if hi > lo and key in state:
-                    value = state[key].reshape(-1)[lo - s.offset : hi - s.offset]
-                    master[lo - start : hi - start].copy_(value)
-
     # ------------------------------------------------------------------ checkpoint files
     @property
     def _writes_shards(self) -> bool:
@@ -218,7 +201,7 @@ class ZeroStateMixin:
         comm = self._comm
         save_sharded(
             filepath, checkpoint, self._engine if self._writes_shards else None, self.global_rank,
-            self.world_size, broadcast=lambda obj: self.broadcast(obj, 0),
+            self.world_size, broadcast=comm.broadcast_text if comm is not None else (lambda name: name),
             failed_ranks=comm.ranks_with if comm is not None else (lambda flag: [0] if flag else []),
         )
         return None
@@ -256,8 +239,7 @@ class ZeroStateMixin:
             if isinstance(state, LazyStateDict):
                 load_owned_state_dict(self._engine, state, strict)  # this rank's slices only
             else:
-                self.load_full_state_dict(state, strict=strict)
-                self._load_masters(state)
+                self.load_full_state_dict(state, strict=strict)  # masters take the loaded fp32 values
             return None
         if has_meta_parameters(self.lightning_module):  # load_state_dict would silently copy into nothing
             raise RuntimeError(

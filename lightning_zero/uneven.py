@@ -1,4 +1,11 @@
-"""Evaluation with different numbers of batches per rank under ZeRO stage 3.
+"""Different numbers of batches per rank: joined evaluation under ZeRO stage 3, refused training.
+
+Training: a rank that runs out of training batches first would leave the others waiting forever in
+their next gradient reduction (DDP hangs the same way). :func:`check_training_batches` compares the
+ranks' numbers of training batches when training starts and raises on every rank when they differ
+within the batches the run will train on.
+
+Evaluation under ZeRO stage 3:
 
 Stage 3 gathers parameters with collectives inside every forward, so a rank that has run out
 of evaluation batches must still take part in the other ranks' gathers, or they would wait for
@@ -17,6 +24,7 @@ with uneven batches (DDP has the same rule).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +33,31 @@ import torch.distributed as dist
 
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.stage3 import Stage3Runtime
+
+
+def check_training_batches(num_batches: float, comm: DataParallelComm, steps_needed: float) -> None:
+    """Raise on every rank when the ranks have different numbers of training batches per epoch.
+
+    Args:
+        num_batches: this rank's training batches per epoch (``trainer.num_training_batches``; inf: unknown).
+        comm: the data-parallel group (one all-reduce).
+        steps_needed: the batches the run trains on before it stops (inf: whole epochs).
+    """
+    if not comm.active:
+        return
+    local = float(num_batches)
+    values = torch.tensor([local, -local], dtype=torch.float64, device=comm.device)
+    comm.all_reduce_max(values)
+    most, fewest = float(values[0]), -float(values[1])
+    if most == fewest or math.isinf(most) or fewest >= steps_needed:
+        return  # equal, unknown (an iterable without a length), or the run stops before the shortest epoch ends
+    raise ValueError(
+        f"The ranks have different numbers of training batches per epoch: this rank {local:g}, between "
+        f"{fewest:g} and {most:g} across ranks. A rank that runs out first would leave the others waiting forever "
+        "in the next gradient reduction (DDP hangs the same way). Give every rank the same number of batches "
+        "(`use_distributed_sampler=True`, or a DistributedSampler: it pads; or `drop_last=True`), or set "
+        f"`Trainer(limit_train_batches={int(fewest)})`."
+    )
 
 
 class JoinedEvalLoader:

@@ -67,7 +67,8 @@ def test_bench_zero_end_to_end(tmp_path: Path) -> None:
     assert state["zero1"]["optimizer"] == pytest.approx(state["zero0"]["optimizer"] / 2, rel=0.01)
     assert state["zero1"]["grads"] == pytest.approx(state["zero0"]["grads"], rel=0.01)
     assert state["zero2"]["grads"] == pytest.approx(state["zero1"]["grads"] / 2, rel=0.01)
-    assert state["ddp"]["buffers"] == pytest.approx(state["ddp"]["grads"], rel=0.01)  # DDP's bucket copy
+    # (no assertion on DDP's `buffers`: the harness computes them from the parameters, it does not measure
+    # DDP's reducer buckets, so comparing them with the grads could not fail)
     assert rows["ddp"]["ratio"] == 1.0 and all(rows[n]["step"] > 0 for n in ROWS)
 
 

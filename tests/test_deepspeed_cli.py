@@ -20,7 +20,7 @@ from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
 from tests.test_deepspeed_config import SEED_BF16, SEED_FP16
 
-DS = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+DS = {"train_batch_size": 32, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
       "zero_optimization": {"stage": 1, "reduce_bucket_size": 100000, "overlap_comm": False},
       "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 2}},
@@ -47,15 +47,16 @@ def test_explicit_keys_of_a_command_line() -> None:
 def test_the_json_replaces_yaml_and_experiment_values(tmp_path: Path) -> None:
     path = _json(tmp_path, DS)
     cfg = _merged(["experiment=gpt_tiny", f"deepspeed_config={path}"])
-    # experiment=gpt_tiny sets data.micro_batch_size=8; zero/stage2 is the default group option
+    # experiment=gpt_tiny sets data.micro_batch_size=8 (the JSON agrees: 32 / (2 x 2 devices)); zero/stage2
+    # is the default group option, replaced
     assert (cfg.zero.stage, cfg.zero.reduce_bucket_size, cfg.zero.overlap_comm) == (1, 100000, False)
-    assert cfg.data.micro_batch_size == 4 and cfg.trainer.accumulate_grad_batches == 2  # 16 / (2 x 2 devices)
+    assert cfg.data.micro_batch_size == 8 and cfg.trainer.accumulate_grad_batches == 2
     assert cfg.trainer.gradient_clip_val == 1.0 and cfg.precision.name.value == "fp32"
     assert validate_config(cfg) == cfg
-    one_rank = _merged(["experiment=gpt_tiny", "trainer.devices=1", f"deepspeed_config={path}"])
-    assert one_rank.data.micro_batch_size == 8
+    one_rank = _merged(["trainer.devices=1", f"deepspeed_config={path}"])  # the default experiment's 8 yields
+    assert one_rank.data.micro_batch_size == 16
     # explicit values that agree with the JSON are fine
-    assert _merged([f"deepspeed_config={path}", "zero=stage1", "data.micro_batch_size=4"]).zero.stage == 1
+    assert _merged([f"deepspeed_config={path}", "zero=stage1", "data.micro_batch_size=8"]).zero.stage == 1
 
 
 @pytest.mark.parametrize(("config", "precision", "knobs"), [
@@ -74,7 +75,7 @@ def test_the_seed_configs_merge_into_the_groups(config: dict, precision: str, kn
     (["zero.stage=2"], ["zero.stage=2 on the command line, but the DeepSpeed config", "zero_optimization.stage=1"]),
     (["zero=stage3"], ["zero.stage=3 on the command line", "zero_optimization.stage=1"]),
     (["data.micro_batch_size=2", "trainer.accumulate_grad_batches=4"],
-     ["data.micro_batch_size=2 on the command line", "train_micro_batch_size_per_gpu=4 (train_batch_size=16 over 2",
+     ["data.micro_batch_size=2 on the command line", "train_micro_batch_size_per_gpu=8 (train_batch_size=32 over 2",
       "trainer.accumulate_grad_batches=4 on the command line", "gradient_accumulation_steps=2"]),
     (["trainer.gradient_clip_val=0.5"], ["gradient_clipping=1.0"]),
     (["model.lr=0.1", "model.warmup_steps=3"], ["model.lr on the command line", "`optimizer` section",
@@ -122,8 +123,49 @@ def test_train_runs_two_ranks_from_a_deepspeed_json(tmp_path: Path) -> None:
     assert len(runs) == 1, runs
     saved = OmegaConf.load(runs[0] / CONFIG_FILE)
     assert saved.deepspeed_config == path  # made absolute for the ranks
-    assert (saved.zero.stage, saved.data.micro_batch_size, saved.trainer.accumulate_grad_batches) == (1, 4, 2)
+    assert (saved.zero.stage, saved.data.micro_batch_size, saved.trainer.accumulate_grad_batches) == (1, 8, 2)
     assert saved.trainer.gradient_clip_val == 1.0
     assert json.loads((runs[0] / "result.json").read_text())["global_step"] == 3
     # steps_per_print=1: DeepSpeed-style progress lines with the JSON's WarmupLR (log warmup over 2 steps)
     assert "[lightning-zero] step=1 lr=[0.0]" in out and "[lightning-zero] step=3 lr=[0.003]" in out, out[-3000:]
+
+
+# ---------------------------------------------------------------------------- defaults are not settings
+def _train(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    cmd = [sys.executable, "-m", "lightning_zero", "train", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_group_defaults_yield_but_written_values_conflict_before_any_rank(tmp_path: Path) -> None:
+    """The precision group's default (fp32) is no setting; precision=bf16 on the command line and
+    micro_batch_size in experiment/gpt_tiny.yaml are: exit 2, one message naming both places, no run."""
+    seed = _json(tmp_path, SEED_FP16, "fp16.json")
+    cfg = _merged(["experiment=gpt_tiny", f"deepspeed_config={seed}"])
+    assert cfg.precision.name.value == "fp16"  # the default fp32 yielded
+    done = _train(tmp_path, "experiment=gpt_tiny", "deepspeed_config=fp16.json", "precision=bf16", timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "precision.name='bf16' on the command line, but the DeepSpeed config" in done.stderr
+    assert "gives fp16.enabled=true (precision fp16)" in done.stderr
+    assert " object at 0x" not in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr and "launching" not in done.stderr + done.stdout
+    batch = _json(tmp_path, {"train_batch_size": 32, "gradient_accumulation_steps": 4}, "batch.json")
+    with pytest.raises(ValueError, match=r"data.micro_batch_size=8 in experiment/gpt_tiny.yaml, but the DeepSpeed "
+                                         r"config .*batch.json gives train_micro_batch_size_per_gpu=4"):
+        _merged(["experiment=gpt_tiny", f"deepspeed_config={batch}"])
+    assert _merged([f"deepspeed_config={batch}"]).data.micro_batch_size == 4  # the default experiment yields
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [SEED_FP16, SEED_BF16], ids=["fp16", "bf16"])
+def test_the_seed_jsons_train_from_the_command_line(config: dict, tmp_path: Path) -> None:
+    _json(tmp_path, config, "seed.json")
+    done = _train(tmp_path, "experiment=gpt_tiny", "deepspeed_config=seed.json", "trainer.max_steps=2",
+                  "trainer.limit_val_batches=1", "trainer.enable_model_summary=false")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert " object at 0x" not in out
+    runs = [p for p in tmp_path.glob("outputs/*/*") if p.is_dir()]
+    assert len(runs) == 1 and json.loads((runs[0] / "result.json").read_text())["global_step"] == 2
+    saved = OmegaConf.load(runs[0] / CONFIG_FILE)
+    assert saved.precision.name == ("fp16" if "fp16" in config else "bf16")

@@ -23,6 +23,7 @@ from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.deepspeed import BatchSizes, parse_deepspeed_config
 from lightning_zero.deepspeed import strategy as ds_strategy
 from lightning_zero.deepspeed.strategy import precision_plugin_args
+from lightning_zero.precision import ZeroPrecision
 
 # The two configs of the seed documents (/work/shared/seeds), exactly as written there.
 SEED_FP16 = {"train_batch_size": 64, "gradient_accumulation_steps": 4,
@@ -31,11 +32,15 @@ SEED_FP16 = {"train_batch_size": 64, "gradient_accumulation_steps": 4,
 SEED_BF16 = {"train_batch_size": 64, "gradient_accumulation_steps": 4, "bf16": {"enabled": True}}
 
 
-class RecordingPrecision:
-    """Stands in for ZeroPrecision: records the arguments the DeepSpeed glue constructs it with."""
-
-    def __init__(self, precision: str = "32-true", **kwargs: Any) -> None:
-        self.precision, self.kwargs = precision, kwargs
+def _plugin_args(plugin: ZeroPrecision) -> tuple[str, dict[str, Any]]:
+    """What a real ZeroPrecision was built with, shaped like ``precision_plugin_args`` (defaults left out)."""
+    kwargs: dict[str, Any] = {}
+    if plugin.scaler is not None and plugin.scaler.config != LossScalerConfig():
+        kwargs["loss_scaler"] = plugin.scaler.config
+    for name in ("reduce_dtype", "grad_accum_dtype"):
+        if getattr(plugin, name) is not None:
+            kwargs[name] = getattr(plugin, name)
+    return plugin.precision, kwargs
 
 
 def _write(tmp_path: Path, config: dict, name: str = "ds.json") -> Path:
@@ -47,8 +52,7 @@ def _write(tmp_path: Path, config: dict, name: str = "ds.json") -> Path:
 # ---------------------------------------------------------------------------- the seed configs
 @pytest.mark.parametrize(("config", "precision"), [(SEED_FP16, "16-mixed"), (SEED_BF16, "bf16-mixed")],
                          ids=["fp16", "bf16"])
-def test_seed_configs_parse_into_precision_and_batch(config: dict, precision: str, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_seed_configs_parse_into_precision_and_batch(config: dict, precision: str, tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every key of the seeds is supported: no warning
         ds = parse_deepspeed_config(_write(tmp_path, config))
@@ -69,25 +73,25 @@ def test_seed_configs_parse_into_precision_and_batch(config: dict, precision: st
         assert ds.loss_scaler is None and set(ds.given) == {"precision.name"}
     # the plugin: ZeroPrecision(precision) with the plugin's default loss scaler
     assert precision_plugin_args(ds) == (precision, {})
-    monkeypatch.setattr(ds_strategy, "ZeroPrecision", RecordingPrecision)
     kwargs = ds_strategy.strategy_kwargs(ds, {})
     plugin = kwargs["precision_plugin"]
-    assert (plugin.precision, plugin.kwargs) == (precision, {})
+    assert isinstance(plugin, ZeroPrecision) and _plugin_args(plugin) == (precision, {})
+    assert (plugin.scaler is not None) == (precision == "16-mixed")
     assert kwargs["config"] == ZeroConfig() and kwargs["precision"] is None
 
 
-def test_fp16_loss_scaler_keys_and_dtypes_reach_the_precision_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp16_loss_scaler_keys_and_dtypes_reach_the_precision_plugin() -> None:
     ds = parse_deepspeed_config({
         "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
-                 "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 0.5},
+                 "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 2},
         "communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}})
     scaler = LossScalerConfig(loss_scale=0.0, initial_scale_power=12, loss_scale_window=500, hysteresis=3,
-                              consecutive_hysteresis=True, min_loss_scale=0.5)
+                              consecutive_hysteresis=True, min_loss_scale=2)
     expected = ("16-mixed", {"loss_scaler": scaler, "reduce_dtype": torch.float32, "grad_accum_dtype": torch.float32})
     assert precision_plugin_args(ds) == expected
-    monkeypatch.setattr(ds_strategy, "ZeroPrecision", RecordingPrecision)
     plugin = ds_strategy.build_precision_plugin(ds)
-    assert (plugin.precision, plugin.kwargs) == expected
+    assert isinstance(plugin, ZeroPrecision) and _plugin_args(plugin) == expected
+    assert plugin.scaler is not None and plugin.scaler.scale == 2.0**12  # the real scaler runs the JSON's policy
     static = parse_deepspeed_config({"fp16": {"enabled": True, "loss_scale": 128}})
     assert precision_plugin_args(static) == ("16-mixed", {"loss_scaler": LossScalerConfig(loss_scale=128.0)})
     # no precision section: the Trainer's precision decides, nothing is fixed on the strategy
@@ -145,6 +149,7 @@ def test_unsupported_keys_are_named_in_one_warning_or_a_strict_error(tmp_path: P
     ({"zero_optimization": {"overlap_comm": 1}}, "`zero_optimization.overlap_comm` must be bool"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true; enable one"),
     ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16: `hysteresis` must be >= 1"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": -2}}}, "last_batch_iteration"),
     ({"gradient_clipping": -1}, "`gradient_clipping` must be >= 0"),
     ({"gradient_accumulation_steps": 4}, "alone does not define a batch size"),
     ({"train_batch_size": 0}, "`train_batch_size` must be a positive integer"),
@@ -288,3 +293,62 @@ def test_keyword_arguments_fill_in_or_must_agree() -> None:
         ZeroStrategy.from_deepspeed_config({}, optimizer_source="module")
     parsed = parse_deepspeed_config(config)
     assert ZeroStrategy.from_deepspeed_config(parsed).deepspeed_config is parsed
+
+
+# ---------------------------------------------------------------------------- fp16 validation as DeepSpeed's
+# Each row: the fp16 section, and None (accepted) or the error expected. Checked against DeepSpeed
+# 0.19's DeepSpeedFP16Config (deepspeed/runtime/precision_config.py): loss_scale must be a finite
+# number >= 0; loss_scale_window / min_loss_scale must be finite integers, and > 0 only when the
+# scale is dynamic and fp16 on; a null is refused like any wrong type ("auto" counts as absent).
+INF, NAN = float("inf"), float("nan")
+FP16_VALIDATION = [
+    ({"loss_scale": INF}, "`loss_scale` must be a finite number"),
+    ({"loss_scale": NAN}, "`loss_scale` must be a finite number"),
+    ({"loss_scale": -INF}, "`loss_scale` must be a finite number"),
+    ({"loss_scale": INF, "enabled": False}, "`loss_scale` must be a finite number"),  # checked even when off
+    ({"loss_scale": -1}, "`loss_scale` must be a finite number"),
+    ({"min_loss_scale": INF}, "`fp16.min_loss_scale` must be int"),
+    ({"min_loss_scale": INF, "loss_scale": 128}, "`fp16.min_loss_scale` must be int"),
+    ({"min_loss_scale": 0.5}, "`fp16.min_loss_scale` must be int"),  # DeepSpeed types it int
+    ({"loss_scale": 128, "loss_scale_window": 0}, None),  # static: dynamic-only knobs accepted, ignored
+    ({"loss_scale": 128, "loss_scale_window": -1}, None),
+    ({"loss_scale": 128, "min_loss_scale": 0}, None),
+    ({"loss_scale": 128, "min_loss_scale": -1}, None),
+    ({"loss_scale": 0, "loss_scale_window": 0}, "`loss_scale_window` must be >= 1"),
+    ({"loss_scale": 0, "loss_scale_window": -1}, "`loss_scale_window` must be >= 1"),
+    ({"loss_scale": 0, "min_loss_scale": 0}, "`min_loss_scale` must be positive"),
+    ({"loss_scale": 0, "min_loss_scale": -1}, "`min_loss_scale` must be positive"),
+    ({"enabled": False, "loss_scale_window": 0, "min_loss_scale": 0}, None),  # off: not in use, accepted
+    ({"loss_scale": None}, r"`fp16.loss_scale` is null"),
+    ({"loss_scale_window": None}, r"`fp16.loss_scale_window` is null"),
+    ({"min_loss_scale": None}, r"`fp16.min_loss_scale` is null"),
+    ({"hysteresis": None}, r"`fp16.hysteresis` is null"),
+    ({"enabled": None}, r"`fp16.enabled` is null"),
+    ({"loss_scale": "auto", "loss_scale_window": "auto"}, None),  # DeepSpeed drops "auto" values
+    ({"loss_scale": True}, "`fp16.loss_scale` must be float"),
+    ({"loss_scale_window": True}, "`fp16.loss_scale_window` must be int"),
+]
+
+
+@pytest.mark.parametrize(("section", "error"), FP16_VALIDATION, ids=[str(i) for i in range(len(FP16_VALIDATION))])
+def test_fp16_values_are_accepted_and_refused_as_deepspeed_does(section: dict, error: str | None) -> None:
+    config = {"fp16": {"enabled": True, **section}}
+    if error is None:
+        ds = parse_deepspeed_config(config)
+        if ds.loss_scaler is not None and not ds.loss_scaler.dynamic:
+            scaler = ZeroPrecision("16-mixed", loss_scaler=ds.loss_scaler).scaler
+            assert scaler is not None
+            scaler.update(True)
+            scaler.update(False)
+            assert scaler.scale == section["loss_scale"]  # the ignored knobs change nothing
+    else:
+        with pytest.raises(ValueError, match=error):
+            parse_deepspeed_config(config)
+
+
+def test_null_sections_are_refused() -> None:
+    for name in ("fp16", "bf16"):
+        with pytest.raises(ValueError, match=f"`{name}` is null"):
+            parse_deepspeed_config({name: None})
+    with pytest.raises(ValueError, match=r"`bf16.enabled` is null"):
+        parse_deepspeed_config({"bf16": {"enabled": None}})

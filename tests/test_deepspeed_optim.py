@@ -4,6 +4,7 @@ optimizer sees them: optimizer step k runs with DeepSpeed's LR of iteration t = 
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -142,10 +143,11 @@ def test_warmup_decay_lr() -> None:
 
 
 def test_warmup_cosine_lr() -> None:
-    # optimizer lr 0.02; ratio warms linearly 0.1 -> 1 over W=4, then c + (1-c)(1 + cos(pi (t-3)/6))/2
+    # optimizer lr 0.02; ratio 0 before the first step (DeepSpeed's get_lr at t < 0), then warms linearly
+    # 0.1 -> 1 over W=4, then c + (1-c)(1 + cos(pi (t-3)/6))/2
     _check("WarmupCosineLR", {"total_num_steps": 10, "warmup_min_ratio": 0.1, "warmup_num_steps": 4,
                               "cos_min_ratio": 0.0, "warmup_type": "linear"},
-           {-1: 0.002, 0: 0.002, 2: 0.011, 3: 0.0155, 4: 0.0186602540378, 6: 0.01, 8: 0.0013397459622, 9: 0.0, 12: 0.0})
+           {-1: 0.0, 0: 0.002, 2: 0.011, 3: 0.0155, 4: 0.0186602540378, 6: 0.01, 8: 0.0013397459622, 9: 0.0, 12: 0.0})
     _check("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 4, "cos_min_ratio": 0.1,
                               "warmup_type": "linear"}, {6: 0.011, 9: 0.002})
     # log warmup (default): ratio log(t + 1) / log(4)
@@ -186,11 +188,13 @@ def test_one_cycle_lr_and_momentum() -> None:
 
 
 def test_lr_range_test() -> None:
+    # DeepSpeed's interval is (last_batch_iteration + 1) / step_size: 0.001 * (1 + 2 * (t + 1) / 10)
     _check("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 10,
-                           "lr_range_test_step_rate": 2.0}, {-1: 0.001, 0: 0.001, 5: 0.002, 25: 0.006})
+                           "lr_range_test_step_rate": 2.0}, {-1: 0.001, 0: 0.0012, 4: 0.002, 24: 0.006})
+    # staircase: floor((t + 1) / 10)
     _check("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 10,
                            "lr_range_test_step_rate": 2.0, "lr_range_test_staircase": True},
-           {5: 0.001, 10: 0.003, 25: 0.005})
+           {5: 0.001, 8: 0.001, 9: 0.003, 24: 0.005})
 
 
 def test_per_group_values_and_state_round_trip() -> None:
@@ -209,3 +213,77 @@ def test_per_group_values_and_state_round_trip() -> None:
     with pytest.raises(ValueError, match="lists 3 values for 2 param groups"):
         build_scheduler("WarmupLR", {"warmup_max_lr": [0.1, 0.2, 0.3]}, optimizer)
     assert math.isclose(scheduler.lr_at(5)[1], 0.2)
+
+
+# Every parameter DeepSpeed's five schedules take (deepspeed/runtime/lr_schedules.py, their __init__s).
+DEEPSPEED_PARAMS = {
+    "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"},
+    "WarmupDecayLR": {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                      "last_batch_iteration"},
+    "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+                       "last_batch_iteration"},
+    "OneCycle": {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+                 "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum",
+                 "cycle_min_mom", "cycle_max_mom", "decay_mom_rate", "last_batch_iteration"},
+    "LRRangeTest": {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                    "lr_range_test_staircase", "last_batch_iteration"},
+}
+
+
+@pytest.mark.parametrize("name", list(DEEPSPEED_PARAMS))
+def test_every_deepspeed_parameter_is_accepted(name: str) -> None:
+    from lightning_zero.deepspeed import parse_deepspeed_config
+    from lightning_zero.deepspeed.schedulers import scheduler_class
+
+    signature = inspect.signature(scheduler_class(name).__init__)
+    assert set(signature.parameters) - {"self", "optimizer", "last_epoch"} == DEEPSPEED_PARAMS[name]
+    needed = {"OneCycle": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}}.get(name, {})
+    ds = parse_deepspeed_config({"scheduler": {"type": name, "params": {**needed, "last_batch_iteration": -1}}})
+    assert ds.scheduler is not None and ds.scheduler.params["last_batch_iteration"] == -1
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.005, "warmup_num_steps": 4, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 10, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}),
+    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 4, "warmup_type": "linear"}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 10}),
+])
+def test_last_batch_iteration_resumes_the_curve(name: str, params: dict) -> None:
+    """Starting at last_batch_iteration=k, step j runs with the LR of DeepSpeed iteration k + j."""
+    fresh, _ = _lrs_seen_by_each_step(name, params, 12)  # fresh[j] = lr at iteration j - 1
+    for k in (0, 3):
+        resumed, scheduler = _lrs_seen_by_each_step(name, {**params, "last_batch_iteration": k}, 6)
+        assert resumed == pytest.approx(fresh[k + 1:k + 7], rel=1e-12), (name, k)
+        assert scheduler.iteration == k + 6
+    with pytest.raises(ValueError, match="`last_batch_iteration` must be an integer >= -1"):
+        build_scheduler(name, {**params, "last_batch_iteration": -2}, torch.optim.SGD(_params(), lr=0.1))
+
+
+def test_warmup_lr_warms_up_to_each_groups_own_lr_by_default() -> None:
+    # DeepSpeed: warmup_max_lr=None -> the param groups' LRs
+    optimizer = torch.optim.SGD([{"params": [_params()[0]], "lr": 0.1}, {"params": [_params()[1]], "lr": 0.3}])
+    scheduler = build_scheduler("WarmupLR", {"warmup_num_steps": 2, "warmup_type": "linear"}, optimizer)
+    assert scheduler.lr_at(5) == pytest.approx([0.1, 0.3]) and scheduler.lr_at(1) == pytest.approx([0.05, 0.15])
+    with pytest.raises(ValueError, match="`warmup_num_steps` must be a positive integer"):
+        build_scheduler("WarmupLR", {"warmup_num_steps": 0}, optimizer)
+
+
+def test_one_cycle_stairs_and_per_group_momentum() -> None:
+    # 2 stairs per half of a 4 + 4 cycle: the scale is floor(position / 4 * 2) / 2 going up,
+    # floor((8 - position) / 4 * 2) / 2 going down, position = (t + 1) % 8
+    _check("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4,
+                        "cycle_first_stair_count": 2},
+           {0: 0.01, 1: 0.055, 2: 0.055, 3: 0.1, 4: 0.055, 5: 0.055, 6: 0.01, 7: 0.01})
+    # a second half of 0 steps is allowed (DeepSpeed: >= 0)
+    _check("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4,
+                        "cycle_second_step_size": 0}, {0: 0.0325, 2: 0.0775, 3: 0.01})
+    optimizer = torch.optim.AdamW([{"params": [_params()[0]]}, {"params": [_params()[1]]}], lr=1.0)
+    scheduler = build_scheduler("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4,
+                                             "cycle_min_mom": [0.8, 0.5], "cycle_max_mom": [0.9, 0.7]}, optimizer)
+    assert [g["betas"][0] for g in optimizer.param_groups] == pytest.approx([0.8, 0.5])
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    assert [g["betas"][0] for g in optimizer.param_groups] == pytest.approx([0.8, 0.5])  # t=3: the LR peak
+    assert scheduler.momentum_at(5) == pytest.approx([0.85, 0.6])

@@ -8,6 +8,7 @@ import csv
 import dataclasses
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,26 +51,76 @@ class _Probe(pl.Callback):
 
     def __init__(self) -> None:
         self.norms: list[float] = []
+        # independent clocks: the hooks' windows per optimizer step, the whole fit's span
+        self.clock: list[dict[str, float]] = []
+        self._t: dict[str, float] = {}
+        self._open = {"forward": 0.0, "backward": 0.0}
+
+    def on_train_start(self, *args: Any) -> None:
+        self._t["train_start"] = time.perf_counter()
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._t["start"] = time.perf_counter()
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._t["backward"] = now = time.perf_counter()
+        self._open["forward"] += now - self._t["start"]
+
+    def on_after_backward(self, *args: Any) -> None:
+        self._open["backward"] += time.perf_counter() - self._t["backward"]
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._t["optimizer"] = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if len(self.norms) < trainer.global_step:
             self.norms.append(trainer.strategy.last_grad_norm)
+            now = time.perf_counter()
+            self.clock.append({**self._open, "optimizer": now - self._t["optimizer"],
+                               "span": now - self._t["train_start"]})
+            self._open = {"forward": 0.0, "backward": 0.0}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.bytes = dataclasses.asdict(trainer.strategy.model_state_bytes())
         self.peak = peak_memory_bytes(torch.device("cpu"))
 
 
+class _TimedModel(Model):
+    """The model with its own clocks: each training_step (the forward) and each optimizer.step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.forward_seconds: list[float] = []
+        self.step_seconds: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        start = time.perf_counter()
+        loss = super().training_step(batch, batch_idx)
+        self.forward_seconds.append(time.perf_counter() - start)
+        return loss
+
+
 def dashboard_body(log_dir: str) -> dict[str, Any]:
     """fp16, stage 2, 6 steps of 2 micro-batches, clipping; one injected overflow; profiler over steps 2-3."""
-    probe, model = _Probe(), Model(poison_at=(2 * POISONED_STEP,))
+    probe, model = _Probe(), _TimedModel(poison_at=(2 * POISONED_STEP,))
+    timings = model.step_seconds
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    handles = [register_optimizer_step_pre_hook(lambda *a: timings.append(-time.perf_counter())),
+               register_optimizer_step_post_hook(lambda *a: timings.append(time.perf_counter()))]
     strategy = ZeroStrategy(stage=2, precision=ZeroPrecision("16-mixed", loss_scaler=SEED_FP16),
                             profiler=ProfilerWindow(wait=1, warmup=1, active=2))
     trainer = make_trainer(strategy, max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, log_every_n_steps=1,
                            gradient_clip_val=1.0, logger=TensorBoardLogger(log_dir, name="", version=""),
                            enable_progress_bar=True, callbacks=[probe])
-    trainer.fit(model, pattern_loader())
-    return {"losses": model.losses, "norms": probe.norms, "bytes": probe.bytes, "peak": probe.peak,
+    try:
+        trainer.fit(model, pattern_loader())
+    finally:
+        for h in handles:
+            h.remove()
+    return {"losses": model.losses, "norms": probe.norms, "clock": probe.clock, "forward_s": model.forward_seconds,
+            "optimizer_s": [a + b for a, b in zip(timings[::2], timings[1::2])], "bytes": probe.bytes,
+            "peak": probe.peak,
             "skipped": strategy.skipped_steps,
             "monitors": sum(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks),
             "pbar": dict(trainer.progress_bar_metrics)}
@@ -125,8 +176,22 @@ def test_the_event_file_holds_every_scalar_with_plausible_values(dashboard) -> N
         for s in steps:
             assert t["step"][s] > 0 and t["forward"][s] > 0 and t["backward"][s] > 0 and t["optimizer"][s] > 0
             assert t["comm"][s] >= 0 and t["other"][s] >= 0
+            # each measured phase against independent clocks. forward: its window holds the training_step,
+            # timed inside the module; optimizer: its window holds optimizer.step (no communication inside
+            # at stage 2), timed by torch's step hooks; every phase is its hooks' window less the
+            # communication inside, so never more than the window the probe's own hooks see
+            clock, slack = result["clock"][s], 0.005
+            forward = sum(result["forward_s"][ACCUMULATE * s:ACCUMULATE * (s + 1)])
+            assert forward - slack <= t["forward"][s] <= clock["forward"] + slack, (r, s, t["forward"][s], forward)
+            assert t["backward"][s] <= clock["backward"] + slack, (r, s)
+            if s != POISONED_STEP:  # the skipped step never calls optimizer.step
+                stepped = sum(1 for k in range(s) if k != POISONED_STEP)
+                step_time = result["optimizer_s"][stepped]
+                assert step_time - slack <= t["optimizer"][s] <= clock["optimizer"] + slack, (r, s, step_time)
             parts = sum(t[k][s] for k in ("forward", "backward", "optimizer", "comm", "other"))
-            assert parts == pytest.approx(t["step"][s], rel=1e-4, abs=1e-5)
+            assert parts == pytest.approx(t["step"][s], rel=1e-4, abs=1e-5)  # `other` is the remainder
+        # the steps tile the fit: their sum is the probe's span from train start to the last step's end
+        assert sum(t["step"].values()) == pytest.approx(result["clock"][-1]["span"], rel=0.05, abs=0.25)
         assert sum(t["comm"].values()) > 0  # gloo collectives block the host: exposed communication is measured
         m = {k: _series(acc, f"memory/rank{r}/{k}") for k in MEMORY_KEYS}
         for k in ("params", "grads", "optimizer", "buffers"):

@@ -51,12 +51,11 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
     write (not a symlink to a version): it is the user's, and is never deleted."""
     final = Path(path)
     parent = final.parent
-    if final.exists() and not final.is_symlink():
+    try:
+        refuse_foreign(final)
+    except CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"{os.fspath(path)!r} exists and is not a sharded checkpoint written by lightning_zero (those are "
-            "symlinks to NAME.v<K>); refused to replace it. Move it away or save under another name."
-        )
+        raise
     _fsync_dir(Path(tmp))  # the files' directory entries are durable before the rename
     pattern = re.compile(re.escape(final.name) + r"\.v(\d+)$")
     versions = [int(m.group(1)) for p in parent.iterdir() if (m := pattern.match(p.name))]
@@ -70,6 +69,15 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
     if previous is not None and (parent / previous).resolve() != target.resolve():
         shutil.rmtree(parent / previous, ignore_errors=True)
     return target
+
+
+def refuse_foreign(final: Path) -> None:
+    """Raise when ``final`` exists but is not this format's symlink: it is the user's, never replaced."""
+    if final.exists() and not final.is_symlink():
+        raise CheckpointError(
+            f"{os.fspath(final)!r} exists and is not a sharded checkpoint written by lightning_zero (those are "
+            "symlinks to NAME.v<K>); refused to replace it. Move it away or save under another name."
+        )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -97,12 +105,15 @@ def save_sharded(
     """Every rank calls this together (Note [sharded checkpoint format]).
 
     Args:
-        broadcast: rank 0's object on every rank.
+        broadcast: rank 0's temporary directory name (a str) on every rank (the strategy's
+            ``DataParallelComm.broadcast_text``: its own group and timeout, no pickling).
         failed_ranks: all-gather of one flag per rank; the ranks where it is true.
     """
     tmp = broadcast(new_temporary(path) if rank == 0 else None)
     error: BaseException | None = None
     try:
+        if rank == 0:
+            refuse_foreign(Path(path))  # before anything is written; agreed on below, so every rank raises
         tensors, meta, extra = collect(checkpoint, engine, rank, world_size)
         write_rank(Path(tmp), rank, tensors, meta, extra)
         del tensors

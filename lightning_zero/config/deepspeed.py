@@ -2,13 +2,15 @@
 
 Precedence (also in ``docs/deepspeed_config.md``):
 
-* Every setting the JSON gives replaces the composed config's value -- whether that came from a
-  group's YAML default or an ``experiment/`` file.
-* A setting also given **explicitly on the command line** must agree with the JSON, else the command
-  stops (exit code 2, nothing started) naming both. Explicit means a key override (``zero.stage=1``,
-  ``data.micro_batch_size=4``, ...) or a group choice for the keys that define the option:
-  ``zero=...`` sets ``zero.stage``, ``offload=...`` the two offload devices, ``precision=...``
-  ``precision.name``.
+* Every setting the JSON gives replaces the composed config's value where that came from a group's
+  YAML default (``precision: fp32`` of ``config.yaml``, the default experiment's group choices, ...):
+  defaults are not settings.
+* A setting the user **wrote** -- on the command line, or in the ``experiment/`` file chosen on the
+  command line (``experiment=gpt_tiny``) -- must agree with the JSON, else the command stops (exit
+  code 2, nothing started) with one message naming both places. Written means a key
+  (``zero.stage=1``, ``data.micro_batch_size: 8`` in the experiment, ...) or a group choice for the
+  keys that define the option: ``zero=...`` / ``override /zero: ...`` sets ``zero.stage``,
+  ``offload=...`` the two offload devices, ``precision=...`` ``precision.name``.
 * The batch triple is resolved against the data-parallel size ``trainer.devices / pipeline.stages``
   before anything starts; it sets ``data.micro_batch_size`` and ``trainer.accumulate_grad_batches``.
 * A JSON ``optimizer`` / ``scheduler`` section replaces the model's optimizer / schedule
@@ -53,6 +55,46 @@ def explicit_keys(overrides: Sequence[str]) -> set[str]:
     return out
 
 
+def explicit_sources(overrides: Sequence[str]) -> dict[str, str]:
+    """Each config key the user wrote -> where: ``"on the command line"`` or ``"in experiment/NAME.yaml"``
+    (the experiment chosen on the command line; the command line wins where both set a key)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out: dict[str, str] = {}
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if override.key_or_group == "experiment" and isinstance(override.value(), str):
+            name = str(override.value())
+            out.update(dict.fromkeys(experiment_keys(name), f"in experiment/{name}.yaml"))
+    out.update(dict.fromkeys(explicit_keys(overrides), "on the command line"))
+    return out
+
+
+def experiment_keys(name: str) -> set[str]:
+    """The dotted keys ``conf/experiment/NAME.yaml`` sets (its group overrides as the keys they define)."""
+    from lightning_zero.config.launch import conf_dir
+
+    path = conf_dir() / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        return set()  # Hydra's composition has refused an unknown experiment already
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    assert isinstance(data, dict)
+    out: set[str] = set()
+    for entry in data.pop("defaults", None) or []:
+        for choice in entry if isinstance(entry, dict) else {}:
+            group = str(choice).replace("override", "").strip().lstrip("/")
+            out.update(GROUP_KEYS.get(group, ()))
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            out.add(prefix.rstrip("."))
+
+    walk(data, "")
+    return out
+
+
 def json_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
     """The Hydra key -> value of every setting the JSON gives that has a Hydra key (batch keys excepted)."""
     out: dict[str, Any] = {}
@@ -91,8 +133,10 @@ def apply_deepspeed_config(cfg: DictConfig | TrainConfig, overrides: Sequence[st
     if not path:
         return node
     ds = parse_deepspeed_config(path, strict=bool(OmegaConf.select(node, "deepspeed_strict")))
-    explicit = explicit_keys(overrides)
-    settings = {name: (value, f"{ds.given[name]}={value!r}") for name, value in json_settings(ds).items()}
+    written = explicit_sources(overrides)
+    explicit = {k for k, where in written.items() if where == "on the command line"}
+    settings = {name: (value, f"{ds.given[name]}=true (precision {value})" if name == "precision.name"
+                       else f"{ds.given[name]}={value!r}") for name, value in json_settings(ds).items()}
     devices, stages = int(node.trainer.devices), max(1, int(node.pipeline.stages))
     try:
         batch = ds.batch.resolve(devices // stages)
@@ -107,8 +151,8 @@ def apply_deepspeed_config(cfg: DictConfig | TrainConfig, overrides: Sequence[st
     problems = []
     for name, (value, source) in settings.items():
         current = _plain(OmegaConf.select(node, name))
-        if name in explicit and current != value:
-            problems.append(f"{name}={current!r} on the command line, but the DeepSpeed config {ds.source} "
+        if name in written and current != value:
+            problems.append(f"{name}={current!r} {written[name]}, but the DeepSpeed config {ds.source} "
                             f"gives {source}. Set it in one place (or to the same value).")
         else:
             OmegaConf.update(node, name, value, merge=False)

@@ -194,6 +194,19 @@ class DataParallelComm:
             with self.blocking():
                 dist.broadcast(tensor, src=self._global_rank(src_rank), group=self.group)
 
+    def broadcast_text(self, text: str | None, src_rank: int = 0) -> str:
+        """``src_rank``'s string on every rank (as UTF-8 bytes in tensors: a length, then the bytes)."""
+        if not self.active:
+            return text or ""
+        data = (text or "").encode() if self.rank == src_rank else b""
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self.broadcast(length, src_rank)
+        buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == src_rank:
+            buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.broadcast(buffer, src_rank)
+        return bytes(buffer.cpu().tolist()).decode()
+
     def ranks_with(self, flag: bool) -> list[int]:
         """All-gather one boolean per rank; returns the DP ranks where it is true (same on all)."""
         if not self.active:

@@ -106,6 +106,7 @@ class ZeroEngine:
         managed = {p for g in groups for p in g}
         # trainable parameters no optimizer group holds: they are never updated nor reduced
         self.unmanaged: list[nn.Parameter] = [p for p in self.names if p.requires_grad and p not in managed]
+        self.frozen_at_setup: list[nn.Parameter] = [p for p in self.names if not p.requires_grad]
         self.units: list[ShardedUnit] = []  # stage 3 only
         self.runtime: Stage3Runtime | None = None  # stage 3's gather / release hooks
         if config.stage == 3:
@@ -159,6 +160,9 @@ class ZeroEngine:
         # (``fn(grads, groups, norm_type)``: tied parameters another stage counts).
         self.model_parallel: DataParallelComm | None = None
         self.norm_excess: Callable[[list[torch.Tensor], list[FlatParamGroup], float], float] | None = None
+        # stage 0 without a separate master, gradients accumulated in another dtype than the params:
+        # prepare_step casts them into these param-dtype buffers, which the params' .grad views
+        self._cast_grads: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ setup
     def _check_same_structure(self) -> None:
@@ -251,6 +255,9 @@ class ZeroEngine:
     def full_master_params(self) -> dict[nn.Parameter, torch.Tensor]:
         """Each trainable parameter's master value, whole (a collective for stage >= 1: every rank
         calls it). Without a separate master these are the parameters themselves."""
+        if (self.sharded is None or not self.separate_master) and self.runtime is not None:
+            full = self.full_state_dict()  # stage 3: the parameters are released placeholders; gather
+            return {s.param: full[self.names[s.param]] for g in self.groups for s in g.slots}
         if self.sharded is None or not self.separate_master:
             return {s.param: s.param.detach() for g in self.groups for s in g.slots}
         out = {}
@@ -283,21 +290,23 @@ class ZeroEngine:
                 self.runtime.gather_one(unit)
             for unit in opened:
                 unit.wait()
-        yield
-        if modifier_rank is not None:
-            with torch.no_grad():
-                for g in groups:
-                    self.comm.broadcast(g.flat, modifier_rank)
-                    if g.shard is not None:
-                        start, end = g.shard_range()
-                        g.shard.copy_(g.flat[start:end])
-                for p in loose:
-                    self.comm.broadcast(p.data, modifier_rank)
-                if self.sharded is not None:
-                    self.sharded.write_masters_from_params(groups)
-        if self.runtime is not None:
-            for unit in opened:
-                self.runtime.release_one(unit)
+        try:
+            yield  # an exception in the block skips the scatter but still releases the units
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    for g in groups:
+                        self.comm.broadcast(g.flat, modifier_rank)
+                        if g.shard is not None:
+                            start, end = g.shard_range()
+                            g.shard.copy_(g.flat[start:end])
+                    for p in loose:
+                        self.comm.broadcast(p.data, modifier_rank)
+                    if self.sharded is not None:
+                        self.sharded.write_masters_from_params(groups)
+        finally:
+            if self.runtime is not None:
+                for unit in opened:
+                    self.runtime.release_one(unit)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -388,6 +397,8 @@ class ZeroEngine:
     # ------------------------------------------------------------------ step
     def _grads_to_scale(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps on (unscaling and clipping act on these)."""
+        if self._cast_grads is not None:
+            return self._cast_grads
         if self.sharded is not None and not self.dtypes.master_grad_is_view:
             return self.sharded.master_grads()
         return self._all_reduced_grads()
@@ -410,6 +421,8 @@ class ZeroEngine:
             return self.step_skipped
         if self.sharded is not None and not self.dtypes.master_grad_is_view:
             self.sharded.set_grads(self._reduced_for_masters())
+        elif not self.dtypes.master_grad_is_view:  # stage 0, the params are the master: cast for them
+            self._cast_grads = self._param_dtype_grads()
         self._prepared = True
         if loss_scale != 1.0:
             for t in self._grads_to_scale():
@@ -438,6 +451,17 @@ class ZeroEngine:
     def _norm_excess(self, norm_type: float) -> float:
         return self.norm_excess(self._grads_for_norm(), self.groups, norm_type) if self.norm_excess else 0.0
 
+    def _param_dtype_grads(self) -> list[torch.Tensor]:
+        """The reduced whole gradients cast into the params' dtype, as the params' ``.grad`` views."""
+        out = []
+        for g, flat in zip(self.groups, self.reducer.flat_grads):
+            if flat is not None:
+                cast = flat.to(g.dtype)
+                for s, view in zip(g.slots, g.views(cast)):
+                    s.param.grad = view
+                out.append(cast)
+        return out
+
     def skip_step(self) -> None:
         """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
         self._prepared = True
@@ -446,7 +470,7 @@ class ZeroEngine:
             self.sharded.clear_grads()
 
     def _require_prepared(self, what: str) -> None:
-        if self.sharded is not None and not self.dtypes.master_grad_is_view and not self._prepared:
+        if not self.dtypes.master_grad_is_view and not self._prepared:
             raise RuntimeError(
                 f"{what} needs the master gradients: call `engine.prepare_step(loss_scale)` after the last "
                 "backward of the step (the precision plugin does this under ZeroStrategy)."
@@ -523,6 +547,15 @@ class ZeroEngine:
             )
         if self.sharded is not None:
             self.sharded.check_unchanged()
+        unfrozen = [self.names[p] for p in self.frozen_at_setup if p.requires_grad]
+        if unfrozen:
+            raise RuntimeError(
+                f"Parameters {unfrozen[:5]} were frozen (requires_grad=False) when ZeRO partitioned the model at "
+                "setup and have been unfrozen since; their gradients would not be reduced across ranks (stage 0: "
+                "the ranks would diverge; stage >= 1: the updates would be dropped). Set requires_grad before "
+                "`trainer.fit` (e.g. in `configure_model`), or train each phase as its own fit: save a checkpoint, "
+                "change requires_grad, and fit again from it."
+            )
         strays = [self.names[p] for p in self.unmanaged if p.grad is not None]
         if strays:
             raise RuntimeError(
@@ -567,6 +600,7 @@ class ZeroEngine:
         self.step_skipped = False
         self._norm = None
         self._grads_local = False
+        self._cast_grads = None
 
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self) -> ModelStateBytes:

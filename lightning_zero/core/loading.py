@@ -1,16 +1,16 @@
 """Loading a full (unsharded) state dict into a partitioned model without materialising it.
 
-Each rank reads the tensors it needs straight from the file, one stage-3 unit at a time: a
-``.safetensors`` file is opened lazily (``safe_open``), a ``.pt`` file is memory-mapped
-(``torch.load(mmap=True)``), so only the unit being filled and this rank's shards are ever
-resident. No collective is involved: every rank reads the same values.
+Each rank reads the tensors it needs from a mapping, one stage-3 unit at a time; with a lazily
+loading mapping (``lightning_zero.state_files.open_state_dict``: a ``.safetensors`` file opened
+with ``safe_open``, a ``.pt`` file memory-mapped) only the unit being filled and this rank's
+shards are ever resident. No collective is involved: every rank reads the same values. Separate
+master copies (mixed precision) take the loaded values themselves, not their 16-bit rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,53 +18,20 @@ if TYPE_CHECKING:
     from lightning_zero.core.engine import ZeroEngine
 
 
-class _SafetensorsFile(Mapping[str, torch.Tensor]):
-    """A read-only mapping over a ``.safetensors`` file that loads one tensor per access."""
-
-    def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
-        self._file = safe_open(path, framework="pt", device="cpu")
-        self._keys = list(self._file.keys())
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._file.get_tensor(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
-def open_state_dict(source: str | Path | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """A lazily loading mapping for a path (``.safetensors`` or ``torch.save`` file) or a dict."""
-    if isinstance(source, Mapping):
-        return source
-    path = str(source)
-    if path.endswith(".safetensors"):
-        return _SafetensorsFile(path)
-    loaded: Any = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    if isinstance(loaded, Mapping) and "state_dict" in loaded and isinstance(loaded["state_dict"], Mapping):
-        loaded = loaded["state_dict"]  # a Lightning checkpoint
-    return loaded
-
-
 @torch.no_grad()
 def load_full_state_dict(
-    engine: ZeroEngine, source: str | Path | Mapping[str, torch.Tensor], prefix: str = "", strict: bool = True
+    engine: ZeroEngine, state: Mapping[str, torch.Tensor], prefix: str = "", strict: bool = True
 ) -> None:
     """Copy whole tensors into ``engine``'s partitioned parameters (and the module's buffers).
 
     Args:
         engine: the attached engine of the model to fill.
-        source: a path or a mapping of key -> tensor.
+        state: a mapping of key -> tensor (see ``lightning_zero.state_files.open_state_dict`` for files).
         prefix: keys in ``source`` start with this prefix followed by the module's own names
             (e.g. ``"model."``); keys without it are ignored.
         strict: raise when a parameter or buffer of the module has no key, or a key under
             ``prefix`` matches nothing.
     """
-    state = open_state_dict(source)
     keys = {k[len(prefix):]: k for k in state if k.startswith(prefix)}
     names_of: dict[torch.Tensor, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
@@ -106,7 +73,25 @@ def load_full_state_dict(
         for p in names_of:
             fill(p, p.data)
     if engine.sharded is not None:
-        engine.sharded.write_masters_from_params(engine.groups)
+        _fill_masters(engine, state, key_of)
     for name, b in buffers.items():
         if name in keys:
             b.copy_(state[keys[name]])
+
+
+def _fill_masters(engine: ZeroEngine, state: Mapping[str, torch.Tensor], key_of: dict) -> None:
+    """Write the loaded values (their own precision, cast to the master dtype) into the master copies
+    that are not views of the parameters: each rank its master range of each flat group."""
+    sharded = engine.sharded
+    assert sharded is not None
+    for fi, (master, fg) in enumerate(zip(sharded.masters, sharded.groups)):
+        lo, hi = sharded.master_range(fi)
+        own = fg.flat if sharded.whole else fg.own_shard()
+        if own.data_ptr() == master.data_ptr():
+            continue  # the master is the parameter itself
+        for slot in fg.slots:
+            start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            key = key_of.get(slot.param)
+            if start < end and key is not None:
+                value = state[key].reshape(-1)[start - slot.offset:end - slot.offset]
+                master[start - lo:end - lo].copy_(value)

@@ -1,15 +1,17 @@
 """fp16 loss scaling with DeepSpeed's semantics and config names.
 
 Note [loss-scale semantics]
-    Written down in ``../shared/design-notes.md``; this is the same rule, step by step. The scaler
-    counts every optimizer step it is told about (``iteration``, clean or not). On an overflowing
-    step the step is skipped by the caller; here either one hysteresis credit is spent (scale
-    kept) or, when the credits are down to one, the scale halves (never below
-    ``min_loss_scale``; at the minimum, raise when ``raise_at_min_scale``). On a clean step the
-    credits refill at once with ``consecutive_hysteresis``; and whenever the clean steps since the
-    last overflow reach a multiple of ``loss_scale_window`` the scale doubles (and, without
-    ``consecutive_hysteresis``, the credits refill then). A static scale (``loss_scale > 0``)
-    never changes, but overflowing steps are still skipped: stepping on inf would destroy the
+    DeepSpeed 0.19's ``DynamicLossScaler.update_scale`` rule, step by step. The scaler counts
+    every optimizer step it is told about (``iteration``, from 0, clean or not; the last overflow
+    starts at -1). On an overflowing step the step is skipped by the caller; here either one
+    hysteresis credit is spent (scale kept) or, when the credits are down to one, the scale halves
+    (never below ``min_loss_scale``; at the minimum, raise when ``raise_at_min_scale``). On a clean
+    step the credits refill at once with ``consecutive_hysteresis``; and when
+    ``stable = iteration - last_overflow - 1`` (the clean steps before this one since the last
+    overflow) is positive and a multiple of ``loss_scale_window`` the scale doubles (and, without
+    ``consecutive_hysteresis``, the credits refill then): with a window of 2 the scale first
+    doubles on the third clean step. A static scale (``loss_scale > 0``) never changes and ignores
+    the dynamic knobs, but overflowing steps are still skipped: stepping on inf would destroy the
     weights.
 
 The scaler itself does no communication; :func:`any_rank` is how callers agree on an overflow.
@@ -30,7 +32,7 @@ from lightning_zero.core.comm import DataParallelComm
 
 @dataclass(frozen=True)
 class LossScalerConfig:
-    """DeepSpeed's ``fp16`` loss-scaler keys (``../shared/design-notes.md``).
+    """DeepSpeed's ``fp16`` loss-scaler keys (docs/precision.md).
 
     Args:
         loss_scale: 0 = dynamic loss scaling; > 0 = this fixed scale.
@@ -52,16 +54,26 @@ class LossScalerConfig:
     raise_at_min_scale: bool = False
 
     def __post_init__(self) -> None:
-        if self.loss_scale < 0:
-            raise ValueError(f"`loss_scale` must be 0 (dynamic) or a positive fixed scale, got {self.loss_scale!r}.")
+        # DeepSpeed's checks: the scale must be a finite number >= 0 and min_loss_scale finite, always;
+        # the dynamic-only knobs are checked only when the scale is dynamic (a static scale ignores them).
+        if isinstance(self.loss_scale, bool) or not math.isfinite(self.loss_scale) or self.loss_scale < 0:
+            raise ValueError(f"`loss_scale` must be a finite number: 0 (dynamic) or a positive fixed scale, got "
+                             f"{self.loss_scale!r}.")
+        if not math.isfinite(self.min_loss_scale):
+            raise ValueError(f"`min_loss_scale` must be a finite number, got {self.min_loss_scale!r}.")
+        if not self.dynamic:
+            return
         if not 0 <= self.initial_scale_power <= 63:
             raise ValueError(f"`initial_scale_power` must be in [0, 63], got {self.initial_scale_power!r}.")
         if self.loss_scale_window < 1:
-            raise ValueError(f"`loss_scale_window` must be >= 1 step, got {self.loss_scale_window!r}.")
+            raise ValueError(f"`loss_scale_window` must be >= 1 step with dynamic loss scaling (loss_scale=0), "
+                             f"got {self.loss_scale_window!r}.")
         if self.hysteresis < 1:
-            raise ValueError(f"`hysteresis` must be >= 1, got {self.hysteresis!r}.")
+            raise ValueError(f"`hysteresis` must be >= 1 with dynamic loss scaling (loss_scale=0), got "
+                             f"{self.hysteresis!r}.")
         if not self.min_loss_scale > 0:
-            raise ValueError(f"`min_loss_scale` must be positive, got {self.min_loss_scale!r}.")
+            raise ValueError(f"`min_loss_scale` must be positive with dynamic loss scaling (loss_scale=0), got "
+                             f"{self.min_loss_scale!r}.")
 
     @property
     def dynamic(self) -> bool:
@@ -107,7 +119,8 @@ class DynamicLossScaler:
         elif c.dynamic:
             if c.consecutive_hysteresis:
                 self.hysteresis_left = c.hysteresis
-            if (self.iteration - self.last_overflow_iteration) % c.loss_scale_window == 0:
+            stable = self.iteration - self.last_overflow_iteration - 1  # clean steps before this one
+            if stable > 0 and stable % c.loss_scale_window == 0:
                 if not c.consecutive_hysteresis:
                     self.hysteresis_left = c.hysteresis
                 self.scale *= 2.0

@@ -47,8 +47,9 @@ _ZERO_KEYS = {"stage": "stage", "reduce_bucket_size": "reduce_bucket_size", "ove
               "stage3_prefetch_bucket_size": "prefetch_bucket_size",
               "stage3_max_live_parameters": "max_live_parameters",
               "stage3_param_persistence_threshold": "param_persistence_threshold"}
+# DeepSpeed types min_loss_scale and loss_scale_window as integers (a fractional value is refused there too)
 _SCALER_KEYS = {"loss_scale": float, "initial_scale_power": int, "loss_scale_window": int, "hysteresis": int,
-                "consecutive_hysteresis": bool, "min_loss_scale": float}
+                "consecutive_hysteresis": bool, "min_loss_scale": int}
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,9 @@ def _check_offload(offload: OffloadConfig, stage: int) -> None:
 
 def _precision(root: _Section, given: dict[str, str]) -> tuple[str | None, LossScalerConfig | None,
                                                               torch.dtype | None, torch.dtype | None]:
+    nulls = [k for k in ("fp16", "bf16", "bfloat16") if k in root.data and root.data[k] is None]
+    if nulls:
+        raise ValueError(f"DeepSpeed config: `{nulls[0]}` is null. Give it an object, or leave it out.")
     fp16 = root.section("fp16")
     bf16 = root.section("bf16")
     alias = root.section("bfloat16")  # DeepSpeed's older name of the bf16 section
@@ -325,6 +329,8 @@ def _precision(root: _Section, given: dict[str, str]) -> tuple[str | None, LossS
     elif alias is not None:
         raise ValueError("DeepSpeed config: both `bf16` and `bfloat16` sections; keep one (`bf16`).")
     precision, scaler = None, None
+    for section in (fp16, bf16):
+        _refuse_nulls(section)
     fp16_on = fp16 is not None and fp16.get("enabled", bool, False)
     bf16_on = bf16 is not None and bf16.get("enabled", bool, False)
     if fp16_on and bf16_on:
@@ -333,15 +339,17 @@ def _precision(root: _Section, given: dict[str, str]) -> tuple[str | None, LossS
         knobs = {k: fp16.get(k, t) for k, t in _SCALER_KEYS.items()}
         fp16.noop({"auto_cast": (False,), "fp16_master_weights_and_grads": (False,)})
         fp16.finish()
+        set_knobs = {k: v for k, v in knobs.items() if v is not None}
+        try:  # DeepSpeed validates the section even when fp16 is off (the dynamic-only knobs only when in use)
+            # off: only loss_scale and min_loss_scale's finiteness (a static stand-in skips the dynamic checks)
+            checked = LossScalerConfig(**set_knobs) if fp16_on else LossScalerConfig(
+                loss_scale=set_knobs.get("loss_scale") or 1.0, min_loss_scale=set_knobs.get("min_loss_scale", 1))
+        except ValueError as err:
+            raise ValueError(f"DeepSpeed config: fp16: {err}") from err
         if fp16_on:
-            precision = "16-mixed"
+            precision, scaler = "16-mixed", checked
             given["precision.name"] = fp16.key("enabled")
-            set_knobs = {k: v for k, v in knobs.items() if v is not None}
             given.update({f"precision.{k}": fp16.key(k) for k in set_knobs})
-            try:
-                scaler = LossScalerConfig(**set_knobs)
-            except ValueError as err:
-                raise ValueError(f"DeepSpeed config: fp16: {err}") from err
     if bf16 is not None:
         bf16.noop({"immediate_grad_update": (True, False)})
         bf16.finish()
@@ -359,6 +367,14 @@ def _precision(root: _Section, given: dict[str, str]) -> tuple[str | None, LossS
     if grad_accum is not None:
         given["precision.grad_accum_dtype"] = "data_types.grad_accum_dtype"
     return precision, scaler, reduce_dtype, grad_accum
+
+
+def _refuse_nulls(section: _Section | None) -> None:
+    """DeepSpeed refuses ``null`` in its fp16 / bf16 sections (it is not "absent"): so do we."""
+    nulls = [section.key(k) for k, v in (section.data.items() if section is not None else ()) if v is None]
+    if nulls:
+        raise ValueError(f"DeepSpeed config: {', '.join(f'`{k}`' for k in nulls)} is null. Give a value, or leave "
+                         "the key out to get the default.")
 
 
 def _dtype(name: str | None, key: str) -> torch.dtype | None:

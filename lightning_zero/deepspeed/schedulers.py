@@ -22,14 +22,21 @@ Curves (``W = max(2, warmup_num_steps)``, ``T = total_num_steps``; ``g(t) = log(
   ``cycle_min_lr / (1 + decay_lr_rate * d / decay_step_size)`` with ``d = t - cycle_size + 1`` (no decay
   when ``decay_step_size`` or ``decay_lr_rate`` is 0). With ``cycle_momentum``, ``betas[0]`` moves the
   opposite way between ``cycle_max_mom`` and ``cycle_min_mom``.
-* ``LRRangeTest``: ``lr_range_test_min_lr * (1 + step_rate * t / step_size)`` (``floor`` of the
+  With ``cycle_first_stair_count`` / ``cycle_second_stair_count`` > 0 the scale of a half cycle moves
+  in that many stairs: ``floor(position * stairs / half) / stairs`` of the position in the cycle.
+* ``LRRangeTest``: ``lr_range_test_min_lr * (1 + step_rate * (t + 1) / step_size)`` (``floor`` of the
   quotient with ``staircase``).
 
-Deliberate differences from DeepSpeed, all outside the curves' normal range: before the first
-step ``WarmupCosineLR`` starts every group at ``warmup_min_ratio`` x its LR (DeepSpeed sets only the
-first group, to 0.0); ``WarmupCosineLR`` stays at ``cos_min_ratio`` after ``total_num_steps``
-(DeepSpeed's cosine rises again); ``OneCycle`` keeps each group's ``betas[1]`` (DeepSpeed overwrites it
-with 0.99). A ``total_num_steps`` not above the warmup length is warned about, as DeepSpeed does.
+``last_batch_iteration`` (every schedule, default -1) is DeepSpeed's resume point: the schedule
+continues from DeepSpeed iteration ``last_batch_iteration`` instead of -1, i.e. the first optimizer
+step runs with the LR of that iteration and the next with the following one. (DeepSpeed leaves the
+optimizer's LR untouched until the first ``step()`` then; here the optimizer starts at the LR that
+iteration's ``step()`` left, which is what a resumed DeepSpeed optimizer holds.) ``WarmupLR``'s
+``warmup_max_lr`` defaults, as DeepSpeed's, to each param group's own LR.
+
+Deliberate differences from DeepSpeed: ``OneCycle`` keeps each group's ``betas[1]`` (DeepSpeed
+overwrites it with 0.99); an unknown ``warmup_type`` is an error (DeepSpeed warns and uses
+``"log"``). A ``total_num_steps`` not above the warmup length is warned about, as DeepSpeed does.
 """
 
 from __future__ import annotations
@@ -46,6 +53,20 @@ from torch.optim.lr_scheduler import LRScheduler
 _WARMUP_TYPES = ("log", "linear")
 
 
+def _start(last_batch_iteration: int) -> int:
+    """DeepSpeed iterations already done before this schedule starts (``last_batch_iteration + 1``)."""
+    if isinstance(last_batch_iteration, bool) or not isinstance(last_batch_iteration, int) or last_batch_iteration < -1:
+        raise ValueError(f"`last_batch_iteration` must be an integer >= -1 (-1: start from the beginning), got "
+                         f"{last_batch_iteration!r}.")
+    return last_batch_iteration + 1
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    return value
+
+
 def _per_group(value: float | Sequence[float], optimizer: Optimizer, name: str) -> list[float]:
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
@@ -57,6 +78,8 @@ def _per_group(value: float | Sequence[float], optimizer: Optimizer, name: str) 
 class DeepSpeedSchedule(LRScheduler):
     """Base: DeepSpeed's per-iteration curve, driven by PyTorch's ``last_epoch`` (see the module docs)."""
 
+    start: int = 0  # last_batch_iteration + 1 (set by each subclass before LRScheduler.__init__)
+
     def lr_at(self, t: int) -> list[float]:
         """The LR of each param group at DeepSpeed iteration ``t`` (``-1``: before the first ``step()``)."""
         raise NotImplementedError
@@ -64,7 +87,7 @@ class DeepSpeedSchedule(LRScheduler):
     @property
     def iteration(self) -> int:
         """DeepSpeed's ``last_batch_iteration`` equivalent."""
-        return self.last_epoch - 1
+        return self.last_epoch - 1 + self.start
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
         return self.lr_at(self.iteration)
@@ -74,9 +97,7 @@ class _Warmup(DeepSpeedSchedule):
     def _init_warmup(self, warmup_num_steps: int, warmup_type: str) -> None:
         if warmup_type not in _WARMUP_TYPES:
             raise ValueError(f"`warmup_type` must be one of {list(_WARMUP_TYPES)}, got {warmup_type!r}.")
-        if warmup_num_steps < 0:
-            raise ValueError(f"`warmup_num_steps` must be >= 0, got {warmup_num_steps}.")
-        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        self.warmup_num_steps = max(2, _positive_int(warmup_num_steps, "warmup_num_steps"))
         self.warmup_type = warmup_type
 
     def _warmup_fraction(self, t: int) -> float:
@@ -92,11 +113,15 @@ class _Warmup(DeepSpeedSchedule):
 
 
 class WarmupLR(_Warmup):
-    """DeepSpeed's ``WarmupLR``: from ``warmup_min_lr`` to ``warmup_max_lr`` (log or linear), then constant."""
+    """DeepSpeed's ``WarmupLR``: from ``warmup_min_lr`` to ``warmup_max_lr`` (log or linear), then constant.
+    ``warmup_max_lr=None`` (the default) warms each param group up to its own LR."""
 
     def __init__(self, optimizer: Optimizer, warmup_min_lr: float | Sequence[float] = 0.0,
-                 warmup_max_lr: float | Sequence[float] = 0.001, warmup_num_steps: int = 1000,
-                 warmup_type: str = "log", last_epoch: int = -1) -> None:
+                 warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_batch_iteration: int = -1, last_epoch: int = -1) -> None:
+        self.start = _start(last_batch_iteration)
+        if warmup_max_lr is None:
+            warmup_max_lr = [float(group["lr"]) for group in optimizer.param_groups]
         self.min_lrs = _per_group(warmup_min_lr, optimizer, "warmup_min_lr")
         self.max_lrs = _per_group(warmup_max_lr, optimizer, "warmup_max_lr")
         self._init_warmup(warmup_num_steps, warmup_type)
@@ -118,11 +143,12 @@ class WarmupDecayLR(WarmupLR):
 
     def __init__(self, optimizer: Optimizer, total_num_steps: int, warmup_min_lr: float | Sequence[float] = 0.0,
                  warmup_max_lr: float | Sequence[float] = 0.001, warmup_num_steps: int = 1000,
-                 warmup_type: str = "log", last_epoch: int = -1) -> None:
+                 warmup_type: str = "log", last_batch_iteration: int = -1, last_epoch: int = -1) -> None:
         self.total_num_steps = int(total_num_steps)
         self._init_warmup(warmup_num_steps, warmup_type)
         self._check_total(self.total_num_steps)
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_epoch)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration,
+                         last_epoch)
 
     def _gamma(self, t: int) -> float:
         if t < self.warmup_num_steps:
@@ -135,7 +161,8 @@ class WarmupCosineLR(_Warmup):
 
     def __init__(self, optimizer: Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
-                 last_epoch: int = -1) -> None:
+                 last_batch_iteration: int = -1, last_epoch: int = -1) -> None:
+        self.start = _start(last_batch_iteration)
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
@@ -144,9 +171,9 @@ class WarmupCosineLR(_Warmup):
         super().__init__(optimizer, last_epoch)
 
     def ratio_at(self, t: int) -> float:
-        """The factor on the optimizer's LR at DeepSpeed iteration ``t``."""
+        """The factor on the optimizer's LR at DeepSpeed iteration ``t`` (0 before the first step, as DeepSpeed)."""
         if t < 0:
-            return self.warmup_min_ratio
+            return 0.0
         if t < self.warmup_num_steps:
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * self._warmup_fraction(t)
         span = max(1, self.total_num_steps - self.warmup_num_steps)
@@ -165,28 +192,43 @@ class OneCycle(DeepSpeedSchedule):
                  cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
                  cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
                  decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
-                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, last_epoch: int = -1) -> None:
-        # the stair counts are accepted for compatibility; DeepSpeed's curve does not use them either
+                 cycle_max_mom: float | Sequence[float] = 0.9, decay_mom_rate: float = 0.0,
+                 last_batch_iteration: int = -1, last_epoch: int = -1) -> None:
+        self.start = _start(last_batch_iteration)
         first = float(cycle_first_step_size)
         second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
-        if first <= 0 or second <= 0:
-            raise ValueError("`cycle_first_step_size` and `cycle_second_step_size` must be positive.")
+        if first <= 0 or second < 0:
+            raise ValueError(f"`cycle_first_step_size` must be positive and `cycle_second_step_size` >= 0, got "
+                             f"{cycle_first_step_size!r} and {cycle_second_step_size!r}.")
+        self.first_size, self.second_size = first, second
+        self.first_stairs = int(cycle_first_stair_count)
+        self.second_stairs = self.first_stairs if cycle_second_stair_count is None else int(cycle_second_stair_count)
+        if self.first_stairs < 0 or self.second_stairs < 0:
+            raise ValueError("`cycle_first_stair_count` and `cycle_second_stair_count` must be >= 0 (0: no stairs).")
         self.total_size = first + second
         self.step_ratio = first / self.total_size
         self.min_lrs = _per_group(cycle_min_lr, optimizer, "cycle_min_lr")
         self.max_lrs = _per_group(cycle_max_lr, optimizer, "cycle_max_lr")
         self.decay_lr_rate, self.decay_mom_rate = float(decay_lr_rate), float(decay_mom_rate)
         self.decay_step_size = decay_step_size
-        self.skip_lr_decay = decay_step_size == 0 or self.decay_lr_rate == 0
-        self.skip_mom_decay = decay_step_size == 0 or self.decay_mom_rate == 0
+        self.skip_lr_decay = math.isclose(decay_step_size, 0) or math.isclose(self.decay_lr_rate, 0)
+        self.skip_mom_decay = math.isclose(decay_step_size, 0) or math.isclose(self.decay_mom_rate, 0)
         self.cycle_momentum = bool(cycle_momentum) and all("betas" in g for g in optimizer.param_groups)
-        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        self.min_moms = _per_group(cycle_min_mom, optimizer, "cycle_min_mom")
+        self.max_moms = _per_group(cycle_max_mom, optimizer, "cycle_max_mom")
         super().__init__(optimizer, last_epoch)
 
     def _scale(self, t: int) -> float:
         x = (t + 1) / self.total_size
         x = 1.0 + x - math.floor(1.0 + x)
-        return x / self.step_ratio if x <= self.step_ratio else (x - 1.0) / (self.step_ratio - 1.0)
+        rising = x <= self.step_ratio
+        stairs = self.first_stairs if rising else self.second_stairs
+        if stairs > 0:  # flat stairs, from the integer position in the cycle (no float rounding at the peak)
+            position = (t + 1) % self.total_size
+            up = position <= self.first_size
+            part = position / self.first_size if up else (self.total_size - position) / self.second_size
+            return math.floor(part * stairs) / stairs
+        return x / self.step_ratio if rising else (x - 1.0) / (self.step_ratio - 1.0)
 
     def lr_at(self, t: int) -> list[float]:
         if t < 0:
@@ -199,21 +241,22 @@ class OneCycle(DeepSpeedSchedule):
         factor = 1.0 + self.decay_lr_rate * (t - self.total_size + 1) / self.decay_step_size
         return [lo / factor for lo in self.min_lrs]
 
-    def momentum_at(self, t: int) -> float:
-        """``betas[0]`` at DeepSpeed iteration ``t``."""
+    def momentum_at(self, t: int) -> list[float]:
+        """``betas[0]`` of each param group at DeepSpeed iteration ``t``."""
         if t < 0:
-            return self.min_mom
+            return list(self.min_moms)
         if t < self.total_size:
-            return self.max_mom - (self.max_mom - self.min_mom) * self._scale(t)
+            s = self._scale(t)
+            return [hi - (hi - lo) * s for lo, hi in zip(self.min_moms, self.max_moms)]
         if self.skip_mom_decay:
-            return self.max_mom
-        return self.max_mom * (1.0 + self.decay_mom_rate * (t - self.total_size + 1) / self.decay_step_size)
+            return list(self.max_moms)
+        factor = 1.0 + self.decay_mom_rate * (t - self.total_size + 1) / self.decay_step_size
+        return [hi * factor for hi in self.max_moms]
 
     def step(self, epoch: int | None = None) -> None:
         super().step(epoch)
         if self.cycle_momentum:
-            momentum = self.momentum_at(self.iteration)
-            for group in self.optimizer.param_groups:
+            for group, momentum in zip(self.optimizer.param_groups, self.momentum_at(self.iteration)):
                 group["betas"] = (momentum, *tuple(group["betas"])[1:])
 
 
@@ -222,9 +265,9 @@ class LRRangeTest(DeepSpeedSchedule):
 
     def __init__(self, optimizer: Optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
                  lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
-                 lr_range_test_staircase: bool = False, last_epoch: int = -1) -> None:
-        if lr_range_test_step_size <= 0:
-            raise ValueError("`lr_range_test_step_size` must be positive.")
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1, last_epoch: int = -1) -> None:
+        self.start = _start(last_batch_iteration)
+        _positive_int(lr_range_test_step_size, "lr_range_test_step_size")
         self.min_lrs = _per_group(lr_range_test_min_lr, optimizer, "lr_range_test_min_lr")
         self.step_size, self.step_rate = lr_range_test_step_size, float(lr_range_test_step_rate)
         self.staircase = bool(lr_range_test_staircase)
@@ -233,7 +276,7 @@ class LRRangeTest(DeepSpeedSchedule):
     def lr_at(self, t: int) -> list[float]:
         if t < 0:
             return list(self.min_lrs)
-        interval = t / self.step_size
+        interval = (t + 1) / self.step_size
         factor = 1.0 + self.step_rate * (math.floor(interval) if self.staircase else interval)
         return [lo * factor for lo in self.min_lrs]
 
@@ -265,6 +308,11 @@ def check_scheduler_params(name: str, params: dict[str, Any]) -> None:
     missing = [p for p in required if p not in params and p != "total_num_steps"]
     if missing:
         raise ValueError(f"scheduler.params of {name}: missing {missing}.")
+    if "last_batch_iteration" in params:
+        try:
+            _start(params["last_batch_iteration"])
+        except ValueError as err:
+            raise ValueError(f"scheduler.params of {name}: {err}") from err
 
 
 def build_scheduler(name: str, params: dict[str, Any], optimizer: Optimizer,

@@ -84,10 +84,18 @@ def build_precision_plugin(ds: DeepSpeedConfig, default: str | None = None) -> Z
     return None if args is None else ZeroPrecision(args[0], **args[1])
 
 
+def _shown(value: Any) -> str:
+    """A value for an error message: never an ``<... object at 0x...>`` repr."""
+    if isinstance(value, Precision):
+        return repr(str(getattr(value, "precision", type(value).__name__)))
+    text = repr(value)
+    return f"a {type(value).__name__}" if " object at 0x" in text else text
+
+
 def _conflict(ds: DeepSpeedConfig, setting: str, json_value: Any, other: str, other_value: Any) -> str:
     key = ds.given.get(setting, setting)
     said = f"{key}=true (precision={json_value!r})" if setting == "precision.name" else f"{key}={json_value!r}"
-    return f"the DeepSpeed config {ds.source} sets {said}, but {other}={other_value!r}. Set it in one place."
+    return f"the DeepSpeed config {ds.source} sets {said}, but {other}={_shown(other_value)}. Set it in one place."
 
 
 def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,6 +121,10 @@ def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[s
     problems = [_conflict(ds, f"zero.{n}", getattr(ds.zero, n), n, v) for n, v in user.items()
                 if f"zero.{n}" in ds.given and getattr(ds.zero, n) != v]
     precision, plugin = rest.pop("precision", None), rest.pop("precision_plugin", None)
+    if isinstance(precision, Precision):  # ZeroStrategy(precision=ZeroPrecision(...)) passes the plugin itself
+        if plugin is not None:
+            raise ValueError("pass the precision plugin once: `precision=` or `precision_plugin=`, not both.")
+        precision, plugin = None, precision
     wanted = getattr(plugin, "precision", None) if plugin is not None else precision
     if ds.precision is not None and wanted is not None and str(wanted) != ds.precision:
         problems.append(_conflict(ds, "precision.name", ds.precision,
