@@ -1,6 +1,10 @@
-"""Real experiments for lightning_zero: a byte-level GPT on the Python stdlib source, and a small MLP."""
+"""Real experiments for lightning_zero: a byte-level GPT on the Python stdlib source, and a small MLP.
 
-from experiments.data import (
+The models and data live in :mod:`lightning_zero.models` (the CLI builds them); this package keeps
+their old import paths (``experiments``, ``experiments.gpt``, ``experiments.mlp``, ``experiments.data``).
+"""
+
+from lightning_zero.models.data import (
     DeterministicShardSampler,
     RandomTokenDataset,
     TextDataModule,
@@ -9,8 +13,8 @@ from experiments.data import (
     markov_corpus,
     split_corpus,
 )
-from experiments.gpt import GPT, GPT_PRESETS, GPTConfig, GPTLightningModule, count_parameters
-from experiments.mlp import MLPClassifier, TeacherDataModule, teacher_dataset
+from lightning_zero.models.gpt import GPT, GPT_PRESETS, GPTConfig, GPTLightningModule, count_parameters
+from lightning_zero.models.mlp import MLPClassifier, TeacherDataModule, teacher_dataset
 
 __all__ = [
     "GPT",

@@ -1,0 +1,293 @@
+"""Byte-level text corpus, datasets, a deterministic rank-aware sampler and a LightningDataModule.
+
+The default corpus is the Python standard library's own source (present on every machine, no
+download). Tokenisation is the identity on bytes (vocabulary 256).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+VOCAB_SIZE = 256
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+
+
+def stdlib_path() -> Path:
+    """Directory of the running interpreter's pure-Python standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_corpus_files(path: str | os.PathLike[str] | None = None, pattern: str | None = None) -> list[Path]:
+    """Files making up a corpus, in sorted (deterministic) relative-path order.
+
+    ``path=None`` means the standard library (``*.py``, skipping ``site-packages`` and ``test``/``tests``
+    directories). A file path is returned as is; a directory is searched recursively for ``pattern``
+    (default ``*.py`` for the standard library, ``*`` otherwise), skipping the same directories.
+    """
+    root = stdlib_path() if path is None else Path(path)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise FileNotFoundError(f"corpus path {root} does not exist")
+    pattern = pattern or ("*.py" if path is None else "*")
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        found.extend(Path(dirpath, f) for f in filenames if Path(f).match(pattern))
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def load_corpus(
+    path: str | os.PathLike[str] | None = None, max_bytes: int | None = 8_000_000, pattern: str | None = None
+) -> torch.Tensor:
+    """Concatenate the corpus files (newline separated) into a 1-D ``uint8`` tensor of at most ``max_bytes``.
+
+    Unreadable files are skipped; reading stops as soon as the cap is reached, so start-up is fast.
+    """
+    chunks: list[bytes] = []
+    total = 0
+    for file in list_corpus_files(path, pattern):
+        if max_bytes is not None and total >= max_bytes:
+            break
+        try:
+            raw = file.read_bytes()
+        except OSError:
+            continue
+        if raw:
+            chunks.append(raw + b"\n")
+            total += len(raw) + 1
+    data = b"".join(chunks)[:max_bytes]
+    if len(data) < 2:
+        raise ValueError(f"corpus at {path or stdlib_path()} is empty")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def markov_corpus(num_bytes: int, seed: int = 0, branching: int = 4) -> torch.Tensor:
+    """A synthetic, learnable byte stream: a seeded Markov chain where each byte has ``branching`` successors.
+
+    Its entropy rate is at most ``log(branching)`` nats, far below ``log(256)``, so a model learns it fast.
+    """
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, VOCAB_SIZE, (VOCAB_SIZE, branching), generator=g)
+    choices = torch.randint(0, branching, (num_bytes,), generator=g).tolist()
+    table = successors.tolist()
+    out = [int(torch.randint(0, VOCAB_SIZE, (1,), generator=g))]
+    for c in choices[1:]:
+        out.append(table[out[-1]][c])
+    return torch.tensor(out, dtype=torch.uint8)
+
+
+def split_corpus(data: torch.Tensor, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split into (train, validation); the validation part is the last ``val_fraction`` of the bytes."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError("val_fraction must be in [0, 1)")
+    n_val = int(len(data) * val_fraction)
+    return data[: len(data) - n_val], data[len(data) - n_val :]
+
+
+class TokenChunkDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Contiguous chunks of ``seq_len + 1`` bytes at stride ``seq_len``; item = (inputs, inputs shifted by 1)."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, max_samples: int | None = None) -> None:
+        self.data = data
+        self.seq_len = seq_len
+        n = max(0, (len(data) - 1) // seq_len)
+        if max_samples is not None and n > max_samples:
+            self.starts = torch.linspace(0, n - 1, max_samples).long() * seq_len  # evenly spread subset
+        else:
+            self.starts = torch.arange(n) * seq_len
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = int(self.starts[i])
+        chunk = self.data[s : s + self.seq_len + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+class RandomTokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Tiny uniformly random token sequences, fully determined by ``seed`` (for shape/throughput tests)."""
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab_size, (num_samples, seq_len + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
+class DeterministicShardSampler(DistributedSampler):
+    """Seeded, epoch-dependent, rank-sharded sampler.
+
+    Each epoch the indices are permuted with ``torch.Generator().manual_seed(seed + epoch)`` (or kept in
+    order if ``shuffle=False``), cut to a multiple of ``num_replicas`` (``drop_last``) or padded by
+    wrapping around, and rank ``r`` takes positions ``r, r + W, r + 2W, ...``. Ranks are therefore
+    disjoint and together cover the (trimmed) permutation, and the union of the ranks' ``k``-th
+    micro-batches of size ``B`` is exactly the ``k``-th batch of size ``W * B`` of a single-process run:
+    runs with different world sizes see the same global batches. It subclasses ``DistributedSampler``
+    so Lightning neither replaces nor re-wraps it, and calls ``set_epoch`` on it every epoch.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} not in [0, {num_replicas})")
+        # deliberately not calling DistributedSampler.__init__: it needs a dataset and may query dist
+        self.dataset_len = dataset_len
+        self.dataset = range(dataset_len)  # for code that inspects ``sampler.dataset``
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        if drop_last:
+            self.num_samples = dataset_len // num_replicas
+        else:
+            self.num_samples = math.ceil(dataset_len / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def global_order(self) -> list[int]:
+        """The epoch's global index order (length ``total_size``) before sharding."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        if self.total_size > len(order) and order:
+            reps = math.ceil(self.total_size / len(order))
+            order = (order * reps)[: self.total_size]
+        return order[: self.total_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.global_order()[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose permutation is used next."""
+        self.epoch = epoch
+
+
+def trainer_shard(module: LightningDataModule) -> tuple[int, int]:
+    """(num_replicas, rank) of the data-parallel group from the attached trainer; (1, 0) without one."""
+    trainer = getattr(module, "trainer", None)
+    if trainer is None:
+        return 1, 0
+    kwargs = getattr(trainer, "distributed_sampler_kwargs", None)
+    if kwargs:
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+    return int(trainer.world_size), int(trainer.global_rank)
+
+
+class TextDataModule(LightningDataModule):
+    """Byte-level language-modelling data: stdlib source (default), a user file/directory, or synthetic.
+
+    Args:
+        seq_len: tokens per sample (inputs); each sample reads ``seq_len + 1`` bytes.
+        micro_batch_size: per-process batch size.
+        num_workers: DataLoader workers.
+        max_bytes: cap on the corpus size (bytes) read from disk.
+        path: corpus file or directory; ``None`` = the Python standard library.
+        val_fraction: last fraction of the corpus held out for validation.
+        seed: seed of the train order (and of the synthetic corpus).
+        deterministic_order: use :class:`DeterministicShardSampler` for training (exactly reproducible,
+            world-size-consistent global batches) instead of Lightning's injected shuffled sampler.
+        max_val_samples: evaluate on at most this many evenly spaced validation chunks (``None`` = all).
+        synthetic: use :func:`markov_corpus` (``max_bytes`` bytes) instead of files.
+        pattern: filename glob for directory corpora.
+    """
+
+    def __init__(
+        self,
+        seq_len: int = 128,
+        micro_batch_size: int = 8,
+        num_workers: int = 0,
+        max_bytes: int | None = 8_000_000,
+        path: str | None = None,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        deterministic_order: bool = False,
+        max_val_samples: int | None = 128,
+        synthetic: bool = False,
+        pattern: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.num_workers = num_workers
+        self.max_bytes = max_bytes
+        self.path = path
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.deterministic_order = deterministic_order
+        self.max_val_samples = max_val_samples
+        self.synthetic = synthetic
+        self.pattern = pattern
+        self.train_dataset: TokenChunkDataset | None = None
+        self.val_dataset: TokenChunkDataset | None = None
+        self.vocab_size = VOCAB_SIZE
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load and split the corpus (idempotent)."""
+        if self.train_dataset is not None:
+            return
+        if self.synthetic:
+            data = markov_corpus(self.max_bytes or 1_000_000, seed=self.seed)
+        else:
+            data = load_corpus(self.path, self.max_bytes, self.pattern)
+        train, val = split_corpus(data, self.val_fraction)
+        self.train_dataset = TokenChunkDataset(train, self.seq_len)
+        self.val_dataset = TokenChunkDataset(val, self.seq_len, self.max_val_samples)
+
+    def _loader(self, dataset: Dataset, sampler: DistributedSampler | None, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.micro_batch_size,
+            sampler=sampler,
+            shuffle=shuffle if sampler is None else False,
+            num_workers=self.num_workers,
+            drop_last=shuffle,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Training loader; with ``deterministic_order`` it carries its own rank-aware sampler."""
+        self.setup("fit")
+        assert self.train_dataset is not None
+        sampler = None
+        if self.deterministic_order:
+            world, rank = trainer_shard(self)
+            sampler = DeterministicShardSampler(len(self.train_dataset), world, rank, True, self.seed)
+        return self._loader(self.train_dataset, sampler, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation loader (in order; with ``deterministic_order`` sharded by our sampler, padded)."""
+        self.setup("validate")
+        assert self.val_dataset is not None
+        sampler = None
+        if self.deterministic_order:
+            world, rank = trainer_shard(self)
+            sampler = DeterministicShardSampler(len(self.val_dataset), world, rank, False, drop_last=False)
+        return self._loader(self.val_dataset, sampler, shuffle=False)

@@ -1,0 +1,294 @@
+"""A nanoGPT-style byte-level decoder LM and its LightningModule.
+
+Blocks live in ``GPT.blocks`` (an ``nn.ModuleList``) so that ZeRO stage 3 can gather parameters one block
+at a time. Presets are in :data:`GPT_PRESETS`; :func:`count_parameters` counts on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a :class:`GPT`. ``seq_len`` is the maximum context (size of the position embedding)."""
+
+    vocab_size: int = 256
+    seq_len: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+
+
+# Parameter counts (tied weights, vocab 256) are listed in the comments; see tests/test_experiments.py.
+GPT_PRESETS: dict[str, GPTConfig] = {
+    "gpt_tiny": GPTConfig(seq_len=64, n_layer=2, n_head=4, n_embd=64),  # 0.12M
+    "gpt_1m": GPTConfig(seq_len=256, n_layer=5, n_head=4, n_embd=128),  # 1.06M
+    "gpt_small": GPTConfig(seq_len=256, n_layer=8, n_head=8, n_embd=256),  # 6.4M
+    "gpt_20m": GPTConfig(seq_len=512, n_layer=12, n_head=6, n_embd=384),  # 21.6M
+    "gpt_50m": GPTConfig(seq_len=1024, n_layer=16, n_head=8, n_embd=512),  # 51.1M
+    "gpt_125m": GPTConfig(seq_len=1024, n_layer=18, n_head=12, n_embd=768),  # 128.6M
+    "gpt_350m": GPTConfig(seq_len=1024, n_layer=28, n_head=16, n_embd=1024),  # 354.0M
+    "gpt_1b": GPTConfig(seq_len=1024, n_layer=20, n_head=16, n_embd=2048),  # 1.01B
+}
+
+
+def resolve_config(model: GPTConfig | str | dict[str, Any], overrides: dict[str, Any] | None = None) -> GPTConfig:
+    """A :class:`GPTConfig` from a preset name, a config or a plain dict, with optional field overrides."""
+    if isinstance(model, str):
+        if model not in GPT_PRESETS:
+            raise KeyError(f"unknown GPT preset {model!r}; choose from {sorted(GPT_PRESETS)}")
+        config = GPT_PRESETS[model]
+    elif isinstance(model, GPTConfig):
+        config = model
+    else:
+        config = GPTConfig(**dict(model))
+    return replace(config, **(overrides or {}))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention via ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if config.n_embd % config.n_head:
+            raise ValueError("n_embd must be divisible by n_head")
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: Linear(4x) -> GELU -> Linear."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only LM: token + learned position embeddings, ``blocks``, final LN, (tied) LM head."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.seq_len, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        resid_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, std=resid_std)
+            nn.init.normal_(block.mlp.proj.weight, std=resid_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch, time, vocab)`` for token ids ``idx`` of shape ``(batch, time)``."""
+        t = idx.size(1)
+        if t > self.config.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.config.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def count_parameters(config: GPTConfig | str | dict[str, Any]) -> int:
+    """Number of distinct parameters (tied weights counted once), built on the meta device."""
+    with torch.device("meta"):
+        model = GPT(resolve_config(config))
+    return sum(p.numel() for p in model.parameters())
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two optimizer groups: decay for weight matrices/token embedding; none for biases, norms, positions.
+
+    The split is by module type and name (not tensor rank), so it survives parameter flattening.
+    """
+    no_decay: set[str] = set()
+    for mod_name, module in model.named_modules():
+        for p_name, _ in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if isinstance(module, nn.LayerNorm) or p_name == "bias" or mod_name == "pos_emb":
+                no_decay.add(full)
+    params = dict(model.named_parameters())  # de-duplicates tied weights
+    return [
+        {"params": [p for n, p in params.items() if n not in no_decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in params.items() if n in no_decay], "weight_decay": 0.0},
+    ]
+
+
+def lr_lambda(kind: str | None, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
+    """Multiplier ``step -> factor`` for ``LambdaLR``: linear warmup then constant/cosine/linear decay."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind in (None, "none", "constant"):
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+        return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+    return factor
+
+
+class GPTLightningModule(LightningModule):
+    """Language-model training of :class:`GPT` with AdamW/Adam/SGD and an optional warmup/decay schedule.
+
+    Args:
+        model: preset name (see :data:`GPT_PRESETS`), :class:`GPTConfig` or a dict of its fields.
+        lr: peak learning rate.
+        weight_decay: decay of the decayed group (see :func:`param_groups`).
+        betas: Adam betas; for SGD, ``betas[0]`` is the momentum.
+        warmup_steps: linear warmup steps (0 = none).
+        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``.
+        scheduler: ``None``/``"constant"`` (warmup only), ``"cosine"`` or ``"linear"`` decay.
+        lr_decay_steps: decay horizon; default ``trainer.max_steps`` (or the estimated stepping batches).
+        min_lr_ratio: final LR as a fraction of ``lr`` for the decaying schedules.
+        model_overrides: ``GPTConfig`` fields replacing the preset's (e.g. ``{"seq_len": 128}``).
+        build_in_configure_model: build the network in :meth:`configure_model` (sharded construction).
+    """
+
+    def __init__(
+        self,
+        model: GPTConfig | str | dict[str, Any] = "gpt_small",
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] | list[float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+        optimizer: str = "adamw",
+        scheduler: str | None = None,
+        lr_decay_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        model_overrides: dict[str, Any] | None = None,
+        build_in_configure_model: bool = False,
+    ) -> None:
+        super().__init__()
+        if optimizer not in ("adamw", "adam", "sgd"):
+            raise ValueError(f"unknown optimizer {optimizer!r}")
+        if scheduler not in (None, "none", "constant", "cosine", "linear"):
+            raise ValueError(f"unknown scheduler {scheduler!r}")
+        self.config = resolve_config(model, model_overrides)
+        self.save_hyperparameters(
+            {
+                "model": model if isinstance(model, str) else asdict(resolve_config(model)),
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "betas": [float(b) for b in betas],
+                "warmup_steps": warmup_steps,
+                "optimizer": optimizer,
+                "scheduler": scheduler,
+                "lr_decay_steps": lr_decay_steps,
+                "min_lr_ratio": min_lr_ratio,
+                "model_overrides": dict(model_overrides) if model_overrides else None,
+                "build_in_configure_model": build_in_configure_model,
+            }
+        )
+        self.model: GPT | None = None if build_in_configure_model else GPT(self.config)
+
+    def configure_model(self) -> None:
+        """Build the network if not built yet (idempotent); runs inside the strategy's init context."""
+        if self.model is None:
+            self.model = GPT(self.config)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits for token ids ``idx``."""
+        if self.model is None:
+            raise RuntimeError("model not built yet: call configure_model() first")
+        return self.model(idx)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats) of an ``(inputs, targets)`` batch."""
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch[0].size(0))
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch[0].size(0))
+        return loss
+
+    def _decay_horizon(self) -> int:
+        hp = self.hparams
+        if hp.lr_decay_steps:
+            return int(hp.lr_decay_steps)
+        if self._trainer is not None and self.trainer.max_steps > 0:
+            return int(self.trainer.max_steps)
+        if self._trainer is not None and math.isfinite(self.trainer.estimated_stepping_batches):
+            return int(self.trainer.estimated_stepping_batches)
+        raise ValueError("set lr_decay_steps (or Trainer.max_steps) for a decaying LR schedule")
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        groups = param_groups(self.model, hp.weight_decay)
+        if hp.optimizer == "sgd":
+            opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.betas[0])
+        else:
+            cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
+            opt = cls(groups, lr=hp.lr, betas=tuple(hp.betas))
+        if hp.scheduler in (None, "none", "constant") and hp.warmup_steps <= 0:
+            return opt
+        total = self._decay_horizon() if hp.scheduler in ("cosine", "linear") else 0
+        fn = lr_lambda(hp.scheduler, hp.warmup_steps, total, hp.min_lr_ratio)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
