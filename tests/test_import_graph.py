@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.testing",
     )),
     ("tools", (
-        "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimate", "lightning_zero.advisor",
+        "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator", "lightning_zero.advisor",
         "lightning_zero.__main__", "lightning_zero",
     )),
 )
