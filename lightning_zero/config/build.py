@@ -29,6 +29,7 @@ from lightning_zero.config.schema import (
 )
 from lightning_zero.config.validate import import_object, zero_config
 from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.monitoring import ProfilerWindow, log_hyperparams
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
@@ -54,8 +55,8 @@ def build_deepspeed_strategy(cfg: TrainConfig) -> ZeroStrategy:
     """The ranks' strategy for a merged, typed config with ``deepspeed_config``: the Hydra-side strategy
     arguments (equal to the JSON's wherever the JSON sets a value, after
     :func:`~lightning_zero.config.deepspeed.apply_deepspeed_config`) as overrides of
-    ``ZeroStrategy.from_deepspeed_config``, whose optimizer / scheduler sections replace the model's."""
-    return ZeroStrategy.from_deepspeed_config(cfg.deepspeed_config, strict=cfg.deepspeed_strict,
+    ``DeepSpeedZeroStrategy.from_deepspeed_config``, whose optimizer / scheduler sections replace the model's."""
+    return DeepSpeedZeroStrategy.from_deepspeed_config(cfg.deepspeed_config, strict=cfg.deepspeed_strict,
                                               optimizer_source="config", **strategy_kwargs(cfg))
 
 

@@ -17,7 +17,7 @@ Precedence (also in ``docs/deepspeed_config.md``):
   ``model.min_lr_ratio``) may not be given on the command line with it.
 
 The merged config is what the ranks read (``config.yaml``); it keeps ``deepspeed_config`` (made
-absolute), from which each rank builds the strategy with ``ZeroStrategy.from_deepspeed_config``.
+absolute), from which each rank builds the strategy with ``DeepSpeedZeroStrategy.from_deepspeed_config``.
 """
 
 from __future__ import annotations
