@@ -165,11 +165,10 @@ class ZeroStateMixin:
     @property
     def _writes_shards(self) -> bool:
         """Whether save_checkpoint writes the sharded format from the engine's shards."""
-        fmt = self.checkpoint_format
-        sharded = fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
-        return sharded and self._engine is not None and self.zero_config.stage >= 1
+        return self._sharded_format() and self._engine is not None and self.zero_config.stage >= 1
 
     def _sharded_format(self) -> bool:
+        """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1)."""
         fmt = self.checkpoint_format
         return fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
 

@@ -20,9 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.stage3 import Stage3Runtime
 
@@ -47,16 +44,15 @@ class JoinedEvalLoader:
             local = len(dataloader)
         except TypeError:
             local = -1
-        lengths = torch.tensor([local, -local], dtype=torch.int64, device=comm.device)
-        dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=comm.group)
-        if -lengths[1].item() < 0:
+        longest, shortest = comm.extremes(local)
+        if shortest < 0:
             raise NotImplementedError(
                 "ZeRO stage 3 evaluates with collectives inside every forward, so every rank must know how many "
                 "evaluation batches the others have, and an evaluation dataloader here has no length on some rank "
                 "(an IterableDataset?). Give the dataset a `__len__`, or evaluate after fit with `trainer.validate` "
                 "(which does not partition), or use ZeRO stage 0-2."
             )
-        self._length = int(lengths[0].item())  # the longest rank's
+        self._length = longest
 
     def __len__(self) -> int:
         return self._length
