@@ -23,11 +23,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.strategy", "lightning_zero.strategy_state", "lightning_zero.precision",
         "lightning_zero.callbacks", "lightning_zero.monitoring", "lightning_zero.checkpoint",
         "lightning_zero.deepspeed", "lightning_zero.uneven", "lightning_zero.models", "lightning_zero.pipeline",
-        "lightning_zero.testing",
     )),
     ("tools", (
         "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator", "lightning_zero.advisor",
-        "lightning_zero.__main__", "lightning_zero",
+        "lightning_zero.testing", "lightning_zero.__main__", "lightning_zero",
     )),
 )
 # what core/ may import besides itself
