@@ -99,19 +99,19 @@ def main(argv: list[str] | None = None) -> int:
         f"Run: {started}; load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (above "
         f"{args.world_size} means other processes competed for the cores)",
         "Memory: MB = 10^6 bytes per rank, sampled before the last optimizer step; ZeRO rows are "
-        "ZeroStrategy.model_state_bytes(), the others are counted by hand (params + grads + AdamW state; buffers "
+        "ZeroStrategy.model_state_bytes(), the others are counted by hand (params + grads + AdamW state; comm_buffers "
         "= DDP's reducer buckets, a full gradient copy, sized from the parameters). Peak RSS = VmHWM per run, max "
         "over ranks: noisy (allocator caching, Lightning, imports).",
     ]  # fmt: skip
     if any(n.startswith("zero3") for n in names):
         header.append(f"Stage 3: prefetch_bucket_size {config.prefetch_size or config.bucket_size:,} elements, "
                       f"param_persistence_threshold {config.persistence_threshold:,}, max_live_parameters "
-                      f"{ZeroConfig().max_live_parameters:,}; gathered units count as buffers")  # fmt: skip
+                      f"{ZeroConfig().max_live_parameters:,}; gathered units count as comm_buffers")  # fmt: skip
     if any(n.startswith("fsdp2") for n in names):
         header.append("FSDP2: torch.distributed.fsdp.fully_shard on every block, then the root, through Lightning's "
                       "ModelParallelStrategy (1-D data-parallel mesh, gloo), reshard_after_forward=True "
                       "(fsdp2_noreshard: False); memory counted from the DTensors' local shards (params, grads, AdamW "
-                      "state), buffers = unsharded parameters alive")  # fmt: skip
+                      "state), comm_buffers = unsharded parameters alive")  # fmt: skip
     print(report(summarize(runs, config.warmup), config, comm_share(runs, config.warmup), header, args.markdown))
     if args.json:
         args.json.write_text(json.dumps({"config": asdict(config), "argv": sys.argv[1:], "runs": runs}))

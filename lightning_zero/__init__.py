@@ -8,7 +8,7 @@ from lightning_zero.checkpoint import CheckpointError, consolidate_checkpoint, c
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.gathered import gathered_parameters
-from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScalerConfig
+from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScaler, LossScalerConfig
 from lightning_zero.core.memory import ModelStateBytes, model_state_formula
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.estimator import MemoryEstimate, estimate_memory
@@ -25,6 +25,7 @@ __all__ = [
     "DeepSpeedZeroStrategy",
     "DtypePolicy",
     "DynamicLossScaler",
+    "LossScaler",
     "LossScalerConfig",
     "MemoryEstimate",
     "ModelStateBytes",

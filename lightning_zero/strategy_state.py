@@ -36,7 +36,7 @@ class ZeroStateMixin:
 
     # ------------------------------------------------------------------ state
     def model_state_bytes(self) -> ModelStateBytes:
-        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``buffers``, counted from the
+        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``comm_buffers``, counted from the
         tensors that exist (each storage once), not from a formula."""
         if self._engine is None:
             raise RuntimeError("model_state_bytes() is available while fitting, after the strategy's setup.")

@@ -60,7 +60,7 @@ def test_bench_zero_end_to_end(tmp_path: Path) -> None:
     assert state["zero1"]["optimizer"] == pytest.approx(state["zero0"]["optimizer"] / 2, rel=0.01)
     assert state["zero1"]["grads"] == pytest.approx(state["zero0"]["grads"], rel=0.01)
     assert state["zero2"]["grads"] == pytest.approx(state["zero1"]["grads"] / 2, rel=0.01)
-    assert state["ddp"]["buffers"] == pytest.approx(state["ddp"]["grads"], rel=0.01)  # DDP's bucket copy
+    assert state["ddp"]["comm_buffers"] == pytest.approx(state["ddp"]["grads"], rel=0.01)  # DDP's bucket copy
     assert rows["ddp"]["ratio"] == 1.0 and all(rows[n]["step"] > 0 for n in ROWS)
 
 
@@ -92,14 +92,14 @@ def test_bench_zero_stage3_and_fsdp2(tmp_path: Path) -> None:
         assert state["params"] == pytest.approx(full["params"] / 2, rel=0.02)
         assert state["grads"] == pytest.approx(state["params"], rel=0.02)
         assert state["optimizer"] == pytest.approx(2 * state["params"], rel=0.02)
-        assert state["buffers"] == 0
+        assert state["comm_buffers"] == 0
     numel = full["params"] / 4
     assert 0 < rows["zero3"]["gathered_peak"] <= numel
     assert rows["fsdp2"]["gathered_peak"] == 0 and rows["zero3"]["rss"] > 0 and rows["fsdp2"]["rss"] > 0
 
 
 def test_stage3_verdicts() -> None:
-    state = {"params": 1e6, "grads": 1e6, "optimizer": 2e6, "buffers": 0.0}
+    state = {"params": 1e6, "grads": 1e6, "optimizer": 2e6, "comm_buffers": 0.0}
     rows = [
         {"name": "zero3", "ratio": 1.2, "best_ratio": 1.1, "cpu_ratio": 1.15, "gathered_peak": 2_000_000,
          "steps": [1.2, 1.0, 1.4], "state": state, "rss": 900e6},

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("forward", "backward", "reduce", "optimizer", "after_step")
-STATE_KINDS = ("params", "grads", "optimizer", "buffers")
+STATE_KINDS = ("params", "grads", "optimizer", "comm_buffers")
 DEFAULT_CONTENDERS = "ddp,ddp_nosync,zero0,zero1,zero2"
 TARGET_RATIO = 1.10  # stages 1 and 2 should stay within this factor of DDP's step time
 TARGET_RATIO_STAGE3 = 1.30  # stage 3: within this factor of DDP, and no slower / no larger than fsdp2

@@ -25,9 +25,9 @@ def _local_tensor(t: Any) -> Any:
 
 
 def count_by_hand(module: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: bool) -> dict[str, float]:
-    """params + grads + optimizer state, each storage once; with ``ddp``, ``buffers`` = DDP's reducer buckets
+    """params + grads + optimizer state, each storage once; with ``ddp``, ``comm_buffers`` = DDP's reducer buckets
     (a full gradient copy, since Lightning's DDP keeps ``gradient_as_bucket_view=False``): sized, not counted.
-    FSDP2: the DTensors' local shards (padding included), and as ``buffers`` the unsharded parameters alive."""
+    FSDP2: the DTensors' local shards (padding included), and as ``comm_buffers`` the unsharded parameters alive."""
     params = list(module.parameters())
     counter = StorageCounter()
     counter.add("params", [_local_tensor(p) for p in params])
@@ -37,10 +37,10 @@ def count_by_hand(module: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp
     for m in module.modules():
         if isinstance(m, FSDPModule):
             for group in m._get_fsdp_state()._fsdp_param_groups:
-                counter.add("buffers", [t for fp in group.fsdp_params for t in fp.all_gather_outputs])
+                counter.add("comm_buffers", [t for fp in group.fsdp_params for t in fp.all_gather_outputs])
     out = asdict(counter.result())
     if ddp:
-        out["buffers"] = float(sum(p.numel() * p.element_size() for p in params if p.requires_grad))
+        out["comm_buffers"] = float(sum(p.numel() * p.element_size() for p in params if p.requires_grad))
     return out
 
 
