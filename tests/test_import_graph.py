@@ -151,3 +151,9 @@ def test_core_imports_only_torch_and_the_standard_library(path: Path) -> None:
     inside = sorted(i for i in _imports(path) if i.startswith("lightning_zero.") and not i.startswith(
         "lightning_zero.core"))
     assert outside == [] and inside == []
+
+
+def test_every_module_opens_with_a_docstring() -> None:
+    missing = [str(p.relative_to(ROOT)) for p in sorted(PACKAGE.rglob("*.py"))
+               if ast.get_docstring(ast.parse(p.read_text())) is None]
+    assert missing == []
