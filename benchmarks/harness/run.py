@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import re
 import resource
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -17,15 +15,16 @@ from benchmarks.harness.contenders import CONTENDERS
 from benchmarks.harness.recorder import StepRecorder
 from benchmarks.harness.training import fit
 from lightning_zero import ZeroStrategy
+from lightning_zero.testing.memory import proc_status_bytes, reset_peak_rss
 
 
 def _peak_rss(reset: bool = False) -> tuple[float, str]:
     """(bytes, source): VmHWM since the last reset where /proc allows resetting it, else ru_maxrss (lifetime)."""
     try:
         if reset:
-            Path("/proc/self/clear_refs").write_text("5")
-        return float(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024, "VmHWM"
-    except (OSError, TypeError):
+            reset_peak_rss()
+        return float(proc_status_bytes("VmHWM")), "VmHWM"
+    except (OSError, KeyError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, "ru_maxrss"
 
 
