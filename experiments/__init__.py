@@ -1,9 +1,13 @@
 """Real experiments for lightning_zero: a byte-level GPT on the Python stdlib source, and a small MLP.
 
 The models and data live in :mod:`lightning_zero.models` (the CLI builds them); this package keeps
-their old import paths (``experiments``, ``experiments.gpt``, ``experiments.mlp``, ``experiments.data``).
+their old import paths: ``experiments`` re-exports them, and ``experiments.gpt``, ``experiments.mlp``
+and ``experiments.data`` are those modules themselves (registered below, so no copy can drift).
 """
 
+import sys
+
+from lightning_zero.models import data, gpt, mlp
 from lightning_zero.models.data import (
     DeterministicShardSampler,
     RandomTokenDataset,
@@ -33,3 +37,6 @@ __all__ = [
     "split_corpus",
     "teacher_dataset",
 ]
+
+for _name, _module in (("data", data), ("gpt", gpt), ("mlp", mlp)):
+    sys.modules[f"{__name__}.{_name}"] = _module
