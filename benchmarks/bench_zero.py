@@ -35,6 +35,7 @@ from lightning_zero.models.gpt import GPT_PRESETS, count_parameters  # noqa: E40
 from lightning_zero.testing.pool import GlooPool  # noqa: E402
 
 RUN_TASK = "benchmarks.harness.run:run_contender"
+STARTUP_TIMEOUT_S = 300.0
 __all__ = ["CONTENDERS", "BenchConfig", "comm_share", "main", "report", "summarize"]
 
 
@@ -79,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
                          args.persistence_threshold)  # fmt: skip
     started, load = time.strftime("%Y-%m-%d %H:%M %Z"), os.getloadavg()[0]
     runs: Runs = {n: [] for n in names}
-    pool = GlooPool(args.world_size, timeout_s=args.timeout, grace_s=10.0, threads=args.threads)
+    # start-up (spawn, imports, the group) may take longer than a run on a busy machine: its own limit
+    pool = GlooPool(args.world_size, timeout_s=max(args.timeout, STARTUP_TIMEOUT_S), grace_s=10.0, threads=args.threads)
     try:
         for repeat in range(args.repeats):
             for name in names:
                 t = time.perf_counter()
-                runs[name].append(pool.run(RUN_TASK, name=name, config=config))
+                runs[name].append(pool.run(RUN_TASK, _timeout_s=args.timeout, name=name, config=config))
                 print(f"[repeat {repeat + 1}/{args.repeats}] {name}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     finally:
         pool.close()
