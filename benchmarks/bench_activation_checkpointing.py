@@ -27,17 +27,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.gpt import GPT, GPT_PRESETS
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from lightning_zero.models.gpt import GPT, GPT_PRESETS
+from lightning_zero.testing.memory import proc_status_bytes, reset_peak_rss
 
 
 def measure(model_name: str, batch: int, seq_len: int, stage: int, checkpointing: bool, steps: int) -> dict:
@@ -57,9 +50,8 @@ def measure(model_name: str, batch: int, seq_len: int, stage: int, checkpointing
     times, saved_bytes, rss = [], [], []
     for step in range(steps + 1):
         gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status("VmRSS")
+        reset_peak_rss()
+        base = proc_status_bytes("VmRSS")
         saved[0] = 0
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -72,7 +64,7 @@ def measure(model_name: str, batch: int, seq_len: int, stage: int, checkpointing
         if step:  # the first step allocates the optimizer state
             times.append(time.perf_counter() - start)
             saved_bytes.append(saved[0])
-            rss.append(_status("VmHWM") - base)
+            rss.append(proc_status_bytes("VmHWM") - base)
     engine.detach()
     return {"step_ms": 1e3 * statistics.median(times), "saved_mb": statistics.median(saved_bytes) / 1e6,
             "rss_growth_mb": statistics.median(rss) / 1e6}

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.data import TokenChunkDataset, load_corpus, split_corpus
 from experiments.gpt import GPT, GPT_PRESETS, param_groups
+
 from lightning_zero import OneBitAdam, ZeroEngine
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig

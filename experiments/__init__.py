@@ -1,6 +1,14 @@
-"""Real experiments for lightning_zero: a byte-level GPT on the Python stdlib source, and a small MLP."""
+"""Real experiments for lightning_zero: a byte-level GPT on the Python stdlib source, and a small MLP.
 
-from experiments.data import (
+The models and data live in :mod:`lightning_zero.models` (the CLI builds them); this package keeps
+their old import paths: ``experiments`` re-exports them, and ``experiments.gpt``, ``experiments.mlp``
+and ``experiments.data`` are those modules themselves (registered below, so no copy can drift).
+"""
+
+import sys
+
+from lightning_zero.models import data, gpt, mlp
+from lightning_zero.models.data import (
     DeterministicShardSampler,
     RandomTokenDataset,
     TextDataModule,
@@ -9,8 +17,8 @@ from experiments.data import (
     markov_corpus,
     split_corpus,
 )
-from experiments.gpt import GPT, GPT_PRESETS, GPTConfig, GPTLightningModule, count_parameters
-from experiments.mlp import MLPClassifier, TeacherDataModule, teacher_dataset
+from lightning_zero.models.gpt import GPT, GPT_PRESETS, GPTConfig, GPTLightningModule, count_parameters
+from lightning_zero.models.mlp import MLPClassifier, TeacherDataModule, teacher_dataset
 
 __all__ = [
     "GPT",
@@ -29,3 +37,6 @@ __all__ = [
     "split_corpus",
     "teacher_dataset",
 ]
+
+for _name, _module in (("data", data), ("gpt", gpt), ("mlp", mlp)):
+    sys.modules[f"{__name__}.{_name}"] = _module

@@ -8,9 +8,10 @@ from lightning_zero.checkpoint import CheckpointError, consolidate_checkpoint, c
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.gathered import gathered_parameters
-from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScalerConfig
+from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScaler, LossScalerConfig
 from lightning_zero.core.memory import ModelStateBytes, model_state_formula
 from lightning_zero.core.onebit_adam import OneBitAdam
+from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.estimator import MemoryEstimate, estimate_memory
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.pipeline import PipelineConfig
@@ -23,8 +24,10 @@ if "zero_stage_0" not in StrategyRegistry:
 __all__ = [
     "Advice",
     "CheckpointError",
+    "DeepSpeedZeroStrategy",
     "DtypePolicy",
     "DynamicLossScaler",
+    "LossScaler",
     "LossScalerConfig",
     "MemoryEstimate",
     "ModelStateBytes",

@@ -62,7 +62,8 @@ class ZeroStatsMonitor(pl.Callback):
       parameters), ``comm`` (time blocked in the engine's collectives, taken out of the phase it
       fell in; CPU/gloo only) and ``other`` (the rest: data loading, the end of the gradient
       reduction, unscaling and the overflow check, hooks, this monitor).
-    - ``memory/rank<r>/{params,grads,optimizer,buffers}``: ``ZeroStrategy.model_state_bytes()``;
+    - ``memory/rank<r>/{params,grads,optimizer,buffers}``: ``ZeroStrategy.model_state_bytes()`` (``buffers``
+      is its ``comm_buffers``);
       ``memory/rank<r>/peak``: CUDA max allocated, or the process's peak RSS (VmHWM) on CPU.
 
     A TensorBoard logger also gets a custom-scalars layout (:func:`~lightning_zero.monitoring.dashboard_layout`).
@@ -255,7 +256,7 @@ class ZeroStatsMonitor(pl.Callback):
         memory = dict.fromkeys(MEMORY_KEYS, math.nan)
         if getattr(trainer.strategy, "engine", None) is not None:
             state = trainer.strategy.model_state_bytes()
-            memory.update(params=state.params, grads=state.grads, optimizer=state.optimizer, buffers=state.buffers)
+            memory.update(params=state.params, grads=state.grads, optimizer=state.optimizer, buffers=state.comm_buffers)
         memory["peak"] = peak_memory_bytes(trainer.strategy.root_device)
         return [float(self._sums[k]) for k in _SUMS] + [self._phase[k] for k in TIME_KEYS] + \
             [float(memory[k]) for k in MEMORY_KEYS]

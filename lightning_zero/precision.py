@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_zero.core.config import DtypePolicy
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScalerConfig
+from lightning_zero.core.loss_scaler import LossScaler, LossScalerConfig
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
 _NAMES: dict[str, PrecisionName] = {
@@ -99,8 +99,8 @@ class ZeroPrecision(Precision):
         self.compute_dtype: torch.dtype = _COMPUTE[name]
         self.reduce_dtype = as_float_dtype(reduce_dtype, "reduce_dtype")
         self.grad_accum_dtype = as_float_dtype(grad_accum_dtype, "grad_accum_dtype")
-        self.scaler: DynamicLossScaler | None = (
-            DynamicLossScaler(loss_scaler or LossScalerConfig()) if name == "16-mixed" else None
+        self.scaler: LossScaler | None = (
+            LossScaler(loss_scaler or LossScalerConfig()) if name == "16-mixed" else None
         )
         self.engine: ZeroEngine | None = None  # set by the strategy when fitting
         self.last_step_skipped = False  # the last optimizer step overflowed and was skipped

@@ -442,23 +442,6 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
             super().teardown()
 
     @classmethod
-    def from_deepspeed_config(cls, path_or_dict: Any, /, **overrides: Any) -> ZeroStrategy:
-        """A strategy configured by a DeepSpeed JSON config (a path, a dict, or a parsed ``DeepSpeedConfig``).
-
-        The JSON's ``zero_optimization``, ``fp16`` / ``bf16`` go into the strategy; its batch-size triple,
-        ``gradient_clipping``, ``optimizer`` and ``scheduler`` are applied to the Trainer and the module at
-        setup, when the world size is known. ``overrides`` are this class's keyword arguments plus
-        ``strict=True`` (unsupported JSON keys raise instead of warning) and ``optimizer_source``
-        (``"auto"`` or ``"config"``). A setting given both here (or on the Trainer / DataLoader /
-        ``configure_optimizers``) and in the JSON with different values raises ``ValueError`` naming both.
-        Precedence and the supported keys: ``docs/deepspeed_config.md``. Returns a
-        ``lightning_zero.deepspeed.strategy.DeepSpeedZeroStrategy`` (a subclass holding those hooks).
-        """
-        from lightning_zero.deepspeed.strategy import from_deepspeed_config
-
-        return from_deepspeed_config(path_or_dict, **overrides)
-
-    @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for stage in (0, 1, 2, 3):

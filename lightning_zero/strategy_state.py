@@ -41,7 +41,7 @@ class ZeroStateMixin:
 
     # ------------------------------------------------------------------ state
     def model_state_bytes(self) -> ModelStateBytes:
-        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``buffers``, counted from the
+        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``comm_buffers``, counted from the
         tensors that exist (each storage once), not from a formula."""
         if self._engine is None:
             raise RuntimeError("model_state_bytes() is available while fitting, after the strategy's setup.")
@@ -175,11 +175,10 @@ class ZeroStateMixin:
     @property
     def _writes_shards(self) -> bool:
         """Whether save_checkpoint writes the sharded format from the engine's shards."""
-        fmt = self.checkpoint_format
-        sharded = fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
-        return sharded and self._engine is not None and self.zero_config.stage >= 1
+        return self._sharded_format() and self._engine is not None and self.zero_config.stage >= 1
 
     def _sharded_format(self) -> bool:
+        """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1)."""
         fmt = self.checkpoint_format
         return fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
 

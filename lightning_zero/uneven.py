@@ -28,12 +28,10 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.stage3 import Stage3Runtime
 
+_UNKNOWN = 2**62  # stands for an unknown (infinite) number of batches in the integer agreement
 
 def check_training_batches(num_batches: float, comm: DataParallelComm, steps_needed: float) -> None:
     """Raise on every rank when the ranks have different numbers of training batches per epoch.
@@ -46,10 +44,8 @@ def check_training_batches(num_batches: float, comm: DataParallelComm, steps_nee
     if not comm.active:
         return
     local = float(num_batches)
-    values = torch.tensor([local, -local], dtype=torch.float64, device=comm.device)
-    comm.all_reduce_max(values)
-    most, fewest = float(values[0]), -float(values[1])
-    if most == fewest or math.isinf(most) or fewest >= steps_needed:
+    most, fewest = comm.extremes(_UNKNOWN if math.isinf(local) else int(local))
+    if most in (fewest, _UNKNOWN) or fewest >= steps_needed:
         return  # equal, unknown (an iterable without a length), or the run stops before the shortest epoch ends
     raise ValueError(
         f"The ranks have different numbers of training batches per epoch: this rank {local:g}, between "
@@ -80,16 +76,15 @@ class JoinedEvalLoader:
             local = len(dataloader)
         except TypeError:
             local = -1
-        lengths = torch.tensor([local, -local], dtype=torch.int64, device=comm.device)
-        dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=comm.group)
-        if -lengths[1].item() < 0:
+        longest, shortest = comm.extremes(local)
+        if shortest < 0:
             raise NotImplementedError(
                 "ZeRO stage 3 evaluates with collectives inside every forward, so every rank must know how many "
                 "evaluation batches the others have, and an evaluation dataloader here has no length on some rank "
                 "(an IterableDataset?). Give the dataset a `__len__`, or evaluate after fit with `trainer.validate` "
                 "(which does not partition), or use ZeRO stage 0-2."
             )
-        self._length = int(lengths[0].item())  # the longest rank's
+        self._length = longest
 
     def __len__(self) -> int:
         return self._length

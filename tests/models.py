@@ -107,21 +107,31 @@ def params_of(module: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
-class ManualTinyTransformer(TinyTransformer):
+class ManualOptimization:
+    """Mixin for a LightningModule: its ``training_step`` loss trained with manual optimization
+    (``manual_backward``, explicit norm clipping at 0.05; :meth:`after_clip` runs before the step).
+    The module sets ``automatic_optimization = False``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()  # type: ignore[attr-defined]
+        loss = super().training_step(batch, batch_idx)  # type: ignore[misc]
+        opt.zero_grad()
+        self.manual_backward(loss)  # type: ignore[attr-defined]
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")  # type: ignore[attr-defined]
+        self.after_clip()
+        opt.step()
+        return loss
+
+    def after_clip(self) -> None:
+        """Called between clipping and the optimizer step."""
+
+
+class ManualTinyTransformer(ManualOptimization, TinyTransformer):
     """The same model trained with manual optimization (``manual_backward``, explicit clipping)."""
 
     def __init__(self, optimizer: str = "adamw", record_grad_norm: bool = False) -> None:
         super().__init__(optimizer, record_grad_norm)
         self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()
-        loss = super().training_step(batch, batch_idx)
-        opt.zero_grad()
-        self.manual_backward(loss)
-        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
-        opt.step()
-        return loss
 
 
 class _Block(nn.Module):

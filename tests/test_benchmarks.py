@@ -1,30 +1,23 @@
-"""Smoke tests of benchmarks/bench_zero.py: the whole harness end to end on a tiny GPT, a few measured steps."""
+"""Smoke tests of benchmarks/bench_zero.py (its parts: benchmarks/harness): end to end on a tiny GPT, a few
+measured steps, and the registry and report pieces on their own."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from benchmarks.harness import contenders, report
+from benchmarks.harness.config import BenchConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_zero.py"
 ROWS = ("ddp", "ddp_nosync", "zero0", "zero1", "zero2")
-
-
-def _load_harness() -> ModuleType:
-    """The harness script as a module (``benchmarks/`` is not a package)."""
-    if "bench_zero" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_zero", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        sys.modules["bench_zero"] = module = importlib.util.module_from_spec(spec)  # dataclasses look it up
-        spec.loader.exec_module(module)
-    return sys.modules["bench_zero"]
 
 
 @pytest.mark.slow
@@ -60,7 +53,7 @@ def test_bench_zero_end_to_end(tmp_path: Path) -> None:
             assert rank["rss"] > 0 and rank["state"]["params"] > 0, name
 
     # the model-state accounting matches the ZeRO stages (AdamW: 2 fp32 moments per element)
-    rows = {r["name"]: r for r in _load_harness().summarize(raw["runs"], warmup=1)}
+    rows = {r["name"]: r for r in report.summarize(raw["runs"], warmup=1)}
     state = {name: row["state"] for name, row in rows.items()}
     assert state["zero0"]["params"] == pytest.approx(state["ddp"]["params"], rel=0.01)
     assert state["zero0"]["optimizer"] == pytest.approx(2 * state["ddp"]["params"], rel=0.01)
@@ -94,47 +87,45 @@ def test_bench_zero_stage3_and_fsdp2(tmp_path: Path) -> None:
 
     raw = json.loads(raw_path.read_text())
     assert list(raw["runs"]) == ["ddp", "ddp_nosync", "zero3", "fsdp2"]
-    rows = {r["name"]: r for r in _load_harness().summarize(raw["runs"], warmup=1)}
+    rows = {r["name"]: r for r in report.summarize(raw["runs"], warmup=1)}
     full, z3, f2 = rows["ddp"]["state"], rows["zero3"]["state"], rows["fsdp2"]["state"]
     for state in (z3, f2):  # 16 bytes per parameter over 2 ranks, nothing left gathered after backward
         assert state["params"] == pytest.approx(full["params"] / 2, rel=0.02)
         assert state["grads"] == pytest.approx(state["params"], rel=0.02)
         assert state["optimizer"] == pytest.approx(2 * state["params"], rel=0.02)
-        assert state["buffers"] == 0
+        assert state["comm_buffers"] == 0
     numel = full["params"] / 4
     assert 0 < rows["zero3"]["gathered_peak"] <= numel
     assert rows["fsdp2"]["gathered_peak"] == 0 and rows["zero3"]["rss"] > 0 and rows["fsdp2"]["rss"] > 0
 
 
 def test_stage3_verdicts() -> None:
-    harness = _load_harness()
-    state = {"params": 1e6, "grads": 1e6, "optimizer": 2e6, "buffers": 0.0}
+    state = {"params": 1e6, "grads": 1e6, "optimizer": 2e6, "comm_buffers": 0.0}
     rows = [
         {"name": "zero3", "ratio": 1.2, "best_ratio": 1.1, "cpu_ratio": 1.15, "gathered_peak": 2_000_000,
          "steps": [1.2, 1.0, 1.4], "state": state, "rss": 900e6},
         {"name": "fsdp2", "ratio": 1.3, "best_ratio": 1.2, "cpu_ratio": 1.2, "gathered_peak": 0,
          "steps": [1.0, 1.25, 1.3], "state": {**state, "params": 1.1e6}, "rss": 950e6},
     ]  # fmt: skip
-    lines = harness.stage3_verdicts(rows)
+    lines = report.stage3_verdicts(rows)
     assert lines[0].startswith("Target zero3 <= 1.30x ddp: 1.200x, met")
     assert "2.00M parameter elements" in lines[1]
     assert lines[2].startswith("Target zero3 no slower than fsdp2: 1.077x") and lines[2].endswith("NOT met.")
     assert lines[3] == ("Target zero3 no larger than fsdp2: model state 4.0 MB vs 4.1 MB (met); peak RSS 900 MB "
                         "vs 950 MB (met).")  # fmt: skip
-    assert harness.stage3_verdicts(rows[1:]) == []
+    assert report.stage3_verdicts(rows[1:]) == []
 
 
 def test_contender_registry() -> None:
-    harness = _load_harness()
-    assert set(ROWS) | {"local"} <= set(harness.CONTENDERS)
-    assert harness.CONTENDERS["ddp"].kind == "lightning" and harness.CONTENDERS["local"].kind == "loop"
-    strategy = harness.CONTENDERS["zero2"].build(harness.BenchConfig(bucket_size=1000))
+    assert set(ROWS) | {"local"} <= set(contenders.CONTENDERS)
+    assert contenders.CONTENDERS["ddp"].kind == "lightning" and contenders.CONTENDERS["local"].kind == "loop"
+    strategy = contenders.CONTENDERS["zero2"].build(BenchConfig(bucket_size=1000))
     assert strategy.zero_config.stage == 2 and strategy.zero_config.reduce_bucket_size == 1000
-    zero3 = harness.CONTENDERS["zero3"].build(harness.BenchConfig(bucket_size=1000))
+    zero3 = contenders.CONTENDERS["zero3"].build(BenchConfig(bucket_size=1000))
     assert (zero3.zero_config.stage, zero3.zero_config.reduce_bucket_size) == (3, 1000)
     assert zero3.zero_config.prefetch_bucket_size == 1000 and zero3.zero_config.param_persistence_threshold == 100_000
     assert not zero3.monitor and not strategy.monitor  # no ZeroStatsMonitor in the timed rows
-    fsdp2 = harness.CONTENDERS["fsdp2"].build(harness.BenchConfig())
-    assert isinstance(fsdp2, harness.ModelParallelStrategy) and fsdp2.fsdp_options == {}
-    table = harness._table(["contender", "step ms"], [["ddp", "12"], ["zero2", "13"]], markdown=False)
+    fsdp2 = contenders.CONTENDERS["fsdp2"].build(BenchConfig())
+    assert isinstance(fsdp2, ModelParallelStrategy) and fsdp2.fsdp_options == {}
+    table = report._table(["contender", "step ms"], [["ddp", "12"], ["zero2", "13"]], markdown=False)
     assert table.splitlines() == ["contender  step ms", "ddp             12", "zero2           13"]

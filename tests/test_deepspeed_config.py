@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero import DeepSpeedZeroStrategy, ZeroConfig
 from lightning_zero.config.build import strategy_kwargs as hydra_strategy_kwargs
 from lightning_zero.config.deepspeed import apply_deepspeed_config, deepspeed_settings, strategy_settings
 from lightning_zero.config.launch import compose_config
@@ -135,7 +135,7 @@ def test_unsupported_keys_are_named_in_one_warning_or_a_strict_error(tmp_path: P
     with pytest.raises(ValueError, match=r"does not support these keys.*allgather_bucket_size.*tensorboard"):
         parse_deepspeed_config(_write(tmp_path, config), strict=True)
     with pytest.raises(ValueError, match="tensorboard"):
-        ZeroStrategy.from_deepspeed_config(config, strict=True)
+        DeepSpeedZeroStrategy.from_deepspeed_config(config, strict=True)
     with warnings.catch_warnings():  # values lightning_zero has anyway are accepted silently
         warnings.simplefilter("error")
         parse_deepspeed_config({"prescale_gradients": False, "gradient_predivide_factor": 1.0,
@@ -256,7 +256,7 @@ def test_stage3_offload_config_equals_the_hydra_options_field_by_field(config: d
         assert getattr(merged, group) == getattr(hydra, group), group
     # offload is not built: the strategy refuses it, naming the feature
     with pytest.raises(NotImplementedError, match=f"offload={ds.offload.name}"):
-        ZeroStrategy.from_deepspeed_config(config)
+        DeepSpeedZeroStrategy.from_deepspeed_config(config)
 
 
 def validate_config_or_unbuilt(cfg: Any) -> Any:
@@ -274,25 +274,25 @@ def validate_config_or_unbuilt(cfg: Any) -> Any:
 # ---------------------------------------------------------------------------- from_deepspeed_config arguments
 def test_keyword_arguments_fill_in_or_must_agree() -> None:
     config = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 1000}}
-    strategy = ZeroStrategy.from_deepspeed_config(config, overlap_comm=False, check_step_errors=False,
+    strategy = DeepSpeedZeroStrategy.from_deepspeed_config(config, overlap_comm=False, check_step_errors=False,
                                                   process_group_backend="gloo")
     z = strategy.zero_config
     assert (z.stage, z.reduce_bucket_size, z.overlap_comm) == (1, 1000, False)  # JSON, JSON, keyword
     assert strategy.check_step_errors is False and strategy.process_group_backend == "gloo"
-    assert ZeroStrategy.from_deepspeed_config(config, stage=1, reduce_bucket_size=1000).zero_config.stage == 1
+    assert DeepSpeedZeroStrategy.from_deepspeed_config(config, stage=1, reduce_bucket_size=1000).zero_config.stage == 1
     with pytest.raises(ValueError) as info:
-        ZeroStrategy.from_deepspeed_config(config, stage=2, reduce_bucket_size=5)
+        DeepSpeedZeroStrategy.from_deepspeed_config(config, stage=2, reduce_bucket_size=5)
     text = str(info.value)
     assert "zero_optimization.stage=1, but stage=2" in text
     assert "zero_optimization.reduce_bucket_size=1000, but reduce_bucket_size=5" in text
     with pytest.raises(ValueError, match=r"zero_optimization.stage=1, but stage=2"):
-        ZeroStrategy.from_deepspeed_config(config, config=ZeroConfig(stage=2, reduce_bucket_size=1000))
+        DeepSpeedZeroStrategy.from_deepspeed_config(config, config=ZeroConfig(stage=2, reduce_bucket_size=1000))
     with pytest.raises(ValueError, match=r"sets bf16.enabled=true \(precision='bf16-mixed'\), but precision='32-true'"):
-        ZeroStrategy.from_deepspeed_config(SEED_BF16, precision="32-true")
+        DeepSpeedZeroStrategy.from_deepspeed_config(SEED_BF16, precision="32-true")
     with pytest.raises(ValueError, match="optimizer_source"):
-        ZeroStrategy.from_deepspeed_config({}, optimizer_source="module")
+        DeepSpeedZeroStrategy.from_deepspeed_config({}, optimizer_source="module")
     parsed = parse_deepspeed_config(config)
-    assert ZeroStrategy.from_deepspeed_config(parsed).deepspeed_config is parsed
+    assert DeepSpeedZeroStrategy.from_deepspeed_config(parsed).deepspeed_config is parsed
 
 
 # ---------------------------------------------------------------------------- fp16 validation as DeepSpeed's

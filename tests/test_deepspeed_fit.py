@@ -45,7 +45,7 @@ def seed_body(which: str) -> dict[str, Any]:
     config = {"fp16": SEED_FP16, "bf16": SEED_BF16}[which]
     model = _Probe()
     before = params_of(model)
-    trainer = make_trainer(ZeroStrategy.from_deepspeed_config(config), max_steps=6)
+    trainer = make_trainer(DeepSpeedZeroStrategy.from_deepspeed_config(config), max_steps=6)
     trainer.fit(model, token_loader(n=2 * 8 * 4 * 6, batch_size=8))  # micro-batch 64 / (4 x 2) = 8
     after = [p.detach().float() for p in model.parameters()]
     return {"accumulate": trainer.accumulate_grad_batches, "precision": trainer.strategy.precision_plugin.precision,
@@ -56,7 +56,7 @@ def seed_body(which: str) -> dict[str, Any]:
 
 def _check_seed_run(gloo_pool: Any, which: str, dtype: str, precision: str) -> None:
     config = {"fp16": SEED_FP16, "bf16": SEED_BF16}[which]
-    ZeroStrategy.from_deepspeed_config(config)  # builds in this process too (before any rank starts)
+    DeepSpeedZeroStrategy.from_deepspeed_config(config)  # builds in this process too (before any rank starts)
     results = gloo_pool.run("tests.test_deepspeed_fit:seed_body", which=which)
     for r in results:
         assert r["accumulate"] == 4 and r["precision"] == precision
@@ -114,7 +114,7 @@ class _Bare(pl.LightningModule):
 def settings_body() -> dict[str, Any]:
     runs: dict[str, Any] = {}
     model = _DefersToConfig()
-    trainer = make_trainer(ZeroStrategy.from_deepspeed_config(FP32), max_steps=6)
+    trainer = make_trainer(DeepSpeedZeroStrategy.from_deepspeed_config(FP32), max_steps=6)
     trainer.fit(model, token_loader(n=2 * 4 * 2 * 6, batch_size=4))
     runs["json"] = {"losses": model.losses, "lrs": model.lrs, "accumulate": trainer.accumulate_grad_batches,
                     "clip": trainer.gradient_clip_val, "optimizer": type(trainer.optimizers[0]).__name__,
@@ -127,7 +127,8 @@ def settings_body() -> dict[str, Any]:
         model, token_loader(n=2 * 4 * 2 * 6, batch_size=4))
     runs["hand"] = {"losses": model.losses, "lrs": model.lrs, "params": params_of(model)}
     bare = _Bare()
-    make_trainer(ZeroStrategy.from_deepspeed_config(FP32), max_steps=2).fit(bare, token_loader(n=32, batch_size=4))
+    make_trainer(DeepSpeedZeroStrategy.from_deepspeed_config(FP32), max_steps=2).fit(
+        bare, token_loader(n=32, batch_size=4))
     runs["bare"] = {"losses": bare.net.losses, "patched_after_fit": "configure_optimizers" in bare.__dict__}
     return runs
 
@@ -186,7 +187,7 @@ def conflict_body(kind: str) -> dict[str, Any]:
     changes, module, trainer_kwargs, batch_size, _ = CONFLICTS[kind]
     config = {k: v for k, v in {**FP32, **changes}.items() if v is not None}
     try:
-        trainer = make_trainer(ZeroStrategy.from_deepspeed_config(config), max_steps=2, **trainer_kwargs)
+        trainer = make_trainer(DeepSpeedZeroStrategy.from_deepspeed_config(config), max_steps=2, **trainer_kwargs)
         trainer.fit(module(), token_loader(n=32, batch_size=batch_size))
     except Exception as exc:  # the test inspects what every rank raised
         return {"type": type(exc).__name__, "message": str(exc)}

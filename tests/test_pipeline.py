@@ -9,10 +9,6 @@ within 1e-6 with SGD (observed: ~2e-7), 5 steps.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl

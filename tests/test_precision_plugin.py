@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_zero import LossScalerConfig, ZeroPrecision, ZeroStatsMonitor, ZeroStrategy
-from tests.models import TinyTransformer, make_trainer, token_loader
+from tests.models import ManualOptimization, TinyTransformer, make_trainer, token_loader
 from tests.test_precision import NO_NATURAL_OVERFLOW, Model, pattern_loader
 
 
@@ -88,21 +88,14 @@ def test_a_plain_fp16_loss_overflows_at_the_default_scale_and_backs_off() -> Non
     assert len(model.losses) == 5 and all(x == x for x in model.losses)
 
 
-class _ManualClip(Model):
+class _ManualClip(ManualOptimization, Model):
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.norms: list[float] = []
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()
-        loss = super().training_step(batch, batch_idx)
-        opt.zero_grad()
-        self.manual_backward(loss)
-        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+    def after_clip(self) -> None:
         self.norms.append(self.trainer.strategy.last_grad_norm)
-        opt.step()
-        return loss
 
 
 @pytest.mark.parametrize("stage", [0, 2])

@@ -166,11 +166,11 @@ def test_model_state_bytes_are_16_psi_over_n_and_live_units_are_buffers(gloo_poo
         m = r["between"][-1]
         assert abs(m.params - 4 * r["frozen"] / 2 - expected.params) <= slack, (m, expected)
         assert abs(m.grads - expected.grads) <= slack and abs(m.optimizer - expected.optimizer) <= slack
-        assert m.buffers == 0  # every unit released between steps
+        assert m.comm_buffers == 0  # every unit released between steps
         # while blocks.1 runs forward: the root, blocks.1 and the prefetched blocks.2 are gathered
         inside = r["inside"][-1]
         root = (r["total"] - 3 * 687) * 4
-        assert root + 2 * BLOCK_NUMEL * 4 <= inside.buffers <= root + 2 * BLOCK_NUMEL * 4 + 100 * 4
+        assert root + 2 * BLOCK_NUMEL * 4 <= inside.comm_buffers <= root + 2 * BLOCK_NUMEL * 4 + 100 * 4
         assert r["summary_total"] == r["total"]  # ModelSummary counts the true shapes, not the shards
 
 

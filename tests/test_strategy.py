@@ -62,7 +62,7 @@ def test_model_state_bytes_follow_the_formulas(gloo_pool, stage: int) -> None:
         assert abs(measured.params - result["frozen_bytes"] - expected.params) <= slack
         assert abs(measured.grads - expected.grads) <= slack
         assert abs(measured.optimizer - expected.optimizer) <= slack
-        assert measured.buffers == 0  # no bucket is alive between steps
+        assert measured.comm_buffers == 0  # no bucket is alive between steps
 
 
 @pytest.mark.distributed

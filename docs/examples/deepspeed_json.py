@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
-from lightning_zero import ZeroStrategy
+from lightning_zero import DeepSpeedZeroStrategy
 
 
 class TinyLM(GPTLightningModule):
@@ -19,7 +19,7 @@ class TinyLM(GPTLightningModule):
 
 
 if __name__ == "__main__":
-    strategy = ZeroStrategy.from_deepspeed_config(Path(__file__).with_name("ds_config.json"))
+    strategy = DeepSpeedZeroStrategy.from_deepspeed_config(Path(__file__).with_name("ds_config.json"))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=20, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(TinyLM("gpt_tiny"), TextDataModule(seq_len=64, micro_batch_size=4, max_bytes=1_000_000))

@@ -21,17 +21,15 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from omegaconf import OmegaConf
 
+from lightning_zero.config.model_zoo import build_datamodule, build_module
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
-    GPTModelSchema,
     LoggerKind,
-    MLPModelSchema,
-    TeacherDataSchema,
-    TextDataSchema,
     TrainConfig,
 )
-from lightning_zero.config.validate import gpt_overrides, import_object, zero_config
+from lightning_zero.config.validate import import_object, zero_config
 from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.monitoring import ProfilerWindow, log_hyperparams
 from lightning_zero.pipeline import PipelineConfig
 from lightning_zero.precision import ZeroPrecision
@@ -63,6 +61,13 @@ def pipeline_config(cfg: TrainConfig) -> PipelineConfig | None:
     return PipelineConfig(stages=pp.stages, micro_batches=pp.micro_batches, schedule=pp.schedule.value,
                           virtual_stages=pp.virtual_stages, partition_method=pp.partition_method,
                           activation_checkpoint_interval=pp.activation_checkpoint_interval)
+def build_deepspeed_strategy(cfg: TrainConfig) -> ZeroStrategy:
+    """The ranks' strategy for a merged, typed config with ``deepspeed_config``: the Hydra-side strategy
+    arguments (equal to the JSON's wherever the JSON sets a value, after
+    :func:`~lightning_zero.config.deepspeed.apply_deepspeed_config`) as overrides of
+    ``DeepSpeedZeroStrategy.from_deepspeed_config``, whose optimizer / scheduler sections replace the model's."""
+    return DeepSpeedZeroStrategy.from_deepspeed_config(cfg.deepspeed_config, strict=cfg.deepspeed_strict,
+                                              optimizer_source="config", **strategy_kwargs(cfg))
 
 
 def build_profiler(cfg: TrainConfig) -> ProfilerWindow | None:
@@ -97,50 +102,8 @@ def build_precision(cfg: TrainConfig) -> ZeroPrecision:
 def build_strategy(cfg: TrainConfig) -> ZeroStrategy:
     """The configured :class:`~lightning_zero.ZeroStrategy` (from ``deepspeed_config`` when one is set)."""
     if cfg.deepspeed_config:
-        from lightning_zero.config.deepspeed import build_deepspeed_strategy
-
         return build_deepspeed_strategy(cfg)
     return ZeroStrategy(**strategy_kwargs(cfg))
-
-
-def build_module(cfg: TrainConfig) -> pl.LightningModule:
-    """The LightningModule of ``cfg.model`` (built in the current default device, e.g. meta)."""
-    m = cfg.model
-    if isinstance(m, GPTModelSchema):
-        from experiments.gpt import GPTLightningModule
-
-        return GPTLightningModule(
-            model=m.preset, lr=m.lr, weight_decay=m.weight_decay, betas=list(m.betas), warmup_steps=m.warmup_steps,
-            optimizer=m.optimizer.value, scheduler=m.scheduler.value, lr_decay_steps=m.lr_decay_steps,
-            min_lr_ratio=m.min_lr_ratio, model_overrides=gpt_overrides(m) or None,
-            build_in_configure_model=m.build_in_configure_model, freeze_step=m.freeze_step,
-        )
-    if isinstance(m, MLPModelSchema):
-        from experiments.mlp import MLPClassifier
-
-        return MLPClassifier(input_dim=m.input_dim, hidden_dim=m.hidden_dim, num_layers=m.num_layers,
-                             num_classes=m.num_classes, lr=m.lr, weight_decay=m.weight_decay,
-                             optimizer=m.optimizer.value)
-    raise ValueError(f"no builder for model.kind={m.kind!r}")
-
-
-def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
-    """The LightningDataModule of ``cfg.data``."""
-    d = cfg.data
-    if isinstance(d, TextDataSchema):
-        from experiments.data import TextDataModule
-
-        return TextDataModule(seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, num_workers=d.num_workers,
-                              max_bytes=d.max_bytes, path=d.path, val_fraction=d.val_fraction, seed=d.seed,
-                              deterministic_order=d.deterministic_order, max_val_samples=d.max_val_samples,
-                              synthetic=d.synthetic, pattern=d.pattern)
-    if isinstance(d, TeacherDataSchema):
-        from experiments.mlp import TeacherDataModule
-
-        return TeacherDataModule(num_train=d.num_train, num_val=d.num_val, input_dim=d.input_dim,
-                                 num_classes=d.num_classes, micro_batch_size=d.micro_batch_size,
-                                 num_workers=d.num_workers, seed=d.seed, deterministic_order=d.deterministic_order)
-    raise ValueError(f"no builder for data.kind={d.kind!r}")
 
 
 def build_logger(cfg: TrainConfig, run_dir: Path) -> Logger | bool:

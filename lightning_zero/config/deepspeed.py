@@ -19,7 +19,7 @@ Precedence (also in ``docs/deepspeed_config.md``):
   ``model.min_lr_ratio``) may not be given on the command line with it.
 
 The merged config is what the ranks read (``config.yaml``); it keeps ``deepspeed_config`` (made
-absolute), from which each rank builds the strategy with ``ZeroStrategy.from_deepspeed_config``.
+absolute), from which each rank builds the strategy with ``DeepSpeedZeroStrategy.from_deepspeed_config``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zero.config.schema import OffloadSchema, TrainConfig
+from lightning_zero.config.schema import LIGHTNING_PRECISION, OffloadSchema, TrainConfig
 from lightning_zero.config.validate import zero_config
 from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS
@@ -177,8 +177,6 @@ def offload_config(cfg: TrainConfig) -> OffloadConfig:
 
 def strategy_settings(cfg: TrainConfig) -> dict[str, Any]:
     """The strategy-level settings of a typed config, shaped like :func:`deepspeed_settings` for comparison."""
-    from lightning_zero.config.schema import LIGHTNING_PRECISION
-
     p = cfg.precision
     scaler = {k: getattr(p, k) for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                                          "consecutive_hysteresis", "min_loss_scale")}
@@ -193,15 +191,3 @@ def deepspeed_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
         scaler = {k: getattr(ds.loss_scaler, k) for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
                                                           "hysteresis", "consecutive_hysteresis", "min_loss_scale")}
     return {"zero": ds.zero, "offload": ds.offload, "precision": ds.precision or "32-true", "loss_scaler": scaler}
-
-
-def build_deepspeed_strategy(cfg: TrainConfig) -> Any:
-    """The ranks' strategy for a merged, typed config with ``deepspeed_config``: the Hydra-side strategy
-    arguments (equal to the JSON's wherever the JSON sets a value, after :func:`apply_deepspeed_config`)
-    as overrides of ``ZeroStrategy.from_deepspeed_config``, whose optimizer / scheduler sections replace
-    the model's."""
-    from lightning_zero.config.build import strategy_kwargs
-    from lightning_zero.strategy import ZeroStrategy
-
-    return ZeroStrategy.from_deepspeed_config(cfg.deepspeed_config, strict=cfg.deepspeed_strict,
-                                              optimizer_source="config", **strategy_kwargs(cfg))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_zero.config.model_zoo import build_module, gpt_config, preset_known
 from lightning_zero.config.schema import (
     GPTModelSchema,
     MLPModelSchema,
@@ -128,33 +129,14 @@ def _pipeline_problems(cfg: TrainConfig) -> list[str]:
 
 def _layers(cfg: TrainConfig) -> int:
     if isinstance(cfg.model, GPTModelSchema):
-        return gpt_config(cfg.model).n_layer if _preset_known(cfg.model) else 0
+        return gpt_config(cfg.model).n_layer if preset_known(cfg.model) else 0
     return cfg.model.num_layers if isinstance(cfg.model, MLPModelSchema) else 0
-
-
-def _preset_known(m: GPTModelSchema) -> bool:
-    from experiments.gpt import GPT_PRESETS
-
-    return m.preset in GPT_PRESETS
-
-
-def gpt_config(m: GPTModelSchema) -> Any:
-    """The ``experiments.gpt.GPTConfig`` of a GPT model option (preset + non-null shape overrides)."""
-    from experiments.gpt import resolve_config
-
-    return resolve_config(m.preset, gpt_overrides(m))
-
-
-def gpt_overrides(m: GPTModelSchema) -> dict[str, Any]:
-    """The shape fields of ``m`` that are set (they replace the preset's)."""
-    keys = ("seq_len", "n_layer", "n_head", "n_embd", "dropout")
-    return {k: getattr(m, k) for k in keys if getattr(m, k) is not None}
 
 
 def _model_data_problems(cfg: TrainConfig) -> list[str]:
     m, d, out = cfg.model, cfg.data, []
     if isinstance(m, GPTModelSchema):
-        from experiments.gpt import GPT_PRESETS
+        from lightning_zero.models.gpt import GPT_PRESETS
 
         if not isinstance(d, TextDataSchema):
             out.append(f"model.kind=gpt needs text data, got data.kind={d.kind}. Fix: data=stdlib, data=text_file "
@@ -257,11 +239,9 @@ def validate_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
 def count_model_parameters(cfg: TrainConfig) -> int:
     """Parameters of the configured model, counted on the meta device (nothing is allocated)."""
     if isinstance(cfg.model, GPTModelSchema):
-        from experiments.gpt import count_parameters
+        from lightning_zero.models.gpt import count_parameters
 
         return count_parameters(gpt_config(cfg.model))
-    from lightning_zero.config.build import build_module
-
     with torch.device("meta"):
         module = build_module(cfg)
     return sum(p.numel() for p in module.parameters())

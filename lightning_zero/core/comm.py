@@ -128,6 +128,15 @@ class DataParallelComm:
             with self.blocking():
                 dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
+    def extremes(self, value: int) -> tuple[int, int]:
+        """``(largest, smallest)`` of ``value`` over the ranks: one all-reduce MAX of ``[v, -v]``.
+
+        The same on every rank, so ``largest != smallest`` tells every rank at once that the ranks disagree.
+        """
+        both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        self.all_reduce_max(both)
+        return int(both[0].item()), -int(both[1].item())
+
     def reduce_scatter_pieces(
         self, out: torch.Tensor, pieces: Sequence[torch.Tensor], async_op: bool = False
     ) -> Handle:
@@ -222,7 +231,6 @@ class DataParallelComm:
         """Raise the same error on every rank when ``value`` differs between ranks."""
         if not self.active:
             return
-        both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
-        self.all_reduce_max(both)
-        if both[0].item() != -both[1].item():
+        largest, smallest = self.extremes(value)
+        if largest != smallest:
             raise ValueError(f"{what} differs between data-parallel ranks. {fix}")

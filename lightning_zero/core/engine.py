@@ -34,7 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core import gathered
-from lightning_zero.core.checkpointing import apply_activation_checkpointing
+from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.flat_param import FlatParamGroup
@@ -604,11 +604,11 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self) -> ModelStateBytes:
-        """This rank's bytes of params / grads / optimizer / buffers, counted from live tensors."""
+        """This rank's bytes of params / grads / optimizer / comm_buffers, counted from live tensors."""
         counter = StorageCounter()
         if self.runtime is not None:
             # gathered units are working memory; the persistent model state is the shards
-            counter.add("buffers", [g.flat for u in self.units if not u.persistent for g in u.groups])
+            counter.add("comm_buffers", [g.flat for u in self.units if not u.persistent for g in u.groups])
             counter.add("params", [g.own_shard() for g in self.all_groups])
             counter.add("params", [g.flat for u in self.units if u.persistent for g in u.groups])
         else:
@@ -620,7 +620,7 @@ class ZeroEngine:
             counter.add("optimizer", self.sharded.masters)
         for state in self.optimizer.state.values() if self.optimizer is not None else ():
             counter.add("optimizer", [v for v in state.values() if isinstance(v, torch.Tensor)])
-        counter.add("buffers", list(self.reducer.live_buffers()))
+        counter.add("comm_buffers", list(self.reducer.live_buffers()))
         return counter.result()
 
 

@@ -21,6 +21,11 @@ from torch import nn
 from lightning_zero.core.materialize import is_uninitialized
 
 
+def overlap(start: int, end: int, other_start: int, other_end: int) -> tuple[int, int]:
+    """The intersection ``[lo, hi)`` of ``[start, end)`` and ``[other_start, other_end)``; empty: ``hi <= lo``."""
+    return max(start, other_start), min(end, other_end)
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """Where one parameter lives in its flat buffer."""

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm import DataParallelComm, Handle
-from lightning_zero.core.flat_param import Bucket, FlatParamGroup
+from lightning_zero.core.flat_param import Bucket, FlatParamGroup, overlap
 
 
 class BackwardState(enum.Enum):
@@ -218,9 +218,8 @@ class GradReducer:
 
     @staticmethod
     def _clip_to(source: torch.Tensor, bucket: Bucket, rng: tuple[int, int]) -> torch.Tensor:
-        lo, hi = max(bucket.start, rng[0]), min(bucket.end, rng[1])
-        lo, hi = lo - bucket.start, max(hi - bucket.start, lo - bucket.start)
-        return source[lo:hi]
+        lo, hi = overlap(bucket.start, bucket.end, *rng)
+        return source[lo - bucket.start : max(hi, lo) - bucket.start]
 
     def _retire(self, item: _InFlight) -> None:
         item.handle.wait()
@@ -231,7 +230,7 @@ class GradReducer:
         b = item.bucket
         g = self.groups[b.group_index]
         own_start, own_end = g.shard_range()
-        lo, hi = max(b.start, own_start), min(b.end, own_end)
+        lo, hi = overlap(b.start, b.end, own_start, own_end)
         if hi <= lo:
             return
         reduced = item.source[lo - b.start : hi - b.start] if item.output is None else item.output

@@ -84,8 +84,8 @@ class MinLossScaleError(RuntimeError):
     """fp16 gradients overflowed although the loss scale is already at its minimum."""
 
 
-class DynamicLossScaler:
-    """The loss scale of fp16 training and its update rule (Note [loss-scale semantics]).
+class LossScaler:
+    """The loss scale of fp16 training, static or dynamic, and its update rule (Note [loss-scale semantics]).
 
     Usage per optimizer step: multiply the loss by :attr:`scale` before backward, divide the
     gradients by it, agree on ``overflow`` across ranks, skip the step when it is true, and call
@@ -180,6 +180,9 @@ def local_sum_of_squares(tensors: Iterable[torch.Tensor]) -> float:
     """Sum of squares (in fp32) of this rank's elements; inf / nan when any element is."""
     parts = [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors if t.numel()]
     return float(torch.stack(parts).square().sum()) if parts else 0.0  # one device sync
+
+
+DynamicLossScaler = LossScaler  # the former name (it also does the static scale)
 
 
 def non_finite(value: float) -> bool:

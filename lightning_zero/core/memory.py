@@ -24,7 +24,7 @@ class ModelStateBytes:
     params: float
     grads: float
     optimizer: float  # optimizer state plus the fp32 master copy when it is not a view of params
-    buffers: float = 0.0  # communication buckets and scratch
+    comm_buffers: float = 0.0  # gradient buckets in flight and gathered stage-3 units (not nn.Module buffers)
 
     @property
     def model_states(self) -> float:
@@ -32,7 +32,7 @@ class ModelStateBytes:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.buffers
+        return self.model_states + self.comm_buffers
 
 
 def model_state_formula(
@@ -80,7 +80,7 @@ class StorageCounter:
 
     def __init__(self) -> None:
         self._seen: set[tuple[str, int]] = set()
-        self.bytes: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+        self.bytes: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "comm_buffers": 0}
 
     def add(self, kind: str, tensors: Iterable[torch.Tensor | None]) -> None:
         for t in tensors:

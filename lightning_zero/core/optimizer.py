@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm import DataParallelComm
-from lightning_zero.core.flat_param import FlatParamGroup
+from lightning_zero.core.flat_param import FlatParamGroup, overlap
 
 MASTER_PIECE_NUMEL = 1 << 20  # elements per optimizer tensor (Note [master pieces])
 
@@ -264,7 +264,7 @@ def _initial_master(
     master = own.to(dtype, copy=True)
     for s in fg.slots if init else ():
         source = init.get(s.param)
-        lo, hi = max(s.offset, start), min(s.offset + s.numel, end)
+        lo, hi = overlap(s.offset, s.offset + s.numel, start, end)
         if source is not None and hi > lo:
             master[lo - start : hi - start].copy_(source.reshape(-1)[lo - s.offset : hi - s.offset])
     return master

@@ -21,6 +21,8 @@ Note [gather agreement]
     the check every rank raises the same error instead. Prefetches follow the order recorded on
     the previous pass; when the order a rank actually runs differs, the prefetched units are
     dropped and the order is recorded afresh (re-tracing), which costs memory only.
+    ``Stage3Runtime.check_gathers = False`` skips the check (benchmarks/ measures its cost that way);
+    diverging ranks then exchange the wrong buffers instead of raising.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Stage3Runtime:
         self._current: dict[Phase, list[int]] = {Phase.FORWARD: [], Phase.BACKWARD: []}  # this pass so far
         self.retraces: int = 0
         self.holding: bool = False  # hold_all(): nothing is released until release_held()
+        self.check_gathers: bool = True  # Note [gather agreement]; False only to measure the check's cost
         self._hooks: list[RemovableHandle] = []
         for unit, mods in zip(units, unit_modules):
             for m in mods:
@@ -102,13 +105,12 @@ class Stage3Runtime:
     def _gather(self, unit: ShardedUnit) -> None:
         if unit.state is not UnitState.SHARDED:
             return
-        agreed = torch.tensor([unit.index, -unit.index], dtype=torch.int64, device=self.comm.device)
-        if self.comm.active:  # Note [gather agreement]
-            self.comm.all_reduce_max(agreed)
-            if agreed[0].item() != -agreed[1].item():
+        if self.comm.active and self.check_gathers:  # Note [gather agreement]
+            largest, smallest = self.comm.extremes(unit.index)
+            if largest != smallest:
                 raise RuntimeError(
                     f"ZeRO stage 3: this rank is about to gather unit {unit.name!r} (#{unit.index}) while another "
-                    f"data-parallel rank gathers unit #{agreed[0].item()} or #{-agreed[1].item()}: the ranks ran "
+                    f"data-parallel rank gathers unit #{largest} or #{smallest}: the ranks ran "
                     "different modules (a branch that depends on the rank or its data). Every rank must run the "
                     "same units in the same order: make the branch the same on every rank, or keep the branch's "
                     "modules out of the units (`unit_classes`) so that they belong to the root unit."

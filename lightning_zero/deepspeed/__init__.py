@@ -4,7 +4,7 @@
 * :mod:`~lightning_zero.deepspeed.batch` -- the batch-size triple, resolved against the world size.
 * :mod:`~lightning_zero.deepspeed.optim` -- the ``optimizer`` section as a ``torch.optim`` optimizer.
 * :mod:`~lightning_zero.deepspeed.schedulers` -- DeepSpeed's LR schedules as PyTorch LR schedulers.
-* :mod:`~lightning_zero.deepspeed.strategy` -- ``ZeroStrategy.from_deepspeed_config`` and its precedence rules.
+* :mod:`~lightning_zero.deepspeed.strategy` -- ``DeepSpeedZeroStrategy.from_deepspeed_config`` and its precedence rules.
 
 Only the strategy glue imports Lightning; nothing here imports Hydra.
 """

@@ -1,4 +1,4 @@
-"""``ZeroStrategy.from_deepspeed_config``: a ZeroStrategy driven by a DeepSpeed JSON config.
+"""``DeepSpeedZeroStrategy.from_deepspeed_config``: a ZeroStrategy driven by a DeepSpeed JSON config.
 
 Precedence (the table is in ``docs/deepspeed_config.md``): a value set only in the JSON is used;
 a value set both in the JSON and elsewhere (``from_deepspeed_config`` keyword arguments, the
@@ -143,23 +143,6 @@ def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[s
             "precision_plugin": plugin}
 
 
-def from_deepspeed_config(source: str | Path | Mapping[str, Any] | DeepSpeedConfig, /, *, strict: bool = False,
-                          optimizer_source: OptimizerSource = "auto", **overrides: Any) -> DeepSpeedZeroStrategy:
-    """The logic of :meth:`ZeroStrategy.from_deepspeed_config` (see there)."""
-    if optimizer_source not in ("auto", "config"):
-        raise ValueError(f"optimizer_source must be 'auto' or 'config', got {optimizer_source!r}.")
-    if isinstance(source, DeepSpeedConfig):
-        ds = source
-        if strict and ds.unsupported:
-            raise ValueError(ds.unsupported_message())
-    else:
-        ds = parse_deepspeed_config(source, strict=strict, warn=False)
-        if ds.unsupported:
-            rank_zero_warn(ds.unsupported_message())
-    kwargs = strategy_kwargs(ds, overrides)
-    return DeepSpeedZeroStrategy(deepspeed_config=ds, optimizer_source=optimizer_source, **kwargs)
-
-
 def _no_optimizer(module: pl.LightningModule) -> None:
     """Installed as ``configure_optimizers`` on a module without one: the JSON's optimizer is used."""
     return None
@@ -167,7 +150,7 @@ def _no_optimizer(module: pl.LightningModule) -> None:
 
 class DeepSpeedZeroStrategy(ZeroStrategy):
     """A :class:`ZeroStrategy` that also applies a DeepSpeed config's batch, clipping, optimizer and
-    scheduler settings (built by :meth:`ZeroStrategy.from_deepspeed_config`)."""
+    scheduler settings (built by :meth:`from_deepspeed_config`)."""
 
     def __init__(self, *args: Any, deepspeed_config: DeepSpeedConfig, optimizer_source: OptimizerSource = "auto",
                  **kwargs: Any) -> None:
@@ -177,6 +160,38 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
         self._trainer_precision: str | None = None  # what Trainer(precision=...) asked for
         self._patched: pl.LightningModule | None = None
         super().__init__(*args, **kwargs)
+
+    @classmethod
+    def from_deepspeed_config(cls, source: str | Path | Mapping[str, Any] | DeepSpeedConfig, /, *,
+                              strict: bool = False, optimizer_source: OptimizerSource = "auto",
+                              **overrides: Any) -> DeepSpeedZeroStrategy:
+        """A strategy configured by a DeepSpeed JSON config (a path, a dict, or a parsed ``DeepSpeedConfig``).
+
+        The JSON's ``zero_optimization``, ``fp16`` / ``bf16`` go into the strategy; its batch-size triple,
+        ``gradient_clipping``, ``optimizer`` and ``scheduler`` are applied to the Trainer and the module at
+        setup, when the world size is known. ``overrides`` are :class:`ZeroStrategy`'s keyword arguments.
+        A setting given both here (or on the Trainer / DataLoader / ``configure_optimizers``) and in the
+        JSON with different values raises ``ValueError`` naming both. Precedence and the supported keys:
+        ``docs/deepspeed_config.md``.
+
+        Args:
+            source: the JSON file, its dict, or a parsed :class:`DeepSpeedConfig`.
+            strict: unsupported JSON keys raise instead of warning.
+            optimizer_source: ``"auto"`` or ``"config"`` (see the module docstring).
+            **overrides: :class:`ZeroStrategy` arguments.
+        """
+        if optimizer_source not in ("auto", "config"):
+            raise ValueError(f"optimizer_source must be 'auto' or 'config', got {optimizer_source!r}.")
+        if isinstance(source, DeepSpeedConfig):
+            ds = source
+            if strict and ds.unsupported:
+                raise ValueError(ds.unsupported_message())
+        else:
+            ds = parse_deepspeed_config(source, strict=strict, warn=False)
+            if ds.unsupported:
+                rank_zero_warn(ds.unsupported_message())
+        kwargs = strategy_kwargs(ds, overrides)
+        return cls(deepspeed_config=ds, optimizer_source=optimizer_source, **kwargs)
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZeroPrecision:

@@ -11,7 +11,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from experiments.data import DeterministicShardSampler, trainer_shard
+from lightning_zero.models.data import DeterministicShardSampler, trainer_shard
 
 
 def teacher_dataset(
@@ -91,7 +91,7 @@ class TeacherDataModule(LightningDataModule):
 class MLPClassifier(LightningModule):
     """``num_layers`` hidden Linear+GELU layers and a linear head; logs ``train_loss``, ``val_loss``, ``val_acc``.
 
-    The layers live in an ``nn.ModuleList`` named ``blocks`` (like :class:`experiments.gpt.GPT`).
+    The layers live in an ``nn.ModuleList`` named ``blocks`` (like :class:`lightning_zero.models.gpt.GPT`).
     """
 
     def __init__(

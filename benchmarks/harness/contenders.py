@@ -1,0 +1,125 @@
+"""The contenders, registered in this one place: :data:`CONTENDERS` maps a name to a way of training."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks.harness.config import BenchConfig
+from benchmarks.harness.fsdp2 import FSDP2Strategy
+from benchmarks.harness.training import plain_loop
+from lightning_zero import ZeroStrategy
+from lightning_zero.core.config import ZeroConfig
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A way of training. ``build(config)`` returns a Lightning strategy (``kind="lightning"``) or, for
+    ``kind="loop"``, a function ``(config, recorder, rank, world_size) -> None`` running its own loop."""
+
+    name: str
+    kind: str
+    build: Callable[[BenchConfig], Any]
+    description: str
+
+
+CONTENDERS: dict[str, Contender] = {}
+
+
+def register(name: str, kind: str, description: str) -> Callable[[Callable[[BenchConfig], Any]], Any]:
+    """Decorator adding a ``build`` function to :data:`CONTENDERS` under ``name``."""
+
+    def decorate(build: Callable[[BenchConfig], Any]) -> Callable[[BenchConfig], Any]:
+        CONTENDERS[name] = Contender(name, kind, build, description)
+        return build
+
+    return decorate
+
+
+@register("ddp", "lightning", "Lightning DDPStrategy (torch DDP, bucket_cap_mb from --bucket-size)")
+def _ddp(config: BenchConfig) -> Strategy:
+    return DDPStrategy(process_group_backend="gloo", bucket_cap_mb=config.bucket_size * 4 / 2**20)
+
+
+class _NoSyncDDP(DDPStrategy):
+    """DDP whose gradients are never all-reduced: every step runs as inside ``DDP.no_sync()``."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        assert isinstance(self.model, DistributedDataParallel)
+        self.model.require_backward_grad_sync = False  # the flag that no_sync() clears
+
+
+@register("ddp_nosync", "lightning", "ddp with no gradient all-reduce (no_sync on every step): comm baseline")
+def _ddp_nosync(config: BenchConfig) -> Strategy:
+    return _NoSyncDDP(process_group_backend="gloo", bucket_cap_mb=config.bucket_size * 4 / 2**20)
+
+
+def _zero(stage: int, **options: Any) -> Callable[[BenchConfig], Strategy]:
+    def build(config: BenchConfig) -> Strategy:
+        kwargs = {"reduce_bucket_size": config.bucket_size, **options}  # a variant's own bucket size wins
+        return ZeroStrategy(stage, process_group_backend="gloo", monitor=False, **kwargs)
+
+    return build
+
+
+for _s in (0, 1, 2):
+    register(f"zero{_s}", "lightning", f"ZeroStrategy(stage={_s}), buckets of --bucket-size")(_zero(_s))
+for _s in (1, 2):  # diagnostic variants, not run by default
+    for _suffix, _options in (("nocheck", {"check_step_errors": False}), ("rs", {"collective": "reduce_scatter"}),
+                              ("defaults", {"reduce_bucket_size": ZeroConfig().reduce_bucket_size})):  # fmt: skip
+        register(f"zero{_s}_{_suffix}", "lightning", f"zero{_s} with {_options}")(_zero(_s, **_options))
+register("zero2_nooverlap", "lightning", "zero2 with {'overlap_comm': False}")(_zero(2, overlap_comm=False))
+
+
+def _zero3(cls: type[ZeroStrategy] = ZeroStrategy, **options: Any) -> Callable[[BenchConfig], Strategy]:
+    def build(config: BenchConfig) -> Strategy:
+        kwargs = {"reduce_bucket_size": config.bucket_size,
+                  "prefetch_bucket_size": config.prefetch_size or config.bucket_size,
+                  "param_persistence_threshold": config.persistence_threshold, **options}  # fmt: skip
+        return cls(3, process_group_backend="gloo", monitor=False, **kwargs)
+
+    return build
+
+
+register("zero3", "lightning", "ZeroStrategy(stage=3), buckets and prefetch of --bucket-size")(_zero3())
+for _suffix, _options in (("nocheck", {"check_step_errors": False}), ("rs", {"collective": "reduce_scatter"}),
+                          ("noprefetch", {"prefetch_bucket_size": 1}), ("persist0", {"param_persistence_threshold": 0}),
+                          ("defaults", {"prefetch_bucket_size": ZeroConfig().prefetch_bucket_size})):  # fmt: skip
+    register(f"zero3_{_suffix}", "lightning", f"zero3 with {_options}")(_zero3(**_options))
+
+
+class _Zero3NoAgreement(ZeroStrategy):
+    """Diagnostic, not a supported mode: stage 3 whose unit gathers skip the agreement all-reduce
+    (``Stage3Runtime.check_gathers = False``, Note [gather agreement] in core/stage3.py), to measure what
+    that synchronous per-unit collective costs; ranks that ran different units would exchange the wrong
+    buffers instead of raising."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if self.engine is not None and self.engine.runtime is not None:
+            self.engine.runtime.check_gathers = False
+
+
+register("zero3_noagree", "lightning", "zero3 without the per-unit agreement all-reduce (diagnostic "
+         "prototype)")(_zero3(_Zero3NoAgreement))  # fmt: skip
+
+
+@register("fsdp2", "lightning", "PyTorch FSDP2 fully_shard per block + root, via ModelParallelStrategy")
+def _fsdp2(config: BenchConfig) -> Strategy:
+    return FSDP2Strategy()
+
+
+@register("fsdp2_noreshard", "lightning", "fsdp2 with reshard_after_forward=False (ZeRO-2-like gathers)")
+def _fsdp2_noreshard(config: BenchConfig) -> Strategy:
+    return FSDP2Strategy(reshard_after_forward=False)
+
+
+@register("local", "loop", "plain PyTorch loop: no Lightning, no communication (each rank trains alone)")
+def _plain(config: BenchConfig) -> Callable[..., None]:
+    return plain_loop

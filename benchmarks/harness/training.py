@@ -1,0 +1,57 @@
+"""What every contender trains: the same GPT on the same per-rank batches, through Lightning or a plain loop."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import Strategy
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks.harness.config import BenchConfig
+from benchmarks.harness.probes import count_by_hand
+from benchmarks.harness.recorder import StepRecorder, TimingCallback
+from lightning_zero.models.data import DeterministicShardSampler, RandomTokenDataset, TokenChunkDataset, load_corpus
+from lightning_zero.models.gpt import GPT_PRESETS, GPTLightningModule
+
+
+def _module(config: BenchConfig) -> GPTLightningModule:
+    torch.manual_seed(0)  # the same initial weights on every rank and for every contender
+    overrides = {"seq_len": config.seq_len} if config.seq_len > GPT_PRESETS[config.model].seq_len else None
+    return GPTLightningModule(config.model, lr=1e-4, warmup_steps=0, model_overrides=overrides)
+
+
+def _loader(config: BenchConfig, rank: int, world_size: int) -> DataLoader:
+    """This rank's ``micro_batch`` sequences per step: disjoint across ranks, the same for every contender."""
+    n = config.micro_batch * world_size * config.total_steps
+    if config.data == "stdlib":
+        dataset: Dataset = TokenChunkDataset(load_corpus(max_bytes=(n + 1) * config.seq_len + 1), config.seq_len)
+    else:
+        dataset = RandomTokenDataset(n, config.seq_len)
+    sampler = DeterministicShardSampler(len(dataset), world_size, rank, shuffle=False)
+    return DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True)
+
+
+def fit(strategy: Strategy, config: BenchConfig, rec: StepRecorder, rank: int, world_size: int) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, precision="32-true",
+                         max_steps=config.total_steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=[TimingCallback(rec, config)])  # fmt: skip
+    trainer.fit(_module(config), _loader(config, rank, world_size))
+
+
+def plain_loop(config: BenchConfig, rec: StepRecorder, rank: int, world_size: int) -> None:
+    module = _module(config)
+    optimizer = module.configure_optimizers()
+    for step, batch in enumerate(_loader(config, rank, world_size)):
+        rec.start()
+        optimizer.zero_grad()
+        loss = module.loss(batch)
+        rec.mark("forward")
+        loss.backward()
+        rec.mark("backward")
+        if step == config.total_steps - 1:
+            rec.state = count_by_hand(module, optimizer, ddp=False)
+            rec.exclude_since_mark()
+        optimizer.step()
+        rec.mark("optimizer")
+        rec.end()

@@ -1,0 +1,79 @@
+"""The ``model=`` / ``data=`` options of a config as the LightningModule and DataModule they name.
+
+GPT options are a preset of :data:`lightning_zero.models.gpt.GPT_PRESETS` plus shape overrides
+(:func:`gpt_config`). The models are imported when built, so that validating a config stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_zero.config.schema import (
+    GPTModelSchema,
+    MLPModelSchema,
+    TeacherDataSchema,
+    TextDataSchema,
+    TrainConfig,
+)
+
+
+def preset_known(m: GPTModelSchema) -> bool:
+    """Whether ``m.preset`` names a GPT preset."""
+    from lightning_zero.models.gpt import GPT_PRESETS
+
+    return m.preset in GPT_PRESETS
+
+
+def gpt_config(m: GPTModelSchema) -> Any:
+    """The ``lightning_zero.models.gpt.GPTConfig`` of a GPT model option (preset + non-null shape overrides)."""
+    from lightning_zero.models.gpt import resolve_config
+
+    return resolve_config(m.preset, gpt_overrides(m))
+
+
+def gpt_overrides(m: GPTModelSchema) -> dict[str, Any]:
+    """The shape fields of ``m`` that are set (they replace the preset's)."""
+    keys = ("seq_len", "n_layer", "n_head", "n_embd", "dropout")
+    return {k: getattr(m, k) for k in keys if getattr(m, k) is not None}
+
+
+def build_module(cfg: TrainConfig) -> pl.LightningModule:
+    """The LightningModule of ``cfg.model`` (built in the current default device, e.g. meta)."""
+    m = cfg.model
+    if isinstance(m, GPTModelSchema):
+        from lightning_zero.models.gpt import GPTLightningModule
+
+        return GPTLightningModule(
+            model=m.preset, lr=m.lr, weight_decay=m.weight_decay, betas=list(m.betas), warmup_steps=m.warmup_steps,
+            optimizer=m.optimizer.value, scheduler=m.scheduler.value, lr_decay_steps=m.lr_decay_steps,
+            min_lr_ratio=m.min_lr_ratio, model_overrides=gpt_overrides(m) or None,
+            build_in_configure_model=m.build_in_configure_model, freeze_step=m.freeze_step,
+        )
+    if isinstance(m, MLPModelSchema):
+        from lightning_zero.models.mlp import MLPClassifier
+
+        return MLPClassifier(input_dim=m.input_dim, hidden_dim=m.hidden_dim, num_layers=m.num_layers,
+                             num_classes=m.num_classes, lr=m.lr, weight_decay=m.weight_decay,
+                             optimizer=m.optimizer.value)
+    raise ValueError(f"no builder for model.kind={m.kind!r}")
+
+
+def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
+    """The LightningDataModule of ``cfg.data``."""
+    d = cfg.data
+    if isinstance(d, TextDataSchema):
+        from lightning_zero.models.data import TextDataModule
+
+        return TextDataModule(seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, num_workers=d.num_workers,
+                              max_bytes=d.max_bytes, path=d.path, val_fraction=d.val_fraction, seed=d.seed,
+                              deterministic_order=d.deterministic_order, max_val_samples=d.max_val_samples,
+                              synthetic=d.synthetic, pattern=d.pattern)
+    if isinstance(d, TeacherDataSchema):
+        from lightning_zero.models.mlp import TeacherDataModule
+
+        return TeacherDataModule(num_train=d.num_train, num_val=d.num_val, input_dim=d.input_dim,
+                                 num_classes=d.num_classes, micro_batch_size=d.micro_batch_size,
+                                 num_workers=d.num_workers, seed=d.seed, deterministic_order=d.deterministic_order)
+    raise ValueError(f"no builder for data.kind={d.kind!r}")

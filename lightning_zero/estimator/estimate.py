@@ -1,0 +1,182 @@
+"""The estimate itself: per-rank device, CPU and NVMe bytes of ZeRO stages 0-3, with and without offload.
+
+Model states come from :func:`lightning_zero.core.memory.model_state_formula` (the ZeRO paper's
+2Ψ + 2Ψ + KΨ, partitioned by stage) and its offload split
+:func:`~lightning_zero.core.memory.offloaded_model_state` -- the same functions the strategy's
+measured memory is tested against. Activations follow Korthikanti et al. (2022), see
+:func:`activation_memory`. DeepSpeed's own estimator figures are reproduced beside ours by
+:func:`deepspeed_figures`. The stage advisor lives in :mod:`lightning_zero.advisor`, the text reports in
+:mod:`lightning_zero.estimator.report`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from lightning_zero.core.memory import OFFLOAD_STAGES, ModelStateBytes, offloaded_model_state
+from lightning_zero.estimator.activations import Activations, activation_memory
+from lightning_zero.estimator.cluster import Cluster, make_cluster
+from lightning_zero.estimator.deepspeed_figures import DeepSpeedFigures, deepspeed_figures
+from lightning_zero.estimator.model_spec import ModelSpec, resolve_model
+from lightning_zero.estimator.options import OFFLOADS, formula_precision
+from lightning_zero.estimator.report import render_estimate
+from lightning_zero.estimator.sizes import parse_count
+
+
+@dataclass(frozen=True)
+class ConfigEstimate:
+    """Per-rank memory of one (stage, offload) configuration.
+
+    Args:
+        stage: ZeRO stage.
+        offload: offload option.
+        on_device: model state kept on the device.
+        offloaded: model state moved to CPU or NVMe (empty without offload).
+        working: stage 3: one largest layer's 16-bit params and grads gathered whole (0 if unknown).
+        activations: activation memory, when the shape is known.
+        deepspeed: DeepSpeed's figures, where it has an estimator.
+        ranks_per_node: for the per-node CPU / NVMe totals.
+    """
+
+    stage: int
+    offload: str
+    on_device: ModelStateBytes
+    offloaded: ModelStateBytes
+    working: float
+    activations: Activations | None
+    deepspeed: DeepSpeedFigures | None
+    ranks_per_node: int
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.stage}" + ("" if self.offload == "none" else f" + {self.offload}")
+
+    @property
+    def target(self) -> str | None:
+        """``"cpu"``, ``"nvme"`` or ``None``: where the offloaded state lives."""
+        return None if self.offload == "none" else self.offload.rsplit("_", 1)[1]
+
+    @property
+    def device_bytes(self) -> float:
+        """Model states on the device plus the stage-3 working layer; no activations."""
+        return self.on_device.model_states + self.working
+
+    def device_total(self, checkpointing: bool = False) -> float:
+        """Device bytes including activations (with or without activation checkpointing)."""
+        acts = self.activations
+        return self.device_bytes + (0.0 if acts is None else acts.checkpointed if checkpointing else acts.full)
+
+    @property
+    def cpu_bytes(self) -> float:
+        return self.offloaded.model_states if self.target == "cpu" else 0.0
+
+    @property
+    def nvme_bytes(self) -> float:
+        return self.offloaded.model_states if self.target == "nvme" else 0.0
+
+
+def estimate_config(
+    stage: int, offload: str, model: ModelSpec, cluster: Cluster, precision: str = "mixed",
+    activations: Activations | None = None, optimizer_state_per_param: int = 8,
+) -> ConfigEstimate:
+    """Estimate one configuration; see :func:`estimate_memory` for the arguments."""
+    formula = formula_precision(precision)
+    on_device, moved = offloaded_model_state(
+        stage, model.num_params, cluster.world_size, formula, offload, optimizer_state_per_param
+    )
+    elem = 4 if formula == "fp32" else 2
+    working = 2 * elem * (model.largest_layer_params or 0.0) if stage == 3 else 0.0
+    ds = None
+    if formula == "mixed":
+        ds = deepspeed_figures(stage, offload, model.num_params, model.largest_layer_params or 0.0, cluster)
+    return ConfigEstimate(stage, offload, on_device, moved, working, activations, ds, cluster.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Result of :func:`estimate_memory`: one :class:`ConfigEstimate` per (stage, offload)."""
+
+    model: ModelSpec
+    cluster: Cluster
+    precision: str
+    optimizer_state_per_param: int
+    activations: Activations | None
+    configs: tuple[ConfigEstimate, ...]
+
+    def config(self, stage: int, offload: str = "none") -> ConfigEstimate:
+        """The row for ``stage`` and ``offload``."""
+        for c in self.configs:
+            if c.stage == stage and c.offload == offload:
+                return c
+        raise KeyError(f"No estimate for stage {stage} with offload {offload!r} in this result.")
+
+    def table(self, units: str = "GB") -> str:
+        """The estimate as text (``units``: ``"GB"`` = 10^9 bytes or ``"GiB"`` = 2^30 bytes)."""
+        return render_estimate(self, units)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def estimate_memory(
+    num_params: float | str | None = None,
+    *,
+    model: str | nn.Module | None = None,
+    world_size: int | None = None,
+    num_nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    precision: str = "mixed",
+    offload: str = "all",
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    flash_attention: bool = False,
+    largest_layer_params: float | None = None,
+    optimizer_state_per_param: int = 8,
+) -> MemoryEstimate:
+    """Per-rank memory of ZeRO stages 0-3, without offload and with each valid offload.
+
+    Args:
+        num_params: Ψ (a number, or text such as ``"7.5e9"`` / ``"7.5B"``); or give ``model``.
+        model: preset name, ``nn.Module`` or ``"module.path:ClassOrFactory"`` (counted on meta).
+        world_size, num_nodes, gpus_per_node: the data-parallel layout (see :func:`make_cluster`).
+        precision: ``fp32``, ``mixed`` / ``bf16-mixed`` / ``16-mixed`` or ``bf16-true``.
+        offload: ``"all"`` for every valid offload option, or one option (rows without offload
+            are always included).
+        micro_batch, seq_len, layers, hidden, heads: transformer shape for activation memory
+            (a preset fills in layers, hidden, heads and seq_len).
+        flash_attention: attention scores are not stored (see :func:`activation_memory`).
+        largest_layer_params: parameters of the largest module, for stage 3's gathered layer.
+        optimizer_state_per_param: fp32 bytes of optimizer state per parameter (Adam: 8, SGD
+            with momentum: 4).
+    """
+    if (num_params is None) == (model is None):
+        raise ValueError("Give exactly one of the parameter count (--params) and the model (--model).")
+    spec = resolve_model(model) if model is not None else ModelSpec(parse_count(num_params))  # type: ignore[arg-type]
+    if largest_layer_params is not None:
+        spec = replace(spec, largest_layer_params=parse_count(largest_layer_params))
+    if offload != "all" and offload not in OFFLOADS:
+        raise ValueError(f"Unknown offload {offload!r}; use 'all' or one of {', '.join(OFFLOADS)}.")
+    cluster = make_cluster(world_size, num_nodes, gpus_per_node)
+    formula_precision(precision)
+    layers, hidden, heads = layers or spec.layers, hidden or spec.hidden, heads or spec.heads
+    seq_len = seq_len or spec.seq_len
+    acts = None
+    if micro_batch is not None:
+        missing = [flag for flag, v in (("--layers", layers), ("--hidden", hidden), ("--seq-len", seq_len)) if not v]
+        if missing:
+            raise ValueError(f"Activation memory for --micro-batch {micro_batch} also needs {', '.join(missing)} "
+                             "(or a --model preset that knows the shape).")
+        elem = 4 if formula_precision(precision) == "fp32" else 2
+        acts = activation_memory(layers, hidden, seq_len, micro_batch, heads, elem, flash_attention)
+    configs = tuple(
+        estimate_config(stage, off, spec, cluster, precision, acts, optimizer_state_per_param)
+        for stage in range(4)
+        for off in OFFLOADS
+        if stage in OFFLOAD_STAGES[off] and (offload == "all" or off in ("none", offload))
+    )
+    return MemoryEstimate(spec, cluster, precision, optimizer_state_per_param, acts, configs)

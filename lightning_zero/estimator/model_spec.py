@@ -1,0 +1,132 @@
+"""What the estimate knows about a model: :class:`ModelSpec` from a preset, a module or an import path.
+
+Presets are well-known architectures (:data:`PRESETS`, counted from their formulas) and this
+repository's GPT presets (:data:`lightning_zero.models.gpt.GPT_PRESETS`, built on the meta device).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zero.models.gpt import GPT, GPT_PRESETS
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the estimate knows about the model. Unknown fields are ``None``.
+
+    Args:
+        num_params: Ψ, trainable parameters (frozen ones are not counted).
+        name: preset name or import path it came from.
+        layers, hidden, heads, seq_len: transformer shape, for activation memory.
+        largest_layer_params: parameters of the largest single module (its own, not its
+            children's): the layer stage 3 must gather whole.
+    """
+
+    num_params: float
+    name: str | None = None
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    seq_len: int | None = None
+    largest_layer_params: float | None = None
+
+
+def _gpt2_params(layers: int, hidden: int, vocab: int = 50257, positions: int = 1024) -> int:
+    return vocab * hidden + positions * hidden + layers * (12 * hidden**2 + 13 * hidden) + 2 * hidden
+
+
+def _llama_params(layers: int, hidden: int, ffn: int, vocab: int = 32000) -> int:
+    return 2 * vocab * hidden + layers * (4 * hidden**2 + 3 * hidden * ffn + 2 * hidden) + hidden
+
+
+def _preset(name: str, params: int, layers: int, hidden: int, heads: int, seq: int, vocab: int) -> ModelSpec:
+    return ModelSpec(float(params), name, layers, hidden, heads, seq, float(vocab * hidden))
+
+
+# Parameter counts from the architectures' formulas (tied GPT-2 embeddings; untied Llama head).
+PRESETS: dict[str, ModelSpec] = {
+    p.name: p  # type: ignore[misc]
+    for p in (
+        _preset("gpt2", _gpt2_params(12, 768), 12, 768, 12, 1024, 50257),
+        _preset("gpt2-medium", _gpt2_params(24, 1024), 24, 1024, 16, 1024, 50257),
+        _preset("gpt2-large", _gpt2_params(36, 1280), 36, 1280, 20, 1024, 50257),
+        _preset("gpt2-xl", _gpt2_params(48, 1600), 48, 1600, 25, 1024, 50257),
+        _preset("gpt3-175b", _gpt2_params(96, 12288, positions=2048), 96, 12288, 96, 2048, 50257),
+        _preset("llama2-7b", _llama_params(32, 4096, 11008), 32, 4096, 32, 4096, 32000),
+        _preset("llama2-13b", _llama_params(40, 5120, 13824), 40, 5120, 40, 4096, 32000),
+    )
+}
+
+
+def spec_of_module(model: nn.Module, name: str | None = None) -> ModelSpec:
+    """Trainable parameters (shared ones once) and the largest single module of ``model``.
+
+    Args:
+        model: any module; meta-device parameters are fine.
+        name: label for the result.
+    """
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return ModelSpec(float(total), name, largest_layer_params=float(largest))
+
+
+def _project_preset(name: str) -> ModelSpec | None:
+    """A preset of ``lightning_zero.models.gpt.GPT_PRESETS`` (this repository's GPT), built on meta and counted."""
+    if name not in GPT_PRESETS:
+        return None
+    cfg = GPT_PRESETS[name]
+    with torch.device("meta"):
+        counted = spec_of_module(GPT(cfg), name)
+    return replace(counted, layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, seq_len=cfg.seq_len)
+
+
+def resolve_model(model: str | nn.Module) -> ModelSpec:
+    """A :class:`ModelSpec` from a preset name, a module instance or ``"module.path:attr"``.
+
+    Presets are :data:`PRESETS` and this repository's GPT presets
+    (``lightning_zero.models.gpt.GPT_PRESETS``, e.g. ``gpt_small``).
+
+    ``attr`` names a class or factory called with no arguments under ``torch.device("meta")`` (no
+    memory is allocated); a LightningModule's ``configure_model`` hook is called there too.
+
+    Args:
+        model: preset (see :data:`PRESETS`), ``nn.Module``, or import path ``"pkg.mod:Class"``.
+    """
+    if isinstance(model, nn.Module):
+        return spec_of_module(model, type(model).__name__)
+    if model in PRESETS:
+        return PRESETS[model]
+    project = _project_preset(model)
+    if project is not None:
+        return project
+    module_name, sep, attr = model.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"Unknown model {model!r}. Give a preset ({', '.join(PRESETS)}) or an import path "
+            "'package.module:ClassOrFactory' whose call with no arguments builds the nn.Module."
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"Cannot load {model!r}: {err}. Check the module is importable (PYTHONPATH).") from err
+    with torch.device("meta"):
+        built = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
+        hook = getattr(built, "configure_model", None)
+        if callable(hook):
+            hook()
+    if not isinstance(built, nn.Module):
+        raise ValueError(f"{model!r} built a {type(built).__name__}, not a torch.nn.Module.")
+    return spec_of_module(built, model)

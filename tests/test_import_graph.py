@@ -1,0 +1,162 @@
+"""The import graph of ``lightning_zero/``: no cycles, and every import points down a layer.
+
+Built from the source with ``ast``: every ``import`` / ``from ... import`` counts, including those
+inside functions; only imports under ``if TYPE_CHECKING:`` are left out (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_zero"
+
+# The layers, lowest first. A module may import its own layer or a lower one; the first prefix
+# that matches a module's dotted name decides its layer (so list the more specific prefixes first).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("lightning_zero.core",)),
+    ("glue", (
+        "lightning_zero.strategy", "lightning_zero.strategy_state", "lightning_zero.precision",
+        "lightning_zero.callbacks", "lightning_zero.monitoring", "lightning_zero.checkpoint",
+        "lightning_zero.deepspeed", "lightning_zero.uneven", "lightning_zero.models", "lightning_zero.pipeline",
+    )),
+    ("tools", (
+        "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator", "lightning_zero.advisor",
+        "lightning_zero.testing", "lightning_zero.__main__",
+    )),
+)
+TOP = "lightning_zero"  # the package's __init__: imports from every layer (only the module itself, not a prefix)
+# what core/ may import besides itself
+CORE_ALLOWED = {"torch"} | set(sys.stdlib_module_names)
+# Known exception, being removed: issue 14/15 ("semantics" helper) moves the safetensors file format
+# out of core/loading.py. Delete this entry once that lands.
+CORE_KNOWN_EXCEPTIONS = {"loading.py": {"safetensors"}}
+
+
+def _layer(module: str) -> int:
+    if module == TOP:
+        return len(LAYERS) - 1
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{module} is in no layer of tests/test_import_graph.py: add it to LAYERS")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(path: Path, name: str | None = None) -> set[str]:
+    """Absolute names of every module ``path`` imports (``from a import b`` counts ``a`` and ``a.b``)."""
+    name, is_package = name or _module_name(path), path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the ``lightning_zero`` modules it imports (names that are not modules dropped)."""
+    files = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {m: {i for i in _imports(p) if i in files and i != m} for m, p in files.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph)))
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_helpers_see_function_level_imports_and_skip_type_checking(tmp_path: Path) -> None:
+    src = tmp_path / "probe.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import lightning\n"
+                   "def f():\n    from lightning_zero.strategy import ZeroStrategy\n    from . import units\n")
+    found = _imports(src, "lightning_zero.core.probe")
+    assert {"lightning_zero.strategy", "lightning_zero.core.units"} <= found and "lightning" not in found
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = [f"{m} ({LAYERS[_layer(m)][0]}) imports {i} ({LAYERS[_layer(i)][0]})"
+              for m, deps in _graph().items() for i in sorted(deps) if _layer(i) > _layer(m)]
+    assert upward == []
+
+
+def test_nothing_in_lightning_zero_imports_experiments() -> None:
+    bad = [f"{_module_name(p)} imports {i}" for p in sorted(PACKAGE.rglob("*.py")) for i in sorted(_imports(p))
+           if i == "experiments" or i.startswith("experiments.")]
+    assert bad == []
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "core").rglob("*.py")), ids=lambda p: p.name)
+def test_core_imports_only_torch_and_the_standard_library(path: Path) -> None:
+    allowed = CORE_ALLOWED | {"lightning_zero"} | CORE_KNOWN_EXCEPTIONS.get(path.name, set())
+    outside = sorted(i for i in _imports(path) if i.split(".")[0] not in allowed)
+    inside = sorted(i for i in _imports(path) if i.startswith("lightning_zero.") and not i.startswith(
+        "lightning_zero.core"))
+    assert outside == [] and inside == []
+
+
+def test_every_module_opens_with_a_docstring() -> None:
+    missing = [str(p.relative_to(ROOT)) for p in sorted(PACKAGE.rglob("*.py"))
+               if ast.get_docstring(ast.parse(p.read_text())) is None]
+    assert missing == []
