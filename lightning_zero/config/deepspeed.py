@@ -31,6 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_zero.config.paths import conf_dir
 from lightning_zero.config.schema import LIGHTNING_PRECISION, OffloadSchema, TrainConfig
 from lightning_zero.config.validate import zero_config
 from lightning_zero.core.offload import OffloadConfig
@@ -71,8 +72,6 @@ def explicit_sources(overrides: Sequence[str]) -> dict[str, str]:
 
 def experiment_keys(name: str) -> set[str]:
     """The dotted keys ``conf/experiment/NAME.yaml`` sets (its group overrides as the keys they define)."""
-    from lightning_zero.config.launch import conf_dir
-
     path = conf_dir() / "experiment" / f"{name}.yaml"
     if not path.is_file():
         return set()  # Hydra's composition has refused an unknown experiment already

@@ -36,25 +36,16 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_zero
 from lightning_zero.config.build import RESULT_FILE, FitResult
 from lightning_zero.config.deepspeed import apply_deepspeed_config
+from lightning_zero.config.paths import CONFIG_NAME, conf_dir
 from lightning_zero.config.schema import TextDataSchema, TrainConfig, register_configs, to_yaml
 from lightning_zero.config.validate import describe, validate_config
 
-CONFIG_NAME = "config"
 CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory
-CONF_ENV = "LIGHTNING_ZERO_CONF"
 log = logging.getLogger("lightning_zero.train")
 
 
 class RankFailure(RuntimeError):
     """The rank processes of a run exited with an error."""
-
-
-def conf_dir() -> Path:
-    """The ``conf/`` directory: ``$LIGHTNING_ZERO_CONF`` if set, else the one beside the package."""
-    path = Path(os.environ.get(CONF_ENV) or Path(lightning_zero.__file__).resolve().parents[1] / "conf")
-    if not (path / f"{CONFIG_NAME}.yaml").is_file():
-        raise FileNotFoundError(f"no {CONFIG_NAME}.yaml in {path}; set {CONF_ENV} to the conf/ directory")
-    return path
 
 
 def compose_config(overrides: Sequence[str] = (), config_name: str = CONFIG_NAME) -> DictConfig:
