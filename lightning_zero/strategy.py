@@ -156,6 +156,9 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
         self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
         self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
+        if self.pipeline_config is not None and checkpoint_format == "sharded":
+            raise ValueError("A pipelined run saves consolidated checkpoints with the unsplit model's names "
+                             "(docs/pipeline.md): drop checkpoint_format='sharded'.")
         self._pipeline: StrategyPipeline | None = None  # this rank's stage (setup, when pipelined)
 
     # ------------------------------------------------------------------ plugins
@@ -238,8 +241,9 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: modules built in ``configure_model`` get meta parameters, materialised and
-        sharded unit by unit at setup (Note [sharded construction] in core/materialize.py)."""
-        if self.zero_config.stage != 3:
+        sharded unit by unit at setup (Note [sharded construction] in core/materialize.py). With a
+        pipeline the module is built for real and each rank drops the other stages' weights at setup."""
+        if self.zero_config.stage != 3 or self.pipeline_config is not None:
             yield
             return
         with torch.device("meta"):
@@ -420,6 +424,8 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED and self.gather_on_teardown:
                 self._pipeline.reassemble()  # the whole (trained) module on every rank again
+                for optimizer in self.optimizers:
+                    self._pipeline.restore_optimizer(optimizer)
             self._pipeline = None
         if self.lightning_module is not None:
             self.lightning_module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]

@@ -109,16 +109,18 @@ def loader(batch: int, dp_rank: int = 0, dp_size: int = 1, n: int = 96) -> DataL
     return DataLoader(dataset(n), batch_size=batch, sampler=Shard(n, dp_rank, dp_size))
 
 
-def reference(optimizer: str, batch: int, dp_size: int, steps: int, clip: float | None = None) -> dict[str, Any]:
+def reference(optimizer: str, batch: int, dp_size: int, steps: int, clip: float | None = None,
+              n: int = 96) -> dict[str, Any]:
     """Plain PyTorch on one process: each step averages the data-parallel ranks' batch losses (what
-    data-parallel training computes), then clips and steps."""
+    data-parallel training computes), then clips and steps; epochs restart the unshuffled data."""
     model = PipeLM(optimizer)
     opt = model.configure_optimizers()
-    loaders = [iter(loader(batch, r, dp_size)) for r in range(dp_size)]
+    batches = [list(loader(batch, r, dp_size, n)) for r in range(dp_size)]
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         opt.zero_grad()
-        per_rank = [model.pipeline_loss(model(x), y) for x, y in (next(it) for it in loaders)]
+        pairs = [b[step % len(b)] for b in batches]
+        per_rank = [model.pipeline_loss(model(x), y) for x, y in pairs]
         loss = torch.stack(per_rank).mean()
         loss.backward()
         if clip is not None:
