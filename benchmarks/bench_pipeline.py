@@ -75,7 +75,7 @@ def _trainer(stage: int, config: Any, world: int, steps: int, callbacks: list) -
 
 
 def bubble(args: argparse.Namespace) -> list[tuple[str, int, int, float]]:
-    from torch.distributed.pipelining import stage as pp_stage
+    from torch.distributed.pipelining import PipelineStage
 
     from lightning_zero.pipeline.config import PipelineConfig
     from lightning_zero.pipeline.runner import PipelineRunner
@@ -92,7 +92,7 @@ def bubble(args: argparse.Namespace) -> list[tuple[str, int, int, float]]:
                 busy.append(time.perf_counter() - t0)
         return inner
 
-    base = pp_stage._PipelineStageBase
+    base = PipelineStage
     base.forward_one_chunk = timed(base.forward_one_chunk)  # type: ignore[method-assign]
     base.backward_one_chunk = timed(base.backward_one_chunk)  # type: ignore[method-assign]
     step = PipelineRunner.train_step
@@ -109,7 +109,7 @@ def bubble(args: argparse.Namespace) -> list[tuple[str, int, int, float]]:
     rows = []
     for rep in range(args.repeats):
         for schedule in ("gpipe", "1f1b"):
-            for m in (1, 2, 4, 8):
+            for m in (1, 2, 4, 8) if schedule == "gpipe" else (2, 4, 8):  # 1F1B needs m >= p
                 windows.clear()
                 config = PipelineConfig(stages=2, micro_batches=m, schedule=schedule, partition_method="uniform")
                 trainer = _trainer(1, config, 2, args.steps + 2, [])
@@ -153,6 +153,9 @@ def memory(args: argparse.Namespace) -> list[tuple[int, str, float, float, int]]
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, queue: Any) -> None:
+    # Lightning then joins this process group instead of launching processes of its own
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + world), "WORLD_SIZE": str(world),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     out = bubble(args) if world == 2 else memory(args)
@@ -188,13 +191,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
     bub = _launch(2, args)
     print("| schedule | micro-batches m | idle stage 0 | idle stage 1 | theory (p-1)/(m+p-1) |")
     print("| :-- | --: | --: | --: | --: |")
     for schedule in ("gpipe", "1f1b"):
-        for m in (1, 2, 4, 8):
+        for m in (1, 2, 4, 8) if schedule == "gpipe" else (2, 4, 8):
             cells = []
             for rank in (0, 1):
                 vals = [idle for s, mm, _, idle in bub[rank] if s == schedule and mm == m]

@@ -54,6 +54,8 @@ def test_config_refuses_bad_values_with_the_fix() -> None:
         PipelineConfig(stages=2).data_parallel_size(3)
     with pytest.raises(ValueError, match="does not split into micro_batches=4 equal micro-batches"):
         PipelineConfig(micro_batches=4).check_batch(6)
+    with pytest.raises(ValueError, match="needs micro_batches >= stages"):
+        PipelineConfig(stages=4, micro_batches=2)
     assert PipelineConfig(schedule="one_f_one_b").schedule == "1f1b"  # the Hydra enum's name
 
 
