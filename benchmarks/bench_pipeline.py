@@ -9,7 +9,10 @@
   just before the once-per-step reduction), beside the formulas of docs/pipeline.md with
   Psi_s = the stage's parameters and N = 2.
 
-Run: python benchmarks/bench_pipeline.py [--repeats 3] [--width 384] [--layers 8]
+Run (torchrun starts the ranks):
+
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_pipeline.py bubble --repeats 3
+    python -m torch.distributed.run --nproc_per_node 4 benchmarks/bench_pipeline.py memory
 """
 
 from __future__ import annotations
@@ -18,13 +21,11 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("PL_DISABLE_FORK", "1")
@@ -138,12 +139,15 @@ def memory(args: argparse.Namespace) -> list[tuple[int, str, float, float, int]]
         rest: list[float] = []
 
         class AtRest(pl.Callback):
+            def __init__(self, out: list[float]) -> None:
+                self.out = out
+
             def on_train_batch_end(self, trainer: pl.Trainer, *a: Any) -> None:
-                rest.append(trainer.strategy.engine.model_state_bytes().total)
+                self.out.append(trainer.strategy.engine.model_state_bytes().total)
 
         peaks.clear()
         config = PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", partition_method="uniform")
-        trainer = _trainer(stage, config, 4, 3, [AtRest()])
+        trainer = _trainer(stage, config, 4, 3, [AtRest(rest)])
         model = _model(args.width, args.layers)
         trainer.fit(model, _loader(args.width, args.batch, 3))
         psi_s = sum(p.numel() for p in model.parameters()) / 2  # equal stages (uniform, equal layers)
@@ -152,33 +156,9 @@ def memory(args: argparse.Namespace) -> list[tuple[int, str, float, float, int]]
     return rows
 
 
-def _worker(rank: int, world: int, store: str, args: argparse.Namespace, queue: Any) -> None:
-    # Lightning then joins this process group instead of launching processes of its own
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + world), "WORLD_SIZE": str(world),
-                       "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    out = bubble(args) if world == 2 else memory(args)
-    queue.put((rank, out))
-    dist.destroy_process_group()
-
-
-def _launch(world: int, args: argparse.Namespace) -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    store = tempfile.mktemp(prefix="bench_pipeline_store")
-    procs = [ctx.Process(target=_worker, args=(r, world, store, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get() for _ in range(world))
-    for p in procs:
-        p.join()
-    return results
-
-
 def formula(stage: int, psi_s: float, n: int, peak: bool) -> float:
     """fp32 AdamW bytes per rank of one stage (docs/pipeline.md): 4 (param) + 4 (grad) + 8 (Adam)."""
-    params = 4 * psi_s if stage < 3 or peak else 4 * psi_s / n
+    params = 4 * psi_s if stage < 3 else 4 * psi_s / n + (4 * psi_s if peak else 0)  # + gathered at the peak
     grads = 4 * psi_s if stage < 2 else 4 * psi_s / n
     if peak and stage >= 2:
         grads += 4 * psi_s  # the deferred whole gradient of the stage, beside the (empty) shard
@@ -187,31 +167,41 @@ def formula(stage: int, psi_s: float, n: int, peak: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=["bubble", "memory"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
-    bub = _launch(2, args)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rows = bubble(args) if args.part == "bubble" else memory(args)
+    everything: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, rows)
+    if dist.get_rank() == 0:
+        (print_bubble if args.part == "bubble" else print_memory)(everything)
+    dist.destroy_process_group()
+
+
+def print_bubble(by_rank: list[Any]) -> None:
     print("| schedule | micro-batches m | idle stage 0 | idle stage 1 | theory (p-1)/(m+p-1) |")
     print("| :-- | --: | --: | --: | --: |")
     for schedule in ("gpipe", "1f1b"):
         for m in (1, 2, 4, 8) if schedule == "gpipe" else (2, 4, 8):
-            cells = []
-            for rank in (0, 1):
-                vals = [idle for s, mm, _, idle in bub[rank] if s == schedule and mm == m]
-                cells.append(f"{statistics.median(vals):.3f}")
-            print(f"| {schedule} | {m} | {cells[0]} | {cells[1]} | {1 / (m + 1):.3f} |")
-    mem = _launch(4, args)
-    print("\n| ZeRO stage | when | measured MiB (rank 0 / 2) | formula MiB |")
-    print("| :-- | :-- | --: | --: |")
+            cells = [statistics.median([i for s, mm, _, i in by_rank[r] if s == schedule and mm == m]) for r in (0, 1)]
+            print(f"| {schedule} | {m} | {cells[0]:.3f} | {cells[1]:.3f} | {1 / (m + 1):.3f} |")
+
+
+def print_memory(by_rank: list[Any]) -> None:
+    print("| ZeRO stage | when | measured bytes, ranks 0-3 (stage 0: 0-1, stage 1: 2-3) | formula | formula / Psi_s |")
+    print("| :-- | :-- | --: | --: | --: |")
     for stage in (1, 2, 3):
         for when in ("rest", "peak"):
-            got = [v for r in (0, 2) for s, w, v, _, _ in mem[r] if s == stage and w == when]
-            psi_s = next(p for s, w, _, p, _ in mem[0] if s == stage)
-            mib = " / ".join(f"{v / 2**20:.2f}" for v in got)
-            print(f"| {stage} | {when} | {mib} | {formula(stage, psi_s, 2, when == 'peak') / 2**20:.2f} |")
+            got = [int(v) for r in range(4) for s, w, v, _, _ in by_rank[r] if s == stage and w == when]
+            psi_s = next(p for s, w, _, p, _ in by_rank[0] if s == stage)
+            f = formula(stage, psi_s, 2, when == "peak")
+            print(f"| {stage} | {when} | {' / '.join(map(str, got))} | {f:.0f} | {f / psi_s:.0f} |")
 
 
 if __name__ == "__main__":

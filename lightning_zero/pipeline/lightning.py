@@ -105,7 +105,7 @@ class StrategyPipeline:
     def backward(self, engine: ZeroEngine) -> None:
         """Where Lightning calls backward: sum tied gradients over stages, then reduce once over the
         data-parallel group (Note [deferred reduction] in core/engine.py)."""
-        self.runner.sync_tied_grads()
+        self.runner.sync_tied_grads(engine.groups, engine.reducer.flat_grads)
         engine.reduce_deferred()
 
     def evaluation_step(self, module: pl.LightningModule, engine: ZeroEngine | None, stage: str, batch: Any) -> Any:

@@ -136,11 +136,19 @@ class PipelineRunner:
         return out
 
     @torch.no_grad()
-    def sync_tied_grads(self) -> None:
-        """Sum the gradients of parameters shared by several stages across those stages."""
+    def sync_tied_grads(self, engine_groups: list[Any], flat_grads: list[torch.Tensor | None]) -> None:
+        """Sum the gradients of parameters shared by several stages across those stages (in ``.grad``
+        at ZeRO stages 2-3, in the engine's whole gradient buffers ``flat_grads`` at stages 0-1)."""
+        views: dict[torch.Tensor, torch.Tensor] = {}
+        for g, flat in zip(engine_groups, flat_grads):
+            if flat is not None:
+                views.update({s.param: flat[s.offset : s.offset + s.numel] for s in g.slots})
         for stages, params in self.local.ties.items():
             group = self.groups.ties[stages]
             for p in params:
+                if p in views:
+                    dist.all_reduce(views[p], group=group)
+                    continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=group)
