@@ -24,11 +24,14 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
+    calls = 0  # forward calls in this process (activation checkpointing runs them again in backward)
+
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
         return x + torch.tanh(self.fc(x))
 
 

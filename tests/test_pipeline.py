@@ -67,13 +67,17 @@ def test_protocol_and_ties_are_found_before_any_process_group() -> None:
 
 
 # ------------------------------------------------------------------------------------------ distributed
-def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | None = None) -> dict[str, Any]:
+def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | None = None,
+         interval: int = 0) -> dict[str, Any]:
     import torch.distributed as dist
+
+    from tests.pipeline_models import Block
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = world // stages
     config = PipelineConfig(stages=stages, micro_batches=4, schedule=schedule, partition_method="uniform",
-                            virtual_stages=2 if schedule == "interleaved_1f1b" else 1)
+                            virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
+                            activation_checkpoint_interval=interval)
     model, gathers = PipeLM(optimizer), []
 
     class Units(pl.Callback):  # stage 3: gathers per step, and nothing left gathered after it
@@ -85,12 +89,14 @@ def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | N
     strategy = ZeroStrategy(stage=stage, pipeline=config, param_persistence_threshold=0, reduce_bucket_size=40)
     trainer = make_trainer(strategy, devices=world, max_steps=STEPS, gradient_clip_val=clip,
                            callbacks=[Units()] if stage == 3 else [])
+    calls = Block.calls
     trainer.fit(model, loader(BATCH, rank % dp, dp))
     return {"losses": model.losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "gathers": gathers, "dp_rank": rank % dp}
+            "gathers": gathers, "dp_rank": rank % dp, "block_calls": Block.calls - calls}
 
 
-def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: float | None = None) -> dict:
+def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: float | None = None,
+                interval: int = 0) -> dict:
     """Every ZeRO stage with each schedule and optimizer; returns the worst differences to the reference."""
     import torch.distributed as dist
 
@@ -100,12 +106,12 @@ def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: 
         ref = reference(optimizer, BATCH, dp, STEPS, clip)
         for schedule in schedules:
             for stage in (0, 1, 2, 3):
-                run = _fit(stage, schedule, stages, optimizer, clip)
+                run = _fit(stage, schedule, stages, optimizer, clip, interval)
                 ref_losses = [step[run["dp_rank"]] for step in ref["losses"]]
                 out[(optimizer, schedule, stage)] = {
                     "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref_losses)),
                     "param_abs": max(float((p - ref["params"][n]).abs().max()) for n, p in run["params"].items()),
-                    "steps": len(run["losses"]), "gathers": run["gathers"],
+                    "steps": len(run["losses"]), "gathers": run["gathers"], "block_calls": run["block_calls"],
                 }
     return out
 
@@ -134,6 +140,16 @@ def test_clipping_uses_the_norm_over_stages_and_counts_a_tie_once(gloo_pool: Glo
     # the first step's norm is ~4: a clip at 1.0 is active on every step
     _check(gloo_pool.run("tests.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
                          clip=1.0))
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_recomputes_and_keeps_parity(gloo_pool: GlooPool) -> None:
+    plain = gloo_pool.run("tests.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"])
+    recomputed = gloo_pool.run("tests.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
+                               interval=1)
+    _check(recomputed)
+    for a, b in zip(plain, recomputed):  # every block's forward of every micro-batch runs again in backward
+        assert all(b[k]["block_calls"] - a[k]["block_calls"] >= STEPS * 4 for k in a), (a, b)
 
 
 @pytest.mark.slow
