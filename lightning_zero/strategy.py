@@ -189,7 +189,7 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if self.pipeline_config is not None:  # split: the other stages' layers go to meta
+        if self.pipeline_config is not None:  # split: other stages' weights become storage-less placeholders
             self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
                                               self.zero_config.timeout_s)
         elif has_meta_parameters(self.model):

@@ -56,7 +56,7 @@ class StrategyPipeline:
         return {"num_replicas": self.mesh.dp_size, "rank": self.mesh.dp_rank}
 
     def restrict_optimizer(self, optimizer: Optimizer) -> None:
-        """Drop the other stages' (meta) parameters from the optimizer's param groups."""
+        """Drop the other stages' (placeholder) parameters from the optimizer's param groups."""
         local = set(self.local.names)
         original = [list(g["params"]) for g in optimizer.param_groups]
         self.checkpoint = PipelineCheckpoint(self.local, self.groups, original)
