@@ -76,6 +76,14 @@ class PipeLM(pl.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.pipeline_loss(self(batch[0]), batch[1])
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
 

@@ -265,3 +265,27 @@ def checkpoint_body(directory: str, stage: int) -> dict[str, float]:
 def test_checkpoints_resume_across_pipelined_and_plain_runs(gloo_pool: GlooPool, tmp_path: Path, stage: int) -> None:
     for result in gloo_pool.run("tests.test_pipeline:checkpoint_body", directory=str(tmp_path), stage=stage):
         assert all(v < 1e-6 for v in result.values()), result
+
+
+def evaluation_body() -> dict[str, float]:
+    """validate / predict through the forward-only schedule against the unsplit module (whole again
+    after fit) on the same data; 6 samples a batch, so 3 of the 4 micro-batches divide it."""
+    model = PipeLM()
+    config = PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", partition_method="parameters")
+    trainer = make_trainer(ZeroStrategy(stage=3, pipeline=config, param_persistence_threshold=0), max_steps=2)
+    trainer.fit(model, loader(BATCH, n=32))
+    data = loader(6, n=24)
+    val = trainer.validate(model, data, verbose=False)[0]["val_loss"]
+    predicted = trainer.predict(model, data)
+    with torch.no_grad():
+        expected = [model(x) for x, _ in data]
+        loss = torch.stack([model.pipeline_loss(model(x), y) for x, y in data]).mean()
+    return {"val": abs(val - float(loss)) / float(loss),
+            "predict": max(float((a - b).abs().max()) for a, b in zip(predicted, expected)),
+            "batches": float(len(predicted) == len(expected) == 4)}
+
+
+@pytest.mark.slow
+def test_validate_and_predict_run_the_forward_only_schedule(gloo_pool: GlooPool) -> None:
+    for result in gloo_pool.run("tests.test_pipeline:evaluation_body"):
+        assert result["batches"] == 1.0 and result["val"] < 1e-6 and result["predict"] < 1e-6, result

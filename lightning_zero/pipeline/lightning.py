@@ -30,7 +30,7 @@ class StrategyPipeline:
 
     Args:
         config: the pipeline policy.
-        module: the LightningModule (split in place: the other stages' layers go to the meta device).
+        module: the LightningModule (split in place: the other stages' weights become placeholders).
         device: this rank's device.
         timeout_s: timeout of the pipeline's process groups.
     """
