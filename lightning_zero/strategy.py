@@ -163,6 +163,9 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
         self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
         self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
+        if self.pipeline_config is not None and checkpoint_format == "sharded":
+            raise ValueError("A pipelined run saves consolidated checkpoints with the unsplit model's names "
+                             "(docs/pipeline.md): drop checkpoint_format='sharded'.")
         self._pipeline: StrategyPipeline | None = None  # this rank's stage (setup, when pipelined)
 
     # ------------------------------------------------------------------ plugins
@@ -201,7 +204,7 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if self.pipeline_config is not None:  # split: the other stages' layers go to meta
+        if self.pipeline_config is not None:  # split: other stages' weights become storage-less placeholders
             self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
                                               self.zero_config.timeout_s)
         elif has_meta_parameters(self.model):
@@ -433,6 +436,8 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
         if self._pipeline is not None:
             if not failed and self.gather_on_teardown:
                 self._pipeline.reassemble()  # the whole (trained) module on every rank again
+                for optimizer in self.optimizers:
+                    self._pipeline.restore_optimizer(optimizer)
             self._pipeline = None
         module = self.lightning_module
         if module is not None:

@@ -38,6 +38,8 @@ class ZeroStateMixin:
     """Checkpoint and state methods of :class:`~lightning_zero.ZeroStrategy` (see the module docstring)."""
 
     _engine: ZeroEngine | None
+    _pipeline: Any  # lightning_zero.pipeline.lightning.StrategyPipeline | None
+    pipeline_config: Any
 
     # ------------------------------------------------------------------ state
     def model_state_bytes(self) -> ModelStateBytes:
@@ -124,6 +126,8 @@ class ZeroStateMixin:
         engine, module = self._engine, self.lightning_module
         if engine is None or module is None:
             return super().lightning_module_state_dict()
+        if self._pipeline is not None and self._pipeline.checkpoint is not None:  # unsplit names, all stages
+            return self._pipeline.checkpoint.state_dict(engine, module)
         if self._writes_shards:
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
         state = engine.full_state_dict()  # stage 3 gathers unit by unit (every rank takes part)
@@ -149,6 +153,9 @@ class ZeroStateMixin:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self._pipeline is not None and self._pipeline.checkpoint is not None and self._engine is not None:
+            state = self._pipeline.checkpoint.optimizer_state(self._engine)  # numbered as the unsplit optimizer's
+            return state if self.is_global_zero else {}
         if self._engine is None or self._engine.sharded is None:
             return optimizer.state_dict()
         if self._writes_shards:
@@ -160,6 +167,11 @@ class ZeroStateMixin:
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint.get("optimizer_states", [])
+        if self._pipeline is not None and self._pipeline.checkpoint is not None and self._engine is not None:
+            for state in states[:1]:
+                plain = dict(state) if isinstance(state.get("state"), dict) else materialize_optimizer_state(state)
+                self._pipeline.checkpoint.load_optimizer_state(self._engine, plain)
+            return None
         if self._engine is None or self._engine.sharded is None or self._engine.sharded.whole:
             if any(isinstance(s.get("state"), Mapping) and not isinstance(s.get("state"), dict) for s in states):
                 checkpoint = {**checkpoint, "optimizer_states": [materialize_optimizer_state(s) for s in states]}
@@ -179,6 +191,8 @@ class ZeroStateMixin:
 
     def _sharded_format(self) -> bool:
         """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1)."""
+        if self.pipeline_config is not None:  # pipelines save the unsplit model, consolidated (docs/pipeline.md)
+            return False
         fmt = self.checkpoint_format
         return fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
 

@@ -24,11 +24,14 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
+    calls = 0  # forward calls in this process (activation checkpointing runs them again in backward)
+
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
         return x + torch.tanh(self.fc(x))
 
 
@@ -73,6 +76,14 @@ class PipeLM(pl.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.pipeline_loss(self(batch[0]), batch[1])
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
 
@@ -109,16 +120,18 @@ def loader(batch: int, dp_rank: int = 0, dp_size: int = 1, n: int = 96) -> DataL
     return DataLoader(dataset(n), batch_size=batch, sampler=Shard(n, dp_rank, dp_size))
 
 
-def reference(optimizer: str, batch: int, dp_size: int, steps: int, clip: float | None = None) -> dict[str, Any]:
+def reference(optimizer: str, batch: int, dp_size: int, steps: int, clip: float | None = None,
+              n: int = 96) -> dict[str, Any]:
     """Plain PyTorch on one process: each step averages the data-parallel ranks' batch losses (what
-    data-parallel training computes), then clips and steps."""
+    data-parallel training computes), then clips and steps; epochs restart the unshuffled data."""
     model = PipeLM(optimizer)
     opt = model.configure_optimizers()
-    loaders = [iter(loader(batch, r, dp_size)) for r in range(dp_size)]
+    batches = [list(loader(batch, r, dp_size, n)) for r in range(dp_size)]
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         opt.zero_grad()
-        per_rank = [model.pipeline_loss(model(x), y) for x, y in (next(it) for it in loaders)]
+        pairs = [b[step % len(b)] for b in batches]
+        per_rank = [model.pipeline_loss(model(x), y) for x, y in pairs]
         loss = torch.stack(per_rank).mean()
         loss.backward()
         if clip is not None:

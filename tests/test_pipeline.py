@@ -9,6 +9,11 @@ within 1e-6 with SGD (observed: ~2e-7), 5 steps.
 
 from __future__ import annotations
 
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -49,6 +54,8 @@ def test_config_refuses_bad_values_with_the_fix() -> None:
         PipelineConfig(stages=2).data_parallel_size(3)
     with pytest.raises(ValueError, match="does not split into micro_batches=4 equal micro-batches"):
         PipelineConfig(micro_batches=4).check_batch(6)
+    with pytest.raises(ValueError, match="needs micro_batches >= stages"):
+        PipelineConfig(stages=4, micro_batches=2)
     assert PipelineConfig(schedule="one_f_one_b").schedule == "1f1b"  # the Hydra enum's name
 
 
@@ -60,13 +67,17 @@ def test_protocol_and_ties_are_found_before_any_process_group() -> None:
 
 
 # ------------------------------------------------------------------------------------------ distributed
-def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | None = None) -> dict[str, Any]:
+def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | None = None,
+         interval: int = 0) -> dict[str, Any]:
     import torch.distributed as dist
+
+    from tests.pipeline_models import Block
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = world // stages
     config = PipelineConfig(stages=stages, micro_batches=4, schedule=schedule, partition_method="uniform",
-                            virtual_stages=2 if schedule == "interleaved_1f1b" else 1)
+                            virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
+                            activation_checkpoint_interval=interval)
     model, gathers = PipeLM(optimizer), []
 
     class Units(pl.Callback):  # stage 3: gathers per step, and nothing left gathered after it
@@ -78,12 +89,14 @@ def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | N
     strategy = ZeroStrategy(stage=stage, pipeline=config, param_persistence_threshold=0, reduce_bucket_size=40)
     trainer = make_trainer(strategy, devices=world, max_steps=STEPS, gradient_clip_val=clip,
                            callbacks=[Units()] if stage == 3 else [])
+    calls = Block.calls
     trainer.fit(model, loader(BATCH, rank % dp, dp))
     return {"losses": model.losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "gathers": gathers, "dp_rank": rank % dp}
+            "gathers": gathers, "dp_rank": rank % dp, "block_calls": Block.calls - calls}
 
 
-def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: float | None = None) -> dict:
+def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: float | None = None,
+                interval: int = 0) -> dict:
     """Every ZeRO stage with each schedule and optimizer; returns the worst differences to the reference."""
     import torch.distributed as dist
 
@@ -93,12 +106,12 @@ def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: 
         ref = reference(optimizer, BATCH, dp, STEPS, clip)
         for schedule in schedules:
             for stage in (0, 1, 2, 3):
-                run = _fit(stage, schedule, stages, optimizer, clip)
+                run = _fit(stage, schedule, stages, optimizer, clip, interval)
                 ref_losses = [step[run["dp_rank"]] for step in ref["losses"]]
                 out[(optimizer, schedule, stage)] = {
                     "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref_losses)),
                     "param_abs": max(float((p - ref["params"][n]).abs().max()) for n, p in run["params"].items()),
-                    "steps": len(run["losses"]), "gathers": run["gathers"],
+                    "steps": len(run["losses"]), "gathers": run["gathers"], "block_calls": run["block_calls"],
                 }
     return out
 
@@ -113,7 +126,7 @@ def _check(results: list[dict]) -> None:
             if stage == 3:  # Note [deferred reduction]: one gather per unit per step, not per micro-batch
                 counts, units, released = zip(*r["gathers"])
                 assert all(released) and units[0] >= 2
-                assert [b - a for a, b in zip(counts, counts[1:])] == [units[0]] * (STEPS - 1), r["gathers"]
+                assert [b - a for a, b in itertools.pairwise(counts)] == [units[0]] * (STEPS - 1), r["gathers"]
 
 
 @pytest.mark.slow
@@ -130,6 +143,16 @@ def test_clipping_uses_the_norm_over_stages_and_counts_a_tie_once(gloo_pool: Glo
 
 
 @pytest.mark.slow
+def test_activation_checkpointing_recomputes_and_keeps_parity(gloo_pool: GlooPool) -> None:
+    plain = gloo_pool.run("tests.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"])
+    recomputed = gloo_pool.run("tests.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
+                               interval=1)
+    _check(recomputed)
+    for a, b in zip(plain, recomputed):  # every block's forward of every micro-batch runs again in backward
+        assert all(b[k]["block_calls"] - a[k]["block_calls"] >= STEPS * 4 for k in a), (a, b)
+
+
+@pytest.mark.slow
 def test_two_stages_by_two_data_parallel_match_data_parallel() -> None:
     pool = GlooPool(world_size=4)
     try:
@@ -137,3 +160,132 @@ def test_two_stages_by_two_data_parallel_match_data_parallel() -> None:
                         stages=2, optimizers=["adamw", "sgd"], _timeout_s=600))
     finally:
         pool.close()
+
+
+class NoProtocol(PipeLM):
+    pipeline_layers = None  # type: ignore[assignment]
+
+
+def bad_input_body(case: str) -> str:
+    """Each bad input raises on every rank (the pool collects one message per rank)."""
+    import torch.distributed as dist
+
+    stages, micro, model = 2, 4, PipeLM()
+    if case == "world":
+        stages = 3
+    elif case == "micro":
+        micro = 3
+    elif case == "layers":
+        model = PipeLM(n_blocks=0)  # 2 layers, 3 chunks... on 2 stages with virtual stages
+    elif case == "protocol":
+        model = NoProtocol()
+    config = PipelineConfig(stages=stages, micro_batches=micro, schedule="gpipe" if case != "layers" else
+                            "interleaved_1f1b", virtual_stages=2 if case == "layers" else 1)
+    trainer = make_trainer(ZeroStrategy(stage=2, pipeline=config), devices=dist.get_world_size(), max_steps=1)
+    try:
+        trainer.fit(model, loader(BATCH))
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "message"), [
+    ("world", "not a multiple of pipeline stages=3"),
+    ("micro", "does not split into micro_batches=3"),
+    ("layers", "2 pipeline layers, fewer than the 4 pipeline chunks"),
+    ("protocol", "add `pipeline_layers(self) -> Sequence[nn.Module]`"),
+])
+def test_bad_input_is_refused_on_every_rank(gloo_pool: GlooPool, case: str, message: str) -> None:
+    messages = gloo_pool.run("tests.test_pipeline:bad_input_body", case=case)
+    assert all(message in m for m in messages), messages
+
+
+@pytest.mark.slow
+def test_cli_trains_and_logs_a_pipelined_gpt(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "pipeline=pp2_1f1b",
+           "zero=stage3", "zero.param_persistence_threshold=0", "trainer.devices=2", "trainer.max_steps=6",
+           "trainer.log_every_n_steps=2", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "val_loss" in done.stdout + done.stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    losses = []
+    for path in tmp_path.glob("tb/events.out.tfevents.*"):
+        events = EventAccumulator(str(path))
+        events.Reload()
+        if "train_loss" in events.Tags()["scalars"]:
+            losses = [e.value for e in events.Scalars("train_loss")]
+    assert len(losses) == 3 and all(0 < v < 10 for v in losses), losses
+
+
+def checkpoint_body(directory: str, stage: int) -> dict[str, float]:
+    """Pipelined -> pipelined, pipelined -> data parallel, data parallel -> pipelined resumes (3 + 2
+    SGD steps, 3 batches per epoch) against 5 uninterrupted reference steps."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), 24
+    config = PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", partition_method="uniform")
+
+    class SaveAt3(pl.Callback):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                trainer.save_checkpoint(self.path)
+
+    def fit(pipelined: bool, steps: int, ckpt: str | None = None, save: str | None = None) -> PipeLM:
+        model = PipeLM("sgd")
+        strategy = ZeroStrategy(stage=stage, pipeline=config if pipelined else None, param_persistence_threshold=0)
+        data = loader(BATCH, n=n) if pipelined else loader(BATCH // 2, rank, 2, n=n)  # the same 8 samples a step
+        trainer = make_trainer(strategy, max_steps=steps, callbacks=[SaveAt3(save)] if save else [])
+        trainer.fit(model, data, ckpt_path=ckpt)
+        return model
+
+    ref = reference("sgd", BATCH, 1, 5, n=n)["params"]
+
+    def diff(model: PipeLM) -> float:
+        return max(float((p - ref[name]).abs().max()) for name, p in model.named_parameters())
+
+    piped, plain = f"{directory}/piped.ckpt", f"{directory}/plain.ckpt"
+    out = {"uninterrupted": diff(fit(True, 5))}
+    fit(True, 3, save=piped)
+    out["piped->piped"] = diff(fit(True, 5, ckpt=piped))
+    out["piped->plain"] = diff(fit(False, 5, ckpt=piped))
+    fit(False, 3, save=plain)
+    out["plain->piped"] = diff(fit(True, 5, ckpt=plain))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoints_resume_across_pipelined_and_plain_runs(gloo_pool: GlooPool, tmp_path: Path, stage: int) -> None:
+    for result in gloo_pool.run("tests.test_pipeline:checkpoint_body", directory=str(tmp_path), stage=stage):
+        assert all(v < 1e-6 for v in result.values()), result
+
+
+def evaluation_body() -> dict[str, float]:
+    """validate / predict through the forward-only schedule against the unsplit module (whole again
+    after fit) on the same data; 6 samples a batch, so 3 of the 4 micro-batches divide it."""
+    model = PipeLM()
+    config = PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", partition_method="parameters")
+    trainer = make_trainer(ZeroStrategy(stage=3, pipeline=config, param_persistence_threshold=0), max_steps=2)
+    trainer.fit(model, loader(BATCH, n=32))
+    data = loader(6, n=24)
+    val = trainer.validate(model, data, verbose=False)[0]["val_loss"]
+    predicted = trainer.predict(model, data)
+    with torch.no_grad():
+        expected = [model(x) for x, _ in data]
+        loss = torch.stack([model.pipeline_loss(model(x), y) for x, y in data]).mean()
+    return {"val": abs(val - float(loss)) / float(loss),
+            "predict": max(float((a - b).abs().max()) for a, b in zip(predicted, expected)),
+            "batches": float(len(predicted) == len(expected) == 4)}
+
+
+@pytest.mark.slow
+def test_validate_and_predict_run_the_forward_only_schedule(gloo_pool: GlooPool) -> None:
+    for result in gloo_pool.run("tests.test_pipeline:evaluation_body"):
+        assert result["batches"] == 1.0 and result["val"] < 1e-6 and result["predict"] < 1e-6, result

@@ -113,6 +113,9 @@ def _pipeline_problems(cfg: TrainConfig) -> list[str]:
     if interleaved and (pp.virtual_stages < 2 or pp.micro_batches % pp.stages):
         out.append("pipeline.schedule=interleaved_1f1b needs pipeline.virtual_stages >= 2 and micro_batches a "
                    "multiple of stages.")
+    if pp.schedule is PipeSchedule.one_f_one_b and pp.micro_batches < pp.stages:
+        out.append(f"pipeline.schedule=one_f_one_b needs pipeline.micro_batches >= stages ({pp.micro_batches} < "
+                   f"{pp.stages}). Fix: more micro_batches, or pipeline=pp2_gpipe.")
     if not interleaved and pp.virtual_stages != 1:
         out.append("pipeline.virtual_stages > 1 needs pipeline.schedule=interleaved_1f1b.")
     layers = _layers(cfg)

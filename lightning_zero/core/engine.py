@@ -350,9 +350,10 @@ class ZeroEngine:
     def deferred_reduction(self) -> Iterator[None]:
         """Note [deferred reduction]
             A pipeline schedule runs the backward of every micro-batch of a step, interleaved with
-            forwards, inside one call. In this window the gradient hooks leave each gradient in
-            ``param.grad``, where autograd accumulates the micro-batches (the whole gradient of this
-            rank's stage: the memory a pipeline costs at stages 2-3, docs/pipeline.md), and stage 3
+            forwards, inside one call. In this window nothing is reduced: at stages 0-1 the hooks add
+            each gradient into the whole flat buffer (as under ``no_sync``); at stages 2-3 they leave
+            it in ``param.grad``, where autograd accumulates the micro-batches (the whole gradient of
+            this rank's stage: the memory a pipeline costs there, docs/pipeline.md), and stage 3
             gathers every unit once and keeps it until the window ends, instead of once per
             micro-batch. :meth:`reduce_deferred` then reduces once over the data-parallel group
             (Lightning's ``zero_grad``, which runs between the step and its backward, leaves the
@@ -590,8 +591,8 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         """Clear gradients: the reduced buffers, the per-parameter views and the shards' grads."""
-        self.reducer.zero()
         if not self.reducer.deferred:  # a deferred window's gradients await reduce_deferred()
+            self.reducer.zero()
             for p in self.names:
                 p.grad = None
         if self.sharded is not None:

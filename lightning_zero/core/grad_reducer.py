@@ -81,7 +81,7 @@ class GradReducer:
         self.accum_dtype = accum_dtype or grad_dtype
         self.names = names
         self.sync: bool = True  # False inside block_backward_sync: stages 0-1 only accumulate locally
-        self.deferred: bool = False  # pipelines: hooks leave gradients in .grad until reduce_deferred()
+        self.deferred: bool = False  # pipelines: no reduction until reduce_deferred() (stages 2-3: kept in .grad)
         self.state = BackwardState.IDLE
         self._dirty = False  # whether any gradient buffer may be non-zero (zero() is a no-op otherwise)
         self.max_in_flight = 2 if stage >= 2 else 1 << 30
@@ -154,7 +154,7 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.deferred:  # autograd keeps accumulating into param.grad (Note [deferred reduction])
+        if self.deferred and self.stage >= 2:  # autograd accumulates into param.grad (Note [deferred reduction])
             return
         self.state = BackwardState.RUNNING
         order, slot_index = self._where[param]
@@ -176,11 +176,12 @@ class GradReducer:
         if param not in self._reported:
             self._reported.add(param)
             self._pending[order] -= 1
-        if self.overlap and self.communicating:
+        if self.overlap and self.communicating and not self.deferred:  # stages 0-1 deferred: accumulate only
             self._launch_ready(force=False)
 
     def reduce_deferred(self) -> None:
-        """End a deferred window: hand every accumulated ``.grad`` to the buckets, in backward order."""
+        """End a deferred window: hand every accumulated ``.grad`` to the buckets, in backward order
+        (stages 0-1 accumulated into their whole buffers already; ``finish`` reduces them)."""
         self.deferred = False
         for param in reversed(list(self._where)):
             if param.grad is not None:

@@ -66,6 +66,9 @@ class PipelineConfig:
         if interleaved and self.micro_batches % self.stages:
             raise ValueError(f"interleaved_1f1b needs micro_batches ({self.micro_batches}) to be a multiple of "
                              f"stages ({self.stages}).")
+        if self.schedule == "1f1b" and self.micro_batches < self.stages:
+            raise ValueError(f"schedule='1f1b' needs micro_batches >= stages ({self.micro_batches} < {self.stages}); "
+                             "use more micro-batches, or schedule='gpipe'.")
         method = self.partition_method
         if method not in ("uniform", "parameters") and not method.startswith("type:"):
             raise ValueError(f"partition_method must be 'uniform', 'parameters' or 'type:<regex>', got {method!r}.")

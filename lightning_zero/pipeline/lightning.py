@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.mesh import PipelineGroups, PipelineMesh, make_groups
 from lightning_zero.pipeline.model import LocalModel, plan_split, reassemble, split_batch, split_module
@@ -29,7 +30,7 @@ class StrategyPipeline:
 
     Args:
         config: the pipeline policy.
-        module: the LightningModule (split in place: the other stages' layers go to the meta device).
+        module: the LightningModule (split in place: the other stages' weights become placeholders).
         device: this rank's device.
         timeout_s: timeout of the pipeline's process groups.
     """
@@ -47,6 +48,7 @@ class StrategyPipeline:
         self.local: LocalModel = split_module(module, config, self.mesh.stage, config.activation_checkpoint_interval)
         self.local.module.to(device)
         self.runner = PipelineRunner(config, self.local, self.groups, module.pipeline_loss, device)  # type: ignore[arg-type]
+        self.checkpoint: PipelineCheckpoint | None = None  # set by restrict_optimizer (fit)
 
     # ------------------------------------------------------------------ setup
     def sampler_kwargs(self) -> dict[str, int]:
@@ -54,8 +56,10 @@ class StrategyPipeline:
         return {"num_replicas": self.mesh.dp_size, "rank": self.mesh.dp_rank}
 
     def restrict_optimizer(self, optimizer: Optimizer) -> None:
-        """Drop the other stages' (meta) parameters from the optimizer's param groups."""
+        """Drop the other stages' (placeholder) parameters from the optimizer's param groups."""
         local = set(self.local.names)
+        original = [list(g["params"]) for g in optimizer.param_groups]
+        self.checkpoint = PipelineCheckpoint(self.local, self.groups, original)
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p in local]
 
@@ -81,6 +85,13 @@ class StrategyPipeline:
 
         reassemble(self.local, self.mesh.stage, broadcast)
 
+    def restore_optimizer(self, optimizer: Optimizer) -> None:
+        """After fit: the optimizer's param groups hold every stage's parameters again (its state only
+        this stage's entries: save checkpoints during fit, where all stages contribute)."""
+        if self.checkpoint is not None:
+            for group, params in zip(optimizer.param_groups, self.checkpoint.original_groups):
+                group["params"] = list(params)
+
     # ------------------------------------------------------------------ steps
     def training_step(self, module: pl.LightningModule, engine: ZeroEngine, loss_scale: float, batch: Any) -> Tensor:
         """Forward and backward of every micro-batch (gradients kept for :meth:`backward`); the batch-mean loss."""
@@ -94,7 +105,7 @@ class StrategyPipeline:
     def backward(self, engine: ZeroEngine) -> None:
         """Where Lightning calls backward: sum tied gradients over stages, then reduce once over the
         data-parallel group (Note [deferred reduction] in core/engine.py)."""
-        self.runner.sync_tied_grads()
+        self.runner.sync_tied_grads(engine.groups, engine.reducer.flat_grads)
         engine.reduce_deferred()
 
     def evaluation_step(self, module: pl.LightningModule, engine: ZeroEngine | None, stage: str, batch: Any) -> Any:

@@ -65,14 +65,14 @@ class PipelineRunner:
 
         return loss
 
-    def _schedule(self, micro_batches: int, training: bool, key: tuple[Any, ...]) -> Any:
-        full_key = (micro_batches, training, *key)
+    def _schedule(self, micro_batches: int, training: bool, key: tuple[Any, ...], with_loss: bool = True) -> Any:
+        full_key = (micro_batches, training, with_loss, *key)
         schedule = self._schedules.get(full_key)
         if schedule is not None:
             return schedule
         stages = [PipelineStage(chunk, c, self.config.chunks, self.device, group=self.groups.pp)
                   for chunk, c in zip(self.local.chunks, self.local.chunk_ids)]
-        loss = self._scaled_loss(micro_batches)
+        loss = self._scaled_loss(micro_batches) if with_loss else None  # predict: outputs only
         if self.config.schedule == "interleaved_1f1b":
             schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss, scale_grads=False)
         else:
@@ -116,9 +116,9 @@ class PipelineRunner:
             raise ValueError(f"An evaluation batch of {size} samples does not split into a multiple of "
                              f"stages={self.config.stages} micro-batches, which the interleaved schedule needs. "
                              "Fix: an evaluation batch size that is a multiple of micro_batches.")
-        schedule = self._schedule(m, False, self._shape_key(inputs, target))
-        losses: list[torch.Tensor] = []
         with_loss = target is not None
+        schedule = self._schedule(m, False, self._shape_key(inputs, target), with_loss)
+        losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
         output = schedule.eval(*args, target=target if self.is_last and with_loss else None,
                                losses=losses if self.is_last and with_loss else None)
@@ -136,11 +136,19 @@ class PipelineRunner:
         return out
 
     @torch.no_grad()
-    def sync_tied_grads(self) -> None:
-        """Sum the gradients of parameters shared by several stages across those stages."""
+    def sync_tied_grads(self, engine_groups: list[Any], flat_grads: list[torch.Tensor | None]) -> None:
+        """Sum the gradients of parameters shared by several stages across those stages (in ``.grad``
+        at ZeRO stages 2-3, in the engine's whole gradient buffers ``flat_grads`` at stages 0-1)."""
+        views: dict[torch.Tensor, torch.Tensor] = {}
+        for g, flat in zip(engine_groups, flat_grads):
+            if flat is not None:
+                views.update({s.param: flat[s.offset : s.offset + s.numel] for s in g.slots})
         for stages, params in self.local.ties.items():
             group = self.groups.ties[stages]
             for p in params:
+                if p in views:
+                    dist.all_reduce(views[p], group=group)
+                    continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=group)

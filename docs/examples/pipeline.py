@@ -1,0 +1,36 @@
+"""A tiny GPT in 2 pipeline stages (1F1B, 4 micro-batches) with ZeRO stage 2 on 2 CPU processes.
+
+Run: python docs/examples/pipeline.py
+"""
+
+import lightning.pytorch as pl
+
+from experiments.data import TextDataModule
+from experiments.gpt import GPTLightningModule
+from lightning_zero import PipelineConfig, ZeroStrategy
+
+
+class PrintLoss(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # the batch-mean loss of the last stage, known on every rank
+        if batch_idx % 5 == 0:
+            print(f"rank {trainer.global_rank} step {trainer.global_step}: loss {float(outputs['loss']):.4f}")
+
+
+if __name__ == "__main__":
+    pipeline = PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", partition_method="parameters")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,  # 2 stages x 1 data-parallel rank; devices=4 gives 2 x 2
+        strategy=ZeroStrategy(stage=2, pipeline=pipeline),
+        max_steps=20,
+        gradient_clip_val=1.0,
+        limit_val_batches=2,
+        val_check_interval=10,
+        callbacks=[PrintLoss()],
+        logger=False,
+        enable_checkpointing=False,
+    )
+    model = GPTLightningModule("gpt_tiny", warmup_steps=0)
+    trainer.fit(model, TextDataModule(seq_len=64, micro_batch_size=8, max_bytes=500_000, max_val_samples=16))
+    print(f"rank {trainer.global_rank}: val_loss {float(trainer.callback_metrics['val_loss']):.4f}")
