@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from experiments.data import log_train_loss
+
 
 @dataclass
 class GPTConfig:
@@ -257,7 +259,7 @@ class GPTLightningModule(LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True, batch_size=batch[0].size(0))
+        log_train_loss(self, loss, batch[0].size(0))
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
