@@ -16,6 +16,7 @@ from lightning_zero.checkpoint.format import (
     materialize_optimizer_state,
 )
 from lightning_zero.checkpoint.plain import CheckpointError
+from lightning_zero.core.own_bytes import own_bytes
 
 __all__ = [
     "FORMAT_VERSION",
@@ -59,7 +60,7 @@ def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike, lightnin
         data: dict[str, Any] = ckpt.lightning_state()
         data["state_dict"] = ckpt.state_dict().materialize()
         data["optimizer_states"] = [materialize_optimizer_state(o) for o in ckpt.optimizer_states()]
-        torch.save(data, out)
+        torch.save(own_bytes(data), out)  # each tensor its own bytes, not the flat buffer it views
         return out
     state = consolidate_checkpoint(path, prefix)
     if out.suffix == ".safetensors":
@@ -67,7 +68,7 @@ def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike, lightnin
 
         save_file({k: v.contiguous().clone() for k, v in state.items()}, str(out))  # tied weights: own copies
     else:
-        torch.save(state, out)
+        torch.save(own_bytes(state), out)
     return out
 
 

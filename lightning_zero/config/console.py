@@ -111,7 +111,7 @@ def failure_summary(failed: RankExit | None, devices: int, run_dir: Path, advice
         return (f"rank {failed.rank} of {devices} failed with exit code {failed.exitcode}; its traceback is "
                 f"above, and every rank's full output is in {log}.")
     lines = [f"rank {failed.rank} of {devices} was killed by {sig} (it printed no traceback; the other ranks' "
-             f"errors, e.g. 'Connection closed by peer', follow from it). Full output: {log}."]
+             f"errors, e.g. 'Connection reset/closed by peer', follow from it). Full output: {log}."]
     if sig == "SIGKILL":
         lines.append("Likely cause: the out-of-memory killer (a SIGKILL without a traceback usually is; "
                      "`dmesg | grep -i oom` or `journalctl -k` confirms it).")

@@ -178,7 +178,11 @@ def _hydra_task(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
-    return run_job(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)).val_loss_end
+    try:
+        return run_job(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)).val_loss_end
+    except RankFailure as err:  # the summary is the last thing printed, without the launcher's own traceback
+        print(f"\nlightning-zero train: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from err
 
 
 def train_command(argv: Sequence[str]) -> int:
