@@ -26,6 +26,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.core.comm import DataParallelComm
+from lightning_zero.dashboard import ZeroTensorBoardLogger
 from lightning_zero.monitoring import (
     MEMORY_KEYS,
     TIME_KEYS,
@@ -148,6 +149,9 @@ class ZeroStatsMonitor(pl.Callback):
         self._last_step = trainer.global_step
         self._reset()
         self._ref = self._now(trainer, sync=True)
+        for logger in trainer.loggers:
+            if isinstance(logger, ZeroTensorBoardLogger):
+                logger.follow(trainer)
         if self.profiler is not None:
             self.trace_dir = Path(trainer.log_dir or trainer.default_root_dir) / "profiler"  # every rank asks
             self._prof = self.profiler.build(self.trace_dir, trainer.global_rank, self._cuda)

@@ -2,6 +2,7 @@
 
 What it changes against Lightning's ``TensorBoardLogger`` (docs/monitoring.md, "Reading the dashboard"):
 
+- every scalar at the global step (:meth:`ZeroTensorBoardLogger.follow`), so curves are monotone;
 - the losses come first: ``train/loss`` (the monitor's mean over ranks) is written as ``loss/train`` and
   ``val_loss`` as ``loss/val``, so TensorBoard's Time Series opens on the ``loss`` group; Lightning's
   ``epoch`` scalar is left out (it is in the CSV and the checkpoints);
@@ -48,6 +49,13 @@ class ZeroTensorBoardLogger(TensorBoardLogger):
         super().__init__(*args, **kwargs)
         self._rank_writers: dict[int, Any] = {}
         self._tags: set[str] = set()
+        self._trainer: Any = None
+
+    def follow(self, trainer: Any) -> None:
+        """Write every scalar at ``trainer.global_step`` (the optimizer steps taken), whatever step Lightning
+        passes: its own axis puts a step's training metrics at ``global_step - 1`` and a validation inside
+        the fit one step behind the one after it. ``ZeroStatsMonitor`` calls this when a fit starts."""
+        self._trainer = trainer
 
     def _rank_writer(self, rank: int) -> Any:
         if rank not in self._rank_writers:
@@ -59,6 +67,8 @@ class ZeroTensorBoardLogger(TensorBoardLogger):
     @override
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if self._trainer is not None:
+            step = self._trainer.global_step
         main: dict[str, float] = {}
         for name, value in metrics.items():
             match = _PER_RANK.fullmatch(name)

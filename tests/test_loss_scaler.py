@@ -1,7 +1,7 @@
 """The fp16 loss scaler against hand-worked sequences of clean (C) and overflowing (O) steps.
 
 Each row is ``(step kind, scale after the step, hysteresis credits after the step)``, worked out by
-hand from the rule in ``../shared/design-notes.md`` (DeepSpeed's): iterations count from 0, the
+hand from the rule in ``docs/precision.md`` (DeepSpeed's): iterations count from 0, the
 last overflow starts at -1, and a clean step doubles the scale when ``(iteration - last overflow)``
 is a multiple of the window.
 """

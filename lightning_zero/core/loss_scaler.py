@@ -1,7 +1,7 @@
 """fp16 loss scaling with DeepSpeed's semantics and config names.
 
 Note [loss-scale semantics]
-    Written down in ``../shared/design-notes.md``; this is the same rule, step by step. The scaler
+    Written down in ``docs/precision.md`` ("fp16 dynamic loss scaling"); this is the same rule, step by step. The scaler
     counts every optimizer step it is told about (``iteration``, clean or not). On an overflowing
     step the step is skipped by the caller; here either one hysteresis credit is spent (scale
     kept) or, when the credits are down to one, the scale halves (never below
@@ -30,7 +30,7 @@ from lightning_zero.core.comm import DataParallelComm
 
 @dataclass(frozen=True)
 class LossScalerConfig:
-    """DeepSpeed's ``fp16`` loss-scaler keys (``../shared/design-notes.md``).
+    """DeepSpeed's ``fp16`` loss-scaler keys (the table in ``docs/precision.md``).
 
     Args:
         loss_scale: 0 = dynamic loss scaling; > 0 = this fixed scale.
