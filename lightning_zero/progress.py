@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any, TextIO
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ProgressBar, Timer
 from typing_extensions import override
 
 
@@ -81,8 +81,13 @@ class LineProgress(ProgressBar):
         elapsed = time.perf_counter() - self._began
         parts.append(f"elapsed {_clock(elapsed)}")
         done = step - self._first_step
-        if trainer.max_steps > 0 and done > 0:
-            parts.append(f"ETA {_clock(elapsed / done * (trainer.max_steps - step))}")
+        eta = elapsed / done * (trainer.max_steps - step) if trainer.max_steps > 0 and done > 0 else None
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)  # trainer.max_time
+        left = timer.time_remaining("train") if timer is not None else None
+        if left is not None and (eta is None or left < eta):
+            parts.append(f"ETA {_clock(left)} (max_time)")
+        elif eta is not None:
+            parts.append(f"ETA {_clock(eta)}")
         self._print(trainer, "  ".join(parts))
 
     @override

@@ -228,6 +228,16 @@ def _val_loss(metrics: list[dict[str, float]] | dict[str, Any]) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
 
+class _LastValidation(Callback):
+    """The global step of the last validation inside the fit (``validate_at_end`` does not repeat it)."""
+
+    step = -1
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.step = trainer.global_step
+
+
 def _validate_at_start(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule,
                        resume_from: str | None) -> float | None:
     """The validation loss the fit starts from. A resumed fit starts from the checkpoint: its weights are
@@ -251,7 +261,10 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     run_dir = Path(run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module, data = build_module(cfg), build_datamodule(cfg)
-    trainer = pl.Trainer(strategy=build_strategy(cfg), **trainer_kwargs(cfg, run_dir))
+    kwargs = trainer_kwargs(cfg, run_dir)
+    last_validation = _LastValidation()
+    kwargs["callbacks"] = [*kwargs["callbacks"], last_validation]
+    trainer = pl.Trainer(strategy=build_strategy(cfg), **kwargs)
     log_hyperparams(trainer, run_hparams(cfg))  # first: TensorBoard's HPARAMS tab shows the first it finds
     for logger in trainer.loggers:
         if isinstance(logger, ZeroTensorBoardLogger):
@@ -263,7 +276,7 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     began = time.perf_counter()
     trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
     seconds = time.perf_counter() - began
-    if cfg.trainer.validate_at_end:
+    if cfg.trainer.validate_at_end and last_validation.step != trainer.global_step:  # else it just ran
         end = _val_loss(trainer.validate(module, data, verbose=False))
     else:
         end = _val_loss(dict(trainer.callback_metrics))
