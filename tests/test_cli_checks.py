@@ -79,3 +79,18 @@ def test_every_file_written_for_a_user_holds_the_parameter_bytes_only(tmp_path: 
     fit(cfg, tmp_path / "s0")
     single = tmp_path / "s0" / "checkpoints" / "last.ckpt"
     assert single.is_file() and 3 * params <= single.stat().st_size <= 3 * params * 1.05 + 64_000
+
+
+def test_progress_is_on_by_default_lines_off_a_terminal_and_off_by_option(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_zero.config.build import trainer_kwargs
+    from lightning_zero.progress import LineProgress
+
+    def progress(overrides: list[str], tty: bool) -> tuple[bool, list[type]]:
+        monkeypatch.setattr("sys.stdout.isatty", lambda: tty)
+        kwargs = trainer_kwargs(validate_config(compose_config(["experiment=gpt_tiny", *overrides])), tmp_path)
+        return kwargs["enable_progress_bar"], [type(c) for c in kwargs["callbacks"] if isinstance(c, LineProgress)]
+
+    assert progress([], tty=False) == (True, [LineProgress])  # a pipe or a log: a line per log_every_n_steps
+    assert progress([], tty=True) == (True, [])  # a terminal: Lightning's bar
+    assert progress(["trainer.enable_progress_bar=false"], tty=False) == (False, [])
