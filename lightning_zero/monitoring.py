@@ -67,9 +67,6 @@ def dashboard_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     return out
 
 
-HPARAM_METRICS = ("loss/train", "loss/val", "throughput/tokens_per_s")  # TensorBoard tags
-
-
 def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
     """Nested mappings as ``a/b/c`` keys; values that are not bool / int / float / str become strings."""
     flat: dict[str, bool | int | float | str] = {}
@@ -81,21 +78,21 @@ def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, bo
     return flat
 
 
-def log_hyperparams(trainer: pl.Trainer, params: Mapping[str, Any],
-                    metric_tags: tuple[str, ...] = HPARAM_METRICS) -> None:
+def log_hyperparams(trainer: pl.Trainer, params: Mapping[str, Any]) -> None:
     """Give every logger of ``trainer`` the hyperparameters ``params`` (nested keys become ``a/b``).
 
-    A TensorBoard logger also gets the HPARAMS-tab summary, with ``metric_tags`` as the scalars to
-    compare runs by, and no metric value written (Lightning's logger writes that summary only together
-    with a value, e.g. ``hp_metric=-1``). Call it before ``fit``: TensorBoard shows the first summary.
+    A TensorBoard logger also gets the HPARAMS-tab session-start summary, without an experiment summary and
+    without a metric value (Lightning's logger writes both, the value e.g. ``hp_metric=-1``): TensorBoard
+    then builds the experiment from every run's session, marks the hyperparameters that differ between
+    runs and shows those columns first, and offers the runs' scalars as metrics. Call it before ``fit``.
     """
     from torch.utils.tensorboard.summary import hparams
 
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
             writer = logger.experiment._get_file_writer()
-            for summary in hparams(flatten_hparams(params), dict.fromkeys(metric_tags, 0.0)):
-                writer.add_summary(summary)
+            _experiment, session_start, _end = hparams(flatten_hparams(params), {})
+            writer.add_summary(session_start)
         logger.log_hyperparams(dict(params))
 
 
