@@ -22,7 +22,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VIEWS = {"landing": "#timeseries", "custom_scalars": "#custom_scalars", "hparams": "#hparams"}
+# view -> (URL fragment, window height)
+VIEWS = {"landing": ("#timeseries", 900), "custom_scalars": ("#custom_scalars", 2300), "hparams": ("#hparams", 700)}
 
 
 def sweep(out: Path) -> None:
@@ -46,7 +47,7 @@ def _chromium() -> str:
     raise SystemExit("no Chromium found: apt-get update && apt-get install -y chromium")
 
 
-def screenshots(logdir: Path, docs: Path, width: int = 1400, height: int = 900) -> list[Path]:
+def screenshots(logdir: Path, docs: Path, width: int = 1400) -> list[Path]:
     """Serve ``logdir`` with TensorBoard on 127.0.0.1 and take one PNG per view of :data:`VIEWS`."""
     port = _free_port()
     board = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host",
@@ -62,10 +63,11 @@ def screenshots(logdir: Path, docs: Path, width: int = 1400, height: int = 900) 
                 time.sleep(0.5)
         time.sleep(5)  # the first load of the event files
         out = []
-        for name, fragment in VIEWS.items():
+        for name, (fragment, height) in VIEWS.items():
             png = docs / f"dashboard_{name}.png"
-            subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                            f"--window-size={width},{height}", "--virtual-time-budget=20000",
+            subprocess.run([_chromium(), "--headless", "--no-sandbox", "--use-angle=swiftshader",
+                            "--enable-unsafe-swiftshader", "--hide-scrollbars",
+                            f"--window-size={width},{height}", "--virtual-time-budget=90000",
                             f"--screenshot={png}", url + fragment], check=True, capture_output=True, timeout=120)
             out.append(png)
         return out
