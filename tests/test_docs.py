@@ -32,6 +32,8 @@ SKIP: dict[str, str] = {
         "installs from the network and runs this whole suite (it is what CI runs)",
     "lightning-zero train experiment=gpt_text_file data.path=/path/to/corpus.txt":
         "a placeholder path for the reader's own corpus",
+    "python docs/examples/mixed_precision.py bf16-true 200":
+        "200 steps on 2 ranks (minutes on 2 cores); the same script runs here as `mixed_precision.py 16-mixed`",
     "lightning-zero train deepspeed_config=seed_bf16.json trainer.devices=3":
         "a JSON file the reader writes from the page's example; the same conflict is tested in test_deepspeed_cli.py",
 }
