@@ -138,8 +138,12 @@ def test_every_file_reference_resolves_inside_the_repository() -> None:
     refs = re.compile(r"(?<![\w./-])((?:docs|benchmarks|tests|conf|lightning_zero|experiments)/"
                       r"[\w./-]+\.(?:md|py|yaml))")
     elsewhere = re.compile("|".join([r"\.\./shared/\S*", "/" + r"work/\S+"]))  # split: this line is not a hit
-    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".md", ".yaml", ".toml", ".json") and p.is_file()
-             and not any(part.startswith(".") or part in ("outputs", "multirun") for part in p.relative_to(ROOT).parts)]
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=False)  # the repository's files, not run outputs
+    names = listed.stdout.splitlines() if listed.returncode == 0 else \
+        [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if not p.relative_to(ROOT).parts[0].startswith(".")]
+    files = [ROOT / n for n in names if Path(n).suffix in (".py", ".md", ".yaml", ".toml", ".json")
+             and (ROOT / n).is_file()]
     for path in files:
         text = path.read_text(errors="replace")
         rel = path.relative_to(ROOT)
