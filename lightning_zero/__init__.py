@@ -11,6 +11,7 @@ from lightning_zero.core.gathered import gathered_parameters
 from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScaler, LossScalerConfig
 from lightning_zero.core.memory import ModelStateBytes, model_state_formula
 from lightning_zero.core.onebit_adam import OneBitAdam
+from lightning_zero.dashboard import ZeroTensorBoardLogger
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.estimator import MemoryEstimate, estimate_memory
 from lightning_zero.monitoring import ProfilerWindow
@@ -39,6 +40,7 @@ __all__ = [
     "ZeroPrecision",
     "ZeroStatsMonitor",
     "ZeroStrategy",
+    "ZeroTensorBoardLogger",
     "advise",
     "consolidate_checkpoint",
     "convert_checkpoint",

@@ -21,18 +21,17 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.core.comm import DataParallelComm
+from lightning_zero.dashboard import ZeroTensorBoardLogger
 from lightning_zero.monitoring import (
     MEMORY_KEYS,
     TIME_KEYS,
     ProfilerWindow,
     batch_counts,
-    dashboard_layout,
     peak_memory_bytes,
     rank_tag,
 )
@@ -66,7 +65,9 @@ class ZeroStatsMonitor(pl.Callback):
       is its ``comm_buffers``);
       ``memory/rank<r>/peak``: CUDA max allocated, or the process's peak RSS (VmHWM) on CPU.
 
-    A TensorBoard logger also gets a custom-scalars layout (:func:`~lightning_zero.monitoring.dashboard_layout`).
+    Scalars are written at the optimizer step they describe (``trainer.global_step`` after it), the axis
+    of the validation loss too. A :class:`~lightning_zero.dashboard.ZeroTensorBoardLogger` turns them into
+    the dashboard (losses first, one run per rank, a custom-scalars layout of what the run has).
     The progress bar shows rank 0's ``loss``, the fp16 ``loss_scale`` and ``tokens/s`` (rank 0's
     tokens times the world size, over rank 0's step time) every step, without communication.
 
@@ -79,7 +80,6 @@ class ZeroStatsMonitor(pl.Callback):
             writes each rank's trace to ``<log dir>/profiler``.
         count_batch: ``fn(batch) -> (samples, tokens)`` of one micro-batch (default:
             :func:`~lightning_zero.monitoring.batch_counts`).
-        layout: write the TensorBoard custom-scalars layout.
     """
 
     def __init__(
@@ -88,13 +88,11 @@ class ZeroStatsMonitor(pl.Callback):
         log_every_n_steps: int | None = None,
         profiler: ProfilerWindow | bool | None = None,
         count_batch: Callable[[Any], tuple[int, int]] = batch_counts,
-        layout: bool = True,
     ) -> None:
         self.prog_bar = prog_bar
         self.log_every_n_steps = log_every_n_steps
         self.profiler: ProfilerWindow | None = ProfilerWindow() if profiler is True else (profiler or None)
         self.count_batch = count_batch
-        self.layout = layout
         self.trace_dir: Path | None = None  # where the profiler writes (set when it starts)
         self._prof: torch.profiler.profile | None = None
         self._last_step = -1
@@ -152,10 +150,9 @@ class ZeroStatsMonitor(pl.Callback):
         self._last_step = trainer.global_step
         self._reset()
         self._ref = self._now(trainer, sync=True)
-        if self.layout and trainer.is_global_zero:
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_custom_scalars(dashboard_layout())
+        for logger in trainer.loggers:
+            if isinstance(logger, ZeroTensorBoardLogger):
+                logger.follow(trainer)
         if self.profiler is not None:
             self.trace_dir = Path(trainer.log_dir or trainer.default_root_dir) / "profiler"  # every rank asks
             self._prof = self.profiler.build(self.trace_dir, trainer.global_rank, self._cuda)
@@ -298,9 +295,8 @@ class ZeroStatsMonitor(pl.Callback):
             for topic, keys in (("time", TIME_KEYS), ("memory", MEMORY_KEYS)):
                 values = {rank_tag(topic, rank, k): r[f"{topic}/{k}"] for k in keys}
                 metrics.update({tag: v for tag, v in values.items() if math.isfinite(v)})
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step - 1)
-        for logger in trainer.loggers:  # the step axis of the module's own on_step metrics
-            logger.log_metrics(metrics, step=step)
+        for logger in trainer.loggers:  # the step just taken: validation after it is logged at the same step
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         bar: dict[str, float] = {}

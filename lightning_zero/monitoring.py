@@ -12,9 +12,10 @@ Scalar names (docs/monitoring.md has the full table):
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,38 +33,38 @@ def rank_tag(topic: str, rank: int, key: str) -> str:
     return f"{topic}/rank{rank}/{key}"
 
 
-def _lines(*patterns: str) -> list[Any]:
-    return ["Multiline", list(patterns)]
+def _chart(pattern: str) -> list[Any]:
+    return ["Multiline", [pattern]]
 
 
-def dashboard_layout() -> dict[str, dict[str, list[Any]]]:
-    """The TensorBoard custom-scalars layout: one category per topic, one chart per quantity; per-rank
-    quantities match every rank with a regex, so each chart has one line per rank at any world size.
-
-    The format of ``SummaryWriter.add_custom_scalars``: ``{category: {chart title: ["Multiline", [regex]]}}``.
-    """
+def _dashboard_charts() -> dict[str, dict[str, str]]:
+    """Every chart the dashboard can have: ``{category: {title: tag regex}}`` (tags as
+    :class:`~lightning_zero.dashboard.ZeroTensorBoardLogger` writes them; per-rank ones live in the
+    ``rank<r>/`` runs, one line per rank)."""
     return {
-        "ZeRO train": {
-            "loss (mean over ranks and micro-batches)": _lines(r"^train/loss$"),
-            "learning rate": _lines(r"^train/lr(_pg\d+)?$"),
-            "gradient norm (global, unscaled)": _lines(r"^train/grad_norm$"),
-            "fp16 loss scale": _lines(r"^train/loss_scale$"),
-            "fp16 skipped steps": _lines(r"^train/skipped_steps$"),
-        },
-        "ZeRO throughput": {
-            "samples/s": _lines(r"^throughput/samples_per_s$"),
-            "tokens/s": _lines(r"^throughput/tokens_per_s$"),
-        },
-        "ZeRO step time per rank": {
-            f"{key} time (s)": _lines(rf"^time/rank\d+/{key}$") for key in TIME_KEYS
-        },
-        "ZeRO memory per rank": {
-            f"{key} memory (bytes)": _lines(rf"^memory/rank\d+/{key}$") for key in MEMORY_KEYS
-        },
+        "loss": {"training loss (mean over ranks and micro-batches)": r"^loss/train$",
+                 "validation loss": r"^loss/val$"},
+        "optimizer": {"learning rate": r"^train/lr(_pg\d+)?$", "gradient norm (global, unscaled)": r"^train/grad_norm$",
+                      "fp16 loss scale": r"^train/loss_scale$", "fp16 skipped steps": r"^train/skipped_steps$"},
+        "throughput": {"samples/s": r"^throughput/samples_per_s$", "tokens/s": r"^throughput/tokens_per_s$"},
+        "step time per rank (one line per rank)": {f"{key} time (s)": rf"^time/{key}$" for key in TIME_KEYS},
+        "memory per rank (one line per rank)": {f"{key} memory (bytes)": rf"^memory/{key}$" for key in MEMORY_KEYS},
     }
 
 
-HPARAM_METRICS = ("train/loss", "val_loss", "throughput/tokens_per_s")
+def dashboard_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
+    """The TensorBoard custom-scalars layout of the charts that have data: a chart is listed only when one
+    of ``tags`` (the tags written so far) matches it, a category only when it has a chart.
+
+    The format of ``SummaryWriter.add_custom_scalars``: ``{category: {chart title: ["Multiline", [regex]]}}``.
+    """
+    tags = list(tags)
+    out: dict[str, dict[str, list[Any]]] = {}
+    for category, charts in _dashboard_charts().items():
+        shown = {title: _chart(p) for title, p in charts.items() if any(re.search(p, t) for t in tags)}
+        if shown:
+            out[category] = shown
+    return out
 
 
 def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
@@ -77,21 +78,21 @@ def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, bo
     return flat
 
 
-def log_hyperparams(trainer: pl.Trainer, params: Mapping[str, Any],
-                    metric_tags: tuple[str, ...] = HPARAM_METRICS) -> None:
+def log_hyperparams(trainer: pl.Trainer, params: Mapping[str, Any]) -> None:
     """Give every logger of ``trainer`` the hyperparameters ``params`` (nested keys become ``a/b``).
 
-    A TensorBoard logger also gets the HPARAMS-tab summary, with ``metric_tags`` as the scalars to
-    compare runs by, and no metric value written (Lightning's logger writes that summary only together
-    with a value, e.g. ``hp_metric=-1``). Call it before ``fit``: TensorBoard shows the first summary.
+    A TensorBoard logger also gets the HPARAMS-tab session-start summary, without an experiment summary and
+    without a metric value (Lightning's logger writes both, the value e.g. ``hp_metric=-1``): TensorBoard
+    then builds the experiment from every run's session, marks the hyperparameters that differ between
+    runs and shows those columns first, and offers the runs' scalars as metrics. Call it before ``fit``.
     """
     from torch.utils.tensorboard.summary import hparams
 
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
             writer = logger.experiment._get_file_writer()
-            for summary in hparams(flatten_hparams(params), dict.fromkeys(metric_tags, 0.0)):
-                writer.add_summary(summary)
+            _experiment, session_start, _end = hparams(flatten_hparams(params), {})
+            writer.add_summary(session_start)
         logger.log_hyperparams(dict(params))
 
 

@@ -30,6 +30,7 @@ from lightning_zero.core.loading import load_full_state_dict
 from lightning_zero.core.materialize import has_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
 from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.core.own_bytes import own_bytes
 from lightning_zero.core.sharded_unit import is_released
 from lightning_zero.state_files import open_state_dict
 
@@ -200,8 +201,8 @@ class ZeroStateMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Sharded format (docs/checkpoints.md): every rank writes its shards into a temporary
         directory; once all succeeded rank 0 publishes it atomically under ``filepath``."""
-        if not self._sharded_format():
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if not self._sharded_format():  # each tensor its own bytes, not the flat buffer it views
+            return super().save_checkpoint(own_bytes(checkpoint), filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError("The sharded checkpoint format takes no `storage_options`.")
         module = self.lightning_module

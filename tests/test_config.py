@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from experiments.gpt import GPT, count_parameters
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from experiments.gpt import GPT, count_parameters
 from lightning_zero.config.build import RESULT_FILE, build_strategy
 from lightning_zero.config.launch import CONFIG_FILE, compose_config, conf_dir, expand_sweep, run_job
 from lightning_zero.config.schema import (

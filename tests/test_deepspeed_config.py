@@ -25,7 +25,7 @@ from lightning_zero.deepspeed import strategy as ds_strategy
 from lightning_zero.deepspeed.strategy import precision_plugin_args
 from lightning_zero.precision import ZeroPrecision
 
-# The two configs of the seed documents (/work/shared/seeds), exactly as written there.
+# The two DeepSpeed configs the project started from, exactly as written there.
 SEED_FP16 = {"train_batch_size": 64, "gradient_accumulation_steps": 4,
              "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2,
                       "min_loss_scale": 1}}

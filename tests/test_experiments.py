@@ -5,7 +5,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-
 from experiments.data import (
     DeterministicShardSampler,
     RandomTokenDataset,

@@ -7,9 +7,9 @@ clipping, AdamW and a WarmupDecayLR schedule; the module leaves its optimizer to
 from pathlib import Path
 
 import lightning.pytorch as pl
-
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
+
 from lightning_zero import DeepSpeedZeroStrategy
 
 

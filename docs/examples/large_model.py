@@ -9,10 +9,10 @@ import tempfile
 
 import lightning.pytorch as pl
 import torch
-from safetensors.torch import save_file
-
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
+from safetensors.torch import save_file
+
 from lightning_zero import ZeroStrategy, gathered_parameters
 
 WEIGHTS = os.path.join(tempfile.gettempdir(), "lightning_zero_gpt_tiny.safetensors")

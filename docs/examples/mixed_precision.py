@@ -7,9 +7,9 @@
 import sys
 
 import lightning.pytorch as pl
-
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
+
 from lightning_zero import LossScalerConfig, ZeroPrecision, ZeroStatsMonitor, ZeroStrategy
 
 

@@ -2,8 +2,7 @@
 
     python docs/examples/monitoring.py              # 120 steps (default), logs in runs/monitoring/
     python docs/examples/monitoring.py 40           # fewer steps
-    tensorboard --logdir runs/monitoring            # CUSTOM SCALARS: the dashboard; SCALARS: every tag
-    python docs/plot_dashboard.py runs/monitoring docs/monitoring_dashboard.png   # the same charts as a PNG
+    tensorboard --logdir runs/monitoring            # losses first; CUSTOM SCALARS: the dashboard
 
 The loss scale starts at 2**16 and doubles after every 40 clean steps (a short window, to show it
 move); an overflow spends a hysteresis credit, the next one halves it. Steps 10-11 are profiled
@@ -13,11 +12,10 @@ move); an overflow spends a hysteresis credit, the next one halves it. Steps 10-
 import sys
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
-
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
-from lightning_zero import LossScalerConfig, ProfilerWindow, ZeroPrecision, ZeroStrategy
+
+from lightning_zero import LossScalerConfig, ProfilerWindow, ZeroPrecision, ZeroStrategy, ZeroTensorBoardLogger
 
 if __name__ == "__main__":
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 120
@@ -32,7 +30,7 @@ if __name__ == "__main__":
         accumulate_grad_batches=2,  # train/loss is the mean over both micro-batches of both ranks
         gradient_clip_val=1.0,
         log_every_n_steps=1,
-        logger=TensorBoardLogger("runs", name="monitoring", version=""),
+        logger=ZeroTensorBoardLogger("runs", name="monitoring", version=""),  # the dashboard (docs/monitoring.md)
         enable_checkpointing=False,
         enable_model_summary=False,
         limit_val_batches=0,

@@ -6,9 +6,9 @@ Prints, on rank 0, the bytes each optimizer step sent and the compression ratio 
 import sys
 
 import lightning.pytorch as pl
-
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
+
 from lightning_zero import ZeroStrategy
 
 

@@ -4,9 +4,9 @@ Run: python docs/examples/pipeline.py
 """
 
 import lightning.pytorch as pl
-
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
+
 from lightning_zero import PipelineConfig, ZeroStrategy
 
 

@@ -1,10 +1,10 @@
 """Train a tiny GPT with ZeRO stage 2 on 2 CPU processes: python docs/examples/zero_stage2.py"""
 
 import lightning.pytorch as pl
-
-import lightning_zero  # noqa: F401  (registers the zero_stage_* strategy names)
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
+
+import lightning_zero  # noqa: F401  (registers the zero_stage_* strategy names)
 from lightning_zero import ZeroStrategy
 
 

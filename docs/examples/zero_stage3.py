@@ -5,9 +5,9 @@ elements that were ever gathered at once, and the bound the prefetch settings al
 """
 
 import lightning.pytorch as pl
-
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
+
 from lightning_zero import ZeroStrategy
 
 

@@ -12,6 +12,7 @@ import torch
 from lightning_zero.checkpoint.layout import parse_dtype
 from lightning_zero.checkpoint.reader import ShardedCheckpoint, materialize_optimizer_state
 from lightning_zero.checkpoint.tensor_file import Entry, write_file
+from lightning_zero.core.own_bytes import own_bytes
 
 
 def consolidate_checkpoint(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -47,7 +48,7 @@ def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike, lightnin
         data: dict[str, Any] = ckpt.lightning_state()
         data["state_dict"] = ckpt.state_dict().materialize()
         data["optimizer_states"] = [materialize_optimizer_state(o) for o in ckpt.optimizer_states()]
-        torch.save(data, out)
+        torch.save(own_bytes(data), out)  # each tensor its own bytes, not the flat buffer it views
         return out
     if out.suffix == ".safetensors":
         entries = []
@@ -58,7 +59,7 @@ def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike, lightnin
                                      lambda ref=ref: ckpt.read(ref)))
         write_file(out, entries)
     else:
-        torch.save(consolidate_checkpoint(path, prefix), out)
+        torch.save(own_bytes(consolidate_checkpoint(path, prefix)), out)
     return out
 
 

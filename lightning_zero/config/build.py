@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -18,21 +19,25 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import OmegaConf
 
 from lightning_zero.config.model_zoo import build_datamodule, build_module
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
+    GPTModelSchema,
     LoggerKind,
     TrainConfig,
+    to_yaml,
 )
 from lightning_zero.config.validate import import_object, zero_config
 from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.dashboard import ZeroTensorBoardLogger
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.monitoring import ProfilerWindow, log_hyperparams
 from lightning_zero.pipeline import PipelineConfig
 from lightning_zero.precision import ZeroPrecision
+from lightning_zero.progress import LineProgress
 from lightning_zero.strategy import ZeroStrategy
 
 RESULT_FILE = "result.json"
@@ -86,6 +91,24 @@ def config_hparams(cfg: TrainConfig) -> dict[str, Any]:
     return {str(k): v for k, v in data.items()}
 
 
+def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
+    """The choices that define a run, as TensorBoard's HParams tab compares runs by (the rest of the
+    config goes to the Text tab): ZeRO stage, offload, precision, pipeline, model preset and size,
+    world size, global batch (samples per optimizer step), learning rate."""
+    from lightning_zero.config.validate import count_model_parameters, offload_name
+
+    t, p = cfg.trainer, cfg.pipeline
+    model = cfg.model.preset if isinstance(cfg.model, GPTModelSchema) else cfg.model.kind
+    data_parallel = t.devices // max(p.stages, 1)
+    micro_batches = p.micro_batches if p.stages > 1 else t.accumulate_grad_batches
+    return {
+        "zero_stage": cfg.zero.stage, "offload": offload_name(cfg), "precision": cfg.precision.name.value,
+        "pipeline": "none" if p.stages == 1 else f"{p.stages} stages, {p.schedule.value}",
+        "model": model, "params_M": round(count_model_parameters(cfg) / 1e6, 3), "world_size": t.devices,
+        "global_batch": cfg.data.micro_batch_size * micro_batches * data_parallel, "lr": cfg.model.lr,
+    }
+
+
 def build_precision(cfg: TrainConfig) -> ZeroPrecision:
     """The :class:`~lightning_zero.ZeroPrecision` of ``cfg.precision`` (fp16 on CPU stays fp16)."""
     p = cfg.precision
@@ -110,7 +133,7 @@ def build_logger(cfg: TrainConfig, run_dir: Path) -> Logger | bool:
     """The logger writing into ``run_dir/<logger.name>`` (no version sub-folder), or ``False``."""
     lg = cfg.logger
     if lg.kind is LoggerKind.tensorboard:
-        return TensorBoardLogger(save_dir=str(run_dir), name=lg.name, version="",
+        return ZeroTensorBoardLogger(save_dir=str(run_dir), name=lg.name, version="",
                                  default_hp_metric=lg.default_hp_metric)
     if lg.kind is LoggerKind.csv:
         return CSVLogger(save_dir=str(run_dir), name=lg.name, version="")
@@ -118,10 +141,14 @@ def build_logger(cfg: TrainConfig, run_dir: Path) -> Logger | bool:
 
 
 def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
-    """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled (the strategy adds
-    the :class:`~lightning_zero.ZeroStatsMonitor` itself, ``logger.monitor``)."""
+    """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled, and the progress lines
+    of :class:`~lightning_zero.progress.LineProgress` when stdout is not a terminal (on one, Lightning's bar)
+    unless ``trainer.enable_progress_bar=false`` (the strategy adds the :class:`~lightning_zero.ZeroStatsMonitor`
+    itself, ``logger.monitor``)."""
     ck = cfg.trainer.checkpoint
     out: list[Callback] = []
+    if cfg.trainer.enable_progress_bar and not sys.stdout.isatty():
+        out.append(LineProgress())
     if ck.enabled:
         out.append(ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_last=ck.save_last,
                                    save_top_k=ck.save_top_k, monitor=ck.monitor,
@@ -177,6 +204,29 @@ def _val_loss(metrics: list[dict[str, float]] | dict[str, Any]) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
 
+class _LastValidation(Callback):
+    """The global step of the last validation inside the fit (``validate_at_end`` does not repeat it)."""
+
+    step = -1
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.step = trainer.global_step
+
+
+def _validate_at_start(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule,
+                       resume_from: str | None) -> float | None:
+    """The validation loss the fit starts from. A resumed fit starts from the checkpoint: its weights are
+    loaded for this pass, which is not logged (the run that wrote the checkpoint logged that point)."""
+    if not resume_from:
+        return _val_loss(trainer.validate(module, data, verbose=False))
+    loggers, trainer.loggers = trainer.loggers, []
+    try:
+        return _val_loss(trainer.validate(module, data, ckpt_path=resume_from, verbose=False))
+    finally:
+        trainer.loggers = loggers
+
+
 def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     """Train ``cfg`` in this process (one rank, or the only one) and return what happened.
 
@@ -187,13 +237,22 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     run_dir = Path(run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module, data = build_module(cfg), build_datamodule(cfg)
-    trainer = pl.Trainer(strategy=build_strategy(cfg), **trainer_kwargs(cfg, run_dir))
-    log_hyperparams(trainer, config_hparams(cfg))  # first: TensorBoard's HPARAMS tab shows the first it finds
-    start = _val_loss(trainer.validate(module, data, verbose=False)) if cfg.trainer.validate_at_start else None
+    kwargs = trainer_kwargs(cfg, run_dir)
+    last_validation = _LastValidation()
+    kwargs["callbacks"] = [*kwargs["callbacks"], last_validation]
+    trainer = pl.Trainer(strategy=build_strategy(cfg), **kwargs)
+    log_hyperparams(trainer, run_hparams(cfg))  # first: TensorBoard's HPARAMS tab shows the first it finds
+    for logger in trainer.loggers:
+        if isinstance(logger, ZeroTensorBoardLogger):
+            logger.log_config_text(to_yaml(cfg))
+        else:
+            logger.log_hyperparams(config_hparams(cfg))
+    start = _validate_at_start(trainer, module, data, cfg.trainer.resume_from) if cfg.trainer.validate_at_start \
+        else None
     began = time.perf_counter()
     trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
     seconds = time.perf_counter() - began
-    if cfg.trainer.validate_at_end:
+    if cfg.trainer.validate_at_end and last_validation.step != trainer.global_step:  # else it just ran
         end = _val_loss(trainer.validate(module, data, verbose=False))
     else:
         end = _val_loss(dict(trainer.callback_metrics))
@@ -202,5 +261,4 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     result = FitResult(trainer.global_step, seconds, start, end, ckpts)
     if trainer.is_global_zero:
         (run_dir / RESULT_FILE).write_text(json.dumps(asdict(result), indent=2) + "\n")
-        print(f"[lightning-zero] {cfg.name}: {result.summary()}", flush=True)
     return result

@@ -37,7 +37,7 @@ import lightning_zero
 from lightning_zero.config.build import RESULT_FILE, FitResult
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.paths import CONFIG_NAME, conf_dir
-from lightning_zero.config.schema import TextDataSchema, TrainConfig, register_configs, to_yaml
+from lightning_zero.config.schema import TextDataSchema, TrainConfig, register_configs, to_train_config, to_yaml
 from lightning_zero.config.validate import describe, validate_config
 
 CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory
@@ -103,19 +103,38 @@ def _flat_keys(node: object, prefix: str = "") -> list[str]:
 def launch_ranks(config_file: Path, devices: int) -> None:
     """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port).
 
+    The ranks' stderr goes through :class:`~lightning_zero.config.console.RankConsole`: all of it into
+    the run's ``train.log``, the console without the known noise (their stdout is left alone).
+
     Raises:
-        RankFailure: torchrun exited non-zero (a rank failed; its traceback is printed above).
+        RankFailure: torchrun exited non-zero; the message says which rank failed and how (a rank killed
+            by a signal has no traceback: the likely cause and a configuration that fits instead).
     """
+    from lightning_zero.config.console import RankConsole, failure_summary, oom_advice
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}",
            "-m", "lightning_zero.config.worker", str(config_file)]
     env = dict(os.environ)
     root = str(Path(lightning_zero.__file__).resolve().parents[1])  # the ranks import this checkout
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     log.info("launching %d ranks: %s", devices, " ".join(cmd))
-    code = subprocess.run(cmd, env=env, check=False).returncode
+    run_dir = config_file.parent
+    console = RankConsole(run_dir / "train.log")
+    try:
+        with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                console.feed(line)
+            code = proc.wait()
+    finally:
+        console.close()
     if code != 0:
-        raise RankFailure(f"the {devices} ranks of {config_file.parent} failed (torch.distributed.run exit code "
-                          f"{code}); the failing rank's traceback is printed above.")
+        failed = console.first_failure()
+        advice = None
+        if failed is not None and failed.signal_name == "SIGKILL":
+            advice = oom_advice(to_train_config(OmegaConf.to_container(OmegaConf.load(config_file))))  # type: ignore[arg-type]
+        raise RankFailure(failure_summary(failed, devices, run_dir, advice))
 
 
 def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> FitResult:
@@ -138,10 +157,11 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
     if typed.trainer.devices == 1:
         from lightning_zero.config.build import fit
 
-        return fit(typed, run_dir)
-    launch_ranks(config_file, typed.trainer.devices)
-    result = FitResult(**json.loads((run_dir / RESULT_FILE).read_text()))
-    log.info("%s", result.summary())
+        result = fit(typed, run_dir)
+    else:
+        launch_ranks(config_file, typed.trainer.devices)
+        result = FitResult(**json.loads((run_dir / RESULT_FILE).read_text()))
+    log.info("%s: %s", typed.name, result.summary())
     return result
 
 
@@ -149,7 +169,11 @@ def _hydra_task(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
-    return run_job(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)).val_loss_end
+    try:
+        return run_job(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)).val_loss_end
+    except RankFailure as err:  # the summary is the last thing printed, without the launcher's own traceback
+        print(f"\nlightning-zero train: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from err
 
 
 def train_command(argv: Sequence[str]) -> int:

@@ -251,7 +251,7 @@ class TrainerSchema:
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     log_every_n_steps: int = 10
-    enable_progress_bar: bool = False
+    enable_progress_bar: bool = True  # Lightning's bar on a terminal, a line per log_every_n_steps otherwise
     enable_model_summary: bool = True
     deterministic: bool = False
     process_group_backend: str | None = None

@@ -11,6 +11,7 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -291,3 +292,14 @@ class TextDataModule(LightningDataModule):
             world, rank = trainer_shard(self)
             sampler = DeterministicShardSampler(len(self.val_dataset), world, rank, False, drop_last=False)
         return self._loader(self.val_dataset, sampler, shuffle=False)
+
+
+def log_train_loss(module: Any, loss: torch.Tensor, batch_size: int) -> None:
+    """``self.log("train_loss", ...)`` of the experiment modules: into ``callback_metrics`` always; into the
+    loggers and the progress bar only when no ``ZeroStatsMonitor`` runs, since that one logs the training
+    loss already (its mean over ranks, ``train/loss``), and one loss per dashboard is enough."""
+    from lightning_zero.callbacks import ZeroStatsMonitor
+
+    trainer = module._trainer
+    monitored = trainer is not None and any(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks)
+    module.log("train_loss", loss, prog_bar=not monitored, logger=not monitored, batch_size=batch_size)

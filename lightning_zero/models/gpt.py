@@ -16,6 +16,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_zero.core.onebit_adam import OneBitAdam
+from lightning_zero.models.data import log_train_loss
 
 
 @dataclass
@@ -297,7 +298,7 @@ class GPTLightningModule(LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True, batch_size=batch[0].size(0))
+        log_train_loss(self, loss, batch[0].size(0))
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

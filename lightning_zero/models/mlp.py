@@ -11,7 +11,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero.models.data import DeterministicShardSampler, trainer_shard
+from lightning_zero.models.data import DeterministicShardSampler, log_train_loss, trainer_shard
 
 
 def teacher_dataset(
@@ -133,7 +133,7 @@ class MLPClassifier(LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, prog_bar=True, batch_size=x.size(0))
+        log_train_loss(self, loss, x.size(0))
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

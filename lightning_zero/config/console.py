@@ -1,0 +1,154 @@
+"""What the launcher shows of its ranks' stderr: the run's ``train.log`` gets every line, the console
+only what a user needs, and a failed launch ends with a short summary of the failing rank.
+
+The ranks' stderr (Lightning's info lines and warnings, tracebacks, torchrun's failure report, the
+non-terminal progress lines) comes through one pipe; their stdout (Lightning's progress bar on a
+terminal, prints) stays the launcher's. :data:`NOISE` lists the lines that are dropped from the
+console (never from ``train.log``).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from lightning_zero.config.schema import GPTModelSchema, TextDataSchema, TrainConfig
+
+# lines every run prints that tell the user nothing they can act on (they stay in train.log)
+NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
+    r"Tip: For seamless cloud logging",  # Lightning advertising litlogger
+    r"isinstance\(treespec, LeafSpec\)` is deprecated",  # torch's pytree deprecation inside Lightning
+    r"Using `DistributedSampler` with the dataloaders\. During `trainer\.validate\(\)`",
+    r"^\*{20,}$|Setting OMP_NUM_THREADS environment variable for each process",  # torchrun's OMP banner
+))
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """The first failure torchrun observed: which rank, its exit code (negative: killed by that signal)
+    and whether it left a traceback."""
+
+    rank: int
+    exitcode: int
+    traceback: bool
+
+    @property
+    def signal_name(self) -> str | None:
+        """``SIGKILL`` etc. when the rank was killed by a signal."""
+        if self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+
+class RankConsole:
+    """Feed it the ranks' stderr line by line: it appends each to ``log_file`` and echoes the useful ones.
+
+    Args:
+        log_file: the run's ``train.log`` (appended to; Hydra's own handler appends too).
+        echo: where console lines go (default ``sys.stderr``).
+    """
+
+    def __init__(self, log_file: Path, echo: Callable[[str], object] | None = None) -> None:
+        self.log_file = log_file
+        self._log: IO[str] = open(log_file, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._echo = echo or (lambda text: (sys.stderr.write(text), sys.stderr.flush()))
+        self._dropped_last = False
+        self._root_cause: list[str] = []
+        self._in_root_cause = False
+
+    def feed(self, line: str) -> None:
+        """One line of the ranks' stderr (with its newline)."""
+        self._log.write(line)
+        self._log.flush()
+        text = line.rstrip("\n")
+        if "Root Cause (first observed failure)" in text:
+            self._in_root_cause = True
+        elif self._in_root_cause:
+            self._root_cause.append(text)
+        noise = any(p.search(text) for p in NOISE) or (self._dropped_last and not text.strip())
+        self._dropped_last = noise
+        if not noise:
+            self._echo(line)
+
+    def close(self) -> None:
+        """Close the log file."""
+        self._log.close()
+
+    def first_failure(self) -> RankExit | None:
+        """The root cause of torchrun's failure report, if it printed one."""
+        text = "\n".join(self._root_cause)
+        rank = re.search(r"rank\s*:\s*(\d+)", text)
+        code = re.search(r"exitcode\s*:\s*(-?\d+)", text)
+        if rank is None or code is None:
+            return None
+        tb = re.search(r"traceback\s*:\s*(.*)", text)
+        has_tb = tb is not None and not tb.group(1).startswith(("Signal", "To enable traceback"))
+        return RankExit(int(rank.group(1)), int(code.group(1)), has_tb)
+
+
+def failure_summary(failed: RankExit | None, devices: int, run_dir: Path, advice: str | None) -> str:
+    """The few lines that end a failed launch: which rank, how it ended, the likely cause, what to try.
+
+    Args:
+        failed: torchrun's first observed failure (``None`` when it printed none).
+        devices: the number of ranks launched.
+        run_dir: the run directory (its ``train.log`` has every rank's full output).
+        advice: the estimator's suggestion of a configuration that fits (for out-of-memory kills).
+    """
+    log = run_dir / "train.log"
+    if failed is None:
+        return f"the {devices} ranks of {run_dir} failed; the full output is in {log}."
+    sig = failed.signal_name
+    if sig is None:
+        return (f"rank {failed.rank} of {devices} failed with exit code {failed.exitcode}; its traceback is "
+                f"above, and every rank's full output is in {log}.")
+    lines = [f"rank {failed.rank} of {devices} was killed by {sig} (it printed no traceback; the other ranks' "
+             f"errors, e.g. 'Connection reset/closed by peer', follow from it). Full output: {log}."]
+    if sig == "SIGKILL":
+        lines.append("Likely cause: the out-of-memory killer (a SIGKILL without a traceback usually is; "
+                     "`dmesg | grep -i oom` or `journalctl -k` confirms it).")
+        if advice:
+            lines.append(advice)
+    return "\n".join(lines)
+
+
+def oom_advice(cfg: TrainConfig) -> str | None:
+    """The estimator's suggestion (:func:`~lightning_zero.advisor.advise`) of a configuration of ``cfg``'s
+    model that fits this machine: per-rank memory is the GPU's, or on CPU the host memory over the ranks."""
+    import os
+
+    import torch
+
+    from lightning_zero.advisor import advise
+    from lightning_zero.config.validate import count_model_parameters, gpt_config
+
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    t = cfg.trainer
+    gpu = t.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+    device = torch.cuda.get_device_properties(0).total_memory if gpu else host / t.devices
+    precision = cfg.precision.name.value
+    shape: dict[str, int] = {}
+    if isinstance(cfg.model, GPTModelSchema) and isinstance(cfg.data, TextDataSchema):
+        g = gpt_config(cfg.model)
+        shape = dict(micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len, layers=g.n_layer,
+                     hidden=g.n_embd, heads=g.n_head)
+    try:
+        adv = advise(count_model_parameters(cfg), device_memory=device, cpu_memory=host, world_size=t.devices,
+                     precision=precision, **shape)
+    except ValueError:
+        return None
+    where = "GPU" if gpu else f"host memory / {t.devices} ranks"
+    size = f"{device / 1e9:.1f} GB per rank ({where})"
+    if adv.choice is None:
+        return f"The estimator finds no configuration of this model that fits {size}: see `lightning-zero advise`."
+    return (f"The estimator suggests for {size}: {adv.choice.estimate.label} -> {adv.overrides} "
+            f"(`lightning-zero advise --device-memory {device / 1e9:.1f}GB --params "
+            f"{count_model_parameters(cfg)} --precision {precision}` explains why).")

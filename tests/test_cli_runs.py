@@ -1,0 +1,197 @@
+"""``lightning-zero train`` as a newcomer meets it, on real 2-rank runs of ``experiment=gpt_tiny`` (console
+captured through a pipe, as CI or ``| tee`` would): progress lines, no noise on the console but all of
+it in ``train.log``, the TensorBoard dashboard of an fp32 and an fp16 run (one loss, losses first, a
+run per rank, a layout of existing tags, hparams that tell the runs apart, monotone steps), a resume
+whose start value is the checkpoint's, and the summary of a rank killed by SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from lightning_zero.config.console import NOISE
+
+STEPS = 10
+TINY = ["experiment=gpt_tiny", f"trainer.max_steps={STEPS}"]
+PROGRESS = re.compile(r"^step (\d+)/(\d+)  loss \d\.\d+  tokens/s [\d,]+  elapsed \d+:\d\d:\d\d  ETA \d+:\d\d:\d\d$")
+
+
+def _command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "lightning_zero", "train", *args]
+
+
+def _train(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_command(args), cwd=cwd, capture_output=True, text=True, timeout=240, check=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    root = tmp_path_factory.mktemp("cli_runs")
+    out = {}
+    for name, extra in (("fp32", []), ("fp16", ["precision=fp16"])):
+        done = _train([*TINY, *extra, f"hydra.run.dir={root / name}"], root)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        out[name] = (root / name, done)
+    return out
+
+
+def _console(done: subprocess.CompletedProcess[str]) -> list[str]:
+    return (done.stdout + done.stderr).splitlines()
+
+
+@pytest.mark.slow
+def test_the_console_shows_progress_lines_and_no_noise(runs) -> None:
+    run, done = runs["fp32"]
+    lines = _console(done)
+    progress = [m for m in map(PROGRESS.match, lines) if m]
+    assert [(int(m[1]), int(m[2])) for m in progress] == [(5, STEPS), (10, STEPS)], "\n".join(lines)
+    assert "training on 2 rank(s): 10 steps" in lines
+    vals = [line for line in lines if re.fullmatch(r"step \d+  val_loss \d\.\d{4}", line)]
+    assert [v.split()[1] for v in vals] == ["0", "5", "10"], vals  # start, every 5 steps (the end: not twice)
+    noisy = [line for line in lines if any(p.search(line) for p in NOISE)]
+    assert not noisy, noisy
+    log = (run / "train.log").read_text()
+    assert "Tip: For seamless cloud logging" in log  # the console left it out; the log keeps everything
+    assert all(line in log for line in lines if line.startswith("step "))
+    assert "drop" in done.stdout.splitlines()[-1]  # the summary ends the run (Hydra logs to stdout)
+
+
+def _layout(acc: EventAccumulator) -> dict[str, list[str]]:
+    event = acc.Tensors("custom_scalars__config__")[-1]  # TensorBoard shows the last layout written
+    layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    return {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+
+
+def _hparams(acc: EventAccumulator) -> dict[str, object]:
+    meta = acc.SummaryMetadata("_hparams_/session_start_info")
+    info = plugin_data_pb2.HParamsPluginData.FromString(meta.plugin_data.content).session_start_info
+    return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in info.hparams.items()}
+
+
+def _steps_in_write_order(run_dir: Path) -> dict[str, list[int]]:
+    """Every scalar's steps in the order they were written (files by creation, as TensorBoard reads them)."""
+    order: dict[str, list[int]] = defaultdict(list)
+    for path in sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3])):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "scalars" or value.HasField("simple_value"):
+                    order[value.tag].append(event.step)
+    return order
+
+
+@pytest.mark.slow
+def test_the_dashboard_of_an_fp32_and_an_fp16_run(runs) -> None:
+    hparams = {}
+    for name, (run, _) in runs.items():
+        tb = run / "tb"
+        main = EventAccumulator(str(tb), size_guidance={"scalars": 0, "tensors": 0})
+        main.Reload()
+        tags = set(main.Tags()["scalars"])
+        # one training loss, both losses in the first group TensorBoard opens, no `epoch` group before it
+        assert {"loss/train", "loss/val"} <= tags and not {"train_loss", "train/loss", "val_loss", "epoch"} & tags
+        assert min(t.split("/")[0] for t in tags) == "loss"
+        assert [e.step for e in main.Scalars("loss/train")] == [5, 10]
+        assert len({e.step for e in main.Scalars("loss/val")}) == 3  # 0, 5, 10: a curve
+        assert ("train/loss_scale" in tags) == (name == "fp16")
+        # each rank its own run directory: TensorBoard gives each its own colour and legend entry
+        rank_tags = {}
+        for r in (0, 1):
+            acc = EventAccumulator(str(tb / f"rank{r}"), size_guidance={"scalars": 0})
+            acc.Reload()
+            rank_tags[r] = set(acc.Tags()["scalars"])
+            assert {"time/step", "time/comm", "memory/params", "memory/peak"} <= rank_tags[r]
+        assert not any("rank" in t for t in tags)
+        # the layout refers only to tags the run has (in its main run or its rank runs)
+        layout = _layout(main)
+        written = tags | rank_tags[0]
+        for title, patterns in layout.items():
+            assert any(re.search(p, t) for p in patterns for t in written), (name, title)
+        assert ("fp16 loss scale" in layout) == (name == "fp16")
+        assert list(layout)[:2] == ["training loss (mean over ranks and micro-batches)", "validation loss"]
+        for path, steps in _steps_in_write_order(tb).items():
+            assert steps == sorted(steps), (name, path, steps)  # no out-of-order step
+        hparams[name] = _hparams(main)
+        config = main.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+        assert "reduce_bucket_size" in config and "max_val_samples" in config  # the rest of the config: Text tab
+    assert set(hparams["fp32"]) == {"zero_stage", "offload", "precision", "pipeline", "model", "params_M",
+                                    "world_size", "global_batch", "lr"}
+    assert {k for k in hparams["fp32"] if hparams["fp32"][k] != hparams["fp16"][k]} == {"precision"}
+    assert hparams["fp32"]["world_size"] == 2 and hparams["fp32"]["global_batch"] == 16  # 2 ranks x 8
+
+
+@pytest.mark.slow
+def test_resume_reports_the_checkpoint_s_validation_loss_as_start(runs) -> None:
+    run, _ = runs["fp32"]
+    first = json.loads((run / "result.json").read_text())
+    done = _train([*TINY, f"trainer.resume_from={run / 'checkpoints' / 'last.ckpt'}", f"trainer.max_steps={STEPS + 5}",
+                   f"hydra.run.dir={run}"], run.parent)  # into the same directory: its TensorBoard events go on
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    resumed = json.loads((run / "result.json").read_text())
+    assert resumed["global_step"] == STEPS + 5
+    assert resumed["val_loss_start"] == pytest.approx(first["val_loss_end"], rel=1e-5)  # not the untrained model's
+    assert "resuming at step 10" in done.stdout + done.stderr
+    for path, steps in _steps_in_write_order(run / "tb").items():
+        assert steps == sorted(steps), (path, steps)
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of the worker of ``rank`` among ``parent``'s descendants (from /proc)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(proc.name))
+    todo = list(children[parent])
+    while todo:
+        pid = todo.pop()
+        todo += children[pid]
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"lightning_zero.config.worker" in cmd and f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_sigkill_ends_with_a_short_summary(tmp_path: Path) -> None:
+    proc = subprocess.Popen(_command(["experiment=gpt_tiny", "trainer.max_steps=100000", "trainer.max_time=null",
+                                      f"hydra.run.dir={tmp_path / 'run'}"]),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    killed = False
+    deadline = time.monotonic() + 180
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if not killed and PROGRESS.match(lines[-1]):
+            pid = _rank_pid(proc.pid, 1)
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)  # as the out-of-memory killer would
+            killed = True
+        assert time.monotonic() < deadline, "\n".join(lines[-50:])
+    assert proc.wait(timeout=60) == 1 and killed
+    end = "\n".join(lines[-4:])
+    assert "rank 1 of 2 was killed by SIGKILL (it printed no traceback" in end, "\n".join(lines[-40:])
+    assert "Likely cause: the out-of-memory killer" in end and "The estimator suggests" in end
+    assert "zero=stage" in end and str(tmp_path / "run" / "train.log") in end
+    assert "Traceback" not in "\n".join(lines[-8:])  # no launcher traceback after the summary
+    assert "Root Cause" in (tmp_path / "run" / "train.log").read_text()  # torchrun's full report stays there
