@@ -99,6 +99,7 @@ class ZeroStatsMonitor(pl.Callback):
         self._active = False
         self._cuda = False
         self._comm: DataParallelComm | None = None  # the engine's, when its waits are measurable
+        self._bytes_mark: tuple[int, int] | None = None  # (global step, engine bytes sent) at the last log
         self._grad_norm: float | None = None
         self._lrs: list[float] = []
         self._sums: dict[str, Any] = {}
@@ -148,6 +149,8 @@ class ZeroStatsMonitor(pl.Callback):
         self._comm = self._engine_comm(trainer)
         self._active = bool(trainer.loggers) or (self.prog_bar and trainer.progress_bar_callback is not None)
         self._last_step = trainer.global_step
+        engine_comm = getattr(getattr(trainer.strategy, "engine", None), "comm", None)
+        self._bytes_mark = (trainer.global_step, engine_comm.bytes_sent) if engine_comm is not None else None
         self._reset()
         self._ref = self._now(trainer, sync=True)
         for logger in trainer.loggers:
@@ -295,8 +298,26 @@ class ZeroStatsMonitor(pl.Callback):
             for topic, keys in (("time", TIME_KEYS), ("memory", MEMORY_KEYS)):
                 values = {rank_tag(topic, rank, k): r[f"{topic}/{k}"] for k in keys}
                 metrics.update({tag: v for tag, v in values.items() if math.isfinite(v)})
+        metrics.update(self._traffic(trainer))
         for logger in trainer.loggers:  # the step just taken: validation after it is logged at the same step
             logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _traffic(self, trainer: pl.Trainer) -> dict[str, float]:
+        """``comm/bytes_per_step``: bytes this rank sent per optimizer step since the last log (the ring
+        model of ``DataParallelComm.bytes_sent``; checkpoint saves in between count too); with a
+        compressing optimizer (1-bit Adam), ``comm/compression_ratio`` of its last step."""
+        comm = getattr(getattr(trainer.strategy, "engine", None), "comm", None)
+        out: dict[str, float] = {}
+        if comm is None or not comm.active:
+            return out
+        step, sent = trainer.global_step, comm.bytes_sent
+        if self._bytes_mark is not None and step > self._bytes_mark[0]:
+            out["comm/bytes_per_step"] = (sent - self._bytes_mark[1]) / (step - self._bytes_mark[0])
+        self._bytes_mark = (step, sent)
+        ratio = getattr(trainer.optimizers[0], "last_compression_ratio", None) if trainer.optimizers else None
+        if ratio is not None:
+            out["comm/compression_ratio"] = float(ratio)
+        return out
 
     def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         bar: dict[str, float] = {}

@@ -23,7 +23,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.strategy", "lightning_zero.strategy_state", "lightning_zero.precision",
         "lightning_zero.callbacks", "lightning_zero.monitoring", "lightning_zero.checkpoint",
         "lightning_zero.deepspeed", "lightning_zero.uneven", "lightning_zero.models", "lightning_zero.pipeline",
-        "lightning_zero.sharded_build", "lightning_zero.state_files", "lightning_zero.dashboard", "lightning_zero.progress",
+        "lightning_zero.sharded_build", "lightning_zero.state_files", "lightning_zero.dashboard",
+        "lightning_zero.progress",
     )),
     ("tools", (
         "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator", "lightning_zero.advisor",

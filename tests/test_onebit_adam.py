@@ -267,9 +267,19 @@ def test_cli_trains_the_gpt_experiment_with_onebit_adam(tmp_path: Path) -> None:
     import sys
 
     args = ["experiment=gpt_tiny", "zero=stage0", "model.optimizer=onebit_adam", "model.freeze_step=2",
-            "trainer.max_steps=5", "trainer.enable_model_summary=false"]
+            "trainer.max_steps=6", "trainer.log_every_n_steps=3", "trainer.enable_model_summary=false"]
     done = subprocess.run([sys.executable, "-m", "lightning_zero", "train", *args], cwd=tmp_path, text=True,
                           capture_output=True, timeout=300, check=False, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     (result,) = tmp_path.glob("outputs/*/*/result.json")
-    assert json.loads(result.read_text())["global_step"] == 5
+    assert json.loads(result.read_text())["global_step"] == 6
+    # the dashboard shows the traffic and the compression ratio once the warm-up is over
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(result.parent / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    ratios = {e.step: e.value for e in acc.Scalars("comm/compression_ratio")}
+    sent = {e.step: e.value for e in acc.Scalars("comm/bytes_per_step")}
+    assert set(ratios) == {3, 6} and all(r >= 20 for r in ratios.values()), ratios
+    # step 3 averages 2 warm-up steps and 1 compressed one; steps 4-6 are all compressed
+    assert set(sent) >= {3, 6} and sent[6] * 10 < sent[3], sent
