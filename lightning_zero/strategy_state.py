@@ -240,8 +240,9 @@ class ZeroStateMixin:
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """Stage 3 reads a ``ckpt_path`` after setup, each rank only the slices of its shards
-        (Note [owned slices] in checkpoint/owned.py), so the whole model never exists anywhere."""
-        return self.zero_config.stage == 3
+        (Note [owned slices] in checkpoint/owned.py), so the whole model never exists anywhere. A
+        pipelined run reads before setup: its checkpoints hold the unsplit module (docs/pipeline.md)."""
+        return self.zero_config.stage == 3 and self.pipeline_config is None
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -155,7 +155,7 @@ def test_unsupported_keys_are_named_in_one_warning_or_a_strict_error(tmp_path: P
     ({"train_batch_size": 0}, "`train_batch_size` must be a positive integer"),
     ({"communication_data_type": "fp8"}, "must be one of fp32, fp16, bf16"),
     ({"optimizer": {"params": {"lr": 1}}}, r"`optimizer.type` is required"),
-    ({"optimizer": {"type": "OneBitAdam"}}, "DeepSpeed-only optimizer"),
+    ({"optimizer": {"type": "ZeroOneAdam"}}, "DeepSpeed-only optimizer"),
     ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "momentum": 0.9}}}, r"\['momentum'\] not accepted"),
     ({"scheduler": {"type": "CosineAnnealing"}}, "not a DeepSpeed scheduler"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}}, r"unknown key\(s\) \['warmup_steps'\]"),
