@@ -23,7 +23,6 @@ that the optimizer steps and that is cast back into the 16-bit parameters (Note 
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -37,24 +36,23 @@ from lightning_zero.core import gathered
 from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.engine_step import StepPreparation
+from lightning_zero.core.engine_views import WholeModelViews
 from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import BackwardState, GradReducer
-from lightning_zero.core.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.materialize import ParamInitFn
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.optimizer import (
     ShardedOptimizer,
     broadcast_master_init,
     check_optimizer,
-    full_optimizer_state,
     trainable_groups,
 )
-from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
+from lightning_zero.core.sharded_unit import ShardedUnit
 from lightning_zero.core.stage3 import Stage3Runtime, apply_stage3
-from lightning_zero.core.units import plan_units
 
 
-class ZeroEngine:
+class ZeroEngine(WholeModelViews, StepPreparation):
     """Partitions ``module``'s training state over the data-parallel ranks of ``comm``.
 
     Args:
@@ -191,139 +189,6 @@ class ZeroEngine:
         for b in self.module.buffers():
             self.comm.broadcast(b)
 
-    def detach(self, keep_optimizer_state: bool = True, gather_params: bool = True) -> None:
-        """Undo the binding: hooks removed, parameters own their storage, optimizer restored.
-
-        Args:
-            keep_optimizer_state: gather the sharded optimizer state (a collective: every rank
-                must call this together) and load it into the restored optimizer, so that it can
-                be saved or stepped after fit; else the shard state is dropped (after an error).
-            gather_params: stage 3: give the module its whole parameters back (a collective).
-                ``False`` leaves them released (NaN placeholders of the right shapes, Note
-                [released parameters]) and drops the optimizer state: for models that do not fit
-                on one rank, and after an error (no collective). ``plan_teardown`` in
-                ``core/teardown.py`` decides both flags for the strategy (Note [teardown gather]).
-        """
-        self.reducer.remove_hooks()
-        gathered.unregister(self)
-        if self._undo_checkpointing is not None:
-            self._undo_checkpointing()
-        if self.optimizer is not None:
-            self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
-        if self.runtime is not None and not gather_params:
-            self.runtime.remove_hooks()
-            self.runtime.release_all()
-            for unit in self.units:
-                unit.park_on_cpu()
-            if self.sharded is not None:
-                self.sharded.restore()
-            for p in self.names:
-                p.grad = None
-            return
-        if self.runtime is not None:  # the parameters come back whole (a collective)
-            self.runtime.remove_hooks()
-            self.runtime.gather_all()
-        full, masters = None, None
-        if self.sharded is not None:
-            if self.separate_master and (keep_optimizer_state or self.sharded.whole):
-                masters = self.sharded.full_masters(self.comm)
-            full = full_optimizer_state(self.sharded, self.comm) if keep_optimizer_state else None
-            self.sharded.restore()
-        for g in self.all_groups:
-            g.unbind()
-            g.shard = None
-        if self.separate_master:
-            # The master holds the trained values: the parameters take its dtype and values back
-            # (after an error at stage >= 1 only the 16-bit values are at hand). The caller casts
-            # the rest of the module (frozen parameters, buffers); the precision plugin does.
-            with torch.no_grad():
-                for gi, g in enumerate(self.groups):
-                    views = g.views(masters[gi]) if masters is not None else [None] * len(g.slots)
-                    for s, v in zip(g.slots, views):
-                        s.param.data = v.clone() if v is not None else s.param.data.to(self.dtypes.master_dtype)
-        if full is not None:
-            self.optimizer.load_state_dict(full)
-        for p in self.names:
-            p.grad = None
-
-    @property
-    def separate_master(self) -> bool:
-        """Whether the optimizer steps a master copy in another dtype than the parameters."""
-        return not self.dtypes.master_is_param_view
-
-    @torch.no_grad()
-    def full_master_params(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Each trainable parameter's master value, whole (a collective for stage >= 1: every rank
-        calls it). Without a separate master these are the parameters themselves."""
-        if (self.sharded is None or not self.separate_master) and self.runtime is not None:
-            full = self.full_state_dict()  # stage 3: the parameters are released placeholders; gather
-            return {s.param: full[self.names[s.param]] for g in self.groups for s in g.slots}
-        if self.sharded is None or not self.separate_master:
-            return {s.param: s.param.detach() for g in self.groups for s in g.slots}
-        out = {}
-        for g, full in zip(self.groups, self.sharded.full_masters(self.comm)):
-            out.update({s.param: v for s, v in zip(g.slots, g.views(full))})
-        return out
-
-    def _unit_modules(self) -> list[nn.Module]:
-        if self.runtime is not None:
-            return [m for mods in self.runtime.unit_modules for m in mods]
-        plans = plan_units(self.module, self.names, self.config.unit_classes)
-        modules = [m for plan in plans for m in plan.modules]
-        if not modules:
-            raise ValueError(
-                f"activation_checkpointing found no unit in {type(self.module).__name__}: it checkpoints the "
-                "children of nn.ModuleLists, or the modules of `unit_classes`. Name the block class in `unit_classes`."
-            )
-        return modules
-
-    @contextmanager
-    def gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[None]:
-        """See :func:`lightning_zero.gathered_parameters` (every rank must call it together)."""
-        wanted = set(params)
-        groups = [g for g in self.all_groups if any(s.param in wanted for s in g.slots)]
-        in_groups = {s.param for g in groups for s in g.slots}
-        loose = [p for p in params if p not in in_groups]  # stages 0-2: frozen parameters, kept whole
-        opened = [u for u in self.units if u.state is UnitState.SHARDED and any(g in u.groups for g in groups)]
-        if self.runtime is not None:
-            for unit in opened:
-                self.runtime.gather_one(unit)
-            for unit in opened:
-                unit.wait()
-        try:
-            yield  # an exception in the block skips the scatter but still releases the units
-            if modifier_rank is not None:
-                with torch.no_grad():
-                    for g in groups:
-                        self.comm.broadcast(g.flat, modifier_rank)
-                        if g.shard is not None:
-                            start, end = g.shard_range()
-                            g.shard.copy_(g.flat[start:end])
-                    for p in loose:
-                        self.comm.broadcast(p.data, modifier_rank)
-                    if self.sharded is not None:
-                        self.sharded.write_masters_from_params(groups)
-        finally:
-            if self.runtime is not None:
-                for unit in opened:
-                    self.runtime.release_one(unit)
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's state dict with whole tensors (stage 3 gathers; a collective)."""
-        if self.runtime is None:
-            return self.module.state_dict()
-        self.runtime.gather_all()
-        try:
-            return {k: v.clone() for k, v in self.module.state_dict().items()}
-        finally:
-            self.runtime.release_all()
-
-    def end_forward_only(self) -> None:
-        """After an evaluation step under stage 3: free the units it gathered."""
-        if self.runtime is not None:
-            self.runtime.end_forward_only()
-
     # ------------------------------------------------------------------ backward
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -396,149 +261,6 @@ class ZeroEngine:
         return [self.reducer.shard_grad(i) for i in range(len(self.groups))]
 
     # ------------------------------------------------------------------ step
-    def _grads_to_scale(self) -> list[torch.Tensor]:
-        """The gradients the optimizer steps on (unscaling and clipping act on these)."""
-        if self._cast_grads is not None:
-            return self._cast_grads
-        if self.sharded is not None and not self.dtypes.master_grad_is_view:
-            return self.sharded.master_grads()
-        return self._all_reduced_grads()
-
-    def _grads_for_norm(self) -> list[torch.Tensor]:
-        """This rank's share of the gradients; summed over ranks at stage >= 1 they are all of them."""
-        if self.sharded is not None and not self.dtypes.master_grad_is_view:
-            return self.sharded.master_grads()
-        return self.reducer.local_grads()
-
-    @torch.no_grad()
-    def prepare_step(self, loss_scale: float = 1.0, check_overflow: bool = False) -> bool:
-        """Get the optimizer's gradients ready, once per step: cast into the master dtype (a
-        transient copy with a separate master), divide by ``loss_scale``, measure the global norm
-        (:attr:`last_grad_norm`) and, with ``check_overflow``, agree across ranks whether any
-        rank's gradients hold inf / nan. Returns whether the step must be skipped (then the
-        master gradients are dropped and :meth:`after_step` leaves the parameters alone).
-        """
-        if self._prepared:
-            return self.step_skipped
-        if self.sharded is not None and not self.dtypes.master_grad_is_view:
-            self.sharded.set_grads(self._reduced_for_masters())
-        elif not self.dtypes.master_grad_is_view:  # stage 0, the params are the master: cast for them
-            self._cast_grads = self._param_dtype_grads()
-        self._prepared = True
-        if loss_scale != 1.0:
-            for t in self._grads_to_scale():
-                t.mul_(1.0 / loss_scale)
-        sumsq = torch.tensor([local_sum_of_squares(self._grads_for_norm()) - self._norm_excess(2.0)],
-                             dtype=torch.float32, device=self.comm.device)
-        if check_overflow and self._any_rank(non_finite(float(sumsq))):
-            self.skip_step()
-            self.last_grad_norm = math.inf
-            return True
-        if self._norm_is_partial:
-            self.comm.all_reduce_sum(sumsq)
-            if self._grads_local:
-                sumsq /= self.comm.world_size  # Note [norm of local gradients]
-        if self.model_parallel is not None:
-            self.model_parallel.all_reduce_sum(sumsq)
-        self._norm = sumsq.sqrt().reshape(())
-        self.last_grad_norm = float(self._norm)
-        return False
-
-    def _any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any data-parallel rank, or any rank of the other pipeline stages."""
-        flag = any_rank(flag, self.comm)
-        return any_rank(flag, self.model_parallel) if self.model_parallel is not None else flag
-
-    def _norm_excess(self, norm_type: float) -> float:
-        return self.norm_excess(self._grads_for_norm(), self.groups, norm_type) if self.norm_excess else 0.0
-
-    def _param_dtype_grads(self) -> list[torch.Tensor]:
-        """The reduced whole gradients cast into the params' dtype, as the params' ``.grad`` views."""
-        out = []
-        for g, flat in zip(self.groups, self.reducer.flat_grads):
-            if flat is not None:
-                cast = flat.to(g.dtype)
-                for s, view in zip(g.slots, g.views(cast)):
-                    s.param.grad = view
-                out.append(cast)
-        return out
-
-    def skip_step(self) -> None:
-        """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
-        self._prepared = True
-        self.step_skipped = True
-        if self.sharded is not None:
-            self.sharded.clear_grads()
-
-    def _require_prepared(self, what: str) -> None:
-        if not self.dtypes.master_grad_is_view and not self._prepared:
-            raise RuntimeError(
-                f"{what} needs the master gradients: call `engine.prepare_step(loss_scale)` after the last "
-                "backward of the step (the precision plugin does this under ZeroStrategy)."
-            )
-
-    @torch.no_grad()
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """Global gradient norm over all shards (every rank gets the same value)."""
-        self._require_prepared("The gradient norm")
-        local = [t.float() for t in self._grads_for_norm() if t.numel()]
-        if norm_type == math.inf:
-            value = torch.stack([t.abs().max() for t in local]).max() if local else torch.zeros(())
-            if self._norm_is_partial:
-                self.comm_max(value)
-            if self.model_parallel is not None:
-                self.model_parallel.all_reduce_max(value)
-            return value
-        parts = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in local]) if local else torch.zeros(1)
-        total = parts.pow(norm_type).sum() - self._norm_excess(norm_type)
-        if self._norm_is_partial and self.comm.active:
-            self.comm.all_reduce_sum(total)
-            if self._grads_local:
-                total /= self.comm.world_size  # Note [norm of local gradients]
-        if self.model_parallel is not None:
-            self.model_parallel.all_reduce_sum(total)
-        return total.pow(1.0 / norm_type)
-
-    @property
-    def _norm_is_partial(self) -> bool:
-        """Whether this rank's gradients are only part of the norm (shards, or unreduced local gradients).
-
-        Note [norm of local gradients]
-            When the optimizer reduces the gradients itself (1-bit Adam after its warm-up), each
-            rank holds its own local gradient. Clipping then measures the root mean square of the
-            ranks' local norms, sqrt(mean_r ||g_r||^2): one scalar all-reduce, the same value on
-            every rank (so every rank clips by the same factor), and never below the norm of the
-            averaged gradient, so clipping is at least as strict as before the freeze.
-        """
-        return self.config.stage >= 1 or self._grads_local
-
-    def comm_max(self, value: torch.Tensor) -> None:
-        self.comm.all_reduce_max(value)
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the optimizer's gradients so their global norm is at most ``max_norm`` (a no-op on a
-        skipped step, whose norm stays ``inf``)."""
-        if self.step_skipped:  # every rank agreed on the skip: no collective here on any of them
-            return torch.tensor(math.inf)
-        cached = self._norm if self._prepared and norm_type == 2.0 else None
-        total = cached if cached is not None else self.grad_norm(norm_type)
-        self.last_grad_norm = float(total)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for t in self._grads_to_scale():
-            t.mul_(coef.to(device=t.device, dtype=t.dtype))
-        return total
-
-    @torch.no_grad()
-    def clip_grad_value_(self, clip_value: float) -> None:
-        self._require_prepared("Clipping")
-        for t in self._grads_to_scale():
-            t.clamp_(-clip_value, clip_value)
-
-    def _all_reduced_grads(self) -> list[torch.Tensor]:
-        if self.reducer.whole_grads_valid():
-            return [g for g in self.reducer.flat_grads if g is not None]
-        return self.reducer.local_grads()
 
     def before_step(self) -> None:
         if self.reducer.state is not BackwardState.IDLE:
