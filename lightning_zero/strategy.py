@@ -44,8 +44,11 @@ from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
+from lightning_zero.hang_watchdog import HangWatchdog, add_hang_watchdog
 from lightning_zero.monitoring import ProfilerWindow
+from lightning_zero.nonfinite_guard import NonFiniteGuard
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.setup_agreement import setup_settings
 from lightning_zero.strategy_state import ZeroStateMixin
 from lightning_zero.uneven import JoinedEvalLoader
 
@@ -149,6 +152,9 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         self._engine: ZeroEngine | None = None  # set in setup() when fitting
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
         self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
+        self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/heartbeat.py)
+        self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)
+        self.resolved_config: dict[str, Any] | None = None  # compared across ranks at setup (the CLI sets it)
 
     # ------------------------------------------------------------------ plugins
     @property  # type: ignore[override]
@@ -181,6 +187,7 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         if has_meta_parameters(self.model):
             self._prepare_meta_model(trainer)
         self.model_to_device()
+        self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
         self._comm = DataParallelComm(self._make_dp_group(), self.zero_config.collective)
         if trainer.state.fn == TrainerFn.FITTING:
             add_monitor(trainer, self.monitor, self.profiler)
@@ -195,6 +202,7 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
                 module, self.optimizers[0], self.zero_config, self._comm,
                 dtypes=plugin.dtype_policy(module), master_init=plugin.master_init(),
                 param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
+                setup_settings=setup_settings(self, trainer),
             )
             plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
             plugin.engine = self._engine
@@ -356,6 +364,8 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         def checked_closure() -> Any:
             result = closure()
             engine.before_step()
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            self._nonfinite.check(engine, trainer, fp16=self.precision_plugin.scaler is not None)
             return result
 
         output = self.precision_plugin.optimizer_step(optimizer, model=model or self.lightning_module,
@@ -366,6 +376,8 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._pending_rng = None
+        if self._hang is not None:
+            self._hang.stop()
         if self._engine is not None:
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED

@@ -212,7 +212,9 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     run_dir = Path(run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module, data = build_module(cfg), build_datamodule(cfg)
-    trainer = pl.Trainer(strategy=build_strategy(cfg), **trainer_kwargs(cfg, run_dir))
+    strategy = build_strategy(cfg)
+    strategy.resolved_config = config_hparams(cfg)  # compared across ranks at setup (Note [setup agreement])
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(cfg, run_dir))
     log_hyperparams(trainer, config_hparams(cfg))  # first: TensorBoard's HPARAMS tab shows the first it finds
     start = _val_loss(trainer.validate(module, data, verbose=False)) if cfg.trainer.validate_at_start else None
     began = time.perf_counter()

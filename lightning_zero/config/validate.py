@@ -49,6 +49,7 @@ def zero_config(cfg: TrainConfig) -> ZeroConfig:
     z = cfg.zero
     return ZeroConfig(stage=z.stage, reduce_bucket_size=int(z.reduce_bucket_size), overlap_comm=z.overlap_comm,
                       collective=z.collective.value, timeout_s=z.timeout_s,
+                      hang_timeout_s=z.hang_timeout_s, nonfinite=z.nonfinite,
                       prefetch_bucket_size=int(z.prefetch_bucket_size), max_live_parameters=int(z.max_live_parameters),
                       param_persistence_threshold=int(z.param_persistence_threshold))
 

@@ -24,7 +24,6 @@ that the optimizer steps and that is cast back into the 16-bit parameters (Note 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -33,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core import gathered
+from lightning_zero.core.agreement import check_same_everywhere
 from lightning_zero.core.checkpointing import apply_activation_checkpointing
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
@@ -41,6 +41,7 @@ from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.materialize import ParamInitFn
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
+from lightning_zero.core.nonfinite import first_nonfinite_parameter
 from lightning_zero.core.optimizer import (
     ShardedOptimizer,
     broadcast_master_init,
@@ -67,6 +68,8 @@ class ZeroEngine:
         param_init_fn: stage 3, parameters built on the meta device: ``fn(module, name)``
             initialises a module's own parameters (default ``reset_parameters``).
         init_seed: base seed of that initialisation (Note [sharded construction] in materialize.py).
+        setup_settings: settings that must agree across ranks (the resolved config), compared with the
+            parameter names / shapes / dtypes before the first collective (``core/agreement.py``).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class ZeroEngine:
         master_init: Mapping[nn.Parameter, torch.Tensor] | None = None,
         param_init_fn: ParamInitFn | None = None,
         init_seed: int = 0,
+        setup_settings: Mapping[str, str] | None = None,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -94,7 +98,7 @@ class ZeroEngine:
         self.names: dict[nn.Parameter, str] = {}  # every module parameter -> qualified name, module order
         for name, p in module.named_parameters():
             self.names.setdefault(p, name)
-        self._check_same_structure()
+        self._check_same_structure(setup_settings or {})
         groups = trainable_groups(optimizer, self.names)
         managed = {p for g in groups for p in g}
         # trainable parameters no optimizer group holds: they are never updated nor reduced
@@ -148,14 +152,16 @@ class ZeroEngine:
         self._norm: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ setup
-    def _check_same_structure(self) -> None:
-        signature = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in self.names.items()])
-        signature += repr([len(g["params"]) for g in self.optimizer.param_groups])
-        self.comm.raise_unless_same(
-            zlib.crc32(signature.encode()),
-            "The module's parameter names, shapes, dtypes or requires_grad flags (or the optimizer's groups)",
-            "Build the same model on every rank: set the seed before constructing it and do not make "
-            "layers depend on the rank.",
+    def _check_same_structure(self, settings: Mapping[str, str]) -> None:
+        entries = [(f"parameter {n!r}", f"shape={tuple(p.shape)} dtype={p.dtype} requires_grad={p.requires_grad}")
+                   for p, n in self.names.items()]
+        entries.append(("optimizer param groups (parameters per group)",
+                        repr([len(g["params"]) for g in self.optimizer.param_groups])))
+        entries += [(f"setting {k}", str(v)) for k, v in settings.items()]
+        check_same_everywhere(
+            entries, self.comm,
+            "Build the same model with the same configuration on every rank: set the seed before constructing "
+            "it, do not make layers or settings depend on the rank, and give every node the same config.",
         )
 
     @torch.no_grad()
@@ -386,12 +392,29 @@ class ZeroEngine:
         self.last_grad_norm = float(self._norm)
         return False
 
+    @torch.no_grad()
+    def first_nonfinite_gradient(self) -> str | None:
+        """After the last backward of a step: the name of the first parameter (module order) whose reduced
+        gradient holds ``nan`` / ``inf`` on any rank, or ``None`` (a collective; Note [non-finite policy])."""
+        grads: list[tuple[torch.Tensor, int] | None] = []
+        for i, g in enumerate(self.groups):
+            if self.config.stage == 0:
+                flat = self.reducer.flat_grads[i]
+                grads.append(None if flat is None else (flat, 0))
+            else:
+                grads.append((self.reducer.shard_grad(i), g.shard_range()[0]))
+        order = list(self.names)
+        first = first_nonfinite_parameter(self.groups, grads, order, self.comm)
+        return None if first is None else self.names[order[first]]
+
     def skip_step(self) -> None:
         """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
         self._prepared = True
         self.step_skipped = True
         if self.sharded is not None:
             self.sharded.clear_grads()
+        for p in self.names:  # an optimizer stepping the parameters themselves skips those without .grad
+            p.grad = None
 
     def _require_prepared(self, what: str) -> None:
         if self.sharded is not None and not self.dtypes.master_grad_is_view and not self._prepared:
