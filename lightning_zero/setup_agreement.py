@@ -7,6 +7,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+PER_NODE = frozenset({"trainer.node_rank", "trainer.rdzv_endpoint"})  # config keys that differ between nodes
+
 
 def setup_settings(strategy: Any, trainer: pl.Trainer) -> dict[str, str]:
     """What must agree across ranks besides the model (Note [setup agreement] in core/agreement.py):
@@ -15,7 +17,7 @@ def setup_settings(strategy: Any, trainer: pl.Trainer) -> dict[str, str]:
     out["precision"] = str(strategy.precision_plugin.precision)
     for key in ("accumulate_grad_batches", "gradient_clip_val", "max_steps", "max_epochs"):
         out[f"trainer.{key}"] = repr(getattr(trainer, key, None))
-    out.update({f"config.{k}": v for k, v in _flat(strategy.resolved_config or {}).items()})
+    out.update({f"config.{k}": v for k, v in _flat(strategy.resolved_config or {}).items() if k not in PER_NODE})
     return out
 
 

@@ -239,7 +239,10 @@ class TrainerSchema:
     """``trainer/``: ``lightning.pytorch.Trainer`` arguments, the number of ranks and checkpointing."""
 
     accelerator: str = "cpu"
-    devices: int = 2
+    devices: int = 2  # processes per node
+    num_nodes: int = 1  # > 1: every node runs the same command (docs: README "Several nodes")
+    node_rank: int | None = None  # this node's rank; null: NODE_RANK / GROUP_RANK / SLURM_NODEID
+    rdzv_endpoint: str | None = None  # node 0's HOST:PORT; null: MASTER_ADDR / MASTER_PORT
     max_steps: int = -1
     max_epochs: int | None = None
     max_time: str | None = None  # "DD:HH:MM:SS"

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_zero.config.multinode import resolve_node
 from lightning_zero.config.schema import (
     GPTModelSchema,
     MLPModelSchema,
@@ -178,6 +179,10 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
         out.append(f"trainer.resume_from={resume} is not a checkpoint file or directory.")
     if d.micro_batch_size < 1 or cfg.trainer.devices < 1:
         out.append("data.micro_batch_size and trainer.devices must be >= 1.")
+    try:  # multi-node: this node's rank and node 0's endpoint (config or environment)
+        resolve_node(cfg.trainer.num_nodes, cfg.trainer.node_rank, cfg.trainer.rdzv_endpoint)
+    except ValueError as err:
+        out.append(str(err))
     return out
 
 
