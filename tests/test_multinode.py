@@ -18,8 +18,9 @@ from lightning_zero.cli import main
 from lightning_zero.config.multinode import host_commands, parse_hostfile, resolve_node
 
 SHORT = ["experiment=mlp", "trainer.max_epochs=null", "trainer.max_steps=4", "logger=csv",
-         "trainer.log_every_n_steps=1", "trainer.checkpoint.enabled=false", "trainer.validate_at_start=false", "trainer.validate_at_end=false",
-         "trainer.enable_model_summary=false", "data.num_train=256", "data.num_val=64", "trainer.limit_val_batches=0"]
+         "trainer.log_every_n_steps=1", "trainer.checkpoint.enabled=false", "trainer.validate_at_start=false",
+         "trainer.validate_at_end=false", "trainer.enable_model_summary=false", "data.num_train=256",
+         "data.num_val=64", "trainer.limit_val_batches=0"]
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
