@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Protocol
 
 import torch
@@ -84,6 +84,16 @@ class DataParallelComm:
         # gloo's all-reduce is faster than its reduce-scatter + all-gather (docs/benchmarks.md).
         self.use_all_reduce: bool = collective == "all_reduce" or (collective == "auto" and self.backend == "gloo")
         self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
+
+    def close(self) -> None:
+        """Destroy this comm's process group now and stop communicating (world size 1 from here on).
+        Only for a group this comm's owner created (``owned_groups``); Note [clean exit] in
+        ``core/process_groups.py``."""
+        group, self.group = self.group, None
+        self.world_size, self.rank = 1, 0
+        if group is not None and dist.is_available() and dist.is_initialized():
+            with suppress(ValueError):  # already destroyed (e.g. destroy_process_group() of everything)
+                dist.destroy_process_group(group)
 
     @contextmanager
     def blocking(self) -> Iterator[None]:
