@@ -33,8 +33,8 @@ class NonFiniteGuard:
         if self.policy == "raise":
             raise NonFiniteGradientError(
                 f"Non-finite gradient at optimizer step {step}: the first parameter (module order) with a nan/inf "
-                f"reduced gradient is {name!r}. Check the loss and inputs of this step (docs/troubleshooting.md, "
-                "'loss is NaN'); zero.nonfinite=skip skips such steps instead."
+                f"reduced gradient is {name!r}. Check the loss and inputs of this step (docs/reliability.md, "
+                "'Loss is NaN'); zero.nonfinite=skip skips such steps instead."
             )
         engine.skip_step()
         self.skipped += 1

@@ -44,7 +44,7 @@ from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
-from lightning_zero.core.process_groups import own
+from lightning_zero.core.process_groups import own, reusable
 from lightning_zero.hang_watchdog import HangWatchdog, add_hang_watchdog
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.nonfinite_guard import NonFiniteGuard
@@ -157,6 +157,11 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)
         self.resolved_config: dict[str, Any] | None = None  # compared across ranks at setup (the CLI sets it)
 
+    @property
+    def nonfinite_skipped_steps(self) -> int:
+        """Optimizer steps of the last fit skipped for nan / inf gradients (``nonfinite="skip"``)."""
+        return self._nonfinite.skipped
+
     # ------------------------------------------------------------------ plugins
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZeroPrecision:
@@ -189,7 +194,7 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             self._prepare_meta_model(trainer)
         self.model_to_device()
         self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
-        if not self._reusable_comm():
+        if not reusable(self._comm):  # one group per strategy: Note [clean exit] in core/process_groups.py
             self._comm = own(DataParallelComm(self._make_dp_group(), self.zero_config.collective))
         if trainer.state.fn == TrainerFn.FITTING:
             add_monitor(trainer, self.monitor, self.profiler)
@@ -257,16 +262,6 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             return original(scheduler, metric)
 
         module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
-
-    def _reusable_comm(self) -> bool:
-        """One data-parallel group per strategy, not one per setup (Note [clean exit] in core/process_groups.py)."""
-        comm = self._comm
-        if comm is None or comm.group is None or not dist.is_initialized():
-            return False
-        try:
-            return dist.get_world_size(comm.group) == dist.get_world_size()
-        except (ValueError, RuntimeError):  # the group was destroyed meanwhile
-            return False
 
     def _make_dp_group(self) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

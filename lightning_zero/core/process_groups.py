@@ -38,6 +38,16 @@ def own(comm: DataParallelComm) -> DataParallelComm:
     return comm
 
 
+def reusable(comm: DataParallelComm | None) -> bool:
+    """Whether ``comm``'s group is still live and spans the whole world (a new setup may reuse it)."""
+    if comm is None or comm.group is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        return dist.get_world_size(comm.group) == dist.get_world_size()
+    except (ValueError, RuntimeError):  # destroyed meanwhile
+        return False
+
+
 def close_all() -> None:
     """Close every registered comm, then destroy the default group (run by ``atexit``)."""
     for comm in list(_owned):
