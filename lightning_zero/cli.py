@@ -158,12 +158,43 @@ def convert_command(argv: list[str]) -> int:
     return _run("convert", convert_command.__doc__ or "", build, act, argv)
 
 
+def hostfile_command(argv: list[str]) -> int:
+    """``lightning-zero hostfile``: a DeepSpeed-style hostfile -> the ``lightning-zero train`` command of each
+    host (torchrun's rendezvous replaces ssh / pdsh: see README "Several nodes"); ``--ssh`` runs them."""
+
+    def build(p: argparse.ArgumentParser) -> None:
+        p.add_argument("hostfile", help="lines 'HOST slots=N' (N = processes on that host); the first host is node 0")
+        p.add_argument("overrides", nargs="*", help="train overrides shared by every node, e.g. experiment=gpt_small")
+        p.add_argument("--port", type=int, default=29500, help="rendezvous port on the first host (default 29500)")
+        p.add_argument("--ssh", action="store_true", help="run each host's command over ssh instead of printing it")
+        p.add_argument("--workdir", default=".", help="with --ssh: the directory to run in on every host")
+
+    def act(a: argparse.Namespace) -> int:
+        from pathlib import Path
+
+        from lightning_zero.config.multinode import host_commands, parse_hostfile, run_over_ssh
+
+        try:
+            text = Path(a.hostfile).read_text()
+        except OSError as err:
+            raise ValueError(f"cannot read the hostfile: {err}") from err
+        commands = host_commands(parse_hostfile(text), a.overrides, a.port)
+        if a.ssh:
+            return run_over_ssh(commands, Path(a.workdir).resolve())
+        for host, command in commands:
+            print(f"# on {host}\n{command}")
+        return 0
+
+    return _run("hostfile", hostfile_command.__doc__ or "", build, act, argv)
+
+
 COMMANDS: dict[str, Command] = {
     "estimate": Command(estimate_command, "per-rank memory of ZeRO stages 0-3, with and without offload"),
     "advise": Command(advise_command, "the fastest ZeRO stage / offload that fits your hardware"),
     # Hydra parses its own argv: main() hands it over untouched
     "train": Command(train_command, "train from Hydra configs in conf/ (e.g. experiment=gpt_small zero=stage2)"),
     "convert": Command(convert_command, "a sharded checkpoint -> one .pt / .safetensors / Lightning .ckpt"),
+    "hostfile": Command(hostfile_command, "a DeepSpeed hostfile -> the train command to run on each host (or --ssh)"),
 }
 
 

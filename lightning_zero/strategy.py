@@ -45,11 +45,15 @@ from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters
+from lightning_zero.core.process_groups import own, reusable
 from lightning_zero.core.teardown import plan_teardown
+from lightning_zero.hang_watchdog import HangWatchdog, add_hang_watchdog
 from lightning_zero.monitoring import ProfilerWindow
+from lightning_zero.nonfinite_guard import NonFiniteGuard
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.setup_agreement import setup_settings
 from lightning_zero.sharded_build import ShardedBuildMixin
 from lightning_zero.strategy_state import ZeroStateMixin
 from lightning_zero.uneven import JoinedEvalLoader, check_training_batches
@@ -167,6 +171,14 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
             raise ValueError("A pipelined run saves consolidated checkpoints with the unsplit model's names "
                              "(docs/pipeline.md): drop checkpoint_format='sharded'.")
         self._pipeline: StrategyPipeline | None = None  # this rank's stage (setup, when pipelined)
+        self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/heartbeat.py)
+        self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)
+        self.resolved_config: dict[str, Any] | None = None  # compared across ranks at setup (the CLI sets it)
+
+    @property
+    def nonfinite_skipped_steps(self) -> int:
+        """Optimizer steps of the last fit skipped for nan / inf gradients (``nonfinite="skip"``)."""
+        return self._nonfinite.skipped
 
     # ------------------------------------------------------------------ plugins
     @property  # type: ignore[override]
@@ -211,8 +223,11 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
             self._prepare_meta_model()
         if self._pipeline is None:
             self.model_to_device()
-        dp_group = self._pipeline.groups.dp if self._pipeline is not None else self._make_dp_group()
-        self._comm = DataParallelComm(dp_group, self.zero_config.collective)
+        self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
+        if self._pipeline is not None:  # the data-parallel group of this rank's pipeline stage
+            self._comm = own(DataParallelComm(self._pipeline.groups.dp, self.zero_config.collective))
+        elif not reusable(self._comm):  # one group per strategy: Note [clean exit] in core/process_groups.py
+            self._comm = own(DataParallelComm(self._make_dp_group(), self.zero_config.collective))
         plugin = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
             add_monitor(trainer, self.monitor, self.profiler)
@@ -224,7 +239,7 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
                 )
             if self._pipeline is not None:
                 self._pipeline.restrict_optimizer(self.optimizers[0])
-            self._engine = self._make_engine(self.optimizers[0])
+            self._engine = self._make_engine(self.optimizers[0], trainer)
             if self._pipeline is not None:
                 self._pipeline.attach(self._engine)
             plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
@@ -236,18 +251,19 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
         elif self._built_sharded:
             # evaluating a model built in configure_model: it exists only as shards, so stage 3
             # shards it here too (no optimizer) and gathers one unit at a time in every forward
-            self._engine = self._make_engine(None)
+            self._engine = self._make_engine(None, trainer)
         else:
             self._broadcast_module_states()
         self.setup_precision_plugin()
 
-    def _make_engine(self, optimizer: Optimizer | None) -> ZeroEngine:
+    def _make_engine(self, optimizer: Optimizer | None, trainer: pl.Trainer) -> ZeroEngine:
         plugin, module = self.precision_plugin, self.lightning_module
         return ZeroEngine(
             self._pipeline.local.module if self._pipeline is not None else module, optimizer, self.zero_config,
             self._comm,
             dtypes=plugin.dtype_policy(module), master_init=plugin.master_init() if optimizer is not None else None,
             param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
+            setup_settings=setup_settings(self, trainer),
         )
 
     def _guard_lr_schedulers(self) -> None:
@@ -402,6 +418,8 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
         def checked_closure() -> Any:
             result = closure()
             engine.before_step()
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            self._nonfinite.check(engine, trainer, fp16=self.precision_plugin.scaler is not None)
             return result
 
         output = self.precision_plugin.optimizer_step(optimizer, model=model or self.lightning_module,
@@ -412,6 +430,8 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._pending_rng = None
+        if self._hang is not None:
+            self._hang.stop()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
         try:

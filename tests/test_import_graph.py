@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.callbacks", "lightning_zero.monitoring", "lightning_zero.checkpoint",
         "lightning_zero.deepspeed", "lightning_zero.uneven", "lightning_zero.models", "lightning_zero.pipeline",
         "lightning_zero.sharded_build", "lightning_zero.state_files", "lightning_zero.dashboard",
-        "lightning_zero.progress",
+        "lightning_zero.progress", "lightning_zero.hang_watchdog", "lightning_zero.nonfinite_guard",
+        "lightning_zero.setup_agreement",
     )),
     ("tools", (
         "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator", "lightning_zero.advisor",

@@ -163,7 +163,7 @@ def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
                 "limit_train_batches": t.limit_train_batches, "limit_val_batches": t.limit_val_batches,
                 "gradient_clip_val": t.gradient_clip_val}
     return {
-        "accelerator": t.accelerator, "devices": t.devices, "max_steps": t.max_steps,
+        "accelerator": t.accelerator, "devices": t.devices, "num_nodes": t.num_nodes, "max_steps": t.max_steps,
         "check_val_every_n_epoch": t.check_val_every_n_epoch, "num_sanity_val_steps": t.num_sanity_val_steps,
         "accumulate_grad_batches": t.accumulate_grad_batches, "log_every_n_steps": t.log_every_n_steps,
         "enable_progress_bar": t.enable_progress_bar, "enable_model_summary": t.enable_model_summary,
@@ -240,7 +240,9 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     kwargs = trainer_kwargs(cfg, run_dir)
     last_validation = _LastValidation()
     kwargs["callbacks"] = [*kwargs["callbacks"], last_validation]
-    trainer = pl.Trainer(strategy=build_strategy(cfg), **kwargs)
+    strategy = build_strategy(cfg)
+    strategy.resolved_config = config_hparams(cfg)  # compared across ranks at setup (Note [setup agreement])
+    trainer = pl.Trainer(strategy=strategy, **kwargs)
     log_hyperparams(trainer, run_hparams(cfg))  # first: TensorBoard's HPARAMS tab shows the first it finds
     for logger in trainer.loggers:
         if isinstance(logger, ZeroTensorBoardLogger):
@@ -259,6 +261,6 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     ckpt_dir = run_dir / "checkpoints"
     ckpts = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
     result = FitResult(trainer.global_step, seconds, start, end, ckpts)
-    if trainer.is_global_zero:
+    if trainer.local_rank == 0:  # every node's launcher reads it from its own run directory
         (run_dir / RESULT_FILE).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result

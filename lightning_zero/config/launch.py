@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_zero
 from lightning_zero.config.build import RESULT_FILE, FitResult
 from lightning_zero.config.deepspeed import apply_deepspeed_config
+from lightning_zero.config.multinode import NodeLaunch, resolve_node
 from lightning_zero.config.paths import CONFIG_NAME, conf_dir
 from lightning_zero.config.schema import TextDataSchema, TrainConfig, register_configs, to_train_config, to_yaml
 from lightning_zero.config.validate import describe, validate_config
@@ -100,8 +101,9 @@ def _flat_keys(node: object, prefix: str = "") -> list[str]:
     return [k for key, value in node.items() for k in _flat_keys(value, f"{prefix}{key}.")]
 
 
-def launch_ranks(config_file: Path, devices: int) -> None:
-    """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port).
+def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None) -> None:
+    """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port), or
+    this node's ranks of a multi-node job (``node``: Note [multi-node] in config/multinode.py).
 
     The ranks' stderr goes through :class:`~lightning_zero.config.console.RankConsole`: all of it into
     the run's ``train.log``, the console without the known noise (their stdout is left alone).
@@ -112,7 +114,8 @@ def launch_ranks(config_file: Path, devices: int) -> None:
     """
     from lightning_zero.config.console import RankConsole, failure_summary, oom_advice
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}",
+    where = node.torchrun_args() if node is not None else ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={devices}",
            "-m", "lightning_zero.config.worker", str(config_file)]
     env = dict(os.environ)
     root = str(Path(lightning_zero.__file__).resolve().parents[1])  # the ranks import this checkout
@@ -154,12 +157,13 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
     config_file.write_text(to_yaml(typed))
     log.info("%s", describe(typed))
     log.info("run directory: %s", run_dir)
-    if typed.trainer.devices == 1:
+    node = resolve_node(typed.trainer.num_nodes, typed.trainer.node_rank, typed.trainer.rdzv_endpoint)
+    if typed.trainer.devices == 1 and node is None:
         from lightning_zero.config.build import fit
 
         result = fit(typed, run_dir)
     else:
-        launch_ranks(config_file, typed.trainer.devices)
+        launch_ranks(config_file, typed.trainer.devices, node)
         result = FitResult(**json.loads((run_dir / RESULT_FILE).read_text()))
     log.info("%s: %s", typed.name, result.summary())
     return result

@@ -91,6 +91,8 @@ class ZeroSchema:
     overlap_comm: bool = True
     collective: Collective = Collective.auto
     timeout_s: float = 300.0
+    hang_timeout_s: float = 45.0  # a rank silent this long is named by the others, which exit (0: off)
+    nonfinite: str = "off"  # nan/inf gradients in fp32/bf16: off | skip | raise
     # stage 3 only
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
@@ -239,7 +241,10 @@ class TrainerSchema:
     """``trainer/``: ``lightning.pytorch.Trainer`` arguments, the number of ranks and checkpointing."""
 
     accelerator: str = "cpu"
-    devices: int = 2
+    devices: int = 2  # processes per node
+    num_nodes: int = 1  # > 1: every node runs the same command (docs: README "Several nodes")
+    node_rank: int | None = None  # this node's rank; null: NODE_RANK / GROUP_RANK / SLURM_NODEID
+    rdzv_endpoint: str | None = None  # node 0's HOST:PORT; null: MASTER_ADDR / MASTER_PORT
     max_steps: int = -1
     max_epochs: int | None = None
     max_time: str | None = None  # "DD:HH:MM:SS"

@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.config.model_zoo import build_module, gpt_config, preset_known
+from lightning_zero.config.multinode import resolve_node
 from lightning_zero.config.schema import (
     GPTModelSchema,
     MLPModelSchema,
@@ -52,6 +53,7 @@ def zero_config(cfg: TrainConfig) -> ZeroConfig:
     z = cfg.zero
     return ZeroConfig(stage=z.stage, reduce_bucket_size=int(z.reduce_bucket_size), overlap_comm=z.overlap_comm,
                       collective=z.collective.value, timeout_s=z.timeout_s,
+                      hang_timeout_s=z.hang_timeout_s, nonfinite=z.nonfinite,
                       prefetch_bucket_size=int(z.prefetch_bucket_size), max_live_parameters=int(z.max_live_parameters),
                       param_persistence_threshold=int(z.param_persistence_threshold))
 
@@ -176,6 +178,10 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
     resume = cfg.trainer.resume_from
     if resume and not Path(resume).expanduser().exists():  # a file, or a sharded checkpoint directory
         out.append(f"trainer.resume_from={resume} is not a checkpoint file or directory.")
+    try:  # multi-node: this node's rank and node 0's endpoint (config or environment)
+        resolve_node(cfg.trainer.num_nodes, cfg.trainer.node_rank, cfg.trainer.rdzv_endpoint)
+    except ValueError as err:
+        out.append(str(err))
     return out
 
 

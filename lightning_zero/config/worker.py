@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from lightning_zero.config.build import fit
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
+from lightning_zero.core.process_groups import close_all
 
 
 @record  # torchrun's failure summary then shows this rank's traceback
@@ -33,12 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         fit(cfg, path.parent)
     finally:
-        # tear the process groups down while every thread is alive: leaving it to interpreter
-        # exit can abort a rank in gloo's destructors after a successful run
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        # the process groups (the strategy's too) die now, not during interpreter finalization:
+        # Note [clean exit] in lightning_zero/core/process_groups.py
+        close_all()
     return 0
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Protocol
 
 import torch
@@ -95,6 +95,16 @@ class DataParallelComm:
     def _count(self, tensor: torch.Tensor, hops: int) -> None:
         """Add ``hops``/N of ``tensor``'s bytes to :attr:`bytes_sent` (2(N-1) for an all-reduce, else N-1)."""
         self.bytes_sent += tensor.numel() * tensor.element_size() * hops // self.world_size
+
+    def close(self) -> None:
+        """Destroy this comm's process group now and stop communicating (world size 1 from here on).
+        Only for a group this comm's owner created (``owned_groups``); Note [clean exit] in
+        ``core/process_groups.py``."""
+        group, self.group = self.group, None
+        self.world_size, self.rank = 1, 0
+        if group is not None and dist.is_available() and dist.is_initialized():
+            with suppress(ValueError):  # already destroyed (e.g. destroy_process_group() of everything)
+                dist.destroy_process_group(group)
 
     @contextmanager
     def blocking(self) -> Iterator[None]:

@@ -27,6 +27,11 @@ class ZeroConfig:
             and ``reduce_scatter`` elsewhere. Memory bounds are the same: the whole gradient is
             never kept beyond one bucket.
         timeout_s: seconds any collective of the strategy may wait before raising.
+        hang_timeout_s: seconds without a heartbeat after which a rank counts as hung: every other rank
+            names it and exits (Note [hang watchdog] in ``core/heartbeat.py``); ``0`` disables the
+            watchdog. Long work on a live rank (a big checkpoint save) never trips it.
+        nonfinite: ``"off"``, ``"skip"`` or ``"raise"``: what a ``nan`` / ``inf`` reduced gradient does
+            in fp32 / bf16 (Note [non-finite policy] in ``core/nonfinite.py``; fp16 keeps its loss scaler).
         prefetch_bucket_size: stage 3: elements gathered ahead of the running unit.
         max_live_parameters: stage 3: elements gathered at once, at most.
         param_persistence_threshold: stage 3: parameters with fewer elements stay gathered.
@@ -43,6 +48,8 @@ class ZeroConfig:
     overlap_comm: bool = True
     collective: Collective = "auto"
     timeout_s: float = 300.0
+    hang_timeout_s: float = 45.0
+    nonfinite: str = "off"
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
@@ -67,6 +74,11 @@ class ZeroConfig:
                 raise ValueError(f"`unit_classes` must hold nn.Module subclasses, got {cls!r}.")
         if not self.timeout_s > 0:
             raise ValueError(f"`timeout_s` must be positive seconds, got {self.timeout_s!r}.")
+        if not self.hang_timeout_s >= 0:
+            raise ValueError(f"`hang_timeout_s` must be >= 0 seconds (0 disables the watchdog), got "
+                             f"{self.hang_timeout_s!r}.")
+        if self.nonfinite not in ("off", "skip", "raise"):
+            raise ValueError(f"`nonfinite` must be 'off', 'skip' or 'raise', got {self.nonfinite!r}.")
 
     @classmethod
     def from_kwargs(cls, stage: int, kwargs: dict[str, Any]) -> ZeroConfig:

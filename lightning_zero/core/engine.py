@@ -23,7 +23,6 @@ that the optimizer steps and that is cast back into the 16-bit parameters (Note 
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Protocol
@@ -34,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core import gathered
 from lightning_zero.core.activation_checkpointing import apply_activation_checkpointing
+from lightning_zero.core.agreement import check_same_everywhere
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.engine_step import StepPreparation
@@ -68,6 +68,8 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         param_init_fn: stage 3, parameters built on the meta device: ``fn(module, name)``
             initialises a module's own parameters (default ``reset_parameters``).
         init_seed: base seed of that initialisation (Note [sharded construction] in materialize.py).
+        setup_settings: settings that must agree across ranks (the resolved config), compared with the
+            parameter names / shapes / dtypes before the first collective (``core/agreement.py``).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         master_init: Mapping[nn.Parameter, torch.Tensor] | None = None,
         param_init_fn: ParamInitFn | None = None,
         init_seed: int = 0,
+        setup_settings: Mapping[str, str] | None = None,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -99,7 +102,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         self.names: dict[nn.Parameter, str] = {}  # every module parameter -> qualified name, module order
         for name, p in module.named_parameters():
             self.names.setdefault(p, name)
-        self._check_same_structure()
+        self._check_same_structure(setup_settings or {})
         groups = trainable_groups(optimizer, self.names) if optimizer is not None else []
         managed = {p for g in groups for p in g}
         # trainable parameters no optimizer group holds: they are never updated nor reduced
@@ -163,15 +166,17 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         self._cast_grads: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ setup
-    def _check_same_structure(self) -> None:
-        signature = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in self.names.items()])
+    def _check_same_structure(self, settings: Mapping[str, str]) -> None:
+        entries = [(f"parameter {n!r}", f"shape={tuple(p.shape)} dtype={p.dtype} requires_grad={p.requires_grad}")
+                   for p, n in self.names.items()]
         if self.optimizer is not None:
-            signature += repr([len(g["params"]) for g in self.optimizer.param_groups])
-        self.comm.raise_unless_same(
-            zlib.crc32(signature.encode()),
-            "The module's parameter names, shapes, dtypes or requires_grad flags (or the optimizer's groups)",
-            "Build the same model on every rank: set the seed before constructing it and do not make "
-            "layers depend on the rank.",
+            entries.append(("optimizer param groups (parameters per group)",
+                            repr([len(g["params"]) for g in self.optimizer.param_groups])))
+        entries += [(f"setting {k}", str(v)) for k, v in settings.items()]
+        check_same_everywhere(
+            entries, self.comm,
+            "Build the same model with the same configuration on every rank: set the seed before constructing "
+            "it, do not make layers or settings depend on the rank, and give every node the same config.",
         )
 
     @torch.no_grad()

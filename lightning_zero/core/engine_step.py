@@ -21,6 +21,7 @@ from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import GradReducer
 from lightning_zero.core.loss_scaler import any_rank, local_sum_of_squares, non_finite
+from lightning_zero.core.nonfinite import first_nonfinite_parameter
 from lightning_zero.core.optimizer import (
     ShardedOptimizer,
 )
@@ -120,12 +121,29 @@ class StepPreparation:
                 out.append(cast)
         return out
 
+    @torch.no_grad()
+    def first_nonfinite_gradient(self) -> str | None:
+        """After the last backward of a step: the name of the first parameter (module order) whose reduced
+        gradient holds ``nan`` / ``inf`` on any rank, or ``None`` (a collective; Note [non-finite policy])."""
+        grads: list[tuple[torch.Tensor, int] | None] = []
+        for i, g in enumerate(self.groups):
+            if self.config.stage == 0:
+                flat = self.reducer.flat_grads[i]
+                grads.append(None if flat is None else (flat, 0))
+            else:
+                grads.append((self.reducer.shard_grad(i), g.shard_range()[0]))
+        order = list(self.names)
+        first = first_nonfinite_parameter(self.groups, grads, order, self.comm)
+        return None if first is None else self.names[order[first]]
+
     def skip_step(self) -> None:
         """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
         self._prepared = True
         self.step_skipped = True
         if self.sharded is not None:
             self.sharded.clear_grads()
+        for p in self.names:  # an optimizer stepping the parameters themselves skips those without .grad
+            p.grad = None
 
     def _require_prepared(self, what: str) -> None:
         if not self.dtypes.master_grad_is_view and not self._prepared:

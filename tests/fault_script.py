@@ -1,0 +1,59 @@
+"""One rank of a fault-injection run for tests/test_reliability.py:
+``python tests/fault_script.py MODE ROOT`` with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and
+LOCAL_RANK, NODE_RANK) set, by torchrun or by the test itself. It joins the gloo group first (so the
+data is split by rank exactly as in the test pool), then fits TinyTransformer under ZeroStrategy:
+
+- ``stop``: rank 1 SIGSTOPs itself at step 3 (the others must name it and exit);
+- ``kill``: saves ``last.ckpt`` every 2 steps into ROOT, rank 1 SIGKILLs itself at step 5;
+- ``slowsave``: rank 0 spends ``SLOW_SAVE_S`` seconds in every checkpoint save (must not trip the watchdog).
+
+``HANG_TIMEOUT_S`` sets ``hang_timeout_s``; the collective timeout is 120 s, far above it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_zero import ZeroStrategy
+from tests.models import TinyTransformer
+from tests.test_checkpoints import _fit, _saver
+
+
+class Fault(Callback):
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        rank, step = trainer.global_rank, trainer.global_step
+        if self.mode == "stop" and rank == 1 and step == 3:
+            print(f"STOPPING rank 1 at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if self.mode == "kill" and rank == 1 and step == 5:
+            print(f"KILLING rank 1 at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_save_checkpoint(self, trainer: Any, *args: Any) -> None:
+        if self.mode == "slowsave" and trainer.global_rank == 0:
+            time.sleep(float(os.environ["SLOW_SAVE_S"]))
+            print(f"SLOW SAVE done at step {trainer.global_step}", flush=True)
+
+
+def main(mode: str, root: str) -> None:
+    dist.init_process_group("gloo")
+    strategy = ZeroStrategy(stage=2, timeout_s=120, hang_timeout_s=float(os.environ.get("HANG_TIMEOUT_S", "45")))
+    steps = {"stop": 200, "kill": 8, "slowsave": 4}[mode]
+    callbacks = [Fault(mode)] + ([_saver(root, every=2, save_last=True)] if mode != "stop" else [])
+    _fit(TinyTransformer("adamw"), strategy, devices=dist.get_world_size(), max_steps=steps, callbacks=callbacks)
+    print(f"DONE rank {dist.get_rank()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
