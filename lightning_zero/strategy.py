@@ -31,15 +31,12 @@ import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.callbacks import add_monitor
-from lightning_zero.checkpoint.format import (
-    restore_rng,
-)
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
@@ -56,12 +53,13 @@ from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.setup_agreement import setup_settings
 from lightning_zero.sharded_build import ShardedBuildMixin
 from lightning_zero.strategy_state import ZeroStateMixin
-from lightning_zero.uneven import JoinedEvalLoader, check_training_batches
+from lightning_zero.strategy_steps import StepDispatchMixin
+from lightning_zero.uneven import check_training_batches
 
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
+class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -304,84 +302,7 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # never wrapped: the engine's hooks do what DDP's wrapper would
 
-    # ------------------------------------------------------------------ training
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pending_rng is not None:  # resumed: continue the saved random streams (dropout, ...)
-            restore_rng(self._pending_rng)
-            self._pending_rng = None
-        if not self.check_step_errors or self._comm is None or not self._comm.active:
-            return self._training_step(*args, **kwargs)
-        error: BaseException | None = None
-        try:
-            output = self._training_step(*args, **kwargs)
-        except Exception as exc:
-            error = exc
-        failed = self._comm.ranks_with(error is not None)
-        if error is not None:
-            raise error
-        if failed:
-            raise RuntimeError(
-                f"training_step raised on data-parallel rank(s) {failed}; stopping this rank too. "
-                "The traceback of the failing rank(s) says why."
-            )
-        return output
-
-    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None or self._engine is None:
-            return super().training_step(*args, **kwargs)
-        scaler = self.precision_plugin.scaler  # the schedule scales each micro-batch's loss itself
-        return self._pipeline.training_step(self.lightning_module, self._engine,
-                                            scaler.scale if scaler is not None else 1.0, args[0])
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self.pipeline_config is None:
-            return super().distributed_sampler_kwargs
-        world = self.num_nodes * self.num_processes
-        mesh_dp = self.pipeline_config.data_parallel_size(world)
-        return {"num_replicas": mesh_dp, "rank": self.global_rank % mesh_dp}  # Note [rank layout]
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, *args, **kwargs)
-
-    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            stage = {"validation_step": "val", "test_step": "test"}.get(step.__name__, "predict")
-            return self._pipeline.evaluation_step(self.lightning_module, self._engine, stage, args[0])
-        try:
-            return step(*args, **kwargs)
-        finally:
-            if self._engine is not None:
-                self._engine.end_forward_only()  # stage 3: free what the step gathered
-
-    @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        engine, trainer = self._engine, self.lightning_module.trainer if self.lightning_module else None
-        evaluating = trainer is not None and trainer.state.stage not in (None, RunningStage.TRAINING)
-        if engine is None or engine.runtime is None or not engine.comm.active or not evaluating:
-            return dataloader
-        # stage 3 gathers inside every forward: ranks with fewer batches must join the others
-        return JoinedEvalLoader(dataloader, engine.runtime, engine.comm, self._batches_drawn_from)
-
-    def _batches_drawn_from(self, loader: Any) -> float:
-        """How many batches the running evaluation loop draws from ``loader`` (limits applied)."""
-        loop = self.lightning_module.trainer._evaluation_loop
-        for dl, limit in zip(loop._combined_loader.flattened, loop.max_batches):
-            if dl is loader:
-                return limit
-        return float("inf")
-
+    # ------------------------------------------------------------------ training (steps: strategy_steps.py)
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.deepspeed", "lightning_zero.uneven", "lightning_zero.models", "lightning_zero.pipeline",
         "lightning_zero.sharded_build", "lightning_zero.state_files", "lightning_zero.dashboard",
         "lightning_zero.progress", "lightning_zero.hang_watchdog", "lightning_zero.nonfinite_guard",
-        "lightning_zero.setup_agreement",
+        "lightning_zero.setup_agreement", "lightning_zero.strategy_steps",
     )),
     ("tools", (
         "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator", "lightning_zero.advisor",
