@@ -44,6 +44,7 @@ from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
+from lightning_zero.core.offload import OffloadConfig, offload_from_args
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.strategy_state import ZeroStateMixin
@@ -83,6 +84,11 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         profiler: a :class:`~lightning_zero.monitoring.ProfilerWindow` (``True``: the default window)
             for the monitor this strategy adds: ``torch.profiler`` with memory profiling over a window
             of optimizer steps, traces in ``<log dir>/profiler``.
+        offload_optimizer: ``"cpu"`` or ``"nvme"`` (stages 1-3): this rank's master shard and optimizer
+            state in host memory or in swap files under ``nvme_path`` (docs/offload.md).
+        offload_param: ``"cpu"`` or ``"nvme"`` (stage 3): parameter shards too.
+        nvme_path: an existing, writable directory for ``"nvme"``.
+        offload: a full :class:`~lightning_zero.OffloadConfig` instead of the three shortcuts.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -104,6 +110,10 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         checkpoint_format: str = "auto",
         monitor: bool = True,
         profiler: ProfilerWindow | bool | None = None,
+        offload_optimizer: str | None = None,
+        offload_param: str | None = None,
+        nvme_path: str | None = None,
+        offload: OffloadConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -114,6 +124,9 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
         **zero_options: Any,
     ) -> None:
         self.zero_config: ZeroConfig = config or ZeroConfig.from_kwargs(stage, zero_options)
+        self.offload: OffloadConfig = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
+        self.offload.check(self.zero_config.stage)  # bad input refused before any process starts
+        self.offload.check_path()
         if isinstance(precision, ZeroPrecision):
             if loss_scaler is not None:
                 raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
@@ -194,7 +207,7 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
             self._engine = ZeroEngine(
                 module, self.optimizers[0], self.zero_config, self._comm,
                 dtypes=plugin.dtype_policy(module), master_init=plugin.master_init(),
-                param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
+                param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63, offload=self.offload,
             )
             plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
             plugin.engine = self._engine
@@ -409,3 +422,11 @@ class ZeroStrategy(ZeroStateMixin, DDPStrategy):
                     stage=stage,
                     start_method=method,
                 )
+        for name, stage, kwargs in (
+            ("zero_stage_2_offload", 2, {"offload_optimizer": "cpu"}),
+            ("zero_stage_3_offload", 3, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
+            ("zero_stage_3_offload_nvme", 3, {"offload_optimizer": "nvme", "offload_param": "nvme",
+                                              "nvme_path": "/local_nvme"}),
+        ):
+            strategy_registry.register(name, cls, description=f"ZeRO stage {stage} with {kwargs} (lightning_zero)",
+                                       stage=stage, **kwargs)

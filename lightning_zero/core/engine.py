@@ -12,7 +12,7 @@ Lifecycle, per optimizer step (the strategy calls these; plain PyTorch code can 
     engine.after_step()                 # shards written back and all-gathered into the params
 
 ``prepare_step`` may be left out when the optimizer can step on the reduced gradient buffers
-themselves (``dtypes.master_grad_is_view``, no loss scale): fp32 and bf16-true training.
+themselves (``master_grad_is_view``, no loss scale, no offload): fp32 and bf16-true training.
 
 What each stage keeps whole on a rank (Note [flat shard layout] in flat_param.py):
 stage 0: params, grads, optimizer state; stage 1: params, grads; stage 2: params; stage 3:
@@ -41,13 +41,14 @@ from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.materialize import ParamInitFn
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
+from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.core.offload_store import OptimizerOffload
 from lightning_zero.core.optimizer import (
     ShardedOptimizer,
-    broadcast_master_init,
     check_optimizer,
-    full_optimizer_state,
     trainable_groups,
 )
+from lightning_zero.core.optimizer_state import broadcast_master_init, full_optimizer_state
 from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.stage3 import Stage3Runtime, apply_stage3
 from lightning_zero.core.units import plan_units
@@ -67,6 +68,8 @@ class ZeroEngine:
         param_init_fn: stage 3, parameters built on the meta device: ``fn(module, name)``
             initialises a module's own parameters (default ``reset_parameters``).
         init_seed: base seed of that initialisation (Note [sharded construction] in materialize.py).
+        offload: where the optimizer shards (and at stage 3 the parameter shards) live
+            (docs/offload.md); default: with the parameters.
     """
 
     def __init__(
@@ -79,7 +82,10 @@ class ZeroEngine:
         master_init: Mapping[nn.Parameter, torch.Tensor] | None = None,
         param_init_fn: ParamInitFn | None = None,
         init_seed: int = 0,
+        offload: OffloadConfig | None = None,
     ) -> None:
+        self.offload_config = offload or OffloadConfig()
+        self.offload_config.check(config.stage)
         self.module = module
         self.optimizer = optimizer
         self.config = config
@@ -136,8 +142,12 @@ class ZeroEngine:
             if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
                 master_init = broadcast_master_init(master_init, [p for p in self.names if p in managed],
                                                     self.dtypes.master_dtype, self.comm)
+            store = None
+            if self.offload_config.optimizer_device != "none":
+                self.offload_config.check_path(self._offloaded_bytes())
+                store = OptimizerOffload(self.offload_config, self.comm.rank)
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
-                                            whole=config.stage == 0, master_init=master_init)
+                                            whole=config.stage == 0, master_init=master_init, offload=store)
         self._user_zero_grad = optimizer.zero_grad
         optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
         self.last_grad_norm: float | None = None  # global gradient norm of the last step that computed one
@@ -225,6 +235,17 @@ class ZeroEngine:
             self.optimizer.load_state_dict(full)
         for p in self.names:
             p.grad = None
+
+    @property
+    def master_grad_is_view(self) -> bool:
+        """Whether the optimizer steps on the reduced gradient buffers themselves (no cast, no offload)."""
+        return self.dtypes.master_grad_is_view and self.offload_config.optimizer_device == "none"
+
+    def _offloaded_bytes(self) -> int:
+        """This rank's bytes in the swap files: master and state shards (AdamW's two moments; one
+        more element per parameter is kept free for other optimizers' state)."""
+        size = torch.empty((), dtype=self.dtypes.master_dtype).element_size()
+        return sum(g.shard_numel for g in self.groups) * size * 4
 
     @property
     def separate_master(self) -> bool:
@@ -336,7 +357,7 @@ class ZeroEngine:
                     continue
                 for s, view in zip(g.slots, g.views(flat)):
                     s.param.grad = view
-        if self.sharded is not None and self.reducer.communicating and self.dtypes.master_grad_is_view:
+        if self.sharded is not None and self.reducer.communicating and self.master_grad_is_view:
             self.sharded.set_grads(self._reduced_for_masters())
 
     def _reduced_for_masters(self) -> list[torch.Tensor]:
@@ -348,12 +369,13 @@ class ZeroEngine:
     # ------------------------------------------------------------------ step
     def _grads_to_scale(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps on (unscaling and clipping act on these)."""
-        if self.sharded is not None and not self.dtypes.master_grad_is_view:
+        if self.sharded is not None and not self.master_grad_is_view:
             return self.sharded.master_grads()
         return self._all_reduced_grads()
 
     def _grads_for_norm(self) -> list[torch.Tensor]:
-        """This rank's share of the gradients; summed over ranks at stage >= 1 they are all of them."""
+        """This rank's share of the gradients; summed over ranks at stage >= 1 they are all of them.
+        (An offload's uncast copies hold the same values: the norm is taken as without offload.)"""
         if self.sharded is not None and not self.dtypes.master_grad_is_view:
             return self.sharded.master_grads()
         return self.reducer.local_grads()
@@ -368,7 +390,7 @@ class ZeroEngine:
         """
         if self._prepared:
             return self.step_skipped
-        if self.sharded is not None and not self.dtypes.master_grad_is_view:
+        if self.sharded is not None and not self.master_grad_is_view:
             self.sharded.set_grads(self._reduced_for_masters())
         self._prepared = True
         if loss_scale != 1.0:
@@ -394,7 +416,7 @@ class ZeroEngine:
             self.sharded.clear_grads()
 
     def _require_prepared(self, what: str) -> None:
-        if self.sharded is not None and not self.dtypes.master_grad_is_view and not self._prepared:
+        if self.sharded is not None and not self.master_grad_is_view and not self._prepared:
             raise RuntimeError(
                 f"{what} needs the master gradients: call `engine.prepare_step(loss_scale)` after the last "
                 "backward of the step (the precision plugin does this under ZeroStrategy)."
