@@ -30,7 +30,7 @@ from lightning_zero.config.schema import (
     TextDataSchema,
     TrainConfig,
 )
-from lightning_zero.config.validate import gpt_overrides, import_object, zero_config
+from lightning_zero.config.validate import gpt_overrides, import_object, offload_config, zero_config
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.monitoring import ProfilerWindow, log_hyperparams
 from lightning_zero.precision import ZeroPrecision
@@ -50,6 +50,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "process_group_backend": cfg.trainer.process_group_backend,
         "monitor": cfg.logger.monitor,
         "profiler": build_profiler(cfg),
+        "offload": offload_config(cfg),
     }
 
 

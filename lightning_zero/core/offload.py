@@ -71,7 +71,12 @@ class OffloadConfig:
         return "nvme" in (self.optimizer_device, self.param_device)
 
     def check(self, stage: int) -> None:
-        """Refuse, with the fix, a policy that ``stage`` cannot run (no file system access)."""
+        """Refuse, with the fix, a policy that ``stage`` cannot run (no file system access).
+
+        Raises:
+            ValueError: an invalid combination.
+            NotImplementedError: parameter offload, not built yet.
+        """
         if not self.enabled:
             return
         if self.param_device != "none" and stage != 3:
@@ -85,6 +90,11 @@ class OffloadConfig:
                              "needs ZeRO stage 1, 2 or 3, got stage 0. Fix: stage>=1, or offload_optimizer='none'.")
         if self.uses_nvme and not self.nvme_path:
             raise ValueError(f"offload={self.name} needs `nvme_path`: an existing, writable directory on a local disk.")
+        if self.param_device != "none":
+            raise NotImplementedError(
+                f"offload_param={self.param_device!r} (parameter shards in host memory or files) is not built yet; "
+                "optimizer offload is. Fix: offload_param='none' with offload_optimizer='cpu' or 'nvme' (Hydra: "
+                "offload=optimizer_cpu or offload=optimizer_nvme).")
 
     def check_path(self, need_bytes: int = 0) -> None:
         """Refuse an ``nvme_path`` that does not exist, is not a writable directory or lacks ``need_bytes``."""

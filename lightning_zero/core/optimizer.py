@@ -158,7 +158,13 @@ class ShardedOptimizer:
             self._fused_before = use_fused_kernels(optimizer)
             self._own_step = optimizer.__dict__.get("step")  # e.g. an LR scheduler's wrapper
             self._user_step = optimizer.step
-            optimizer.step = self._offloaded_step  # type: ignore[method-assign]
+
+            def step(closure: Callable[[], Any] | None = None) -> Any:
+                return self._offloaded_step(closure)
+
+            if hasattr(self._user_step, "_wrapped_by_lr_sched"):  # still counts for the LR scheduler's check
+                step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            optimizer.step = step  # type: ignore[method-assign]
 
     def master_range(self, flat_group: int) -> tuple[int, int]:
         fg = self.groups[flat_group]
