@@ -140,3 +140,77 @@ def test_offload_counters_advance_every_step_and_files_go(offload_results: list[
                 assert after["read"] > before["read"] and after["written"] > before["written"]
         assert all(off["fused"])  # stepped with the fused CPU kernels
         assert not off["swap_dir_left"]
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    (dict(stage=2, offload_param="cpu"), ValueError, r"offload_param='cpu' needs ZeRO stage 3"),
+    (dict(stage=0, offload_optimizer="cpu"), ValueError, r"needs ZeRO stage 1, 2 or 3, got stage 0"),
+    (dict(stage=2, offload_optimizer="nvme"), ValueError, r"needs `nvme_path`"),
+    (dict(stage=2, offload_optimizer="nvme", nvme_path="/no/such/dir"), ValueError, r"does not exist"),
+    (dict(stage=3, offload_optimizer="cpu", offload_param="cpu"), NotImplementedError, r"offload_param='cpu'.*not built"),
+])
+def test_bad_offload_input_is_refused_when_the_strategy_is_built(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        ZeroStrategy(**kwargs)
+
+
+def test_a_file_in_place_of_the_directory_and_a_full_disk_are_refused(tmp_path, monkeypatch) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(ValueError, match="does not exist or is not a directory"):
+        OffloadConfig(optimizer_device="nvme", nvme_path=str(not_a_dir)).check_path()
+    monkeypatch.setattr("lightning_zero.core.offload.os.access", lambda path, mode: False)
+    with pytest.raises(ValueError, match="is not writable"):
+        OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)).check_path()
+
+
+def test_the_engine_refuses_a_disk_without_room_for_the_estimated_state(tmp_path, monkeypatch) -> None:
+    from collections import namedtuple
+
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("lightning_zero.core.offload.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
+    model = torch.nn.Linear(100, 100)
+    with pytest.raises(ValueError, match=r"has 0.00 GiB free but this rank's offloaded state needs"):
+        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2),
+                   offload=OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)))
+    assert not os.listdir(tmp_path)  # refused before any swap file
+
+
+def test_pin_memory_without_an_accelerator_warns_and_stays_unpinned() -> None:
+    from lightning_zero.core.offload_store import OptimizerOffload
+
+    if torch.cuda.is_available():
+        pytest.skip("an accelerator is present: pinning is used")
+    with pytest.warns(UserWarning, match="pin_memory=True needs an accelerator"):
+        store = OptimizerOffload(OffloadConfig(optimizer_device="cpu", pin_memory=True))
+    assert not store.pin and not store.new_master(0, 10, torch.float32).is_pinned()
+
+
+def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
+    """A process killed mid-run leaves at most an empty private directory: its files were unlinked at once."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys, torch\n"
+        "from lightning_zero.core.offload import OffloadConfig\n"
+        "from lightning_zero.core.offload_store import OptimizerOffload\n"
+        f"store = OptimizerOffload(OffloadConfig(optimizer_device='nvme', nvme_path={str(tmp_path)!r}))\n"
+        "master = store.new_master(0, 1 << 20, torch.float32)\n"
+        "master.fill_(3.0)\n"
+        "print(store.directory.name, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        private = proc.stdout.readline().strip()
+        assert os.path.isdir(private) and os.listdir(private) == []  # live, 4 MB mapped, no name on disk
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
+    assert leftovers == []
