@@ -148,7 +148,7 @@ def test_offload_counters_advance_every_step_and_files_go(offload_results: list[
     (dict(stage=0, offload_optimizer="cpu"), ValueError, r"needs ZeRO stage 1, 2 or 3, got stage 0"),
     (dict(stage=2, offload_optimizer="nvme"), ValueError, r"needs `nvme_path`"),
     (dict(stage=2, offload_optimizer="nvme", nvme_path="/no/such/dir"), ValueError, r"does not exist"),
-    (dict(stage=3, offload_optimizer="cpu", offload_param="cpu"), NotImplementedError, r"offload_param='cpu'.*not built"),
+    (dict(stage=3, offload_optimizer="cpu", offload_param="cpu"), NotImplementedError, r"offload_param=.cpu.*not"),
 ])
 def test_bad_offload_input_is_refused_when_the_strategy_is_built(kwargs: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):

@@ -14,8 +14,8 @@ Note [swap files]
     disappears when the process exits, however it exits, and no later run can ever read it as
     state. The file is mapped ``MAP_SHARED``; tensors are views of the mapping, so the optimizer,
     checkpoints and ``state_dict`` see ordinary CPU tensors. Stepping walks sub-groups of at most
-    ``sub_group_size`` elements: before sub-group k steps, the kernel is asked to read sub-group
-    k+1 ahead (``MADV_WILLNEED``); after it stepped, its pages leave the process
+    ``sub_group_size`` elements: while sub-group k steps, a reader thread reads sub-group k+1
+    into the page cache with large ``os.preadv`` calls; after k stepped, its pages leave the process
     (``MADV_DONTNEED``: dirty pages stay in the page cache) and a writer thread writes them to disk
     (``fdatasync``) and drops them from the page cache (``POSIX_FADV_DONTNEED``) while the next
     sub-group steps. Only about two sub-groups are ever resident. State the optimizer creates
@@ -75,12 +75,17 @@ class SwapFile:
         start = lo * self.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
         return start, hi * self.itemsize - start
 
-    def prefetch(self, lo: int, hi: int) -> int:
-        """Ask the kernel to read elements ``[lo, hi)`` ahead; returns the bytes."""
+    def prefetch(self, lo: int, hi: int, scratch: bytearray) -> int:
+        """Read elements ``[lo, hi)`` from disk into the page cache, in large sequential reads
+        (the reader thread runs it; the mapping's first touch is then a minor fault); returns the bytes."""
         start, length = self._span(lo, hi)
-        if length > 0:
-            os.posix_fadvise(self.fd, start, length, os.POSIX_FADV_WILLNEED)
-            self.map.madvise(mmap.MADV_WILLNEED, start, length)
+        view = memoryview(scratch)
+        end = start + length
+        while start < end:
+            n = os.preadv(self.fd, [view[: min(len(scratch), end - start)]], start)
+            if n <= 0:
+                break
+            start += n
         return (hi - lo) * self.itemsize
 
     def release(self, lo: int, hi: int) -> int:
@@ -126,11 +131,15 @@ class OptimizerOffload:
         self.files: dict[tuple[int, str], SwapFile] = {}
         self.directory: tempfile.TemporaryDirectory | None = None
         self._writer: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        self._reading: dict[int, list[Future]] = {}  # sub-group index -> its reads in flight
+        self._scratch = bytearray(16 << 20) if self.nvme else bytearray()
         if self.nvme:
             self.directory = tempfile.TemporaryDirectory(prefix=f"lightning_zero-{os.getpid()}-r{rank}-",
                                                          dir=config.nvme_path)
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="lz-swap")
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-write")
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-read")
 
     # ------------------------------------------------------------------ storage
     def new_master(self, fi: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -196,9 +205,11 @@ class OptimizerOffload:
         start = time.perf_counter()
         for k, sg in enumerate(sub_groups):
             if self.nvme and k == 0:
-                self._prefetch(sg)
+                self._prefetch(0, sg)
             if self.nvme and k + 1 < len(sub_groups):
-                self._prefetch(sub_groups[k + 1])
+                self._prefetch(k + 1, sub_groups[k + 1])
+            for f in self._reading.pop(k, []):
+                self.counters.bytes_read += f.result()
             step_one(sg)
             if self.nvme:
                 self._release(sg)
@@ -217,11 +228,12 @@ class OptimizerOffload:
             view.copy_(tensor.reshape(-1))
         return view.view(tensor.shape)
 
-    def _prefetch(self, sg: SubGroup) -> None:
+    def _prefetch(self, k: int, sg: SubGroup) -> None:
+        assert self._reader is not None
         for (fi, _key), file in self.files.items():
             for gi, lo, hi in sg:
                 if gi == fi:
-                    self.counters.bytes_read += file.prefetch(lo, hi)
+                    self._reading.setdefault(k, []).append(self._reader.submit(file.prefetch, lo, hi, self._scratch))
 
     def _release(self, sg: SubGroup) -> None:
         for (fi, _key), file in self.files.items():
@@ -248,6 +260,9 @@ class OptimizerOffload:
             self.wait()
             self._writer.shutdown()
             self._writer = None
+        if self._reader is not None:
+            self._reader.shutdown()
+            self._reader = None
         for file in self.files.values():
             file.close()
         self.files.clear()
