@@ -96,9 +96,10 @@ def _run_mode(args: argparse.Namespace, mode: str) -> list[tuple]:
 
 
 def memory(args: argparse.Namespace) -> None:
-    runs: dict[str, list[list[tuple]]] = {m: [] for m in MODES}
+    modes = args.modes.split(",")
+    runs: dict[str, list[list[tuple]]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
-        for mode in MODES:
+        for mode in modes:
             runs[mode].append(_run_mode(args, mode))
             print(f"round {round_} {mode}: {runs[mode][-1]}", file=sys.stderr, flush=True)
     state = runs["none"][0][0][3]
@@ -110,7 +111,7 @@ def memory(args: argparse.Namespace) -> None:
     print("| offload | peak RSS per rank (max over ranks) | drop vs none | drop / AdamW state | step time | vs none "
           "| swap I/O per rank |")
     print("| :-- | --: | --: | --: | --: | --: | --: |")
-    for mode in MODES:
+    for mode in modes:
         peak = max(statistics.median(r[rank][1] for r in runs[mode]) for rank in range(args.world_size))
         step = statistics.median(statistics.median(x[2] for x in r) for r in runs[mode])
         io = statistics.median(r[0][4] for r in runs[mode])
@@ -241,8 +242,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sub-group", type=int, default=4_000_000, help="sub_group_size in elements")
+    parser.add_argument("--sub-group", type=int, default=1_000_000, help="sub_group_size in elements")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="nvme_path / the disk measured")
+    parser.add_argument("--modes", default=",".join(MODES), help="memory: offload modes, 'none' first")
     parser.add_argument("--numel", type=int, default=1 << 24)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mib", type=int, default=512)

@@ -10,6 +10,7 @@ from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.gathered import gathered_parameters
 from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScalerConfig
 from lightning_zero.core.memory import ModelStateBytes, model_state_formula
+from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.estimator import MemoryEstimate, estimate_memory
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.precision import ZeroPrecision
@@ -26,6 +27,7 @@ __all__ = [
     "LossScalerConfig",
     "MemoryEstimate",
     "ModelStateBytes",
+    "OffloadConfig",
     "ProfilerWindow",
     "ZeroConfig",
     "ZeroEngine",

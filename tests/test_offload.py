@@ -214,3 +214,33 @@ def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
         proc.wait(timeout=30)
     leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
     assert leftovers == []
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def resume_body(directory: str) -> dict[str, Any]:
+    """2 steps + save + 2 resumed steps, without offload throughout, against switching offload on or
+    off at the save (the saved state must be the same, and so must the resumed steps)."""
+    nvme = OffloadConfig(optimizer_device="nvme", nvme_path=directory, sub_group_size=SUB_GROUP)
+
+    def run(offload: OffloadConfig | None, steps: int, save: str | None = None, resume: str | None = None):
+        model = FusedTiny("adamw")
+        strategy = _strategy(2, "32-true", **({"offload": offload} if offload else {}))
+        trainer = make_trainer(strategy, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=steps)
+        trainer.fit(model, token_loader(n=80), ckpt_path=resume)
+        if save:
+            trainer.save_checkpoint(save)
+        return model.losses, params_of(model)
+
+    plain, switched = os.path.join(directory, "plain.ckpt"), os.path.join(directory, "offload.ckpt")
+    head = run(None, 2, save=plain)
+    tail = run(None, 4, resume=plain)
+    runs = {"offload_then_none": (run(nvme, 2, save=switched), run(None, 4, resume=switched)),
+            "none_then_offload": (head, run(nvme, 4, resume=plain))}
+    return {name: (h[0] == head[0] and t[0] == tail[0], all(torch.equal(a, b) for a, b in zip(t[1], tail[1])))
+            for name, (h, t) in runs.items()}
+
+
+@pytest.mark.slow
+def test_checkpoints_saved_with_offload_resume_without_it_and_back(gloo_pool, tmp_path) -> None:
+    for by_rank in gloo_pool.run("tests.test_offload:resume_body", directory=str(tmp_path)):
+        assert by_rank == {"offload_then_none": (True, True), "none_then_offload": (True, True)}

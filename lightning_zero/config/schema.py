@@ -110,7 +110,7 @@ class OffloadSchema:
     pin_memory: bool = False  # DeepSpeed's default; True needs an accelerator (else a warning)
     buffer_count: int = 4
     max_in_cpu: int = 1_000_000_000
-    sub_group_size: int = 50_000_000  # elements stepped / swapped at once with nvme (docs/offload.md)
+    sub_group_size: int = 1_000_000  # elements stepped / swapped at once with nvme (docs/offload.md)
 
 
 @dataclass

@@ -44,7 +44,7 @@ class OffloadConfig:
     pin_memory: bool = False
     buffer_count: int = 4
     max_in_cpu: int = 1_000_000_000
-    sub_group_size: int = 50_000_000
+    sub_group_size: int = 1_000_000
 
     def __post_init__(self) -> None:
         for name in ("optimizer_device", "param_device"):
