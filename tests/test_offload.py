@@ -244,3 +244,65 @@ def resume_body(directory: str) -> dict[str, Any]:
 def test_checkpoints_saved_with_offload_resume_without_it_and_back(gloo_pool, tmp_path) -> None:
     for by_rank in gloo_pool.run("tests.test_offload:resume_body", directory=str(tmp_path)):
         assert by_rank == {"offload_then_none": (True, True), "none_then_offload": (True, True)}
+
+
+# ---------------------------------------------------------------------------------------------- RLIMIT_DATA
+RLIMIT_BUDGET_MB = 230  # above the run's needs with its AdamW state on disk, below them with it in memory
+
+
+def rlimit_main(mode: str, budget_mb: int, path: str) -> None:
+    """One process: a 16.8M-parameter MLP (AdamW state 134 MB) under RLIMIT_DATA = VmData + budget, 3 steps."""
+    import json
+    import resource
+
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    def vmdata() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the kernel offload uses
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (vmdata() + (budget_mb << 20), hard))
+    out: dict[str, Any] = {}
+    try:
+        offload = OffloadConfig(optimizer_device="nvme", nvme_path=path) if mode == "nvme" else None
+        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), offload=offload)
+        x, target = torch.randn(8, 1024), torch.randn(8, 1024)
+        losses = []
+        for _ in range(3):
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            engine.finish_backward()
+            engine.prepare_step()
+            optimizer.step()
+            engine.after_step()
+            losses.append(loss.item())
+        out.update(trained=True, losses=losses)
+    except (RuntimeError, MemoryError) as err:
+        out.update(trained=False, error=str(err).splitlines()[0][:200])
+    print(json.dumps(out))
+
+
+@pytest.mark.slow
+def test_a_model_that_exceeds_rlimit_data_trains_with_its_optimizer_state_on_disk(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    # RLIMIT_DATA counts reserved address space too: one malloc arena keeps the I/O threads from
+    # reserving 64 MB arenas each; the swap files' MAP_SHARED mappings are not counted (they are the relief)
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    results = {}
+    for mode, budget in (("none", RLIMIT_BUDGET_MB), ("nvme", RLIMIT_BUDGET_MB), ("reference", 1 << 20)):
+        code = f"from tests.test_offload import rlimit_main; rlimit_main({mode!r}, {budget}, {str(tmp_path)!r})"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["reference"]["trained"] is True, results["reference"]  # no offload, no limit
+    assert results["none"]["trained"] is False, results["none"]  # the limit really is too small without offload
+    assert "can't allocate memory" in results["none"]["error"]
+    assert results["nvme"]["trained"] is True, results["nvme"]
+    assert results["nvme"]["losses"] == results["reference"]["losses"]  # the same training
