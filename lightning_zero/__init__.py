@@ -10,6 +10,7 @@ from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.gathered import gathered_parameters
 from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScaler, LossScalerConfig
 from lightning_zero.core.memory import ModelStateBytes, model_state_formula
+from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.core.onebit_adam import OneBitAdam
 from lightning_zero.dashboard import ZeroTensorBoardLogger
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
@@ -32,6 +33,7 @@ __all__ = [
     "LossScalerConfig",
     "MemoryEstimate",
     "ModelStateBytes",
+    "OffloadConfig",
     "OneBitAdam",
     "PipelineConfig",
     "ProfilerWindow",

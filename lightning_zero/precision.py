@@ -191,7 +191,7 @@ class ZeroPrecision(Precision):
     def _custom_step(self) -> bool:
         """Whether the optimizer's gradients need :meth:`ZeroEngine.prepare_step` (cast or unscale)."""
         e = self.engine
-        return e is not None and (self.scaler is not None or not e.dtypes.master_grad_is_view)
+        return e is not None and (self.scaler is not None or not e.master_grad_is_view)
 
     def _prepare(self) -> bool:
         assert self.engine is not None

@@ -42,6 +42,7 @@ from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters
+from lightning_zero.core.offload import OffloadConfig, offload_from_args
 from lightning_zero.core.process_groups import own, reusable
 from lightning_zero.core.teardown import plan_teardown
 from lightning_zero.hang_watchdog import HangWatchdog, add_hang_watchdog
@@ -96,6 +97,11 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
         pipeline: a :class:`~lightning_zero.PipelineConfig`: split the module into pipeline stages
             (it must follow the pipeline protocol, docs/pipeline.md); ZeRO then partitions each
             stage over its data-parallel group (world size / stages ranks).
+        offload_optimizer: ``"cpu"`` or ``"nvme"`` (stages 1-3): this rank's master shard and optimizer
+            state in host memory or in swap files under ``nvme_path`` (docs/offload.md).
+        offload_param: ``"cpu"`` or ``"nvme"`` (stage 3): parameter shards too.
+        nvme_path: an existing, writable directory for ``"nvme"``.
+        offload: a full :class:`~lightning_zero.OffloadConfig` instead of the three shortcuts.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -118,6 +124,10 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
         monitor: bool = True,
         profiler: ProfilerWindow | bool | None = None,
         pipeline: PipelineConfig | None = None,
+        offload_optimizer: str | None = None,
+        offload_param: str | None = None,
+        nvme_path: str | None = None,
+        offload: OffloadConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -128,6 +138,9 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
         **zero_options: Any,
     ) -> None:
         self.zero_config: ZeroConfig = config or ZeroConfig.from_kwargs(stage, zero_options)
+        self.offload: OffloadConfig = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
+        self.offload.check(self.zero_config.stage)  # bad input refused before any process starts
+        self.offload.check_path()
         if isinstance(precision, ZeroPrecision):
             if loss_scaler is not None:
                 raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
@@ -261,7 +274,7 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
             self._comm,
             dtypes=plugin.dtype_policy(module), master_init=plugin.master_init() if optimizer is not None else None,
             param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
-            setup_settings=setup_settings(self, trainer),
+            setup_settings=setup_settings(self, trainer), offload=self.offload,
         )
 
     def _guard_lr_schedulers(self) -> None:
@@ -399,3 +412,10 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
                     stage=stage,
                     start_method=method,
                 )
+        for name, stage, kwargs in (
+            ("zero_stage_2_offload", 2, {"offload_optimizer": "cpu"}),
+            ("zero_stage_3_offload", 3, {"offload_optimizer": "cpu"}),
+            ("zero_stage_3_offload_nvme", 3, {"offload_optimizer": "nvme", "nvme_path": "/local_nvme"}),
+        ):
+            strategy_registry.register(name, cls, description=f"ZeRO stage {stage} with {kwargs} (lightning_zero)",
+                                       stage=stage, **kwargs)

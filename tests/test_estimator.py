@@ -88,7 +88,7 @@ def test_offload_placement_mixed_adam() -> None:
     assert offloaded_model_state(2, psi, n, "mixed")[0] == model_state_formula(2, psi, n, "mixed")
 
 
-@pytest.mark.parametrize(("stage", "offload"), [(0, "optimizer_cpu"), (2, "param_cpu"), (2, "optimizer_nvme")])
+@pytest.mark.parametrize(("stage", "offload"), [(0, "optimizer_cpu"), (2, "param_cpu"), (0, "optimizer_nvme")])
 def test_offload_needs_its_stage(stage: int, offload: str) -> None:
     with pytest.raises(ValueError, match="needs ZeRO stage"):
         offloaded_model_state(stage, 1e9, 8, "mixed", offload)

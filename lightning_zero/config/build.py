@@ -30,7 +30,7 @@ from lightning_zero.config.schema import (
     TrainConfig,
     to_yaml,
 )
-from lightning_zero.config.validate import import_object, zero_config
+from lightning_zero.config.validate import import_object, offload_config, zero_config
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.dashboard import ZeroTensorBoardLogger
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
@@ -55,6 +55,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "monitor": cfg.logger.monitor,
         "profiler": build_profiler(cfg),
         "pipeline": pipeline_config(cfg),
+        "offload": offload_config(cfg),
     }
 
 

@@ -32,9 +32,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.config.paths import conf_dir
-from lightning_zero.config.schema import LIGHTNING_PRECISION, OffloadSchema, TrainConfig
-from lightning_zero.config.validate import zero_config
-from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.config.schema import LIGHTNING_PRECISION, TrainConfig
+from lightning_zero.config.validate import offload_config, zero_config
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS
 from lightning_zero.deepspeed.config import DeepSpeedConfig, parse_deepspeed_config
 
@@ -164,14 +163,6 @@ def apply_deepspeed_config(cfg: DictConfig | TrainConfig, overrides: Sequence[st
     if problems:
         raise ValueError("conflicting settings:\n  - " + "\n  - ".join(problems))
     return node
-
-
-def offload_config(cfg: TrainConfig) -> OffloadConfig:
-    """The core :class:`OffloadConfig` of ``cfg.offload`` (what a JSON's offload sections are compared with)."""
-    o: OffloadSchema = cfg.offload
-    return OffloadConfig(optimizer_device=o.optimizer_device.value, param_device=o.param_device.value,
-                         nvme_path=o.nvme_path, pin_memory=o.pin_memory, buffer_count=o.buffer_count,
-                         max_in_cpu=int(o.max_in_cpu))
 
 
 def strategy_settings(cfg: TrainConfig) -> dict[str, Any]:

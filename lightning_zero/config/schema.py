@@ -110,9 +110,10 @@ class OffloadSchema:
     optimizer_device: OffloadDevice = OffloadDevice.none
     param_device: OffloadDevice = OffloadDevice.none
     nvme_path: str | None = None
-    pin_memory: bool = True
+    pin_memory: bool = False  # DeepSpeed's default; True needs an accelerator (else a warning)
     buffer_count: int = 4
     max_in_cpu: int = 1_000_000_000
+    sub_group_size: int = 1_000_000  # elements stepped / swapped at once with nvme (docs/offload.md)
 
 
 @dataclass

@@ -33,6 +33,7 @@ from lightning_zero.config.schema import (
 )
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
+from lightning_zero.core.offload import OffloadConfig
 
 BUILT_STAGES = (0, 1, 2, 3)
 _SCALER_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
@@ -56,6 +57,14 @@ def zero_config(cfg: TrainConfig) -> ZeroConfig:
                       hang_timeout_s=z.hang_timeout_s, nonfinite=z.nonfinite,
                       prefetch_bucket_size=int(z.prefetch_bucket_size), max_live_parameters=int(z.max_live_parameters),
                       param_persistence_threshold=int(z.param_persistence_threshold))
+
+
+def offload_config(cfg: TrainConfig) -> OffloadConfig:
+    """The core :class:`OffloadConfig` of ``cfg.offload`` (what a JSON's offload sections are compared with)."""
+    o = cfg.offload
+    return OffloadConfig(optimizer_device=o.optimizer_device.value, param_device=o.param_device.value,
+                         nvme_path=o.nvme_path, pin_memory=o.pin_memory, buffer_count=o.buffer_count,
+                         max_in_cpu=int(o.max_in_cpu), sub_group_size=int(o.sub_group_size))
 
 
 def _offload_problems(cfg: TrainConfig) -> list[str]:
@@ -279,8 +288,8 @@ def unbuilt_features(cfg: TrainConfig) -> list[str]:
     if cfg.zero.stage not in BUILT_STAGES:
         out.append(f"ZeRO stage {cfg.zero.stage} (zero=stage{cfg.zero.stage}, partitioned parameters); "
                    "use zero=stage0, stage1 or stage2")
-    if offload_name(cfg) != "none":
-        out.append(f"offload={offload_name(cfg)} (ZeRO-Offload / ZeRO-Infinity); use offload=none")
+    if cfg.offload.param_device is not OffloadDevice.none:
+        out.append(f"offload={offload_name(cfg)} (parameter offload); use offload=optimizer_cpu or optimizer_nvme")
     return out
 
 

@@ -12,7 +12,7 @@ Lifecycle, per optimizer step (the strategy calls these; plain PyTorch code can 
     engine.after_step()                 # shards written back and all-gathered into the params
 
 ``prepare_step`` may be left out when the optimizer can step on the reduced gradient buffers
-themselves (``dtypes.master_grad_is_view``, no loss scale): fp32 and bf16-true training.
+themselves (``master_grad_is_view``, no loss scale, no offload): fp32 and bf16-true training.
 
 What each stage keeps whole on a rank (Note [flat shard layout] in flat_param.py):
 stage 0: params, grads, optimizer state; stage 1: params, grads; stage 2: params; stage 3:
@@ -42,12 +42,10 @@ from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.materialize import ParamInitFn
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
-from lightning_zero.core.optimizer import (
-    ShardedOptimizer,
-    broadcast_master_init,
-    check_optimizer,
-    trainable_groups,
-)
+from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.core.offload_store import OptimizerOffload
+from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
+from lightning_zero.core.optimizer_state import broadcast_master_init
 from lightning_zero.core.sharded_unit import ShardedUnit
 from lightning_zero.core.stage3 import Stage3Runtime, apply_stage3
 
@@ -70,6 +68,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         init_seed: base seed of that initialisation (Note [sharded construction] in materialize.py).
         setup_settings: settings that must agree across ranks (the resolved config), compared with the
             parameter names / shapes / dtypes before the first collective (``core/agreement.py``).
+        offload: where the optimizer shards live (docs/offload.md); default: with the parameters.
     """
 
     def __init__(
@@ -83,7 +82,10 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         param_init_fn: ParamInitFn | None = None,
         init_seed: int = 0,
         setup_settings: Mapping[str, str] | None = None,
+        offload: OffloadConfig | None = None,
     ) -> None:
+        self.offload_config = offload or OffloadConfig()
+        self.offload_config.check(config.stage)
         self.module = module
         self.optimizer = optimizer
         self.config = config
@@ -145,8 +147,12 @@ class ZeroEngine(WholeModelViews, StepPreparation):
             if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
                 master_init = broadcast_master_init(master_init, [p for p in self.names if p in managed],
                                                     self.dtypes.master_dtype, self.comm)
+            store = None
+            if self.offload_config.optimizer_device != "none":
+                self.offload_config.check_path(self._offloaded_bytes())
+                store = OptimizerOffload(self.offload_config, self.comm.rank)
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
-                                            whole=config.stage == 0, master_init=master_init)
+                                            whole=config.stage == 0, master_init=master_init, offload=store)
         if optimizer is not None:
             self._user_zero_grad = optimizer.zero_grad
             optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
@@ -164,6 +170,17 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         # stage 0 without a separate master, gradients accumulated in another dtype than the params:
         # prepare_step casts them into these param-dtype buffers, which the params' .grad views
         self._cast_grads: list[torch.Tensor] | None = None
+
+    @property
+    def master_grad_is_view(self) -> bool:
+        """Whether the optimizer steps on the reduced gradient buffers themselves (no cast, no offload)."""
+        return self.dtypes.master_grad_is_view and self.offload_config.optimizer_device == "none"
+
+    def _offloaded_bytes(self) -> int:
+        """This rank's bytes in the swap files: master and state shards (AdamW's two moments; one
+        more element per parameter is kept free for other optimizers' state)."""
+        size = torch.empty((), dtype=self.dtypes.master_dtype).element_size()
+        return sum(g.shard_numel for g in self.groups) * size * 4
 
     # ------------------------------------------------------------------ setup
     def _check_same_structure(self, settings: Mapping[str, str]) -> None:
@@ -256,7 +273,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
                     continue
                 for s, view in zip(g.slots, g.views(flat)):
                     s.param.grad = view
-        if self.sharded is not None and self.reducer.communicating and self.dtypes.master_grad_is_view:
+        if self.sharded is not None and self.reducer.communicating and self.master_grad_is_view:
             self.sharded.set_grads(self._reduced_for_masters())
 
     def _reduced_for_masters(self) -> list[torch.Tensor]:

@@ -53,17 +53,19 @@ class StepPreparation:
     last_grad_norm: float | None
     _grads_local: bool
     _cast_grads: list[torch.Tensor] | None
+    master_grad_is_view: bool  # a property of ZeroEngine: no cast and no offload between reducer and optimizer
 
     def _grads_to_scale(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps on (unscaling and clipping act on these)."""
         if self._cast_grads is not None:
             return self._cast_grads
-        if self.sharded is not None and not self.dtypes.master_grad_is_view:
+        if self.sharded is not None and not self.master_grad_is_view:
             return self.sharded.master_grads()
         return self._all_reduced_grads()
 
     def _grads_for_norm(self) -> list[torch.Tensor]:
-        """This rank's share of the gradients; summed over ranks at stage >= 1 they are all of them."""
+        """This rank's share of the gradients; summed over ranks at stage >= 1 they are all of them.
+        (An offload's uncast copies hold the same values: the norm is taken as without offload.)"""
         if self.sharded is not None and not self.dtypes.master_grad_is_view:
             return self.sharded.master_grads()
         return self.reducer.local_grads()
@@ -78,7 +80,7 @@ class StepPreparation:
         """
         if self._prepared:
             return self.step_skipped
-        if self.sharded is not None and not self.dtypes.master_grad_is_view:
+        if self.sharded is not None and not self.master_grad_is_view:
             self.sharded.set_grads(self._reduced_for_masters())
         elif not self.dtypes.master_grad_is_view:  # stage 0, the params are the master: cast for them
             self._cast_grads = self._param_dtype_grads()
@@ -146,7 +148,7 @@ class StepPreparation:
             p.grad = None
 
     def _require_prepared(self, what: str) -> None:
-        if not self.dtypes.master_grad_is_view and not self._prepared:
+        if not self.master_grad_is_view and not self._prepared:
             raise RuntimeError(
                 f"{what} needs the master gradients: call `engine.prepare_step(loss_scale)` after the last "
                 "backward of the step (the precision plugin does this under ZeroStrategy)."

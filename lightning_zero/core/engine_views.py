@@ -21,8 +21,8 @@ from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.grad_reducer import GradReducer
 from lightning_zero.core.optimizer import (
     ShardedOptimizer,
-    full_optimizer_state,
 )
+from lightning_zero.core.optimizer_state import full_optimizer_state
 from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.stage3 import Stage3Runtime
 from lightning_zero.core.units import plan_units

@@ -102,7 +102,7 @@ class StorageCounter:
 OFFLOAD_STAGES: dict[str, tuple[int, ...]] = {
     "none": (0, 1, 2, 3),
     "optimizer_cpu": (1, 2, 3),
-    "optimizer_nvme": (3,),
+    "optimizer_nvme": (1, 2, 3),
     "param_cpu": (3,),
     "param_nvme": (3,),
 }

@@ -16,7 +16,8 @@ Note [master pieces]
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.flat_param import FlatParamGroup, overlap
+from lightning_zero.core.offload_store import OptimizerOffload, SubGroup, use_fused_kernels
 
 MASTER_PIECE_NUMEL = 1 << 20  # elements per optimizer tensor (Note [master pieces])
 
@@ -97,6 +99,9 @@ class ShardedOptimizer:
             that of a plain optimizer.
         master_init: initial master values per parameter (e.g. the fp32 weights before the module
             was cast to 16 bits); parameters not in it start from their current values.
+        offload: where the masters, their gradients and the optimizer state live when offloaded
+            (stage >= 1; docs/offload.md): the masters are then always a separate copy, and the
+            optimizer's ``step`` runs through it (fused CPU kernels, sub-groups for ``"nvme"``).
 
     Note [master shards]
         ``masters[i]`` is the 1-D master of flat group ``i`` covering ``master_range(i)`` of the
@@ -114,29 +119,52 @@ class ShardedOptimizer:
         master_dtype: torch.dtype,
         whole: bool = False,
         master_init: Mapping[nn.Parameter, torch.Tensor] | None = None,
+        offload: OptimizerOffload | None = None,
     ) -> None:
+        if offload is not None and whole:
+            raise ValueError("Optimizer offload needs ZeRO stage >= 1 (it offloads this rank's shard).")
         self.optimizer = optimizer
         self.groups = groups
         self.whole = whole
+        self.offload = offload
+        self._written_back = False  # the offloaded step already cast the masters into the params
+        self.piece_numel = MASTER_PIECE_NUMEL
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         self.masters: list[torch.Tensor] = []  # 1-D master of this rank, per flat group
         self.pieces_of: list[list[torch.Tensor]] = []  # the optimizer's tensors, per flat group
         self.stepped: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]  # per param group
         for fi, fg in enumerate(groups):
             own = self._own(fi)
-            master = own if master_dtype == fg.dtype else _initial_master(fg, own, *self.master_range(fi),
-                                                                           master_dtype, master_init)
+            if offload is not None:
+                master = offload.new_master(fi, own.numel(), master_dtype)
+                _fill_master(master, fg, own, *self.master_range(fi), master_init, offload.released(fi))
+            elif master_dtype == fg.dtype:
+                master = own
+            else:
+                master = _fill_master(own.to(master_dtype, copy=True), fg, own, *self.master_range(fi), master_init)
             self.masters.append(master)
             if whole:  # stage 0: one flat group per param group
                 views = {s.param: v for s, v in zip(fg.slots, fg.views(master))}
                 pg = optimizer.param_groups[fg.optimizer_group]
                 pieces = [views.get(p, p) for p in pg["params"]]  # frozen members stay as they are
             else:
-                pieces = list(master.split(MASTER_PIECE_NUMEL))  # views (Note [master pieces])
+                pieces = list(master.split(self.piece_numel))  # views (Note [master pieces])
             self.pieces_of.append(pieces)
             self.stepped[fg.optimizer_group].extend(pieces)
         for pg, stepped in zip(optimizer.param_groups, self.stepped):
             pg["params"] = list(stepped)
+        self._fused_before: dict[int, tuple] = {}
+        if offload is not None:
+            self._fused_before = use_fused_kernels(optimizer)
+            self._own_step = optimizer.__dict__.get("step")  # e.g. an LR scheduler's wrapper
+            self._user_step = optimizer.step
+
+            def step(closure: Callable[[], Any] | None = None) -> Any:
+                return self._offloaded_step(closure)
+
+            if hasattr(self._user_step, "_wrapped_by_lr_sched"):  # still counts for the LR scheduler's check
+                step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            optimizer.step = step  # type: ignore[method-assign]
 
     def master_range(self, flat_group: int) -> tuple[int, int]:
         fg = self.groups[flat_group]
@@ -150,7 +178,10 @@ class ShardedOptimizer:
     def set_grads(self, grads: list[torch.Tensor]) -> None:
         """Give the masters these gradients (1-D, laid out like the masters; cast when needed)."""
         for fi, (master, grad) in enumerate(zip(self.masters, grads)):
-            grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+            if self.offload is not None:
+                grad = self.offload.receive_grad(fi, grad, master)
+            elif grad.dtype != master.dtype:
+                grad = grad.to(master.dtype)
             if self.whole:
                 master.grad = grad
                 fg = self.groups[fi]
@@ -159,7 +190,7 @@ class ShardedOptimizer:
                     if stepped is not original:
                         stepped.grad = views[original]
             else:
-                for piece, g in zip(self.pieces_of[fi], grad.split(MASTER_PIECE_NUMEL)):
+                for piece, g in zip(self.pieces_of[fi], grad.split(self.piece_numel)):
                     piece.grad = g
 
     def master_grads(self) -> list[torch.Tensor]:
@@ -170,6 +201,9 @@ class ShardedOptimizer:
 
     def write_back(self) -> None:
         """Copy (cast) stepped masters into the parameter shards (when not a view)."""
+        if self._written_back:  # the offloaded step did it, sub-group by sub-group
+            self._written_back = False
+            return
         for fi, master in enumerate(self.masters):
             own = self._own(fi)
             if own.data_ptr() != master.data_ptr():
@@ -183,6 +217,68 @@ class ShardedOptimizer:
             own = self._own(fi)
             if id(fg) in ids and own.data_ptr() != master.data_ptr():
                 master.copy_(own)
+        self._settle()
+
+    # ------------------------------------------------------------------ offloaded step
+    def _offloaded_step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The optimizer's ``step`` while offloaded: the user's step per sub-group of master pieces,
+        each stepped sub-group's state moved into the store and cast back into the parameters."""
+        assert self.offload is not None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sub_groups = self.offload.sub_groups([m.numel() for m in self.masters], self.piece_numel)
+        self.offload.step(sub_groups, self._step_sub_group)
+        self._written_back = True
+        return loss
+
+    def _step_sub_group(self, sg: SubGroup) -> None:
+        assert self.offload is not None
+        n = self.piece_numel
+        pieces = [(fi, k) for fi, lo, hi in sg for k in range(lo // n, -(-hi // n))]
+        everything = len(pieces) == sum(len(p) for p in self.pieces_of)
+        if everything:
+            self._user_step()
+        else:
+            members: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
+            for fi, k in pieces:
+                members[self.groups[fi].optimizer_group].append(self.pieces_of[fi][k])
+            for pg, chosen in zip(self.optimizer.param_groups, members):
+                pg["params"] = chosen
+            try:
+                self._user_step()
+            finally:
+                for pg, stepped in zip(self.optimizer.param_groups, self.stepped):
+                    pg["params"] = list(stepped)
+        for fi, k in pieces:
+            self._home(fi, k)
+        for fi, lo, hi in sg:
+            own = self._own(fi)
+            self.offload.write_back(own[lo:hi], self.masters[fi][lo:hi])
+
+    def _home(self, fi: int, k: int) -> None:
+        """Move piece ``k`` of flat group ``fi``'s per-element state into the store (Note [swap files])."""
+        assert self.offload is not None
+        piece = self.pieces_of[fi][k]
+        state = self.optimizer.state.get(piece)
+        for key, value in (state or {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == piece.shape and key not in _SCALAR_STATE_KEYS:
+                state[key] = self.offload.place(fi, key, k * self.piece_numel, value, self.masters[fi].numel())
+
+    def adopt_loaded_state(self) -> None:
+        """After ``optimizer.load_state_dict``: move the loaded state into the offload's storage."""
+        if self.offload is None:
+            return
+        for fi, pieces in enumerate(self.pieces_of):
+            for k in range(len(pieces)):
+                self._home(fi, k)
+        self._settle()
+
+    def _settle(self) -> None:
+        """After reading or writing swapped tensors outside a step: take them out of memory again."""
+        if self.offload is not None:
+            self.offload.release_all()
 
     def clear_grads(self) -> None:
         for m, pieces in zip(self.masters, self.pieces_of):
@@ -203,12 +299,20 @@ class ShardedOptimizer:
             )
 
     def restore(self) -> None:
-        """Put the original parameters back into the param groups (master state is dropped)."""
+        """Put the original parameters back into the param groups (master state is dropped, and an
+        offload's buffers and swap files with it)."""
         for pg, params, stepped in zip(self.optimizer.param_groups, self.original_params, self.stepped):
             for t in stepped:
                 if not any(t is p for p in params):
                     self.optimizer.state.pop(t, None)
             pg["params"] = params
+        if self.offload is not None:
+            self.optimizer.__dict__.pop("step", None)  # the class's step again, or the wrapper it had
+            if self._own_step is not None:
+                self.optimizer.step = self._own_step  # type: ignore[method-assign]
+            for i, (fused, foreach) in self._fused_before.items():
+                self.optimizer.param_groups[i]["fused"], self.optimizer.param_groups[i]["foreach"] = fused, foreach
+            self.offload.close()
 
     def shard_state(self, flat_group: int) -> dict:
         """The optimizer state of one flat group's master shard, pieces joined into 1-D tensors."""
@@ -221,6 +325,7 @@ class ShardedOptimizer:
                 out[key] = torch.cat(values) if len(values) > 1 else values[0]
             else:
                 out[key] = values[0]  # per-tensor scalar (e.g. ``step``), equal on every piece
+        self._settle()
         return out
 
     @torch.no_grad()
@@ -236,37 +341,29 @@ class ShardedOptimizer:
             full[start:end].copy_(master)
             comm.all_gather_flat(full, start, end)
             out.append(full)
+        self._settle()
         return out
 
 
-@torch.no_grad()
-def broadcast_master_init(
-    init: Mapping[nn.Parameter, torch.Tensor], params: list[nn.Parameter], dtype: torch.dtype,
-    comm: DataParallelComm,
-) -> dict[nn.Parameter, torch.Tensor]:
-    """Rank 0's initial master values of ``params`` (same order on every rank) on every rank, in
-    ``dtype``; one parameter at a time on the parameter's device (the collective's)."""
-    out = {p: init[p] for p in params if p in init}
-    if comm.active:
-        for p in out:
-            t = out[p].to(device=p.device, dtype=dtype).contiguous()
-            comm.broadcast(t)
-            out[p] = t.to(init[p].device)
-    return out
-
-
-def _initial_master(
-    fg: FlatParamGroup, own: torch.Tensor, start: int, end: int, dtype: torch.dtype,
-    init: Mapping[nn.Parameter, torch.Tensor] | None,
+def _fill_master(
+    master: torch.Tensor, fg: FlatParamGroup, own: torch.Tensor, start: int, end: int,
+    init: Mapping[nn.Parameter, torch.Tensor] | None, after_chunk: Callable[[int, int], Any] | None = None,
 ) -> torch.Tensor:
-    """A new master for ``[start, end)`` of ``fg``'s layout (``own`` holds those parameter
-    elements): from ``init`` where given, else the parameters' values."""
-    master = own.to(dtype, copy=True)
-    for s in fg.slots if init else ():
-        source = init.get(s.param)
-        lo, hi = overlap(s.offset, s.offset + s.numel, start, end)
-        if source is not None and hi > lo:
-            master[lo - start : hi - start].copy_(source.reshape(-1)[lo - s.offset : hi - s.offset])
+    """Fill ``master``, the master of ``[start, end)`` of ``fg``'s layout (``own`` holds those
+    parameter elements), from ``init`` where given, else the parameters' values; one master piece
+    at a time, calling ``after_chunk(lo, hi)`` after each (an offload releases the piece)."""
+    step = MASTER_PIECE_NUMEL
+    for lo in range(0, master.numel(), step):
+        hi = min(lo + step, master.numel())
+        if master.data_ptr() != own.data_ptr():
+            master[lo:hi].copy_(own[lo:hi])
+        for s in fg.slots if init else ():
+            source = init.get(s.param)
+            a, b = overlap(s.offset, s.offset + s.numel, start + lo, start + hi)
+            if source is not None and b > a:
+                master[a - start : b - start].copy_(source.reshape(-1)[a - s.offset : b - s.offset])
+        if after_chunk is not None:
+            after_chunk(lo, hi)
     return master
 
 
@@ -274,7 +371,9 @@ def _initial_master(
 _SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu"})
 
 
-def _index_of_original(sharded: ShardedOptimizer) -> dict[torch.Tensor, int]:
+def original_index(sharded: ShardedOptimizer) -> dict[torch.Tensor, int]:
+    """Each original parameter's index in ``torch.optim``'s ``state_dict`` numbering (param groups in
+    order, parameters in group order): the ids a plain optimizer's state dict uses."""
     out: dict[torch.Tensor, int] = {}
     for params in sharded.original_params:
         for p in params:
@@ -282,93 +381,14 @@ def _index_of_original(sharded: ShardedOptimizer) -> dict[torch.Tensor, int]:
     return out
 
 
-@torch.no_grad()
-def full_optimizer_state(sharded: ShardedOptimizer, comm: DataParallelComm) -> dict:
-    """The optimizer's state as ``torch.optim`` would hold it for the original parameters.
-
-    Every rank contributes its shards (all ranks must call this together); the result does not
-    depend on the world size, so it loads at any world size or stage, or into a plain optimizer.
-    """
-    if sharded.whole:  # per-parameter views in the original order: already a plain optimizer's state
-        return sharded.optimizer.state_dict()
-    if sharded.whole:  # per-parameter views in the original order: already a plain optimizer's state
-        return sharded.optimizer.state_dict()
-    index = _index_of_original(sharded)
-    state: dict[int, dict] = {}
-    groups = []
-    for pg, params in zip(sharded.optimizer.param_groups, sharded.original_params):
-        groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": [index[p] for p in params]})
-    for fi, fg in enumerate(sharded.groups):
-        shard_state = sharded.shard_state(fi)
-        for key in sorted(shard_state):
-            value = shard_state[key]
-            if isinstance(value, torch.Tensor) and value.shape == sharded.masters[fi].shape:
-                full = torch.zeros(fg.padded_numel, dtype=value.dtype, device=value.device)
-                start, end = fg.shard_range()
-                full[start:end].copy_(value)
-                comm.all_gather_flat(full, start, end)
-                for slot in fg.slots:
-                    per_param = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-                    state.setdefault(index[slot.param], {})[key] = per_param
-            else:
-                for slot in fg.slots:
-                    v = value.clone() if isinstance(value, torch.Tensor) else value
-                    state.setdefault(index[slot.param], {})[key] = v
-    return {"state": state, "param_groups": groups}
+_index_of_original = original_index  # the old private name, still imported by checkpoint/format.py
 
 
-@torch.no_grad()
-def load_full_optimizer_state(sharded: ShardedOptimizer, full: dict) -> None:
-    """Load a state made by :func:`full_optimizer_state` (or a plain optimizer) into the shards."""
-    if sharded.whole:
-        sharded.optimizer.load_state_dict(full)
-        return
-    index = _index_of_original(sharded)
-    saved_groups = full.get("param_groups", [])
-    if len(saved_groups) != len(sharded.optimizer.param_groups):
-        raise ValueError(
-            f"The checkpoint's optimizer has {len(saved_groups)} param groups, this one "
-            f"{len(sharded.optimizer.param_groups)}. Resume with the same `configure_optimizers`."
-        )
-    saved_state = full.get("state", {})
-    # optimizer state_dict ids number the tensors of all param groups consecutively
-    ids_of: dict[int, int] = {}
-    shard_sd: dict = {"state": {}, "param_groups": []}
-    next_id = 0
-    for pg, saved in zip(sharded.optimizer.param_groups, saved_groups):
-        ids = []
-        for piece in pg["params"]:
-            ids_of[id(piece)] = next_id
-            ids.append(next_id)
-            next_id += 1
-        shard_sd["param_groups"].append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-    for fi, fg in enumerate(sharded.groups):
-        per_slot = [saved_state.get(index[s.param], saved_state.get(str(index[s.param]), {})) for s in fg.slots]
-        start, end = fg.shard_range()
-        out: dict = {}
-        per_element_keys = set()
-        for key in sorted({k for st in per_slot for k in st}):
-            sample = next(st[key] for st in per_slot if key in st)
-            per_element = key not in _SCALAR_STATE_KEYS and all(
-                isinstance(st[key], torch.Tensor) and st[key].shape == s.shape
-                for s, st in zip(fg.slots, per_slot) if key in st
-            )
-            if per_element:
-                flat = torch.zeros(fg.padded_numel, dtype=sample.dtype)
-                for s, st in zip(fg.slots, per_slot):
-                    if key in st:
-                        flat[s.offset : s.offset + s.numel].copy_(st[key].reshape(-1))
-                out[key] = flat[start:end]
-                per_element_keys.add(key)
-            else:
-                out[key] = sample
-        if not out:
-            continue
-        for k, piece in enumerate(sharded.pieces_of[fi]):
-            lo = k * MASTER_PIECE_NUMEL
-            shard_sd["state"][ids_of[id(piece)]] = {
-                key: value[lo : lo + piece.numel()].clone() if key in per_element_keys
-                else value.clone() if isinstance(value, torch.Tensor) else value  # own ``step`` per piece
-                for key, value in out.items()
-            }
-    sharded.optimizer.load_state_dict(shard_sd)
+def __getattr__(name: str) -> Any:
+    """``full_optimizer_state`` / ``load_full_optimizer_state`` moved to ``optimizer_state.py``;
+    importing them from here still works."""
+    if name in ("full_optimizer_state", "load_full_optimizer_state"):
+        from lightning_zero.core import optimizer_state
+
+        return getattr(optimizer_state, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

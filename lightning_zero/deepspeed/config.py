@@ -269,6 +269,10 @@ def _zero(root: _Section, given: dict[str, str], unsupported: list[str]) -> tupl
 
 def _offload(z: _Section, stage: int, given: dict[str, str]) -> OffloadConfig:
     values: dict[str, Any] = {}
+    sub_group = z.get("sub_group_size", int)
+    if sub_group is not None:  # elements stepped and swapped at once (docs/offload.md)
+        values["sub_group_size"] = sub_group
+        given["offload.sub_group_size"] = z.key("sub_group_size")
     if z.get("cpu_offload", bool):  # DeepSpeed's legacy switch for offload_optimizer.device=cpu
         values["optimizer_device"] = "cpu"
         given["offload.optimizer_device"] = z.key("cpu_offload")

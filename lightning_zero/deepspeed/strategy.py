@@ -107,7 +107,6 @@ def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[s
 
     Raises:
         ValueError: a setting given both here and in the JSON with different values (all listed).
-        NotImplementedError: the JSON asks for offload, which lightning_zero does not implement yet.
     """
     rest = dict(overrides)
     names = [f.name for f in fields(ZeroConfig)]
@@ -131,16 +130,16 @@ def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[s
                                   "precision_plugin.precision" if plugin is not None else "precision", wanted))
     if problems:
         raise ValueError("conflicting settings:\n  - " + "\n  - ".join(problems))
-    if ds.offload.enabled:
-        raise NotImplementedError(
-            f"the DeepSpeed config {ds.source} offloads (offload={ds.offload.name}: zero_optimization."
-            "offload_optimizer / offload_param); ZeRO-Offload / ZeRO-Infinity are not implemented in lightning_zero "
-            "yet. Remove the offload sections (or set their device to \"none\").")
+    offload = rest.pop("offload", None)
+    if offload is not None and ds.offload.enabled and offload != ds.offload:
+        raise ValueError("conflicting settings:\n  - " + _conflict(ds, "offload", ds.offload, "offload", offload))
+    if offload is None or not offload.enabled:
+        offload = ds.offload
     zero = replace(ds.zero, **{n: v for n, v in user.items() if f"zero.{n}" not in ds.given})
     if plugin is None:
         plugin = build_precision_plugin(ds, default=precision)
     return {**rest, "config": zero, "precision": None if plugin is not None else precision,
-            "precision_plugin": plugin}
+            "precision_plugin": plugin, "offload": offload}
 
 
 def _no_optimizer(module: pl.LightningModule) -> None:

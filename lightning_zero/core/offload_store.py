@@ -1,0 +1,285 @@
+"""Where an offloaded optimizer shard lives: separate host memory (``"cpu"``) or swap files (``"nvme"``).
+
+:class:`OptimizerOffload` is the one interface :class:`~lightning_zero.core.optimizer.ShardedOptimizer`
+talks to at every stage >= 1: it owns the master shards (``new_master``), receives the reduced
+gradient shards (``receive_grad``) and runs the user's optimizer step (``step``), then the stepped
+masters are cast back into the parameter shards. ``"cpu"`` keeps masters, gradients and state in
+their own host buffers (pinned with an accelerator) and steps them all at once with torch's fused
+CPU kernels. ``"nvme"`` keeps masters and per-element state in swap files and steps them in
+sub-groups (Note [swap files]).
+
+Note [swap files]
+    Each (flat group, state key) has one file under a directory private to the run
+    (``<nvme_path>/lightning_zero-<pid>-<random>``). It is unlinked as soon as it is opened, so it
+    disappears when the process exits, however it exits, and no later run can ever read it as
+    state. The file is mapped ``MAP_SHARED``; tensors are views of the mapping, so the optimizer,
+    checkpoints and ``state_dict`` see ordinary CPU tensors. Stepping walks sub-groups of at most
+    ``sub_group_size`` elements: while sub-group k steps, a reader thread reads sub-group k+1
+    into the page cache with large ``os.preadv`` calls; after k stepped, its pages leave the process
+    (``MADV_DONTNEED``: dirty pages stay in the page cache) and a writer thread writes them to disk
+    (``fdatasync``) and drops them from the page cache (``POSIX_FADV_DONTNEED``) while the next
+    sub-group steps. Only about two sub-groups are ever resident. State the optimizer creates
+    lazily (at its first step, or loaded from a checkpoint) is moved into the files right after.
+    The mapping was measured against threads over ``os.preadv``/``os.pwritev`` into a window of
+    buffers (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_zero.core.offload import OffloadConfig
+
+# optimizer classes whose CPU step has a fused kernel in torch (``fused=True``)
+FUSED_CPU_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
+)
+
+
+@dataclass
+class OffloadCounters:
+    """What moved, cumulative over the run (the tests and the monitor read these)."""
+
+    grad_bytes_in: int = 0  # gradient bytes copied into the host buffers
+    param_bytes_out: int = 0  # master bytes cast / copied back into the parameter shards
+    bytes_read: int = 0  # swap-file bytes brought back in ("nvme")
+    bytes_written: int = 0  # swap-file bytes written out ("nvme")
+    steps: int = 0  # offloaded optimizer steps
+    step_s: float = 0.0  # seconds inside those steps (I/O waits included)
+
+
+class SwapFile:
+    """One run-private, already-unlinked file of ``numel`` elements, mapped as a 1-D tensor."""
+
+    def __init__(self, directory: str, numel: int, dtype: torch.dtype) -> None:
+        fd, path = tempfile.mkstemp(prefix="swap-", dir=directory)
+        os.unlink(path)  # Note [swap files]: gone at exit, never read again
+        self.fd = fd
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = max(numel * self.itemsize, mmap.PAGESIZE)
+        os.posix_fallocate(fd, 0, nbytes)  # reserve the disk space now: ENOSPC at setup, not mid-run
+        self.map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.tensor = torch.frombuffer(self.map, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
+
+    def _span(self, lo: int, hi: int) -> tuple[int, int]:
+        start = lo * self.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
+        return start, hi * self.itemsize - start
+
+    def prefetch(self, lo: int, hi: int, scratch: bytearray) -> int:
+        """Read elements ``[lo, hi)`` from disk into the page cache, in large sequential reads
+        (the reader thread runs it; the mapping's first touch is then a minor fault); returns the bytes."""
+        start, length = self._span(lo, hi)
+        view = memoryview(scratch)
+        end = start + length
+        while start < end:
+            n = os.preadv(self.fd, [view[: min(len(scratch), end - start)]], start)
+            if n <= 0:
+                break
+            start += n
+        return (hi - lo) * self.itemsize
+
+    def release(self, lo: int, hi: int) -> int:
+        """Take elements ``[lo, hi)`` out of this process (they stay in the file); returns the bytes."""
+        start, length = self._span(lo, hi)
+        if length > 0:
+            self.map.madvise(mmap.MADV_DONTNEED, start, length)
+        return (hi - lo) * self.itemsize
+
+    def flush(self, lo: int, hi: int) -> None:
+        """Write dirty pages to disk and drop ``[lo, hi)`` from the page cache (the writer thread runs it)."""
+        start, length = self._span(lo, hi)
+        os.fdatasync(self.fd)
+        if length > 0:
+            os.posix_fadvise(self.fd, start, length, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # tensors still view it: the mapping goes with them
+            self.map.close()
+        os.close(self.fd)
+
+
+# a sub-group: (flat group, first element, one past the last) ranges, at master-piece boundaries
+SubGroup = list[tuple[int, int, int]]
+
+
+class OptimizerOffload:
+    """The host side of this rank's optimizer shards (``"cpu"`` or ``"nvme"``).
+
+    Args:
+        config: the offload policy (``optimizer_device`` is ``"cpu"`` or ``"nvme"``).
+        rank: the data-parallel rank (names its swap directory).
+    """
+
+    def __init__(self, config: OffloadConfig, rank: int = 0) -> None:
+        if config.optimizer_device not in ("cpu", "nvme"):
+            raise ValueError(f"optimizer_device must be 'cpu' or 'nvme', not {config.optimizer_device!r}.")
+        self.config = config
+        self.nvme = config.optimizer_device == "nvme"
+        self.pin = config.pin()
+        self.counters = OffloadCounters()
+        self.host_grads: dict[int, torch.Tensor] = {}
+        self.files: dict[tuple[int, str], SwapFile] = {}
+        self.directory: tempfile.TemporaryDirectory | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._reading: dict[int, list[Future]] = {}  # sub-group index -> its reads in flight
+        self._scratch = bytearray(16 << 20) if self.nvme else bytearray()
+        if self.nvme:
+            self.directory = tempfile.TemporaryDirectory(prefix=f"lightning_zero-{os.getpid()}-r{rank}-",
+                                                         dir=config.nvme_path)
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-write")
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-read")
+
+    # ------------------------------------------------------------------ storage
+    def new_master(self, fi: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Storage of its own for the master of flat group ``fi`` (the caller fills it)."""
+        if self.nvme:
+            return self._file(fi, "master", numel, dtype).tensor
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+
+    def released(self, fi: int) -> Callable[[int, int], None] | None:
+        """What to call after writing elements ``[lo, hi)`` of ``fi``'s master outside a step."""
+        file = self.files.get((fi, "master"))
+        return None if file is None else (lambda lo, hi: file.release(lo, hi) and None)
+
+    def _file(self, fi: int, key: str, numel: int, dtype: torch.dtype) -> SwapFile:
+        file = self.files.get((fi, key))
+        if file is None:
+            assert self.directory is not None
+            file = self.files[(fi, key)] = SwapFile(self.directory.name, numel, dtype)
+        return file
+
+    def receive_grad(self, fi: int, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """The gradient shard the master of ``fi`` steps on: copied (cast) into a host buffer for
+        ``"cpu"``; for ``"nvme"`` only when it is not a host tensor of the master's dtype."""
+        if self.nvme and grad.device.type == "cpu" and grad.dtype == master.dtype:
+            return grad
+        host = self.host_grads.get(fi)
+        if host is None or host.numel() != master.numel():
+            host = self.host_grads[fi] = torch.empty(master.numel(), dtype=master.dtype, pin_memory=self.pin)
+        host.copy_(grad, non_blocking=self.pin)
+        self.counters.grad_bytes_in += grad.numel() * grad.element_size()
+        return host
+
+    def write_back(self, own: torch.Tensor, master: torch.Tensor) -> None:
+        own.copy_(master, non_blocking=self.pin)
+        self.counters.param_bytes_out += own.numel() * own.element_size()
+
+    # ------------------------------------------------------------------ step
+    def sub_groups(self, numels: list[int], piece: int) -> list[SubGroup]:
+        """Split the masters (``numels`` elements each) into runs of at most ``sub_group_size``
+        elements (at least one piece each), at piece boundaries."""
+        if not self.nvme:
+            return [[(fi, 0, n) for fi, n in enumerate(numels)]]
+        limit = max(self.config.sub_group_size, 1)
+        out: list[SubGroup] = []
+        current: SubGroup = []
+        size = 0
+        for fi, n in enumerate(numels):
+            for lo in range(0, n, piece):
+                hi = min(lo + piece, n)
+                if current and size + hi - lo > limit:
+                    out.append(current)
+                    current, size = [], 0
+                if current and current[-1][0] == fi and current[-1][2] == lo:
+                    current[-1] = (fi, current[-1][1], hi)
+                else:
+                    current.append((fi, lo, hi))
+                size += hi - lo
+        return out + ([current] if current else [])
+
+    def step(self, sub_groups: list[SubGroup], step_one: Callable[[SubGroup], None]) -> None:
+        """Run ``step_one`` on every sub-group; with ``"nvme"``, overlap the next one's reads and the
+        previous one's writes with it (Note [swap files])."""
+        start = time.perf_counter()
+        for k, sg in enumerate(sub_groups):
+            if self.nvme and k == 0:
+                self._prefetch(0, sg)
+            if self.nvme and k + 1 < len(sub_groups):
+                self._prefetch(k + 1, sub_groups[k + 1])
+            for f in self._reading.pop(k, []):
+                self.counters.bytes_read += f.result()
+            step_one(sg)
+            if self.nvme:
+                self._release(sg)
+        self.wait()
+        self.counters.steps += 1
+        self.counters.step_s += time.perf_counter() - start
+
+    def place(self, fi: int, key: str, lo: int, tensor: torch.Tensor, numel: int) -> torch.Tensor:
+        """``"nvme"``: the view of elements ``[lo, lo + tensor.numel())`` of the swap file of state
+        ``key`` of flat group ``fi`` (``numel`` elements in all), holding ``tensor``'s values;
+        ``tensor`` itself when it already is that view, or for ``"cpu"``."""
+        if not self.nvme:
+            return tensor
+        view = self._file(fi, key, numel, tensor.dtype).tensor[lo : lo + tensor.numel()]
+        if view.data_ptr() != tensor.data_ptr():
+            view.copy_(tensor.reshape(-1))
+        return view.view(tensor.shape)
+
+    def _prefetch(self, k: int, sg: SubGroup) -> None:
+        assert self._reader is not None
+        for (fi, _key), file in self.files.items():
+            for gi, lo, hi in sg:
+                if gi == fi:
+                    self._reading.setdefault(k, []).append(self._reader.submit(file.prefetch, lo, hi, self._scratch))
+
+    def _release(self, sg: SubGroup) -> None:
+        for (fi, _key), file in self.files.items():
+            for gi, lo, hi in sg:
+                if gi == fi:
+                    self.counters.bytes_written += file.release(lo, hi)
+                    assert self._writer is not None
+                    self._pending.append(self._writer.submit(file.flush, lo, hi))
+
+    def release_all(self) -> None:
+        """Take every swapped tensor out of this process (after a checkpoint or a load read them)."""
+        for file in self.files.values():
+            file.release(0, file.tensor.numel())
+
+    def wait(self) -> None:
+        """Wait for the writer thread (raises its error, e.g. a full disk)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def close(self) -> None:
+        """Stop the writer and remove the run's swap files (also done at exit)."""
+        if self._writer is not None:
+            self.wait()
+            self._writer.shutdown()
+            self._writer = None
+        if self._reader is not None:
+            self._reader.shutdown()
+            self._reader = None
+        for file in self.files.values():
+            file.close()
+        self.files.clear()
+        if self.directory is not None:
+            self.directory.cleanup()
+            self.directory = None
+
+
+def use_fused_kernels(optimizer: Optimizer) -> dict[int, tuple]:
+    """Switch the param groups of a torch optimizer with a fused CPU kernel to it; returns what to
+    restore (param group index -> previous ``(fused, foreach)``)."""
+    if type(optimizer) not in FUSED_CPU_OPTIMIZERS:
+        return {}
+    previous = {}
+    for i, pg in enumerate(optimizer.param_groups):
+        if pg.get("differentiable") or pg.get("fused"):
+            continue
+        previous[i] = (pg.get("fused"), pg.get("foreach"))
+        pg["fused"], pg["foreach"] = True, False
+    return previous

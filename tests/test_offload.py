@@ -1,0 +1,308 @@
+"""Optimizer offload ("cpu", "nvme"): parity with the same stage without offload, own storage, counters.
+
+Parity runs both sides with ``AdamW(fused=True)`` (offload switches a torch optimizer to its fused
+CPU kernel; with the same kernel on both sides the results must be bitwise equal, in every
+precision mode: the masters see the same gradients and are cast back the same way), with
+gradient accumulation and a clip value below the observed norm, over 5 optimizer steps on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_zero import ZeroPrecision, ZeroStrategy
+from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.core.offload import OffloadConfig
+from tests.models import TinyTransformer, make_trainer, params_of, token_loader
+
+PIECE = 64  # master pieces of 64 elements: many pieces, several sub-groups of SUB_GROUP elements
+SUB_GROUP = 200
+
+
+class FusedTiny(TinyTransformer):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer = super().configure_optimizers()
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+        return optimizer
+
+
+class OffloadProbe(pl.Callback):
+    """At every optimizer step: the counters advanced, masters and state live in the store's storage."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+        self.fused: list[bool] = []
+        self.swap_dir: str | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        engine = trainer.strategy.engine
+        sharded, store = engine.sharded, engine.sharded.offload
+        if store is None:
+            return
+        c = store.counters
+        self.steps.append(dict(steps=c.steps, grad_in=c.grad_bytes_in, out=c.param_bytes_out,
+                               read=c.bytes_read, written=c.bytes_written))
+        self.fused.append(all(g.get("fused") for g in sharded.optimizer.param_groups))
+        params = [p.untyped_storage().data_ptr() for p in pl_module.parameters()]
+        shards = [g.own_shard().untyped_storage().data_ptr() for g in engine.groups]
+        for fi, master in enumerate(sharded.masters):
+            assert master.untyped_storage().data_ptr() not in params + shards, "master shares the params' storage"
+            if store.nvme and c.steps:
+                swap = store.files[(fi, "master")].tensor
+                assert master.data_ptr() == swap.data_ptr(), "master is not its swap file"
+                for k, piece in enumerate(sharded.pieces_of[fi]):
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        t = sharded.optimizer.state[piece][key]
+                        assert t.data_ptr() == store.files[(fi, key)].tensor[k * PIECE:].data_ptr(), key
+        if store.nvme:
+            self.swap_dir = store.directory.name
+            assert os.path.isdir(self.swap_dir) and not os.listdir(self.swap_dir), "swap files must be unlinked"
+
+
+def _strategy(stage: int, mode: str, **offload: Any) -> ZeroStrategy:
+    extra = {"param_persistence_threshold": 0} if stage == 3 else {}
+    scaler = LossScalerConfig(initial_scale_power=8) if mode == "16-mixed" else None
+    return ZeroStrategy(stage=stage, reduce_bucket_size=100, precision=ZeroPrecision(mode, loss_scaler=scaler),
+                        **extra, **offload)
+
+
+def _fit(strategy: ZeroStrategy) -> dict[str, Any]:
+    probe = OffloadProbe()
+    model = FusedTiny("adamw")
+    trainer = make_trainer(strategy, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=5, callbacks=[probe])
+    trainer.fit(model, token_loader(n=80))
+    return {"losses": model.losses, "params": params_of(model), "steps": probe.steps, "fused": probe.fused,
+            "swap_dir_left": probe.swap_dir is not None and os.path.exists(probe.swap_dir),
+            "optimizer_fused_after": [g.get("fused") for g in trainer.optimizers[0].param_groups]}
+
+
+def parity_body(runs: list[tuple[int, str, str]]) -> dict[tuple[int, str, str], dict[str, Any]]:
+    from lightning_zero.core import optimizer as zero_optimizer
+
+    default, zero_optimizer.MASTER_PIECE_NUMEL = zero_optimizer.MASTER_PIECE_NUMEL, PIECE
+    out: dict[tuple[int, str, str], dict[str, Any]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as nvme:
+            for stage, mode, device in runs:
+                if (stage, mode, "none") not in out:
+                    out[(stage, mode, "none")] = _fit(_strategy(stage, mode))
+                config = OffloadConfig(optimizer_device=device, nvme_path=nvme, sub_group_size=SUB_GROUP)
+                out[(stage, mode, device)] = _fit(_strategy(stage, mode, offload=config))
+    finally:
+        zero_optimizer.MASTER_PIECE_NUMEL = default
+    return out
+
+
+RUNS = [(stage, "32-true", device) for stage in (1, 2, 3) for device in ("cpu", "nvme")] + [
+    (2, "bf16-mixed", "nvme"), (3, "bf16-mixed", "cpu"), (1, "16-mixed", "cpu"), (3, "16-mixed", "nvme"),
+    (2, "bf16-true", "cpu"),
+]
+
+
+@pytest.fixture(scope="module")
+def offload_results(gloo_pool) -> list[dict]:
+    return gloo_pool.run("tests.test_offload:parity_body", runs=RUNS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: "-".join(map(str, r)))
+def test_offload_matches_the_same_stage_without_offload(offload_results: list[dict], run: tuple) -> None:
+    stage, mode, _ = run
+    for by_run in offload_results:
+        base, off = by_run[(stage, mode, "none")], by_run[run]
+        assert len(off["losses"]) == 10
+        # same kernels on the same values in the same order: bitwise, whatever the precision
+        assert off["losses"] == base["losses"]
+        for a, b in zip(off["params"], base["params"]):
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: "-".join(map(str, r)))
+def test_offload_counters_advance_every_step_and_files_go(offload_results: list[dict], run: tuple) -> None:
+    _, mode, device = run
+    for by_run in offload_results:
+        off = by_run[run]
+        steps = off["steps"][1::2]  # the boundary micro-steps (accumulation 2)
+        assert [s["steps"] for s in steps] == [1, 2, 3, 4, 5]
+        for before, after in zip([dict.fromkeys(steps[0], 0), *steps], steps):
+            assert after["out"] > before["out"]
+            if device == "cpu" or mode not in ("32-true", "bf16-true"):
+                assert after["grad_in"] > before["grad_in"]
+            if device == "nvme":
+                assert after["read"] > before["read"] and after["written"] > before["written"]
+        assert all(off["fused"])  # stepped with the fused CPU kernels
+        assert not off["swap_dir_left"]
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    (dict(stage=2, offload_param="cpu"), ValueError, r"offload_param='cpu' needs ZeRO stage 3"),
+    (dict(stage=0, offload_optimizer="cpu"), ValueError, r"needs ZeRO stage 1, 2 or 3, got stage 0"),
+    (dict(stage=2, offload_optimizer="nvme"), ValueError, r"needs `nvme_path`"),
+    (dict(stage=2, offload_optimizer="nvme", nvme_path="/no/such/dir"), ValueError, r"does not exist"),
+    (dict(stage=3, offload_optimizer="cpu", offload_param="cpu"), NotImplementedError, r"offload_param=.cpu.*not"),
+])
+def test_bad_offload_input_is_refused_when_the_strategy_is_built(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        ZeroStrategy(**kwargs)
+
+
+def test_a_file_in_place_of_the_directory_and_a_full_disk_are_refused(tmp_path, monkeypatch) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(ValueError, match="does not exist or is not a directory"):
+        OffloadConfig(optimizer_device="nvme", nvme_path=str(not_a_dir)).check_path()
+    monkeypatch.setattr("lightning_zero.core.offload.os.access", lambda path, mode: False)
+    with pytest.raises(ValueError, match="is not writable"):
+        OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)).check_path()
+
+
+def test_the_engine_refuses_a_disk_without_room_for_the_estimated_state(tmp_path, monkeypatch) -> None:
+    from collections import namedtuple
+
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("lightning_zero.core.offload.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
+    model = torch.nn.Linear(100, 100)
+    with pytest.raises(ValueError, match=r"has 0.00 GiB free but this rank's offloaded state needs"):
+        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2),
+                   offload=OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)))
+    assert not os.listdir(tmp_path)  # refused before any swap file
+
+
+def test_pin_memory_without_an_accelerator_warns_and_stays_unpinned() -> None:
+    from lightning_zero.core.offload_store import OptimizerOffload
+
+    if torch.cuda.is_available():
+        pytest.skip("an accelerator is present: pinning is used")
+    with pytest.warns(UserWarning, match="pin_memory=True needs an accelerator"):
+        store = OptimizerOffload(OffloadConfig(optimizer_device="cpu", pin_memory=True))
+    assert not store.pin and not store.new_master(0, 10, torch.float32).is_pinned()
+
+
+def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
+    """A process killed mid-run leaves at most an empty private directory: its files were unlinked at once."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys, torch\n"
+        "from lightning_zero.core.offload import OffloadConfig\n"
+        "from lightning_zero.core.offload_store import OptimizerOffload\n"
+        f"store = OptimizerOffload(OffloadConfig(optimizer_device='nvme', nvme_path={str(tmp_path)!r}))\n"
+        "master = store.new_master(0, 1 << 20, torch.float32)\n"
+        "master.fill_(3.0)\n"
+        "print(store.directory.name, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        private = proc.stdout.readline().strip()
+        assert os.path.isdir(private) and os.listdir(private) == []  # live, 4 MB mapped, no name on disk
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    leftovers = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
+    assert leftovers == []
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def resume_body(directory: str) -> dict[str, Any]:
+    """2 steps + save + 2 resumed steps, without offload throughout, against switching offload on or
+    off at the save (the saved state must be the same, and so must the resumed steps)."""
+    nvme = OffloadConfig(optimizer_device="nvme", nvme_path=directory, sub_group_size=SUB_GROUP)
+
+    def run(offload: OffloadConfig | None, steps: int, save: str | None = None, resume: str | None = None):
+        model = FusedTiny("adamw")
+        strategy = _strategy(2, "32-true", **({"offload": offload} if offload else {}))
+        trainer = make_trainer(strategy, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=steps)
+        trainer.fit(model, token_loader(n=80), ckpt_path=resume)
+        if save:
+            trainer.save_checkpoint(save)
+        return model.losses, params_of(model)
+
+    plain, switched = os.path.join(directory, "plain.ckpt"), os.path.join(directory, "offload.ckpt")
+    head = run(None, 2, save=plain)
+    tail = run(None, 4, resume=plain)
+    runs = {"offload_then_none": (run(nvme, 2, save=switched), run(None, 4, resume=switched)),
+            "none_then_offload": (head, run(nvme, 4, resume=plain))}
+    return {name: (h[0] == head[0] and t[0] == tail[0], all(torch.equal(a, b) for a, b in zip(t[1], tail[1])))
+            for name, (h, t) in runs.items()}
+
+
+@pytest.mark.slow
+def test_checkpoints_saved_with_offload_resume_without_it_and_back(gloo_pool, tmp_path) -> None:
+    for by_rank in gloo_pool.run("tests.test_offload:resume_body", directory=str(tmp_path)):
+        assert by_rank == {"offload_then_none": (True, True), "none_then_offload": (True, True)}
+
+
+# ---------------------------------------------------------------------------------------------- RLIMIT_DATA
+RLIMIT_BUDGET_MB = 245  # above the run's needs with its AdamW state on disk, below them with it in memory
+
+
+def rlimit_main(mode: str, budget_mb: int, path: str) -> None:
+    """One process: a 16.8M-parameter MLP (AdamW state 134 MB) under RLIMIT_DATA = VmData + budget, 3 steps."""
+    import json
+    import resource
+
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    def vmdata() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the kernel offload uses
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (vmdata() + (budget_mb << 20), hard))
+    out: dict[str, Any] = {}
+    try:
+        offload = OffloadConfig(optimizer_device="nvme", nvme_path=path) if mode == "nvme" else None
+        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), offload=offload)
+        x, target = torch.randn(8, 1024), torch.randn(8, 1024)
+        losses = []
+        for _ in range(3):
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            engine.finish_backward()
+            engine.prepare_step()
+            optimizer.step()
+            engine.after_step()
+            losses.append(loss.item())
+        out.update(trained=True, losses=losses)
+    except (RuntimeError, MemoryError) as err:
+        out.update(trained=False, error=str(err).splitlines()[0][:200])
+    print(json.dumps(out))
+
+
+@pytest.mark.slow
+def test_a_model_that_exceeds_rlimit_data_trains_with_its_optimizer_state_on_disk(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    # RLIMIT_DATA counts reserved address space too: one malloc arena keeps the I/O threads from
+    # reserving 64 MB arenas each; the swap files' MAP_SHARED mappings are not counted (they are the relief)
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    results = {}
+    for mode, budget in (("none", RLIMIT_BUDGET_MB), ("nvme", RLIMIT_BUDGET_MB), ("reference", 1 << 20)):
+        code = f"from tests.test_offload import rlimit_main; rlimit_main({mode!r}, {budget}, {str(tmp_path)!r})"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["reference"]["trained"] is True, results["reference"]  # no offload, no limit
+    assert results["none"]["trained"] is False, results["none"]  # the limit really is too small without offload
+    assert "can't allocate memory" in results["none"]["error"]
+    assert results["nvme"]["trained"] is True, results["nvme"]
+    assert results["nvme"]["losses"] == results["reference"]["losses"]  # the same training
