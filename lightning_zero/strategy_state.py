@@ -29,7 +29,7 @@ from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loading import load_full_state_dict
 from lightning_zero.core.materialize import has_meta_parameters
 from lightning_zero.core.memory import ModelStateBytes
-from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.core.optimizer_state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.core.own_bytes import own_bytes
 from lightning_zero.core.sharded_unit import is_released
 from lightning_zero.state_files import open_state_dict

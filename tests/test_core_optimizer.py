@@ -11,7 +11,7 @@ from torch import nn
 from lightning_zero.core import optimizer as zero_optimizer
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.core.optimizer_state import full_optimizer_state, load_full_optimizer_state
 
 
 def _model() -> nn.Module:

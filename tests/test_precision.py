@@ -334,7 +334,7 @@ class _RestoredState(pl.Callback):
         names = {p: n for n, p in pl_module.named_parameters()}
         self.masters = {names[p]: t.clone() for p, t in strategy.engine.full_master_params().items()}
         # gathered on every rank (a collective): each rank's restored shards are checked, not only rank 0's
-        from lightning_zero.core.optimizer import full_optimizer_state
+        from lightning_zero.core.optimizer_state import full_optimizer_state
 
         self.optimizer = copy.deepcopy(full_optimizer_state(strategy.engine.sharded, strategy.engine.comm))
         self.scaler = strategy.precision_plugin.scaler.state_dict()

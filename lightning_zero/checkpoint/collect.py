@@ -79,13 +79,13 @@ def _optimizer_shard(engine: ZeroEngine, fi: int) -> dict[str, Any]:
 def _collect_shards(
     engine: ZeroEngine, rank: int, world_size: int, with_optimizer: bool, tensors: Tensors, meta: dict[str, Any],
 ) -> None:
-    from lightning_zero.core.optimizer import _index_of_original
+    from lightning_zero.core.optimizer import original_index
 
     sharded, module = engine.sharded, engine.module
     separate = engine.separate_master
     master_dtype = engine.dtypes.master_dtype
     trainable = {id(g): fi for fi, g in enumerate(engine.groups)}
-    index = _index_of_original(sharded) if sharded is not None else {}
+    index = original_index(sharded) if sharded is not None else {}
     where: dict[torch.Tensor, dict[str, Any]] = {}  # parameter -> its state-dict ref
     opt_state: dict[str, dict[str, Any]] = {}
     for gi, g in enumerate(engine.all_groups):

@@ -126,12 +126,12 @@ def load_owned_optimizer_state(engine: ZeroEngine, state: Mapping[str, Any]) -> 
         engine: the attached engine (stage >= 1).
         state: one of ``ShardedCheckpoint(path).optimizer_states()``.
     """
-    from lightning_zero.core.optimizer import _SCALAR_STATE_KEYS, _index_of_original
+    from lightning_zero.core.optimizer import SCALAR_STATE_KEYS, original_index
 
     sharded = engine.sharded
     lazy = state["state"]
     if sharded.whole:  # stage 0: the optimizer state is whole on every rank anyway
-        from lightning_zero.core.optimizer import load_full_optimizer_state
+        from lightning_zero.core.optimizer_state import load_full_optimizer_state
 
         load_full_optimizer_state(sharded, materialize_optimizer_state(state))
         return
@@ -144,7 +144,7 @@ def load_owned_optimizer_state(engine: ZeroEngine, state: Mapping[str, Any]) -> 
             f"The checkpoint's optimizer has {len(saved_groups)} param groups, this one "
             f"{len(sharded.optimizer.param_groups)}. Resume with the same `configure_optimizers`."
         )
-    index = _index_of_original(sharded)
+    index = original_index(sharded)
     ids_of: dict[int, int] = {}
     shard_sd: dict[str, Any] = {"state": {}, "param_groups": []}
     for pg, saved in zip(sharded.optimizer.param_groups, saved_groups):
@@ -161,7 +161,7 @@ def load_owned_optimizer_state(engine: ZeroEngine, state: Mapping[str, Any]) -> 
         per_element: set[str] = set()
         for key in sorted({k for r in per_slot.values() for k in r}):
             sample = next(r[key] for r in per_slot.values() if key in r)
-            if "value" in sample or key in _SCALAR_STATE_KEYS or tuple(ckpt.ref_shape(sample)) != tuple(
+            if "value" in sample or key in SCALAR_STATE_KEYS or tuple(ckpt.ref_shape(sample)) != tuple(
                 next(s.shape for s in g.slots if key in per_slot[s.param])
             ):
                 values[key] = ckpt.read(sample)  # a per-tensor scalar (``step``): the same for every piece

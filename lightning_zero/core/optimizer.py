@@ -263,7 +263,7 @@ class ShardedOptimizer:
         piece = self.pieces_of[fi][k]
         state = self.optimizer.state.get(piece)
         for key, value in (state or {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == piece.shape and key not in _SCALAR_STATE_KEYS:
+            if isinstance(value, torch.Tensor) and value.shape == piece.shape and key not in SCALAR_STATE_KEYS:
                 state[key] = self.offload.place(fi, key, k * self.piece_numel, value, self.masters[fi].numel())
 
     def adopt_loaded_state(self) -> None:
@@ -368,7 +368,7 @@ def _fill_master(
 
 
 # per-parameter scalars of torch.optim optimizers (all other tensor states are per element)
-_SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu"})
+SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu"})
 
 
 def original_index(sharded: ShardedOptimizer) -> dict[torch.Tensor, int]:
@@ -381,14 +381,3 @@ def original_index(sharded: ShardedOptimizer) -> dict[torch.Tensor, int]:
     return out
 
 
-_index_of_original = original_index  # the old private name, still imported by checkpoint/format.py
-
-
-def __getattr__(name: str) -> Any:
-    """``full_optimizer_state`` / ``load_full_optimizer_state`` moved to ``optimizer_state.py``;
-    importing them from here still works."""
-    if name in ("full_optimizer_state", "load_full_optimizer_state"):
-        from lightning_zero.core import optimizer_state
-
-        return getattr(optimizer_state, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm import DataParallelComm
-from lightning_zero.core.optimizer import _SCALAR_STATE_KEYS, ShardedOptimizer, original_index
+from lightning_zero.core.optimizer import SCALAR_STATE_KEYS, ShardedOptimizer, original_index
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ def load_full_optimizer_state(sharded: ShardedOptimizer, full: dict) -> None:
         per_element_keys = set()
         for key in sorted({k for st in per_slot for k in st}):
             sample = next(st[key] for st in per_slot if key in st)
-            per_element = key not in _SCALAR_STATE_KEYS and all(
+            per_element = key not in SCALAR_STATE_KEYS and all(
                 isinstance(st[key], torch.Tensor) and st[key].shape == s.shape
                 for s, st in zip(fg.slots, per_slot) if key in st
             )

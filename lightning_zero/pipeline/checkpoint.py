@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.optimizer import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.core.optimizer_state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.pipeline.mesh import PipelineGroups
 from lightning_zero.pipeline.model import LocalModel
 
