@@ -34,6 +34,30 @@ class StepDispatchMixin:
     num_nodes: int
     num_processes: int
     global_rank: int
+    last_step_skipped: bool
+    lr_scheduler_configs: Any
+
+    def _guard_lr_schedulers(self) -> None:
+        """Note [skipped steps and schedulers]
+            Lightning steps step-interval LR schedulers after every optimizer step, also one the
+            fp16 loss scaler skipped; DeepSpeed's schedule does not advance then. The module's
+            ``lr_scheduler_step`` hook (the user's override, or Lightning's default) is wrapped for
+            the fit (an instance attribute, removed at teardown) and does nothing for a
+            step-interval scheduler right after a skipped step. Epoch-interval schedulers and
+            manual optimization (the user calls ``scheduler.step()``; check
+            ``strategy.last_step_skipped``) are left alone.
+        """
+        module = self.lightning_module
+        original = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+            if self.last_step_skipped and any(
+                c.scheduler is scheduler and c.interval == "step" for c in self.lr_scheduler_configs
+            ):
+                return None
+            return original(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -3,10 +3,10 @@
 import tempfile
 
 import lightning.pytorch as pl
-
-import lightning_zero  # noqa: F401  (registers the zero_stage_* strategy names)
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
+
+import lightning_zero  # noqa: F401  (registers the zero_stage_* strategy names)
 from lightning_zero import OffloadConfig, ZeroStrategy
 
 
