@@ -13,7 +13,7 @@ import pytest
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError
-from lightning_zero.checkpoint import format as ckpt_format
+from lightning_zero.checkpoint import publish as ckpt_publish
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.precision import ZeroPrecision
 from tests.models import TinyTransformer, make_trainer, token_loader
@@ -23,26 +23,26 @@ def test_a_plain_directory_at_the_name_is_refused_and_kept(tmp_path: Path) -> No
     user = tmp_path / "last.ckpt"
     user.mkdir()
     (user / "notes.txt").write_text("mine")
-    with pytest.raises(CheckpointError, match=r"did not write.*left as it is"):
-        ckpt_format.save_sharded(user, {}, None, 0, 1, broadcast=lambda name: name,
+    with pytest.raises(CheckpointError, match=r"is not a sharded checkpoint written by lightning_zero.*refused"):
+        ckpt_publish.save_sharded(user, {}, None, 0, 1, broadcast=lambda name: name,
                                  failed_ranks=lambda flag: [0] if flag else [])
     tmp = tmp_path / "x.tmp-1"
     tmp.mkdir()
-    with pytest.raises(CheckpointError, match="did not write"):
-        ckpt_format.publish(tmp, user)
+    with pytest.raises(CheckpointError, match="refused to replace it"):
+        ckpt_publish.publish(tmp, user)
     assert (user / "notes.txt").read_text() == "mine" and not user.is_symlink()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "x.tmp-1"]  # nothing published
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # nothing published (the temporary removed)
 
 
 def test_the_temporary_directory_is_fsynced_before_its_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[tuple[str, str]] = []
-    fsync_dir, replace = ckpt_format._fsync_dir, os.replace
-    monkeypatch.setattr(ckpt_format, "_fsync_dir", lambda p: (events.append(("fsync", str(p))), fsync_dir(p)))
+    fsync_dir, replace = ckpt_publish._fsync_dir, os.replace
+    monkeypatch.setattr(ckpt_publish, "_fsync_dir", lambda p: (events.append(("fsync", str(p))), fsync_dir(p)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), replace(a, b)))
     tmp = tmp_path / "ck.tmp-1"
     tmp.mkdir()
     (tmp / "rank0.safetensors").write_bytes(b"x")
-    target = ckpt_format.publish(tmp, tmp_path / "ck")
+    target = ckpt_publish.publish(tmp, tmp_path / "ck")
     assert events.index(("fsync", str(tmp))) < events.index(("replace", str(tmp)))
     assert (tmp_path / "ck").is_symlink() and target.name == "ck.v1" and (target / "rank0.safetensors").exists()
 
