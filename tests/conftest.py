@@ -24,16 +24,21 @@ def gloo_pool() -> Iterator[GlooPool]:
         pool.close()
 
 
+_SESSION_ENV = dict(os.environ)  # taken when pytest imports this file: before any test or fixture ran
+
+
 @pytest.fixture(autouse=True)
 def _session_environment() -> Iterator[None]:
-    """Every test starts from the environment the session started with.
+    """Every test leaves the environment as the session started with it.
 
-    Lightning's in-process fits write launcher variables into ``os.environ`` (``LOCAL_RANK``,
-    ``NODE_RANK``, ``MASTER_PORT``, ``PL_GLOBAL_SEED``). A later test that starts a training script
-    would hand them on: the script then takes itself for an already launched rank, never starts the
-    others, and waits for them until its timeout.
+    Lightning's launcher writes ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` and ``LOCAL_RANK``
+    into ``os.environ`` even for an in-process fit of one rank. A later test that starts a training
+    script would hand them on: the script then takes itself for an already launched rank, never
+    starts the others, and waits for them until its timeout.
     """
-    saved = dict(os.environ)
     yield
+    current = os.environ.get("PYTEST_CURRENT_TEST")  # pytest's own, removed by pytest after this
     os.environ.clear()
-    os.environ.update(saved)
+    os.environ.update(_SESSION_ENV)
+    if current is not None:
+        os.environ["PYTEST_CURRENT_TEST"] = current

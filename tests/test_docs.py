@@ -96,6 +96,9 @@ def _runnable(command: str) -> list[str]:
 
 
 COMMANDS = doc_commands()
+# what a launcher sets for the ranks it starts (Lightning writes some into os.environ even for one rank)
+LAUNCHER_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK",
+                      "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"}
 
 
 def test_every_doc_command_is_collected_and_the_skip_list_is_current() -> None:
@@ -113,7 +116,8 @@ def test_doc_command_runs(doc: str, command: str, code: int, tmp_path: Path) -> 
     for entry in ROOT.iterdir():  # the repository's files, but outputs/ and multirun/ land in tmp_path
         if not entry.name.startswith(".") and entry.name not in ("outputs", "multirun"):
             (tmp_path / entry.name).symlink_to(entry)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}  # the command launches its own ranks
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(_runnable(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == code, f"{doc}: {command}\n{(done.stdout + done.stderr)[-3000:]}"

@@ -13,38 +13,18 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch import nn
-from torch.optim import Optimizer
 
 from lightning_zero.core.comm import DataParallelComm
-from lightning_zero.core.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.engine_fields import EngineFields
 from lightning_zero.core.flat_param import FlatParamGroup
-from lightning_zero.core.grad_reducer import GradReducer
 from lightning_zero.core.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.nonfinite import first_nonfinite_parameter
-from lightning_zero.core.optimizer import (
-    ShardedOptimizer,
-)
-from lightning_zero.core.sharded_unit import ShardedUnit
-from lightning_zero.core.stage3 import Stage3Runtime
 
 
-class StepPreparation:
+class StepPreparation(EngineFields):
     """Mixin of :class:`~lightning_zero.core.engine.ZeroEngine`: prepare, measure and clip the step's gradients."""
 
-    # set by ZeroEngine.__init__ (engine.py): what these methods read
-    module: nn.Module
-    optimizer: Optimizer | None
-    config: ZeroConfig
-    comm: DataParallelComm
-    dtypes: DtypePolicy
-    names: dict[nn.Parameter, str]
-    groups: list[FlatParamGroup]
-    all_groups: list[FlatParamGroup]
-    units: list[ShardedUnit]
-    runtime: Stage3Runtime | None
-    reducer: GradReducer
-    sharded: ShardedOptimizer | None
+    # besides EngineFields (engine_fields.py), set by ZeroEngine.__init__:
     model_parallel: DataParallelComm | None
     norm_excess: Callable[[list[torch.Tensor], list[FlatParamGroup], float], float] | None
     _prepared: bool

@@ -12,38 +12,18 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
 
 from lightning_zero.core import gathered
-from lightning_zero.core.comm import DataParallelComm
-from lightning_zero.core.config import DtypePolicy, ZeroConfig
-from lightning_zero.core.flat_param import FlatParamGroup
-from lightning_zero.core.grad_reducer import GradReducer
-from lightning_zero.core.optimizer import (
-    ShardedOptimizer,
-)
+from lightning_zero.core.engine_fields import EngineFields
 from lightning_zero.core.optimizer_state import full_optimizer_state
-from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
-from lightning_zero.core.stage3 import Stage3Runtime
+from lightning_zero.core.sharded_unit import UnitState
 from lightning_zero.core.units import plan_units
 
 
-class WholeModelViews:
+class WholeModelViews(EngineFields):
     """Mixin of :class:`~lightning_zero.core.engine.ZeroEngine`: whole views of the sharded model, and detach."""
 
-    # set by ZeroEngine.__init__ (engine.py): what these methods read
-    module: nn.Module
-    optimizer: Optimizer | None
-    config: ZeroConfig
-    comm: DataParallelComm
-    dtypes: DtypePolicy
-    names: dict[nn.Parameter, str]
-    groups: list[FlatParamGroup]
-    all_groups: list[FlatParamGroup]
-    units: list[ShardedUnit]
-    runtime: Stage3Runtime | None
-    reducer: GradReducer
-    sharded: ShardedOptimizer | None
+    # besides EngineFields (engine_fields.py), set by ZeroEngine.__init__:
     _undo_checkpointing: Callable[[], None] | None
     _user_zero_grad: Callable[..., None]
 
