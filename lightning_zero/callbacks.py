@@ -303,20 +303,20 @@ class ZeroStatsMonitor(pl.Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def _traffic(self, trainer: pl.Trainer) -> dict[str, float]:
-        """``comm/bytes_per_step``: bytes this rank sent per optimizer step since the last log (the ring
+        """``traffic/bytes_per_step``: bytes this rank sent per optimizer step since the last log (the ring
         model of ``DataParallelComm.bytes_sent``; checkpoint saves in between count too); with a
-        compressing optimizer (1-bit Adam), ``comm/compression_ratio`` of its last step."""
+        compressing optimizer (1-bit Adam), ``traffic/compression_ratio`` of its last step."""
         comm = getattr(getattr(trainer.strategy, "engine", None), "comm", None)
         out: dict[str, float] = {}
         if comm is None or not comm.active:
             return out
         step, sent = trainer.global_step, comm.bytes_sent
         if self._bytes_mark is not None and step > self._bytes_mark[0]:
-            out["comm/bytes_per_step"] = (sent - self._bytes_mark[1]) / (step - self._bytes_mark[0])
+            out["traffic/bytes_per_step"] = (sent - self._bytes_mark[1]) / (step - self._bytes_mark[0])
         self._bytes_mark = (step, sent)
         ratio = getattr(trainer.optimizers[0], "last_compression_ratio", None) if trainer.optimizers else None
         if ratio is not None:
-            out["comm/compression_ratio"] = float(ratio)
+            out["traffic/compression_ratio"] = float(ratio)
         return out
 
     def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

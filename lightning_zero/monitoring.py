@@ -47,9 +47,9 @@ def _dashboard_charts() -> dict[str, dict[str, str]]:
         "optimizer": {"learning rate": r"^train/lr(_pg\d+)?$", "gradient norm (global, unscaled)": r"^train/grad_norm$",
                       "fp16 loss scale": r"^train/loss_scale$", "fp16 skipped steps": r"^train/skipped_steps$"},
         "throughput": {"samples/s": r"^throughput/samples_per_s$", "tokens/s": r"^throughput/tokens_per_s$"},
-        "communication": {"bytes sent per optimizer step (rank 0, ring model)": r"^comm/bytes_per_step$",
+        "communication": {"bytes sent per optimizer step (rank 0, ring model)": r"^traffic/bytes_per_step$",
                           "compression ratio (1-bit Adam: fp32 all-reduce bytes / bytes sent)":
-                              r"^comm/compression_ratio$"},
+                              r"^traffic/compression_ratio$"},
         "step time per rank (one line per rank)": {f"{key} time (s)": rf"^time/{key}$" for key in TIME_KEYS},
         "memory per rank (one line per rank)": {f"{key} memory (bytes)": rf"^memory/{key}$" for key in MEMORY_KEYS},
     }

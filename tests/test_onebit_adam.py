@@ -278,8 +278,8 @@ def test_cli_trains_the_gpt_experiment_with_onebit_adam(tmp_path: Path) -> None:
 
     acc = EventAccumulator(str(result.parent / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
-    ratios = {e.step: e.value for e in acc.Scalars("comm/compression_ratio")}
-    sent = {e.step: e.value for e in acc.Scalars("comm/bytes_per_step")}
+    ratios = {e.step: e.value for e in acc.Scalars("traffic/compression_ratio")}
+    sent = {e.step: e.value for e in acc.Scalars("traffic/bytes_per_step")}
     assert set(ratios) == {3, 6} and all(r >= 20 for r in ratios.values()), ratios
     # step 3 averages 2 warm-up steps and 1 compressed one; steps 4-6 are all compressed
     assert set(sent) >= {3, 6} and sent[6] * 10 < sent[3], sent
