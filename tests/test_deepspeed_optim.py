@@ -66,7 +66,7 @@ def test_fused_adam_path_only_on_cuda() -> None:
 
 @pytest.mark.parametrize(("type_name", "params", "message"), [
     ("Lamb", {"lr": 1e-3}, r"Lamb is not part of torch.*pip install torch-optimizer.*ZeRO stage 0 only"),
-    ("OneBitAdam", {}, "DeepSpeed-only optimizer"),
+    ("ZeroOneAdam", {}, "DeepSpeed-only optimizer"),
     ("ZeroOneAdam", {}, "DeepSpeed-only optimizer"),
     ("Sophia", {}, "neither a DeepSpeed optimizer lightning_zero supports"),
     ("Adam", {"bias_correction": False}, "bias_correction=false"),

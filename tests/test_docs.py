@@ -38,7 +38,11 @@ SKIP: dict[str, str] = {
         "a JSON file the reader writes from the page's example; the same conflict is tested in test_deepspeed_cli.py",
 }
 # benchmark commands take minutes each (their numbers in docs/benchmarks.md are measured runs)
-SKIP_PREFIXES = {"python benchmarks/": "a benchmark run (minutes); tests/test_benchmarks.py runs each benchmark small"}
+SKIP_PREFIXES = {
+    "lightning-zero hostfile hostfile": "needs a hostfile naming reachable hosts (tests/test_multinode.py runs the "
+                                        "command on a generated one)",
+    "python benchmarks/": "a benchmark run (minutes); tests/test_benchmarks.py runs each benchmark small",
+}
 
 
 def _blocks(text: str) -> list[tuple[str, list[str]]]:
