@@ -42,6 +42,9 @@ SKIP_PREFIXES = {
     "lightning-zero hostfile hostfile": "needs a hostfile naming reachable hosts (tests/test_multinode.py runs the "
                                         "command on a generated one)",
     "python benchmarks/": "a benchmark run (minutes); tests/test_benchmarks.py runs each benchmark small",
+    "python -m torch.distributed.run --nproc_per_node 4 benchmarks/": "a 4-rank benchmark run (minutes); "
+                                                                      "tests/test_pipeline.py covers its code",
+    "python -m torch.distributed.run --nproc_per_node 2 benchmarks/": "a benchmark run (minutes)",
 }
 
 
