@@ -1,4 +1,4 @@
-"""One rank of a fault-injection run for tests/test_reliability.py:
+"""One rank of a fault-injection run for tests/test_hang_watchdog.py:
 ``python tests/fault_script.py MODE ROOT`` with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and
 LOCAL_RANK, NODE_RANK) set, by torchrun or by the test itself. It joins the gloo group first (so the
 data is split by rank exactly as in the test pool), then fits TinyTransformer under ZeroStrategy:

@@ -98,7 +98,7 @@ def test_estimate_rows_and_cpu_per_node() -> None:
     est = estimate_memory(7.5e9, num_nodes=8, gpus_per_node=8)
     assert est.cluster.world_size == 64
     assert [(c.stage, c.offload) for c in est.configs][:4] == [(0, "none"), (1, "none"), (1, "optimizer_cpu"),
-                                                               (2, "none")]
+                                                               (1, "optimizer_nvme")]  # NVMe at stages 1-3
     row = est.config(3, "param_cpu")
     assert row.cpu_bytes == pytest.approx(18 * 7.5e9 / 64)
     assert needs_of(row, False)[1][1] == pytest.approx(8 * row.cpu_bytes)
