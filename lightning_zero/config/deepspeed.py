@@ -70,7 +70,8 @@ def explicit_sources(overrides: Sequence[str]) -> dict[str, str]:
 
 
 def experiment_keys(name: str) -> set[str]:
-    """The dotted keys the experiment file ``NAME.yaml`` under ``conf/experiment/`` sets (its group overrides as the keys they define)."""
+    """The dotted keys the experiment file ``NAME.yaml`` under ``conf/experiment/`` sets (its group
+    overrides as the keys they define)."""
     path = conf_dir() / "experiment" / f"{name}.yaml"
     if not path.is_file():
         return set()  # Hydra's composition has refused an unknown experiment already
