@@ -201,7 +201,51 @@ def trainer_shard(module: LightningDataModule) -> tuple[int, int]:
     return int(trainer.world_size), int(trainer.global_rank)
 
 
-class TextDataModule(LightningDataModule):
+class ShardedDataModule(LightningDataModule):
+    """The loaders of the experiments' DataModules: micro-batches of ``train_dataset`` /
+    ``val_dataset`` (set in ``setup``), shuffled for training, or with ``deterministic_order`` our
+    rank-aware :class:`DeterministicShardSampler` (Lightning leaves a loader with a sampler alone)."""
+
+    micro_batch_size: int
+    num_workers: int
+    seed: int
+    deterministic_order: bool
+    train_dataset: Dataset | None
+    val_dataset: Dataset | None
+
+    def _loader(self, dataset: Dataset, sampler: DistributedSampler | None, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.micro_batch_size,
+            sampler=sampler,
+            shuffle=shuffle if sampler is None else False,
+            num_workers=self.num_workers,
+            drop_last=shuffle,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Training loader; with ``deterministic_order`` it carries its own rank-aware sampler."""
+        self.setup("fit")
+        assert self.train_dataset is not None
+        sampler = None
+        if self.deterministic_order:
+            world, rank = trainer_shard(self)
+            sampler = DeterministicShardSampler(len(self.train_dataset), world, rank, True, self.seed)
+        return self._loader(self.train_dataset, sampler, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation loader (in order; with ``deterministic_order`` sharded by our sampler, padded)."""
+        self.setup("validate")
+        assert self.val_dataset is not None
+        sampler = None
+        if self.deterministic_order:
+            world, rank = trainer_shard(self)
+            sampler = DeterministicShardSampler(len(self.val_dataset), world, rank, False, drop_last=False)
+        return self._loader(self.val_dataset, sampler, shuffle=False)
+
+
+class TextDataModule(ShardedDataModule):
     """Byte-level language-modelling data: stdlib source (default), a user file/directory, or synthetic.
 
     Args:
@@ -261,37 +305,6 @@ class TextDataModule(LightningDataModule):
         train, val = split_corpus(data, self.val_fraction)
         self.train_dataset = TokenChunkDataset(train, self.seq_len)
         self.val_dataset = TokenChunkDataset(val, self.seq_len, self.max_val_samples)
-
-    def _loader(self, dataset: Dataset, sampler: DistributedSampler | None, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.micro_batch_size,
-            sampler=sampler,
-            shuffle=shuffle if sampler is None else False,
-            num_workers=self.num_workers,
-            drop_last=shuffle,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        """Training loader; with ``deterministic_order`` it carries its own rank-aware sampler."""
-        self.setup("fit")
-        assert self.train_dataset is not None
-        sampler = None
-        if self.deterministic_order:
-            world, rank = trainer_shard(self)
-            sampler = DeterministicShardSampler(len(self.train_dataset), world, rank, True, self.seed)
-        return self._loader(self.train_dataset, sampler, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        """Validation loader (in order; with ``deterministic_order`` sharded by our sampler, padded)."""
-        self.setup("validate")
-        assert self.val_dataset is not None
-        sampler = None
-        if self.deterministic_order:
-            world, rank = trainer_shard(self)
-            sampler = DeterministicShardSampler(len(self.val_dataset), world, rank, False, drop_last=False)
-        return self._loader(self.val_dataset, sampler, shuffle=False)
 
 
 def log_train_loss(module: Any, loss: torch.Tensor, batch_size: int) -> None:

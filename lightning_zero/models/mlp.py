@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero.models.data import DeterministicShardSampler, log_train_loss, trainer_shard
+from lightning_zero.models.data import ShardedDataModule, log_train_loss
 
 
 def teacher_dataset(
@@ -29,7 +29,7 @@ def teacher_dataset(
     return TensorDataset(x, y)
 
 
-class TeacherDataModule(LightningDataModule):
+class TeacherDataModule(ShardedDataModule):
     """Train/validation splits of :func:`teacher_dataset`; ``deterministic_order`` as in ``TextDataModule``."""
 
     def __init__(
@@ -64,28 +64,11 @@ class TeacherDataModule(LightningDataModule):
             self.train_dataset = TensorDataset(x[: self.num_train], y[: self.num_train])
             self.val_dataset = TensorDataset(x[self.num_train :], y[self.num_train :])
 
-    def train_dataloader(self) -> DataLoader:
-        """Training loader (shuffled; or our deterministic rank-aware sampler)."""
-        self.setup("fit")
-        assert self.train_dataset is not None
-        sampler = None
-        if self.deterministic_order:
-            world, rank = trainer_shard(self)
-            sampler = DeterministicShardSampler(len(self.train_dataset), world, rank, True, self.seed)
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.micro_batch_size,
-            shuffle=sampler is None,
-            sampler=sampler,
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
-
     def val_dataloader(self) -> DataLoader:
-        """Validation loader, in order."""
+        """Validation loader, in order (Lightning shards it)."""
         self.setup("validate")
         assert self.val_dataset is not None
-        return DataLoader(self.val_dataset, batch_size=self.micro_batch_size, num_workers=self.num_workers)
+        return self._loader(self.val_dataset, None, shuffle=False)
 
 
 class MLPClassifier(LightningModule):
