@@ -61,18 +61,18 @@ class RankConsole:
         self._log: IO[str] = open(log_file, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self._echo = echo or (lambda text: (sys.stderr.write(text), sys.stderr.flush()))
         self._dropped_last = False
-        self._root_cause: list[str] = []
-        self._in_root_cause = False
+        self._report: list[str] = []  # torchrun's failure report, from "Failures:" on
+        self._in_report = False
 
     def feed(self, line: str) -> None:
         """One line of the ranks' stderr (with its newline)."""
         self._log.write(line)
         self._log.flush()
         text = line.rstrip("\n")
-        if "Root Cause (first observed failure)" in text:
-            self._in_root_cause = True
-        elif self._in_root_cause:
-            self._root_cause.append(text)
+        if text.strip() == "Failures:":
+            self._in_report, self._report = True, []
+        elif self._in_report:
+            self._report.append(text)
         noise = any(p.search(text) for p in NOISE) or (self._dropped_last and not text.strip())
         self._dropped_last = noise
         if not noise:
@@ -83,15 +83,42 @@ class RankConsole:
         self._log.close()
 
     def first_failure(self) -> RankExit | None:
-        """The root cause of torchrun's failure report, if it printed one."""
-        text = "\n".join(self._root_cause)
-        rank = re.search(r"rank\s*:\s*(\d+)", text)
-        code = re.search(r"exitcode\s*:\s*(-?\d+)", text)
-        if rank is None or code is None:
+        """The rank whose failure ended the run, from torchrun's failure report (``None`` without one).
+
+        torchrun names as root cause the failure with the earliest timestamp, in whole seconds, the lowest
+        rank winning a tie: a rank it stopped with SIGTERM because another was SIGKILLed in the same
+        second can come first. A failure the launcher did not cause (any other signal, or an exit code)
+        is preferred over a SIGTERM/SIGINT, the root cause over the others.
+        """
+        failures: list[tuple[bool, RankExit]] = []  # (is the root cause, failure)
+        root = False
+        for block in re.split(r"\n(?=\s*\[\d+\]:)|\n(?=Root Cause)", "\n".join(self._report)):
+            root = root or block.startswith("Root Cause")
+            parsed = _parse_failure(block)
+            if parsed is not None:
+                failures.append((root, parsed))
+        if not failures:
             return None
-        tb = re.search(r"traceback\s*:\s*(.*)", text)
-        has_tb = tb is not None and not tb.group(1).startswith(("Signal", "To enable traceback"))
-        return RankExit(int(rank.group(1)), int(code.group(1)), has_tb)
+
+        def rank_key(item: tuple[bool, RankExit]) -> tuple[bool, bool]:
+            is_root, failure = item
+            return (failure.signal_name in _LAUNCHER_SIGNALS, not is_root)
+
+        return min(failures, key=rank_key)[1]
+
+
+_LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT")  # what torchrun sends the surviving ranks when one fails
+
+
+def _parse_failure(block: str) -> RankExit | None:
+    """One ``[i]: ... rank : r ... exitcode : c ... traceback : t`` block of torchrun's report."""
+    rank = re.search(r"rank\s*:\s*(\d+)", block)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
+    if rank is None or code is None:
+        return None
+    tb = re.search(r"traceback\s*:\s*(.*)", block)
+    has_tb = tb is not None and not tb.group(1).startswith(("Signal", "To enable traceback"))
+    return RankExit(int(rank.group(1)), int(code.group(1)), has_tb)
 
 
 def failure_summary(failed: RankExit | None, devices: int, run_dir: Path, advice: str | None) -> str:
