@@ -32,10 +32,8 @@ from benchmarks.harness.contenders import CONTENDERS  # noqa: E402
 from benchmarks.harness.report import comm_share, machine, report, summarize  # noqa: E402
 from lightning_zero.core.config import ZeroConfig  # noqa: E402
 from lightning_zero.models.gpt import GPT_PRESETS, count_parameters  # noqa: E402
-from lightning_zero.testing.pool import GlooPool  # noqa: E402
+from benchmarks.harness.pools import Pools, find_deepspeed_python  # noqa: E402
 
-RUN_TASK = "benchmarks.harness.run:run_contender"
-STARTUP_TIMEOUT_S = 300.0
 __all__ = ["CONTENDERS", "BenchConfig", "comm_share", "main", "report", "summarize"]
 
 
@@ -61,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--profile", action="store_true", help="also time ZeroEngine internals (small overhead)")
     add("--json", type=Path, help="write the raw per-step measurements to this file")
     add("--timeout", type=float, default=1800.0, help="seconds one contender run may take")
+    add("--deepspeed-python", default=None, help="interpreter with DeepSpeed for the ds_* contenders (default: "
+        "this one if it imports deepspeed)")
     add("--list", action="store_true", help="list the registered contenders and exit")
     return p.parse_args(argv)
 
@@ -80,13 +80,17 @@ def main(argv: list[str] | None = None) -> int:
                          args.persistence_threshold)  # fmt: skip
     started, load = time.strftime("%Y-%m-%d %H:%M %Z"), os.getloadavg()[0]
     runs: Runs = {n: [] for n in names}
-    # start-up (spawn, imports, the group) may take longer than a run on a busy machine: its own limit
-    pool = GlooPool(args.world_size, timeout_s=max(args.timeout, STARTUP_TIMEOUT_S), grace_s=10.0, threads=args.threads)
+    ds_python = None
+    if any(CONTENDERS[n].pool == "deepspeed" for n in names):
+        ds_python, why = find_deepspeed_python(args.deepspeed_python)
+        if ds_python is None:
+            raise SystemExit(f"cannot run the DeepSpeed contenders: {why}")
+    pool = Pools(args.world_size, args.threads, args.timeout, ds_python)
     try:
         for repeat in range(args.repeats):
             for name in names:
                 t = time.perf_counter()
-                runs[name].append(pool.run(RUN_TASK, _timeout_s=args.timeout, name=name, config=config))
+                runs[name].append(pool.run(name, config))
                 print(f"[repeat {repeat + 1}/{args.repeats}] {name}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     finally:
         pool.close()

@@ -29,6 +29,8 @@ class BenchConfig:
     profile: bool = False
     prefetch_size: int | None = None  # stage 3 prefetch_bucket_size in elements (None: bucket_size)
     persistence_threshold: int = 100_000  # stage 3 param_persistence_threshold (DeepSpeed's default)
+    max_live_parameters: int = 1_000_000_000  # stage 3 max_live_parameters (ZeroConfig's and DeepSpeed's default)
+    model_overrides: tuple[tuple[str, int], ...] = ()  # GPTConfig fields replacing the preset's (e.g. n_layer)
 
     @property
     def total_steps(self) -> int:

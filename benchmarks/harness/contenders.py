@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.harness.config import BenchConfig
 from benchmarks.harness.fsdp2 import FSDP2Strategy
-from benchmarks.harness.training import plain_loop
+from benchmarks.harness.deepspeed_loop import deepspeed_loop
+from benchmarks.harness.training import plain_loop, zero_redundancy_loop
 from lightning_zero import ZeroStrategy
 from lightning_zero.core.config import ZeroConfig
 
@@ -20,22 +22,28 @@ from lightning_zero.core.config import ZeroConfig
 @dataclass(frozen=True)
 class Contender:
     """A way of training. ``build(config)`` returns a Lightning strategy (``kind="lightning"``) or, for
-    ``kind="loop"``, a function ``(config, recorder, rank, world_size) -> None`` running its own loop."""
+    ``kind="loop"``, a function ``(config, recorder, rank, world_size) -> None`` running its own loop.
+    ``pool="deepspeed"``: it runs in the workers of the interpreter that has DeepSpeed (see run_all.py);
+    ``compared=False``: a diagnostic that trains a different model (no gradient exchange), left out of the loss
+    agreement check and of the peer tables."""
 
     name: str
     kind: str
     build: Callable[[BenchConfig], Any]
     description: str
+    pool: str = "main"
+    compared: bool = True
 
 
 CONTENDERS: dict[str, Contender] = {}
 
 
-def register(name: str, kind: str, description: str) -> Callable[[Callable[[BenchConfig], Any]], Any]:
+def register(name: str, kind: str, description: str, pool: str = "main",
+             compared: bool = True) -> Callable[[Callable[[BenchConfig], Any]], Any]:  # fmt: skip
     """Decorator adding a ``build`` function to :data:`CONTENDERS` under ``name``."""
 
     def decorate(build: Callable[[BenchConfig], Any]) -> Callable[[BenchConfig], Any]:
-        CONTENDERS[name] = Contender(name, kind, build, description)
+        CONTENDERS[name] = Contender(name, kind, build, description, pool, compared)
         return build
 
     return decorate
@@ -55,7 +63,8 @@ class _NoSyncDDP(DDPStrategy):
         self.model.require_backward_grad_sync = False  # the flag that no_sync() clears
 
 
-@register("ddp_nosync", "lightning", "ddp with no gradient all-reduce (no_sync on every step): comm baseline")
+@register("ddp_nosync", "lightning", "ddp with no gradient all-reduce (no_sync on every step): comm baseline",
+          compared=False)
 def _ddp_nosync(config: BenchConfig) -> Strategy:
     return _NoSyncDDP(process_group_backend="gloo", bucket_cap_mb=config.bucket_size * 4 / 2**20)
 
@@ -75,13 +84,18 @@ for _s in (1, 2):  # diagnostic variants, not run by default
                               ("defaults", {"reduce_bucket_size": ZeroConfig().reduce_bucket_size})):  # fmt: skip
         register(f"zero{_s}_{_suffix}", "lightning", f"zero{_s} with {_options}")(_zero(_s, **_options))
 register("zero2_nooverlap", "lightning", "zero2 with {'overlap_comm': False}")(_zero(2, overlap_comm=False))
+register("zero2_offload", "lightning", "zero2 with offload_optimizer='cpu' (master + AdamW state in separate "
+         "host buffers)")(_zero(2, offload_optimizer="cpu"))  # fmt: skip
 
 
 def _zero3(cls: type[ZeroStrategy] = ZeroStrategy, **options: Any) -> Callable[[BenchConfig], Strategy]:
     def build(config: BenchConfig) -> Strategy:
         kwargs = {"reduce_bucket_size": config.bucket_size,
                   "prefetch_bucket_size": config.prefetch_size or config.bucket_size,
-                  "param_persistence_threshold": config.persistence_threshold, **options}  # fmt: skip
+                  "param_persistence_threshold": config.persistence_threshold,
+                  "max_live_parameters": config.max_live_parameters, **options}  # fmt: skip
+        if kwargs.get("offload_optimizer") == "nvme":
+            kwargs["nvme_path"] = os.getcwd()  # the pool task's own temporary directory, removed afterwards
         return cls(3, process_group_backend="gloo", monitor=False, **kwargs)
 
     return build
@@ -92,6 +106,10 @@ for _suffix, _options in (("nocheck", {"check_step_errors": False}), ("rs", {"co
                           ("noprefetch", {"prefetch_bucket_size": 1}), ("persist0", {"param_persistence_threshold": 0}),
                           ("defaults", {"prefetch_bucket_size": ZeroConfig().prefetch_bucket_size})):  # fmt: skip
     register(f"zero3_{_suffix}", "lightning", f"zero3 with {_options}")(_zero3(**_options))
+
+
+register("zero3_offload_nvme", "lightning", "zero3 with offload_optimizer='nvme' (swap files in the run's "
+         "temporary directory)")(_zero3(offload_optimizer="nvme"))  # fmt: skip
 
 
 class _Zero3NoAgreement(ZeroStrategy):
@@ -120,6 +138,18 @@ def _fsdp2_noreshard(config: BenchConfig) -> Strategy:
     return FSDP2Strategy(reshard_after_forward=False)
 
 
-@register("local", "loop", "plain PyTorch loop: no Lightning, no communication (each rank trains alone)")
+@register("torch_zero1", "loop", "PyTorch DDP + torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO-1), plain loop")
+def _torch_zero1(config: BenchConfig) -> Callable[..., None]:
+    return zero_redundancy_loop
+
+
+for _s in (0, 1, 2, 3):
+    register(f"ds_zero{_s}", "loop", f"DeepSpeed {_s and 'ZeRO stage ' + str(_s) or 'stage 0 (data parallel)'}: "
+             "deepspeed.initialize with the same AdamW, plain loop", pool="deepspeed")(
+        lambda config, _s=_s: deepspeed_loop(_s))  # fmt: skip
+
+
+@register("local", "loop", "plain PyTorch loop: no Lightning, no communication (each rank trains alone)",
+          compared=False)
 def _plain(config: BenchConfig) -> Callable[..., None]:
     return plain_loop

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.harness.config import PHASES, BenchConfig
-from benchmarks.harness.probes import attach_probes, count_by_hand
+from benchmarks.harness.probes import attach_probes, count_by_hand, live_tensor_bytes
 from lightning_zero import ZeroStrategy
 
 
@@ -24,6 +24,8 @@ class StepRecorder:
         self.phases: dict[str, list[float]] = {p: [] for p in PHASES}
         self.extra: dict[str, list[float]] = {}  # --profile probes
         self.state: dict[str, float] = {}  # model-state bytes, sampled before the last optimizer step
+        self.losses: list[float] = []  # this rank's training loss of every step
+        self.info: dict[str, float] = {}  # one-off facts of the run (e.g. DeepSpeed's first initialize)
         self._t0 = self._last = self._c0 = self._excluded = 0.0
         self._now: dict[str, float] = {}
 
@@ -47,8 +49,10 @@ class StepRecorder:
         self.extra.setdefault(key, [0.0] * len(self.times))
         self._now["probe:" + key] = self._now.get("probe:" + key, 0.0) + seconds
 
-    def end(self) -> None:
+    def end(self, loss: Any = None) -> None:
         self.mark("after_step")
+        if loss is not None:
+            self.losses.append(float(loss))
         self.times.append(self._last - self._t0 - self._excluded)
         self.cpu.append(time.process_time() - self._c0)
         for p in PHASES:
@@ -87,7 +91,8 @@ class TimingCallback(Callback):
             self.rec.state = (asdict(strategy.model_state_bytes()) if isinstance(strategy, ZeroStrategy) else
                               count_by_hand(trainer.lightning_module, trainer.optimizers[0],
                                              isinstance(strategy.model, DistributedDataParallel)))  # fmt: skip
+            self.rec.state["live"] = live_tensor_bytes()
             self.rec.exclude_since_mark()
 
-    def on_train_batch_end(self, *_: Any) -> None:
-        self.rec.end()
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        self.rec.end(outputs["loss"] if isinstance(outputs, dict) else outputs)

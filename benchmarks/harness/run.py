@@ -44,4 +44,5 @@ def run_contender(name: str, config: BenchConfig) -> dict[str, Any]:
     rss, source = _peak_rss()
     gathered = built.gathered_peak_numel if isinstance(built, ZeroStrategy) else 0  # stage 3, elements
     return {"times": rec.times, "cpu": rec.cpu, "phases": rec.phases, "extra": rec.extra, "state": rec.state,
-            "rss": rss, "rss_source": source, "gathered_peak_numel": gathered}  # fmt: skip
+            "rss": rss, "rss_source": source, "gathered_peak_numel": gathered, "losses": rec.losses,
+            "info": rec.info}  # fmt: skip

@@ -5,7 +5,8 @@ only, not ~8 s of process start-up. ``GlooPool.run("pkg.mod:fn", **kw)`` calls `
 and returns the results by rank. A task that times out, kills a worker, or fails on some ranks while others
 hang poisons the pool: it is killed and started afresh by the next ``run``. The test suite runs its
 distributed test bodies in one pool per session (``tests/conftest.py``), the benchmarks their contenders
-(``benchmarks/harness``); Lightning finds the group initialised and the rank variables set, so it neither
+(``benchmarks/harness``; ``python=`` runs the workers under another interpreter, e.g. a virtual environment with
+DeepSpeed that the project's own does not have); Lightning finds the group initialised and the rank variables set, so it neither
 spawns processes nor re-initialises the group.
 """
 
@@ -16,12 +17,14 @@ import atexit
 import contextlib
 import importlib
 import importlib.util
+import json
 import multiprocessing as mp
 import os
 import pickle
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,8 +89,12 @@ def _resolve(target: str) -> Callable[..., Any]:
 
 
 def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, conn: Connection,
-                 threads: int = 1) -> None:
-    """Join the gloo group, then run ``(task_id, target, kwargs)`` messages until ``None`` or EOF."""
+                 threads: int = 1, sys_path: list[str] | None = None) -> None:
+    """Join the gloo group, then run ``(task_id, target, kwargs)`` messages until ``None`` or EOF.
+
+    ``sys_path``: the interpreter's own import path, put first (spawn hands the child the parent's path)."""
+    if sys_path:
+        sys.path[:0] = [p for p in sys_path if p not in sys.path]
     log = open(Path(gen_dir) / f"rank{rank}.log", "ab", buffering=0)  # noqa: SIM115 - lives as long as we do
     os.dup2(log.fileno(), 1)  # away from whatever pytest was capturing when we were spawned
     os.dup2(log.fileno(), 2)
@@ -149,11 +156,16 @@ class GlooPool:
         grace_s: once a rank has raised, how long the others may take to answer before they are presumed
             stuck in a collective and the pool is restarted.
         threads: torch threads per rank (and ``OMP_NUM_THREADS``), set again before every task.
+        python: the interpreter the workers run under (default: this one), e.g. another virtual environment's
+            ``bin/python`` with the same Python version; its import path comes first in the workers.
+        env: extra environment variables of the workers (e.g. ``{"DS_ACCELERATOR": "cpu"}``).
     """
 
     def __init__(self, world_size: int = 2, timeout_s: float = 300.0, grace_s: float = 5.0,
-                 threads: int = 1) -> None:
+                 threads: int = 1, python: str | None = None, env: dict[str, str] | None = None) -> None:
         self.world_size, self.timeout_s, self.grace_s, self.threads = world_size, timeout_s, grace_s, threads
+        self.python, self.env = python, dict(env or {})
+        self._sys_path = _interpreter_path(python) if python else None
         self._root = Path(tempfile.mkdtemp(prefix="gloo_pool_"))
         self._gen_dir = self._root
         self._generation = self._task_id = 0
@@ -182,11 +194,11 @@ class GlooPool:
             # OMP_NUM_THREADS: Lightning's launcher would otherwise reset torch's thread count
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(self.world_size),
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
-                   "OMP_NUM_THREADS": str(self.threads)}  # fmt: skip
+                   "OMP_NUM_THREADS": str(self.threads), **self.env}  # fmt: skip
             parent_conn, child_conn = ctx.Pipe()
-            args = (rank, self.world_size, env, str(self._gen_dir), child_conn, self.threads)
+            args = (rank, self.world_size, env, str(self._gen_dir), child_conn, self.threads, self._sys_path)
             proc = ctx.Process(target=_worker_main, args=args, name=f"gloo-pool-rank{rank}")
-            proc.start()
+            _start_under(proc, self.python)
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
@@ -286,3 +298,27 @@ class GlooPool:
             why = f"rank(s) {silent} did not answer within {timeout_s:g} s"
         details = self._details([*dead, *silent, *failed], replies, offsets)
         raise GlooPoolError(f"{label}: {why}; the pool was killed and restarts on the next run.\n{details}")
+
+
+def _interpreter_path(python: str) -> list[str]:
+    """``sys.path`` of another interpreter (its site-packages), asked once."""
+    done = subprocess.run([python, "-c", "import json, sys; print(json.dumps(sys.path))"], capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise GlooPoolError(f"cannot run the pool's interpreter {python!r}: {done.stderr.strip()[-500:]}")
+    return [p for p in json.loads(done.stdout.strip().splitlines()[-1]) if p]
+
+
+def _start_under(proc: BaseProcess, python: str | None) -> None:
+    """Start a spawn process under ``python`` (multiprocessing's executable is global: set, then restored)."""
+    if python is None:
+        proc.start()
+        return
+    from multiprocessing import spawn
+
+    previous = spawn.get_executable()
+    spawn.set_executable(python)
+    try:
+        proc.start()
+    finally:
+        spawn.set_executable(previous)
