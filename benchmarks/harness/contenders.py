@@ -12,8 +12,8 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.harness.config import BenchConfig
-from benchmarks.harness.fsdp2 import FSDP2Strategy
 from benchmarks.harness.deepspeed_loop import deepspeed_loop
+from benchmarks.harness.fsdp2 import FSDP2Strategy
 from benchmarks.harness.training import plain_loop, zero_redundancy_loop
 from lightning_zero import ZeroStrategy
 from lightning_zero.core.config import ZeroConfig
@@ -144,7 +144,7 @@ def _torch_zero1(config: BenchConfig) -> Callable[..., None]:
 
 
 for _s in (0, 1, 2, 3):
-    register(f"ds_zero{_s}", "loop", f"DeepSpeed {_s and 'ZeRO stage ' + str(_s) or 'stage 0 (data parallel)'}: "
+    register(f"ds_zero{_s}", "loop", f"DeepSpeed {(_s and 'ZeRO stage ' + str(_s)) or 'stage 0 (data parallel)'}: "
              "deepspeed.initialize with the same AdamW, plain loop", pool="deepspeed")(
         lambda config, _s=_s: deepspeed_loop(_s))  # fmt: skip
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from benchmarks.harness.config import BenchConfig

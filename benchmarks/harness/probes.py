@@ -53,10 +53,10 @@ def live_tensor_bytes() -> float:
         if isinstance(obj, torch.Tensor) and not obj.is_meta:
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):
+                if storage.nbytes() > 0:
+                    seen[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # DTensors, invalid python storages
                 continue
-            if storage.nbytes() > 0:
-                seen[storage.data_ptr()] = storage.nbytes()
     return float(sum(seen.values()))
 
 

@@ -30,10 +30,11 @@ def _part(reps: list[list[dict[str, Any]]], warmup: int, key: str, sub: str) -> 
     return _med([statistics.fmean(_med(r[key][sub][warmup:]) for r in ranks) for ranks in reps])
 
 
-def summarize(runs: Runs, warmup: int) -> list[dict[str, Any]]:
-    """One row per contender: medians over the repeats (seconds, bytes); ratios to ddp's run of the same repeat."""
+def summarize(runs: Runs, warmup: int, baseline: str = "ddp") -> list[dict[str, Any]]:
+    """One row per contender: medians over the repeats (seconds, bytes); ratios to ``baseline``'s run of the same
+    repeat; ``loss``: the last step's training loss, mean over ranks (the same in every repeat)."""
     rows = []
-    ddp = runs.get("ddp")
+    ddp = runs.get(baseline)
     for name, reps in runs.items():
         steps, cpus = [_step(rk, warmup) for rk in reps], [_step(rk, warmup, "cpu") for rk in reps]
         rows.append({
@@ -47,6 +48,9 @@ def summarize(runs: Runs, warmup: int) -> list[dict[str, Any]]:
             "rss": _med([max(r["rss"] for r in rk) for rk in reps]),
             "gathered_peak": max(r.get("gathered_peak_numel", 0) for rk in reps for r in rk),
             "steps": steps,
+            "loss": _med([statistics.fmean(r["losses"][-1] for r in rk) for rk in reps if rk[0].get("losses")]),
+            "live": max(r["state"].get("live", 0.0) for r in reps[-1]),
+            "info": reps[0][0].get("info", {}),
         })  # fmt: skip
     return rows
 

@@ -5,9 +5,9 @@ only, not ~8 s of process start-up. ``GlooPool.run("pkg.mod:fn", **kw)`` calls `
 and returns the results by rank. A task that times out, kills a worker, or fails on some ranks while others
 hang poisons the pool: it is killed and started afresh by the next ``run``. The test suite runs its
 distributed test bodies in one pool per session (``tests/conftest.py``), the benchmarks their contenders
-(``benchmarks/harness``; ``python=`` runs the workers under another interpreter, e.g. a virtual environment with
-DeepSpeed that the project's own does not have); Lightning finds the group initialised and the rank variables set, so it neither
-spawns processes nor re-initialises the group.
+(``benchmarks/harness``; ``python=`` runs the workers under another interpreter, e.g. a virtual environment
+with DeepSpeed that the project's own does not have); Lightning finds the group initialised and the rank
+variables set, so it neither spawns processes nor re-initialises the group.
 """
 
 from __future__ import annotations
