@@ -17,6 +17,7 @@ from benchmarks.harness.fsdp2 import FSDP2Strategy
 from benchmarks.harness.training import plain_loop, zero_redundancy_loop
 from lightning_zero import ZeroStrategy
 from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.stage3 import Agreement
 
 
 @dataclass(frozen=True)
@@ -112,20 +113,24 @@ register("zero3_offload_nvme", "lightning", "zero3 with offload_optimizer='nvme'
          "temporary directory)")(_zero3(offload_optimizer="nvme"))  # fmt: skip
 
 
-class _Zero3NoAgreement(ZeroStrategy):
-    """Diagnostic, not a supported mode: stage 3 whose unit gathers skip the agreement all-reduce
-    (``Stage3Runtime.check_gathers = False``, Note [gather agreement] in core/stage3.py), to measure what
-    that synchronous per-unit collective costs; ranks that ran different units would exchange the wrong
-    buffers instead of raising."""
+def _with_agreement(agreement: Agreement) -> type[ZeroStrategy]:
+    """Stage 3 whose runtime checks gathers by ``agreement`` (``Stage3Runtime.agreement``, Note [gather
+    agreement] in core/stage3.py): ``ALWAYS`` is the behaviour before the check was limited to recording,
+    ``OFF`` a diagnostic (ranks that ran different units would exchange the wrong buffers instead of raising)."""
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        if self.engine is not None and self.engine.runtime is not None:
-            self.engine.runtime.check_gathers = False
+    class _Zero3Agreement(ZeroStrategy):
+        def setup(self, trainer: pl.Trainer) -> None:
+            super().setup(trainer)
+            if self.engine is not None and self.engine.runtime is not None:
+                self.engine.runtime.agreement = agreement
+
+    return _Zero3Agreement
 
 
-register("zero3_noagree", "lightning", "zero3 without the per-unit agreement all-reduce (diagnostic "
-         "prototype)")(_zero3(_Zero3NoAgreement))  # fmt: skip
+register("zero3_noagree", "lightning", "zero3 without the per-unit agreement all-reduce (diagnostic)")(
+    _zero3(_with_agreement(Agreement.OFF)))  # fmt: skip
+register("zero3_agree_always", "lightning", "zero3 checking every gather (the behaviour before: stage-3 speed "
+         "item 1)")(_zero3(_with_agreement(Agreement.ALWAYS)))  # fmt: skip
 
 
 @register("fsdp2", "lightning", "PyTorch FSDP2 fully_shard per block + root, via ModelParallelStrategy")

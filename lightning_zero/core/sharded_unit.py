@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_zero.core.comm import DataParallelComm, Handle
 from lightning_zero.core.flat_param import FlatParamGroup
+from lightning_zero.core.gather_pool import GatherPool
 from lightning_zero.core.units import PERSISTENT
 
 
@@ -53,6 +54,7 @@ class ShardedUnit:
         self.has_frozen: bool = any(g.optimizer_group < 0 for g in groups)
         self.state = UnitState.GATHERED  # bound whole at setup, sharded by shard()
         self._handles: list[Handle] = []
+        self.pool: GatherPool | None = None  # Note [gather buffer pool]; set by the runtime
         self.gathers: int = 0  # completed gathers since setup (tests count them)
         self.releases: int = 0
         # backward bookkeeping of the current pass
@@ -72,7 +74,10 @@ class ShardedUnit:
 
     def _free(self) -> None:
         for g in self.groups:
-            g.flat.untyped_storage().resize_(0)
+            if self.pool is not None:
+                self.pool.empty(g.flat.untyped_storage())
+            else:
+                g.flat.untyped_storage().resize_(0)
             for slot in g.slots:  # Note [released parameters]
                 slot.param.data = _placeholder(g.flat).expand(slot.shape)
 
@@ -96,8 +101,11 @@ class ShardedUnit:
     def start_gather(self, comm: DataParallelComm) -> None:
         assert self.state is UnitState.SHARDED, self.state
         for g in self.groups:
-            storage = g.flat.untyped_storage()
-            storage.resize_(g.padded_numel * g.flat.element_size())
+            storage, nbytes = g.flat.untyped_storage(), g.padded_numel * g.flat.element_size()
+            if self.pool is not None:
+                self.pool.fill(storage, nbytes)
+            else:
+                storage.resize_(nbytes)
             start, end = g.shard_range()
             with torch.autograd._unsafe_preserve_version_counter(g.flat):  # Note [version counter]
                 g.flat[start:end].copy_(g.shard)

@@ -15,14 +15,20 @@ Communication plan, per micro-step with units U_1..U_k (Note [units]) on N ranks
   step); the persistent unit is never freed and is all-gathered after each optimizer step.
 
 Note [gather agreement]
-    Every gather is preceded by one tiny all-reduce in which all ranks compare the index of the
-    unit they are about to gather. Collectives are matched by their order, so if a rank took a
-    branch another did not, the ranks would otherwise exchange buffers of different units; with
-    the check every rank raises the same error instead. Prefetches follow the order recorded on
-    the previous pass; when the order a rank actually runs differs, the prefetched units are
-    dropped and the order is recorded afresh (re-tracing), which costs memory only.
-    ``Stage3Runtime.check_gathers = False`` skips the check (benchmarks/ measures its cost that way);
-    diverging ranks then exchange the wrong buffers instead of raising.
+    While a pass's unit order is being recorded (the first step, and after a re-trace) every
+    gather is preceded by one tiny all-reduce in which all ranks compare the index of the unit
+    they are about to gather. Collectives are matched by their order, so if a rank took a branch
+    another did not, the ranks would otherwise exchange buffers of different units; with the
+    check every rank raises the same error instead. Once recorded, the order is the same on
+    every rank (it was checked), prefetches follow it, and the check is skipped: a synchronous
+    collective per unit was 3-5% of a stage-3 step on gloo (docs/benchmarks.md). When the order
+    a rank actually runs differs from the recorded one, the prefetched units are dropped and the
+    order is recorded afresh (re-tracing, with the check again), which costs memory only. Ranks
+    that all change their order together (a step-dependent branch) re-trace together; a rank
+    that alone leaves a recorded order is caught by its agreement all-reduce meeting the others'
+    gathers, which fails or times out (``timeout_s``) rather than raising the named error.
+    ``Stage3Runtime.agreement`` selects ``ALWAYS`` (every gather, the behaviour before) or
+    ``OFF`` (never; benchmarks/ measures the check's cost that way).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.flat_param import FlatParamGroup
+from lightning_zero.core.gather_pool import GatherPool
 from lightning_zero.core.materialize import ParamInitFn, initialize_modules
 from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.units import PERSISTENT, ROOT
@@ -46,6 +53,14 @@ from lightning_zero.core.units import PERSISTENT, ROOT
 class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
+
+
+class Agreement(enum.Enum):
+    """When ranks compare the unit they gather (Note [gather agreement])."""
+
+    WHILE_RECORDING = "while_recording"  # the default
+    ALWAYS = "always"
+    OFF = "off"
 
 
 class Stage3Runtime:
@@ -84,7 +99,11 @@ class Stage3Runtime:
         self._current: dict[Phase, list[int]] = {Phase.FORWARD: [], Phase.BACKWARD: []}  # this pass so far
         self.retraces: int = 0
         self.holding: bool = False  # hold_all(): nothing is released until release_held()
-        self.check_gathers: bool = True  # Note [gather agreement]; False only to measure the check's cost
+        self.agreement: Agreement = Agreement.WHILE_RECORDING  # Note [gather agreement]
+        self.pool = GatherPool()  # Note [gather buffer pool]
+        for unit in units:
+            if not unit.persistent:
+                unit.pool = self.pool
         self._hooks: list[RemovableHandle] = []
         for unit, mods in zip(units, unit_modules):
             for m in mods:
@@ -102,10 +121,11 @@ class Stage3Runtime:
         self._hooks = []
 
     # ---------------------------------------------------------------- gather / release
-    def _gather(self, unit: ShardedUnit) -> None:
+    def _gather(self, unit: ShardedUnit, recording: bool = True) -> None:
         if unit.state is not UnitState.SHARDED:
             return
-        if self.comm.active and self.check_gathers:  # Note [gather agreement]
+        check = self.agreement is Agreement.ALWAYS or (recording and self.agreement is Agreement.WHILE_RECORDING)
+        if self.comm.active and check:  # Note [gather agreement]
             largest, smallest = self.comm.extremes(unit.index)
             if largest != smallest:
                 raise RuntimeError(
@@ -135,7 +155,7 @@ class Stage3Runtime:
     def use_root(self) -> None:
         """Gather the root unit if it is not (first use in a step)."""
         if self.root is not None and self.root.state is not UnitState.GATHERED:
-            self._gather(self.root)
+            self._gather(self.root, recording=not self.traces[Phase.FORWARD])
             self.root.wait()
 
     def _use(self, unit: ShardedUnit, phase: Phase) -> None:
@@ -147,7 +167,7 @@ class Stage3Runtime:
             self.traces[phase] = trace = []
             self.retraces += 1
         current.append(unit.index)
-        self._gather(unit)
+        self._gather(unit, recording=not trace)
         unit.wait()
         if trace:
             self._prefetch(trace[position + 1 :])
@@ -163,7 +183,7 @@ class Stage3Runtime:
                 continue
             if in_flight + unit.numel > self.prefetch_numel or self.live_numel + unit.numel > self.max_live_numel:
                 break
-            self._gather(unit)
+            self._gather(unit, recording=False)  # the recorded order, agreed on while it was recorded
             in_flight += unit.numel
 
     def live_bound(self) -> int:
@@ -254,7 +274,7 @@ class Stage3Runtime:
         self.use_root()
         for index in self.traces[Phase.FORWARD]:
             unit = self.units[index]
-            self._gather(unit)
+            self._gather(unit, recording=False)  # as the other ranks' forward along the recorded order
             unit.wait()
             self._release(unit)
         self.release_all()

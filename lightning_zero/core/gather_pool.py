@@ -1,0 +1,61 @@
+"""Stage 3: a pool of the storage that gathered units live in, reused instead of re-allocated.
+
+Note [gather buffer pool]
+    A stage-3 unit's flat buffer keeps its storage object for life (the autograd graph saves
+    views of it, Note [released parameters]); releasing the unit empties that storage and
+    gathering it fills it again. Filling by ``resize_`` asks the allocator for fresh memory on
+    every gather, which on the CPU is fresh pages from the kernel (page faults on the first
+    write) for each of the 2 gathers per unit per step. The pool keeps released memory instead:
+    ``release`` moves the memory out of the unit's storage into a spare storage object, and the
+    next gather of a unit of the same byte size moves it back in (``_swap_data_ptr_``: the
+    storage objects stay, only their memory is exchanged, so saved views stay valid). What the
+    pool holds plus what is gathered never exceeds the most that was ever gathered at once
+    (``limit_bytes``), so stage 3's peak memory is unchanged; past it a release frees the memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+class GatherPool:
+    """Spare memory for unit storages, by (device, byte size)."""
+
+    def __init__(self) -> None:
+        self._spares: dict[tuple[torch.device, int], list[torch.UntypedStorage]] = {}
+        self.pooled_bytes: int = 0
+        self.live_bytes: int = 0  # bytes in unit storages filled through this pool
+        self.limit_bytes: int = 0  # the most ever live at once: the pool never holds more than that minus live
+        self.reused: int = 0  # fills served from the pool (tests, benchmarks)
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give the empty ``storage`` ``nbytes`` of memory (contents undefined)."""
+        spares = self._spares.get((storage.device, nbytes))
+        if _CAN_SWAP and spares:
+            spare = spares.pop()
+            storage._swap_data_ptr_(spare)
+            self.pooled_bytes -= nbytes
+            self.reused += 1
+        else:
+            storage.resize_(nbytes)
+        self.live_bytes += nbytes
+        self.limit_bytes = max(self.limit_bytes, self.live_bytes)
+
+    def empty(self, storage: torch.UntypedStorage) -> None:
+        """Take ``storage``'s memory away (into the pool while it stays within the limit)."""
+        nbytes = storage.nbytes()
+        self.live_bytes = max(0, self.live_bytes - nbytes)
+        if _CAN_SWAP and nbytes and self.pooled_bytes + self.live_bytes + nbytes <= self.limit_bytes:
+            spare = torch.UntypedStorage(0, device=storage.device)
+            spare._swap_data_ptr_(storage)
+            self._spares.setdefault((storage.device, nbytes), []).append(spare)
+            self.pooled_bytes += nbytes
+        else:
+            storage.resize_(0)
+
+    def clear(self) -> None:
+        """Free the pooled memory (teardown)."""
+        self._spares.clear()
+        self.pooled_bytes = 0
