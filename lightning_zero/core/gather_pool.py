@@ -11,6 +11,15 @@ Note [gather buffer pool]
     storage objects stay, only their memory is exchanged, so saved views stay valid). What the
     pool holds plus what is gathered never exceeds the most that was ever gathered at once
     (``limit_bytes``), so stage 3's peak memory is unchanged; past it a release frees the memory.
+
+Note [one rank]
+    With one data-parallel rank a unit's shard is the whole flat buffer, and gathering it was a
+    copy of the shard into the flat storage (nothing to exchange). Instead the shard's memory is
+    lent to the flat storage (:func:`lend`, the same exchange of memory as above) and taken back
+    on release (:func:`take_back`): no copy in either direction. While lent, the group's
+    ``shard`` is a view of the flat buffer (so code that reads or writes the shard while the
+    unit is gathered sees the same numbers), and the original shard tensor, which the optimizer
+    holds, gets its memory back, with any change made meanwhile, when the unit is released.
 """
 
 from __future__ import annotations
@@ -59,3 +68,19 @@ class GatherPool:
         """Free the pooled memory (teardown)."""
         self._spares.clear()
         self.pooled_bytes = 0
+
+
+def lend(flat: torch.Tensor, shard: torch.Tensor) -> bool:
+    """Note [one rank]: move ``shard``'s memory into ``flat``'s empty storage when the shard is the whole buffer;
+    False (nothing done) when it is not, or when this torch cannot exchange storage memory."""
+    storage, own = flat.untyped_storage(), shard.untyped_storage()
+    whole = shard.storage_offset() == 0 and own.nbytes() == flat.numel() * flat.element_size()
+    if not (_CAN_SWAP and whole and storage.nbytes() == 0 and shard.is_contiguous()):
+        return False
+    storage._swap_data_ptr_(own)
+    return True
+
+
+def take_back(flat: torch.Tensor, shard: torch.Tensor) -> None:
+    """Undo :func:`lend`: ``shard`` gets the memory back (with the flat buffer's current values), ``flat`` none."""
+    shard.untyped_storage()._swap_data_ptr_(flat.untyped_storage())

@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_zero.core.comm import DataParallelComm, Handle
 from lightning_zero.core.flat_param import FlatParamGroup
-from lightning_zero.core.gather_pool import GatherPool
+from lightning_zero.core.gather_pool import GatherPool, lend, take_back
 from lightning_zero.core.units import PERSISTENT
 
 
@@ -55,6 +55,7 @@ class ShardedUnit:
         self.state = UnitState.GATHERED  # bound whole at setup, sharded by shard()
         self._handles: list[Handle] = []
         self.pool: GatherPool | None = None  # Note [gather buffer pool]; set by the runtime
+        self._lent: dict[int, torch.Tensor] = {}  # Note [one rank]: group index -> the shard whose memory is lent
         self.gathers: int = 0  # completed gathers since setup (tests count them)
         self.releases: int = 0
         # backward bookkeeping of the current pass
@@ -73,8 +74,11 @@ class ShardedUnit:
         self.state = UnitState.SHARDED if not self.persistent else UnitState.GATHERED
 
     def _free(self) -> None:
-        for g in self.groups:
-            if self.pool is not None:
+        for i, g in enumerate(self.groups):
+            if i in self._lent:  # Note [one rank]
+                g.shard = self._lent.pop(i)
+                take_back(g.flat, g.shard)
+            elif self.pool is not None:
                 self.pool.empty(g.flat.untyped_storage())
             else:
                 g.flat.untyped_storage().resize_(0)
@@ -100,7 +104,10 @@ class ShardedUnit:
     @torch.no_grad()
     def start_gather(self, comm: DataParallelComm) -> None:
         assert self.state is UnitState.SHARDED, self.state
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
+            if comm.world_size == 1 and lend(g.flat, g.shard):  # Note [one rank]: no copy
+                self._lent[i], g.shard = g.shard, g.flat[:]
+                continue
             storage, nbytes = g.flat.untyped_storage(), g.padded_numel * g.flat.element_size()
             if self.pool is not None:
                 self.pool.fill(storage, nbytes)
