@@ -122,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [n for n in peers if n not in CONTENDERS] + [s for s in sizes if s not in plan.SIZES]:
         raise SystemExit(f"unknown system(s) or size(s) {unknown}; systems: {sorted(CONTENDERS)}, "
                          f"sizes: {list(plan.SIZES)}")
-    ds_python, ds_note = find_deepspeed_python(args.deepspeed_python)
     growth = tuple(n for n in plan.GROWTH if n in peers or not args.systems)
+    ds_python, ds_note = None, "no DeepSpeed system asked for"
+    if any(CONTENDERS[n].pool == "deepspeed" for n in (*peers, *growth)):
+        ds_python, ds_note = find_deepspeed_python(args.deepspeed_python)
     if ds_python is None:
         print(f"DeepSpeed: SKIPPED ({ds_note})", file=sys.stderr)
         peers = tuple(n for n in peers if CONTENDERS[n].pool != "deepspeed")
@@ -137,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     if args.estimate:
         return 0
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/run_all.py", *sys.argv[1:]])
+    # absolute paths (a venv, a temporary directory) are this machine's, not the page's: shown by their role
+    shown = [f"<{prev.lstrip('-')}>" if a.startswith("/") else a for prev, a in zip(["", *sys.argv[1:]], sys.argv[1:])]
+    command = "python " + " ".join(shlex.quote(a) if not a.startswith("<") else a
+                                   for a in ["benchmarks/run_all.py", *shown])  # fmt: skip
     ds_cache = _ds_op_cache()
     load_before, started, t0 = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M %Z"), time.perf_counter()
     results = run_cells(cells, ds_python, args.timeout)

@@ -129,3 +129,37 @@ def test_contender_registry() -> None:
     assert isinstance(fsdp2, ModelParallelStrategy) and fsdp2.fsdp_options == {}
     table = report._table(["contender", "step ms"], [["ddp", "12"], ["zero2", "13"]], markdown=False)
     assert table.splitlines() == ["contender  step ms", "ddp             12", "zero2           13"]
+
+
+RUN_ALL = ROOT / "benchmarks" / "run_all.py"
+
+
+def test_run_all_quick_prints_the_peer_table_with_agreeing_losses(tmp_path: Path) -> None:
+    """run_all.py --quick on the tiny GPT with two systems: the peer table, the formula check and the loss
+    agreement come out (nothing timed is asserted); the docs are not written without --write."""
+    raw = tmp_path / "rows.json"
+    command = [sys.executable, str(RUN_ALL), "--quick", "--systems", "ddp,zero2", "--parts", "peers", "--docs",
+               str(tmp_path), "--json", str(raw), "--timeout", "60"]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    out = done.stdout
+    assert "| system | step ms |" in out and "| ddp |" in out and "| zero2 |" in out
+    assert "every system within 0.0001: yes." in out
+    assert "| zero2 |" in out.split("against the ZeRO formula")[1]  # the estimator check ran for zero2
+    assert "Machine:" in out and "load average" in out and "Command: `python benchmarks/run_all.py --quick" in out
+    assert "Plan: 1 cells, 2 system runs; estimated" in done.stderr
+    rows = {r["name"]: r for r in json.loads(raw.read_text())["results"]["peers"]}
+    assert set(rows) == {"ddp", "zero2"} and rows["ddp"]["loss"] == pytest.approx(rows["zero2"]["loss"], abs=1e-4)
+    assert rows["zero2"]["state"]["grads"] == pytest.approx(rows["ddp"]["state"]["grads"] / 2, rel=0.02)
+    assert not list(tmp_path.glob("*.md")) and not (tmp_path / "img").exists()
+
+
+def test_a_loss_disagreement_is_reported_loudly() -> None:
+    from benchmarks.harness import pages
+
+    rows = [{"name": "ddp", "loss": 2.5}, {"name": "zero2", "loss": 2.5 + 5e-5},
+            {"name": "ds_zero3", "loss": 2.5 + 2e-4}, {"name": "ddp_nosync", "loss": 3.0, "compared": False}]
+    lines, bad = pages.loss_check(rows)
+    assert bad == ["ds_zero3"] and "**NO: ds_zero3 trained a different model" in lines[0]
+    assert pages.loss_check(rows[:2]) == (["Loss after the last step (mean over ranks): ddp 2.500000; every system "
+                                           "within 0.0001: yes."], [])  # fmt: skip

@@ -45,7 +45,8 @@ def find_deepspeed_python(given: str | None) -> tuple[str | None, str]:
     if torch_version != torch.__version__:
         return None, (f"{given} has torch {torch_version}, this interpreter {torch.__version__}: install DeepSpeed "
                       "with torch pinned to the same version")
-    return given, f"deepspeed {ds_version} under {given}"
+    where = "this interpreter" if given == sys.executable else "the interpreter of --deepspeed-python"
+    return given, f"deepspeed {ds_version} (run by {where})"
 
 
 class Pools:
