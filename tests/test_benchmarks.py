@@ -134,6 +134,7 @@ def test_contender_registry() -> None:
 RUN_ALL = ROOT / "benchmarks" / "run_all.py"
 
 
+@pytest.mark.slow
 def test_run_all_quick_prints_the_peer_table_with_agreeing_losses(tmp_path: Path) -> None:
     """run_all.py --quick on the tiny GPT with two systems: the peer table, the formula check and the loss
     agreement come out (nothing timed is asserted); the docs are not written without --write."""
