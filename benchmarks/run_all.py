@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--systems", default=None, help="comma separated peers (default: all registered peers)")
     add("--sizes", default=None, help="comma separated growth sizes (default 5M,20M,80M; --quick: tiny)")
     add("--worlds", default="1,2,4", help="growth world sizes")
-    add("--parts", default="peers,sweeps,growth", help="which parts to run")
+    add("--parts", default="peers,items,sweeps,growth", help="which parts to run")
     add("--docs", type=Path, default=REPO_ROOT / "docs", help="where benchmarks.md, tuning.md and img/ are")
     add("--write", action="store_true", help="with --quick: write the pages and figures anyway")
     add("--json", type=Path, help="also write every summary row to this file")
@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells:
         print(f"  {cell.key}: {cell.world_size} rank(s), {len(cell.entries)} systems x {cell.rounds} round(s)",
               file=sys.stderr)
+    if estimate > LIMIT_S:
+        print(f"WARNING: the estimate is over {LIMIT_S / 60:.0f} min: fewer --parts, --sizes or --worlds, or a quieter "
+              "machine", file=sys.stderr)  # fmt: skip
     if args.estimate:
         return 0
     # absolute paths (a venv, a temporary directory) are this machine's, not the page's: shown by their role
@@ -197,6 +200,20 @@ def write_pages(args: argparse.Namespace, results: dict[str, Any], cells: list[C
         if write:
             plots.peers(rows, img / "peers.png", f"{cell.size} GPT, {cell.world_size} ranks, fp32")
             bench += ["", "![peers](img/peers.png)", ""]
+    items = [c for c in cells if c.key.startswith("items:")]
+    if items:
+        bench += ["### Stage 3 speed items (issue 21): before and after, in the same run", "",
+                  "`zero3_before` is stage 3 with the three items off (every gather checked, every gather's memory "
+                  "allocated afresh, the shard copied at one rank); `zero3_agree_always`, `zero3_nopool` and "
+                  "`zero3_copy` switch one item off; `zero3` has all three. Ratios to `zero3_before` in the same "
+                  "round.", ""]  # fmt: skip
+    for cell in items:
+        rows = results[cell.key]
+        lines, bad = pages.loss_check(rows, baseline="zero3_before")
+        disagree += bad
+        c = cell.entries[0].config
+        bench += [f"{cell.size} GPT, {cell.world_size} rank(s), {c.micro_batch} x {c.seq_len} tokens per rank:", "",
+                  pages.rows_table(rows, baseline="zero3_before"), "", *lines, ""]  # fmt: skip
     growth = {(c.size, c.world_size): results[c.key] for c in cells if c.key.startswith("growth:")}
     if growth:
         sizes = list(dict.fromkeys(c.size for c in cells if c.key.startswith("growth:")))

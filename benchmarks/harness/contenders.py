@@ -113,24 +113,37 @@ register("zero3_offload_nvme", "lightning", "zero3 with offload_optimizer='nvme'
          "temporary directory)")(_zero3(offload_optimizer="nvme"))  # fmt: skip
 
 
-def _with_agreement(agreement: Agreement) -> type[ZeroStrategy]:
-    """Stage 3 whose runtime checks gathers by ``agreement`` (``Stage3Runtime.agreement``, Note [gather
-    agreement] in core/stage3.py): ``ALWAYS`` is the behaviour before the check was limited to recording,
-    ``OFF`` a diagnostic (ranks that ran different units would exchange the wrong buffers instead of raising)."""
+def _stage3_as(agreement: Agreement = Agreement.WHILE_RECORDING, pool: bool = True,
+               lend: bool = True) -> type[ZeroStrategy]:  # fmt: skip
+    """Stage 3 with the speed items of issue 21 switched on or off after setup, to measure each: the gather
+    agreement (``Stage3Runtime.agreement``: ``ALWAYS`` is the behaviour before it was limited to recording,
+    ``OFF`` a diagnostic under which ranks that ran different units would exchange the wrong buffers), the
+    pool of gathered memory (``ShardedUnit.pool``, Note [gather buffer pool]) and the one-rank lending of the
+    shard's memory (``ShardedUnit.lend``, Note [one rank]); core/stage3.py, core/gather_pool.py."""
 
-    class _Zero3Agreement(ZeroStrategy):
+    class _Zero3Variant(ZeroStrategy):
         def setup(self, trainer: pl.Trainer) -> None:
             super().setup(trainer)
-            if self.engine is not None and self.engine.runtime is not None:
-                self.engine.runtime.agreement = agreement
+            runtime = self.engine.runtime if self.engine is not None else None
+            if runtime is not None:
+                runtime.agreement = agreement
+                for unit in runtime.units:
+                    unit.lend = lend
+                    unit.pool = unit.pool if pool else None
 
-    return _Zero3Agreement
+    return _Zero3Variant
 
 
-register("zero3_noagree", "lightning", "zero3 without the per-unit agreement all-reduce (diagnostic)")(
-    _zero3(_with_agreement(Agreement.OFF)))  # fmt: skip
-register("zero3_agree_always", "lightning", "zero3 checking every gather (the behaviour before: stage-3 speed "
-         "item 1)")(_zero3(_with_agreement(Agreement.ALWAYS)))  # fmt: skip
+register("zero3_noagree", "lightning", "zero3 without the gather agreement all-reduce (diagnostic)")(
+    _zero3(_stage3_as(Agreement.OFF)))  # fmt: skip
+register("zero3_agree_always", "lightning", "zero3 checking every gather (as before issue 21)")(
+    _zero3(_stage3_as(Agreement.ALWAYS)))  # fmt: skip
+register("zero3_nopool", "lightning", "zero3 re-allocating every gather's memory (as before issue 21)")(
+    _zero3(_stage3_as(pool=False)))  # fmt: skip
+register("zero3_copy", "lightning", "zero3 copying the shard at one rank (as before issue 21)")(
+    _zero3(_stage3_as(lend=False)))  # fmt: skip
+register("zero3_before", "lightning", "zero3 with all three stage-3 speed items of issue 21 off")(
+    _zero3(_stage3_as(Agreement.ALWAYS, pool=False, lend=False)))  # fmt: skip
 
 
 @register("fsdp2", "lightning", "PyTorch FSDP2 fully_shard per block + root, via ModelParallelStrategy")

@@ -21,7 +21,7 @@ PEERS = ("ddp", "torch_zero1", "fsdp2", "fsdp2_noreshard", "ds_zero0", "ds_zero1
 GROWTH = ("ddp", "zero2", "zero3", "fsdp2", "ds_zero3")
 # the stage-3 knobs of docs/tuning.md: BenchConfig field -> values, each run as zero3 beside zero2 and ddp
 SWEEPS: dict[str, tuple[str, tuple[int, ...]]] = {
-    "prefetch_bucket_size": ("prefetch_size", (1, 2_000_000, 6_553_600, 50_000_000)),
+    "prefetch_bucket_size": ("prefetch_size", (1, 2_000_000, 50_000_000)),
     "param_persistence_threshold": ("persistence_threshold", (0, 100_000, 1_000_000)),
     "max_live_parameters": ("max_live_parameters", (2_000_000, 4_000_000, 1_000_000_000)),
     "reduce_bucket_size (+ prefetch)": ("bucket_size", (1_000_000, 6_553_600, 26_214_400)),
@@ -53,17 +53,21 @@ class Cell:
 class Budget:
     """Steps and rounds per cell kind, chosen so that the whole run fits ``run_all.py``'s time limit."""
 
-    peer_steps: int = 4
-    growth_steps: int = 3
+    peer_steps: int = 3
+    growth_steps: int = 2
     sweep_steps: int = 2
     warmup: int = 1
     rounds: int = 3
     peer_batch: tuple[int, int] = (4, 128)  # micro-batch x seq per rank
     growth_batch: tuple[int, int] = (2, 64)
+    sweep_batch: tuple[int, int] = (2, 128)  # the sweeps and the stage-3 speed items
 
 
 FULL, QUICK = Budget(), Budget(peer_steps=2, growth_steps=2, sweep_steps=2, rounds=1, peer_batch=(2, 32),
-                               growth_batch=(2, 32))  # fmt: skip
+                               growth_batch=(2, 32), sweep_batch=(2, 32))  # fmt: skip
+# the stage-3 speed items of issue 21, each switched off alone and all together ("before"), per world size
+ITEMS: dict[int, tuple[str, ...]] = {2: ("zero3_before", "zero3_agree_always", "zero3_nopool", "zero3"),
+                                     1: ("zero3_before", "zero3_copy", "zero3_nopool", "zero3")}
 
 
 def config_for(size: str, batch: tuple[int, int], steps: int, warmup: int) -> BenchConfig:
@@ -83,8 +87,13 @@ def build_plan(budget: Budget, sizes: tuple[str, ...], worlds: tuple[int, ...], 
     if "peers" in parts:
         config = config_for(peer_size, budget.peer_batch, budget.peer_steps, budget.warmup)
         cells.append(Cell("peers", peer_size, 2, tuple(Entry(n, n, config) for n in peers), budget.rounds))
+    if "items" in parts:
+        base = config_for(peer_size, budget.sweep_batch, budget.sweep_steps, budget.warmup)
+        for world, names in ITEMS.items():
+            cells.append(Cell(f"items:w{world}", peer_size, world, tuple(Entry(n, n, base) for n in names),
+                              budget.rounds))  # fmt: skip
     if "sweeps" in parts:
-        base = config_for(peer_size, budget.peer_batch, budget.sweep_steps, budget.warmup)
+        base = config_for(peer_size, budget.sweep_batch, budget.sweep_steps, budget.warmup)
         for knob, (attr, values) in SWEEPS.items():
             entries = [Entry("zero2", "zero2", base)]  # the baseline: what stage 3 costs over stage 2
             entries += [Entry(f"zero3 {knob}={v:,}", "zero3", replace(base, **{attr: v})) for v in values]
@@ -96,7 +105,7 @@ def build_plan(budget: Budget, sizes: tuple[str, ...], worlds: tuple[int, ...], 
                 config = config_for(size, budget.growth_batch, steps or budget.growth_steps, budget.warmup)
                 entries = tuple(Entry(n, n, config) for n in growth if world > 1 or n != "torch_zero1")
                 cells.append(Cell(f"growth:{size}:w{world}", size, world, entries, budget.rounds))
-    return sorted(cells, key=lambda c: c.world_size)  # stable: peers and sweeps stay first among world 2
+    return sorted(cells, key=lambda c: c.world_size)  # stable: peers, items, sweeps stay first among world 2
 
 
 # -------------------------------------------------------------------------------------------- the estimate
@@ -104,8 +113,9 @@ SECONDS_PER_PARAM_TOKEN = 1.0e-10  # fp32 forward + backward + AdamW, one thread
 RUN_OVERHEAD_S = 2.0  # Trainer, model build, strategy setup and teardown of one run
 RUN_OVERHEAD_PER_PARAM_S = 6e-8  # model build, optimizer, engine setup grow with the model
 POOL_START_S, DS_POOL_START_S = 12.0, 70.0  # spawn + imports (+ DeepSpeed's first initialize)
-SLOWDOWN = {"zero3": 1.3, "fsdp2": 1.3, "fsdp2_noreshard": 1.2, "ds_zero3": 1.8, "ds_zero2": 1.3, "ds_zero1": 1.3,
-            "ds_zero0": 1.2, "torch_zero1": 1.2, "zero2_offload": 1.3, "zero3_offload_nvme": 2.0}  # fmt: skip
+SLOWDOWN = {"zero3": 1.3, "zero3_before": 1.4, "zero3_agree_always": 1.4, "zero3_nopool": 1.3, "zero3_copy": 1.3,
+            "fsdp2": 1.3, "fsdp2_noreshard": 1.2, "ds_zero3": 1.8, "ds_zero2": 1.3, "ds_zero1": 1.3, "ds_zero0": 1.2,
+            "torch_zero1": 1.2, "zero2_offload": 1.3, "zero3_offload_nvme": 2.0}  # fmt: skip
 
 
 def estimate_seconds(cells: list[Cell]) -> float:

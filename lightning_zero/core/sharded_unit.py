@@ -56,6 +56,7 @@ class ShardedUnit:
         self._handles: list[Handle] = []
         self.pool: GatherPool | None = None  # Note [gather buffer pool]; set by the runtime
         self._lent: dict[int, torch.Tensor] = {}  # Note [one rank]: group index -> the shard whose memory is lent
+        self.lend: bool = True  # Note [one rank]; False copies instead (benchmarks/ measures the difference)
         self.gathers: int = 0  # completed gathers since setup (tests count them)
         self.releases: int = 0
         # backward bookkeeping of the current pass
@@ -105,7 +106,7 @@ class ShardedUnit:
     def start_gather(self, comm: DataParallelComm) -> None:
         assert self.state is UnitState.SHARDED, self.state
         for i, g in enumerate(self.groups):
-            if comm.world_size == 1 and lend(g.flat, g.shard):  # Note [one rank]: no copy
+            if comm.world_size == 1 and self.lend and lend(g.flat, g.shard):  # Note [one rank]: no copy
                 self._lent[i], g.shard = g.shard, g.flat[:]
                 continue
             storage, nbytes = g.flat.untyped_storage(), g.padded_numel * g.flat.element_size()

@@ -100,6 +100,7 @@ class Stage3Runtime:
         self.retraces: int = 0
         self.holding: bool = False  # hold_all(): nothing is released until release_held()
         self.agreement: Agreement = Agreement.WHILE_RECORDING  # Note [gather agreement]
+        self.agreements: int = 0  # agreement all-reduces issued (tests count them)
         self.pool = GatherPool()  # Note [gather buffer pool]
         for unit in units:
             if not unit.persistent:
@@ -126,6 +127,7 @@ class Stage3Runtime:
             return
         check = self.agreement is Agreement.ALWAYS or (recording and self.agreement is Agreement.WHILE_RECORDING)
         if self.comm.active and check:  # Note [gather agreement]
+            self.agreements += 1
             largest, smallest = self.comm.extremes(unit.index)
             if largest != smallest:
                 raise RuntimeError(
