@@ -189,10 +189,11 @@ def write_pages(args: argparse.Namespace, results: dict[str, Any], cells: list[C
     if "peers" in results:
         rows, cell = results["peers"], by_key["peers"]
         n = parameters(cell.entries[0].config)
-        lines, bad = pages.loss_check(rows)
+        base = cell.entries[0].label  # ddp unless --systems leaves it out
+        lines, bad = pages.loss_check(rows, base)
         disagree += bad
         bench += [f"### All peers: {cell.size} GPT ({n / 1e6:.1f}M parameters), {cell.world_size} ranks", "",
-                  pages.rows_table(rows), "", *lines, "",
+                  pages.rows_table(rows, base), "", *lines, "",
                   "Model state (params + grads + optimizer) of lightning_zero against the ZeRO formula "
                   "(`lightning_zero.estimator.estimate_memory`, fp32):", "",
                   *pages.formula_check(rows, _formula(rows, n, cell.world_size)), "",
@@ -219,7 +220,7 @@ def write_pages(args: argparse.Namespace, results: dict[str, Any], cells: list[C
         sizes = list(dict.fromkeys(c.size for c in cells if c.key.startswith("growth:")))
         worlds = sorted({w for _, w in growth})
         for key, rows in growth.items():
-            lines, bad = pages.loss_check(rows)
+            lines, bad = pages.loss_check(rows, rows[0]["name"])
             disagree += [f"{b} ({key[0]}, {key[1]} ranks)" for b in bad]
         note = ("4 ranks share 2 cores: their times include waiting for a core" if 4 in worlds and
                 os.cpu_count() and os.cpu_count() < 4 else "")  # fmt: skip
