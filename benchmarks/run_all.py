@@ -17,6 +17,7 @@ baseline of the same round. Losses must agree within 1e-4: a disagreement is pri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--write", action="store_true", help="with --quick: write the pages and figures anyway")
     add("--json", type=Path, help="also write every summary row to this file")
     add("--timeout", type=float, default=900.0, help="seconds one system run may take")
+    add("--rounds", type=int, default=None, help="override the rounds of every cell (a partial check; the page "
+        "needs >= 3)")
     add("--estimate", action="store_true", help="print the plan and its time estimate, run nothing")
     return p.parse_args(argv)
 
@@ -114,6 +117,8 @@ def _formula(rows: list[dict[str, Any]], n: int, world: int) -> dict[str, float]
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     budget = plan.QUICK if args.quick else plan.FULL
+    if args.rounds is not None:
+        budget = dataclasses.replace(budget, rounds=args.rounds)
     sizes = tuple((args.sizes or ("tiny" if args.quick else "5M,20M,80M")).split(","))
     peer_size = "tiny" if args.quick else "20M"
     worlds = tuple(int(w) for w in args.worlds.split(","))
