@@ -145,3 +145,30 @@ def test_lightning_ddp_fit_twice(gloo_pool: GlooPool) -> None:
         assert [(r["global_rank"], r["world_size"], r["global_step"]) for r in results] == [(0, 2, 3), (1, 2, 3)]
         assert [(r["children"], r["group_alive"]) for r in results] == [(0, True), (0, True)]  # no spawn
     assert gloo_pool.run(f"{HERE}:_all_reduce") == [3.0, 3.0]
+
+
+def _interpreter() -> dict[str, Any]:
+    import sys
+
+    return {"executable": sys.executable, "env": os.environ.get("POOL_TEST_ENV"), "path": sys.path[:3]}
+
+
+@pytest.mark.slow
+def test_a_pool_runs_its_workers_under_another_interpreter_with_extra_environment(tmp_path) -> None:
+    """``GlooPool(python=..., env=...)``: the workers run that interpreter (here a link to this one, as a venv's
+    ``bin/python`` would be), see the extra variables, and the pool leaves multiprocessing's default alone."""
+    import multiprocessing.spawn
+    import sys
+
+    link = tmp_path / "python"
+    link.symlink_to(sys.executable)
+    default = multiprocessing.spawn.get_executable()
+    pool = GlooPool(world_size=1, python=str(link), env={"POOL_TEST_ENV": "set"})
+    try:
+        [result] = pool.run(f"{HERE}:_interpreter")
+    finally:
+        pool.close()
+    assert result["executable"] == str(link) and result["env"] == "set"
+    assert multiprocessing.spawn.get_executable() == default
+    with pytest.raises(GlooPoolError, match="cannot run the pool's interpreter"):
+        GlooPool(world_size=1, python=str(tmp_path / "missing"))

@@ -302,8 +302,11 @@ class GlooPool:
 
 def _interpreter_path(python: str) -> list[str]:
     """``sys.path`` of another interpreter (its site-packages), asked once."""
-    done = subprocess.run([python, "-c", "import json, sys; print(json.dumps(sys.path))"], capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    try:
+        done = subprocess.run([python, "-c", "import json, sys; print(json.dumps(sys.path))"], capture_output=True,
+                              text=True, timeout=120, check=False)  # fmt: skip
+    except OSError as e:
+        raise GlooPoolError(f"cannot run the pool's interpreter {python!r}: {e}") from e
     if done.returncode != 0:
         raise GlooPoolError(f"cannot run the pool's interpreter {python!r}: {done.stderr.strip()[-500:]}")
     return [p for p in json.loads(done.stdout.strip().splitlines()[-1]) if p]
