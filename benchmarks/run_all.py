@@ -162,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'/'.join(f'{x:.2f}' for x in load_before)} before, {'/'.join(f'{x:.2f}' for x in load_after)} after",
         f"Budget: {budget.warmup} warm-up + {budget.peer_steps} measured steps per peer run "
         f"({budget.peer_batch[0]} x {budget.peer_batch[1]} tokens per rank), {budget.growth_steps} per growth run "
-        f"(2 for the 80M model; {budget.growth_batch[0]} x {budget.growth_batch[1]}), {budget.sweep_steps} per sweep "
-        f"run; {budget.rounds} interleaved round(s) each; a run's step = max over ranks of the median step, then "
-        "median over rounds; ratios = median over rounds of the same-round ratio",
+        f"({budget.growth_batch[0]} x {budget.growth_batch[1]}), {budget.sweep_steps} per sweep and speed-item run "
+        f"({budget.sweep_batch[0]} x {budget.sweep_batch[1]}); {budget.rounds} interleaved round(s) each; a run's "
+        "step = max over ranks of the median step, then median over rounds; ratios = median over rounds of the "
+        "same-round ratio",
         "Every system: the same GPT (seed 0), AdamW lr 1e-4, fp32, the same rows per rank, 1 torch thread per rank, "
         "gloo on CPU. DeepSpeed: a plain loop over deepspeed.initialize (Lightning's DeepSpeedStrategy refuses the "
         "CPU), DS_ACCELERATOR=cpu" + ("" if ds_python else f" -- SKIPPED: {ds_note}"),

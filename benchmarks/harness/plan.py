@@ -101,8 +101,7 @@ def build_plan(budget: Budget, sizes: tuple[str, ...], worlds: tuple[int, ...], 
     if "growth" in parts:
         for world in sorted(worlds):
             for size in sizes:
-                steps = max(2, budget.growth_steps - 1) if parameters(config_for(size, (1, 1), 1, 0)) > 50e6 else None
-                config = config_for(size, budget.growth_batch, steps or budget.growth_steps, budget.warmup)
+                config = config_for(size, budget.growth_batch, budget.growth_steps, budget.warmup)
                 entries = tuple(Entry(n, n, config) for n in growth if world > 1 or n != "torch_zero1")
                 cells.append(Cell(f"growth:{size}:w{world}", size, world, entries, budget.rounds))
     return sorted(cells, key=lambda c: c.world_size)  # stable: peers, items, sweeps stay first among world 2
