@@ -90,7 +90,9 @@ def run_cells(cells: list[Cell], ds_python: str | None, timeout: float) -> dict[
                 pools = Pools(cell.world_size, 1, timeout, ds_python)
             runs: dict[str, list[Any]] = {e.label: [] for e in cell.entries}
             for round_ in range(cell.rounds):
-                for entry in cell.entries:
+                # each round starts at another system: whatever the first run in a fresh pool pays is shared
+                shift = round_ % len(cell.entries)
+                for entry in cell.entries[shift:] + cell.entries[:shift]:
                     t = time.perf_counter()
                     runs[entry.label].append(pools.run(entry.contender, entry.config))
                     print(f"[{cell.key} round {round_ + 1}/{cell.rounds}] {entry.label}: "
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({budget.growth_batch[0]} x {budget.growth_batch[1]}), {budget.sweep_steps} per sweep and speed-item run "
         f"({budget.sweep_batch[0]} x {budget.sweep_batch[1]}); {budget.rounds} interleaved round(s) each; a run's "
         "step = max over ranks of the median step, then median over rounds; ratios = median over rounds of the "
-        "same-round ratio",
+        "same-round ratio; each round starts at the next system of the cell",
         "Every system: the same GPT (seed 0), AdamW lr 1e-4, fp32, the same rows per rank, 1 torch thread per rank, "
         "gloo on CPU. DeepSpeed: a plain loop over deepspeed.initialize (Lightning's DeepSpeedStrategy refuses the "
         "CPU), DS_ACCELERATOR=cpu" + ("" if ds_python else f" -- SKIPPED: {ds_note}"),
