@@ -32,6 +32,12 @@ def test_released_memory_is_reused_and_bounded_by_the_most_ever_gathered() -> No
     assert a.nbytes() == 0 and pool.pooled_bytes == 800  # over the limit: freed, not kept
     pool.clear()
     assert pool.pooled_bytes == 0
+    pool.fill(a, 400)
+    pool.close()  # teardown: nothing is kept any more
+    pool.fill(b, 400)
+    pool.empty(a)
+    pool.empty(b)
+    assert pool.pooled_bytes == 0 and a.nbytes() == b.nbytes() == 0
 
 
 def _unit() -> tuple[ShardedUnit, nn.Linear, torch.Tensor]:

@@ -38,6 +38,7 @@ class GatherPool:
         self.live_bytes: int = 0  # bytes in unit storages filled through this pool
         self.limit_bytes: int = 0  # the most ever live at once: the pool never holds more than that minus live
         self.reused: int = 0  # fills served from the pool (tests, benchmarks)
+        self.keeping: bool = True  # False after close(): releases free their memory
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty ``storage`` ``nbytes`` of memory (contents undefined)."""
@@ -56,7 +57,7 @@ class GatherPool:
         """Take ``storage``'s memory away (into the pool while it stays within the limit)."""
         nbytes = storage.nbytes()
         self.live_bytes = max(0, self.live_bytes - nbytes)
-        if _CAN_SWAP and nbytes and self.pooled_bytes + self.live_bytes + nbytes <= self.limit_bytes:
+        if self.keeping and _CAN_SWAP and nbytes and self.pooled_bytes + self.live_bytes + nbytes <= self.limit_bytes:
             spare = torch.UntypedStorage(0, device=storage.device)
             spare._swap_data_ptr_(storage)
             self._spares.setdefault((storage.device, nbytes), []).append(spare)
@@ -65,9 +66,14 @@ class GatherPool:
             storage.resize_(0)
 
     def clear(self) -> None:
-        """Free the pooled memory (teardown)."""
+        """Free the pooled memory."""
         self._spares.clear()
         self.pooled_bytes = 0
+
+    def close(self) -> None:
+        """Teardown: free the pooled memory and keep none from now on (releases free their memory)."""
+        self.clear()
+        self.keeping = False
 
 
 def lend(flat: torch.Tensor, shard: torch.Tensor) -> bool:

@@ -117,9 +117,11 @@ class Stage3Runtime:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def remove_hooks(self) -> None:
+        """Teardown: the hooks go, and the gather pool frees what it kept (Note [gather buffer pool])."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.pool.close()
 
     # ---------------------------------------------------------------- gather / release
     def _gather(self, unit: ShardedUnit, recording: bool = True) -> None:
