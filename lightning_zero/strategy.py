@@ -392,8 +392,9 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
                 )
         for name, stage, kwargs in (
             ("zero_stage_2_offload", 2, {"offload_optimizer": "cpu"}),
-            ("zero_stage_3_offload", 3, {"offload_optimizer": "cpu"}),
-            ("zero_stage_3_offload_nvme", 3, {"offload_optimizer": "nvme", "nvme_path": "/local_nvme"}),
+            ("zero_stage_3_offload", 3, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
+            ("zero_stage_3_offload_nvme", 3, {"offload_optimizer": "nvme", "offload_param": "nvme",
+                                              "nvme_path": "/local_nvme"}),
         ):
             strategy_registry.register(name, cls, description=f"ZeRO stage {stage} with {kwargs} (lightning_zero)",
                                        stage=stage, **kwargs)

@@ -288,8 +288,6 @@ def unbuilt_features(cfg: TrainConfig) -> list[str]:
     if cfg.zero.stage not in BUILT_STAGES:
         out.append(f"ZeRO stage {cfg.zero.stage} (zero=stage{cfg.zero.stage}, partitioned parameters); "
                    "use zero=stage0, stage1 or stage2")
-    if cfg.offload.param_device is not OffloadDevice.none:
-        out.append(f"offload={offload_name(cfg)} (parameter offload); use offload=optimizer_cpu or optimizer_nvme")
     return out
 
 

@@ -43,7 +43,7 @@ from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.materialize import ParamInitFn
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.offload import OffloadConfig
-from lightning_zero.core.offload_store import OptimizerOffload
+from lightning_zero.core.offload_store import OptimizerOffload, swap_bytes
 from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
 from lightning_zero.core.optimizer_state import broadcast_master_init
 from lightning_zero.core.sharded_unit import ShardedUnit
@@ -149,8 +149,9 @@ class ZeroEngine(WholeModelViews, StepPreparation):
                                                     self.dtypes.master_dtype, self.comm)
             store = None
             if self.offload_config.optimizer_device != "none":
-                self.offload_config.check_path(self._offloaded_bytes())
-                store = OptimizerOffload(self.offload_config, self.comm.rank)
+                need = swap_bytes(self.offload_config, self.groups, self.units, self.dtypes.master_dtype)
+                self.offload_config.check_path(need)
+                store = OptimizerOffload(self.offload_config, self.comm.rank, self.units)
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
                                             whole=config.stage == 0, master_init=master_init, offload=store)
         if optimizer is not None:
@@ -175,12 +176,6 @@ class ZeroEngine(WholeModelViews, StepPreparation):
     def master_grad_is_view(self) -> bool:
         """Whether the optimizer steps on the reduced gradient buffers themselves (no cast, no offload)."""
         return self.dtypes.master_grad_is_view and self.offload_config.optimizer_device == "none"
-
-    def _offloaded_bytes(self) -> int:
-        """This rank's bytes in the swap files: master and state shards (AdamW's two moments; one
-        more element per parameter is kept free for other optimizers' state)."""
-        size = torch.empty((), dtype=self.dtypes.master_dtype).element_size()
-        return sum(g.shard_numel for g in self.groups) * size * 4
 
     # ------------------------------------------------------------------ setup
     def _check_same_structure(self, settings: Mapping[str, str]) -> None:

@@ -34,11 +34,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_zero.core.offload import OffloadConfig
+
+if TYPE_CHECKING:
+    from lightning_zero.core.flat_param import FlatParamGroup
+    from lightning_zero.core.param_offload import ParamOffload
+    from lightning_zero.core.sharded_unit import ShardedUnit
 
 # optimizer classes whose CPU step has a fused kernel in torch (``fused=True``)
 FUSED_CPU_OPTIMIZERS: tuple[type[Optimizer], ...] = (
@@ -118,9 +124,11 @@ class OptimizerOffload:
     Args:
         config: the offload policy (``optimizer_device`` is ``"cpu"`` or ``"nvme"``).
         rank: the data-parallel rank (names its swap directory).
+        units: stage 3's units; with ``config.param_device`` set their shards are offloaded too
+            (:class:`~lightning_zero.core.param_offload.ParamOffload`, sharing the swap directory).
     """
 
-    def __init__(self, config: OffloadConfig, rank: int = 0) -> None:
+    def __init__(self, config: OffloadConfig, rank: int = 0, units: list[ShardedUnit] | None = None) -> None:
         if config.optimizer_device not in ("cpu", "nvme"):
             raise ValueError(f"optimizer_device must be 'cpu' or 'nvme', not {config.optimizer_device!r}.")
         self.config = config
@@ -135,11 +143,18 @@ class OptimizerOffload:
         self._pending: list[Future] = []
         self._reading: dict[int, list[Future]] = {}  # sub-group index -> its reads in flight
         self._scratch = bytearray(16 << 20) if self.nvme else bytearray()
-        if self.nvme:
+        if config.uses_nvme:
             self.directory = tempfile.TemporaryDirectory(prefix=f"lightning_zero-{os.getpid()}-r{rank}-",
                                                          dir=config.nvme_path)
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-write")
+        if self.nvme:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-read")
+        self.params: ParamOffload | None = None  # offload_param (Note [parameter offload])
+        if config.param_device != "none":
+            from lightning_zero.core.param_offload import ParamOffload
+
+            directory = self.directory.name if self.directory is not None else None
+            self.params = ParamOffload(config.param_device, list(units or []), directory, self.pin)
 
     # ------------------------------------------------------------------ storage
     def new_master(self, fi: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -172,9 +187,12 @@ class OptimizerOffload:
         self.counters.grad_bytes_in += grad.numel() * grad.element_size()
         return host
 
-    def write_back(self, own: torch.Tensor, master: torch.Tensor) -> None:
+    def write_back(self, own: torch.Tensor, master: torch.Tensor, group: FlatParamGroup, lo: int) -> None:
+        """Cast the stepped ``master`` into ``own``: elements ``[lo, lo + own.numel())`` of ``group``'s shard."""
         own.copy_(master, non_blocking=self.pin)
         self.counters.param_bytes_out += own.numel() * own.element_size()
+        if self.params is not None:
+            self.params.written(group, lo, lo + own.numel())
 
     # ------------------------------------------------------------------ step
     def sub_groups(self, numels: list[int], piece: int) -> list[SubGroup]:
@@ -213,6 +231,8 @@ class OptimizerOffload:
             step_one(sg)
             if self.nvme:
                 self._release(sg)
+        if self.params is not None:
+            self._pending += self.params.flush(self._writer)
         self.wait()
         self.counters.steps += 1
         self.counters.step_s += time.perf_counter() - start
@@ -247,6 +267,8 @@ class OptimizerOffload:
         """Take every swapped tensor out of this process (after a checkpoint or a load read them)."""
         for file in self.files.values():
             file.release(0, file.tensor.numel())
+        if self.params is not None:
+            self.params.release_all()
 
     def wait(self) -> None:
         """Wait for the writer thread (raises its error, e.g. a full disk)."""
@@ -266,9 +288,24 @@ class OptimizerOffload:
         for file in self.files.values():
             file.close()
         self.files.clear()
+        if self.params is not None:
+            self.params.close()
         if self.directory is not None:
             self.directory.cleanup()
             self.directory = None
+
+
+def swap_bytes(config: OffloadConfig, groups: list[FlatParamGroup], units: list[ShardedUnit],
+               master_dtype: torch.dtype) -> int:
+    """This rank's bytes in swap files under ``config``: with ``optimizer_device="nvme"`` the master and
+    state shards of ``groups`` (AdamW's two moments; one more element per parameter is kept free for
+    other optimizers' state); with ``param_device="nvme"`` the parameter shards of the non-persistent ``units``."""
+    out = 0
+    if config.optimizer_device == "nvme":
+        out += sum(g.shard_numel for g in groups) * torch.empty((), dtype=master_dtype).element_size() * 4
+    if config.param_device == "nvme":
+        out += sum(g.shard_numel * g.flat.element_size() for u in units if not u.persistent for g in u.groups)
+    return out
 
 
 def use_fused_kernels(optimizer: Optimizer) -> dict[int, tuple]:

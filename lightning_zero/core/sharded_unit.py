@@ -19,6 +19,7 @@ Note [version counter]
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from torch import nn
 from lightning_zero.core.comm import DataParallelComm, Handle
 from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.units import PERSISTENT
+
+if TYPE_CHECKING:
+    from lightning_zero.core.param_offload import ParamOffload
 
 
 class UnitState(enum.Enum):
@@ -53,6 +57,7 @@ class ShardedUnit:
         self.has_frozen: bool = any(g.optimizer_group < 0 for g in groups)
         self.state = UnitState.GATHERED  # bound whole at setup, sharded by shard()
         self._handles: list[Handle] = []
+        self.shard_io: ParamOffload | None = None  # offload_param: reads the shards (Note [parameter offload])
         self.gathers: int = 0  # completed gathers since setup (tests count them)
         self.releases: int = 0
         # backward bookkeeping of the current pass
@@ -100,7 +105,10 @@ class ShardedUnit:
             storage.resize_(g.padded_numel * g.flat.element_size())
             start, end = g.shard_range()
             with torch.autograd._unsafe_preserve_version_counter(g.flat):  # Note [version counter]
-                g.flat[start:end].copy_(g.shard)
+                if self.shard_io is None:
+                    g.flat[start:end].copy_(g.shard)
+                else:  # the shard lives in host buffers or swap files (param_offload.py)
+                    self.shard_io.read(g, g.flat[start:end])
                 self._handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
         self.state = UnitState.GATHERING
 
