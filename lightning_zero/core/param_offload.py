@@ -70,10 +70,11 @@ class ParamOffload:
         self.units = [u for u in units if not u.persistent]
         self.files: dict[int, SwapFile] = {}  # id(flat group) -> its swap file
         self.offloaded: set[int] = {id(g) for u in self.units for g in u.groups}
+        self.homes: dict[int, torch.Tensor] = {}  # id(flat group) -> the storage its shard lives in
         self._neighbours: dict[int, list[FlatParamGroup]] = {}  # id(flat group) -> groups to read ahead
         for i, unit in enumerate(self.units):
             for g in unit.groups:
-                g.shard = self._home(g, directory)
+                g.shard = self.homes[id(g)] = self._home(g, directory)
                 self.counters.shards += 1
                 self.counters.shard_bytes += g.shard.numel() * g.shard.element_size()
             near = [u for u in self.units[max(i - 1, 0) : i + 2] if u is not unit]
@@ -132,3 +133,4 @@ class ParamOffload:
         for file in self.files.values():
             file.close()
         self.files.clear()
+        self.homes.clear()
