@@ -27,6 +27,8 @@ Note [swap files]
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import mmap
 import os
 import tempfile
@@ -45,6 +47,28 @@ if TYPE_CHECKING:
     from lightning_zero.core.flat_param import FlatParamGroup
     from lightning_zero.core.param_offload import ParamOffload
     from lightning_zero.core.sharded_unit import ShardedUnit
+
+MMAP_THRESHOLD_BYTES = 1 << 20  # Note [freed memory]
+
+
+def return_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Note [freed memory]
+        glibc serves an allocation above its mmap threshold with its own mapping, returned to the OS when
+        freed; but the first such free raises the threshold (up to 32 MiB), and from then on those buffers
+        come from the heap, which keeps freed memory. Offload to disk creates and frees shard-sized
+        temporaries (a sub-group's lazily created optimizer state before it moves to the files, backward's
+        buffers): with the dynamic threshold a GPT-125M rank kept ~200 MiB it no longer used, most of the
+        relief. Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops the adjustment) keeps
+        the resident set at what is live (docs/offload.md, docs/benchmarks.md). Process-wide, set once
+        when ``"nvme"`` offload starts; glibc only (returns whether it was set).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except OSError:
+        return False
+
 
 # optimizer classes whose CPU step has a fused kernel in torch (``fused=True``)
 FUSED_CPU_OPTIMIZERS: tuple[type[Optimizer], ...] = (
@@ -144,6 +168,7 @@ class OptimizerOffload:
         self._reading: dict[int, list[Future]] = {}  # sub-group index -> its reads in flight
         self._scratch = bytearray(16 << 20) if self.nvme else bytearray()
         if config.uses_nvme:
+            return_freed_memory()  # Note [freed memory]
             self.directory = tempfile.TemporaryDirectory(prefix=f"lightning_zero-{os.getpid()}-r{rank}-",
                                                          dir=config.nvme_path)
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-write")
