@@ -19,7 +19,15 @@ import torch
 from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.offload import OffloadConfig
-from tests.models import TinyTransformer, make_trainer, params_of, token_loader
+from tests.models import (
+    STAGE3_SHARDED,
+    TinyTransformer,
+    assert_released,
+    make_trainer,
+    params_of,
+    token_loader,
+    units_released,
+)
 
 PIECE = 64  # master pieces of 64 elements: many pieces, several sub-groups of SUB_GROUP elements
 SUB_GROUP = 200
@@ -82,7 +90,7 @@ def _check_param_shards(engine: Any, store: Any, params: list[int]) -> tuple[int
             assert g.shard.data_ptr() == store.homes[id(g)].data_ptr(), "param shard is not in the store"
             if store.nvme:
                 assert g.shard.data_ptr() == store.files[id(g)].tensor.data_ptr(), "param shard is not its swap file"
-    return store.counters.shards, sum(u.releases for u in released)
+    return store.counters.shards, sum(u.releases for u in released), sum(u.releases > 0 for u in released)
 
 
 def _devices(device: str) -> dict[str, str]:
@@ -92,7 +100,7 @@ def _devices(device: str) -> dict[str, str]:
 
 
 def _strategy(stage: int, mode: str, **offload: Any) -> ZeroStrategy:
-    extra = {"param_persistence_threshold": 0} if stage == 3 else {}
+    extra = STAGE3_SHARDED if stage == 3 else {}  # several units, all released
     scaler = LossScalerConfig(initial_scale_power=8) if mode == "16-mixed" else None
     return ZeroStrategy(stage=stage, reduce_bucket_size=100, precision=ZeroPrecision(mode, loss_scaler=scaler),
                         **extra, **offload)
@@ -168,8 +176,8 @@ def test_offload_counters_advance_every_step_and_files_go(offload_results: list[
             if device.startswith("param_"):  # shards read at every gather, written at every step
                 assert after["shard_in"] > before["shard_in"] and after["shard_out"] > before["shard_out"]
         if device.startswith("param_"):
-            shards, releases = zip(*off["units"])
-            assert min(shards) >= 2 and releases[-1] > releases[0] > 0  # units really sharded and released
+            shards, releases, units = zip(*off["units"])
+            assert min(shards) >= 2 and releases[-1] > releases[0] > 0 and units[-1] >= 2  # sharded, released
         assert all(off["fused"])  # stepped with the fused CPU kernels
         assert not off["swap_dir_left"]
 
@@ -340,3 +348,46 @@ def test_a_model_that_exceeds_rlimit_data_trains_with_its_optimizer_state_on_dis
     assert "can't allocate memory" in results["none"]["error"]
     assert results["nvme"]["trained"] is True, results["nvme"]
     assert results["nvme"]["losses"] == results["reference"]["losses"]  # the same training
+
+
+# ---------------------------------------------------------------------------------------------- composition
+def _stage3(offload: OffloadConfig | None, **kwargs: Any) -> ZeroStrategy:
+    return ZeroStrategy(stage=3, **STAGE3_SHARDED, **kwargs, **({"offload": offload} if offload else {}))
+
+
+def _nvme(directory: str) -> OffloadConfig:
+    return OffloadConfig(optimizer_device="nvme", param_device="nvme", nvme_path=directory, sub_group_size=SUB_GROUP)
+
+
+def composition_body(root: str) -> dict[str, Any]:
+    """Stage 3 with both offloads on "nvme": (a) with activation checkpointing, against the same without
+    offload; (b) 10 steps saving a sharded checkpoint at step 4 (resumed at 1 rank by the test)."""
+    from tests.test_checkpoints import _fit, _saver
+
+    out: dict[str, Any] = {}
+    for name, offload in (("plain", None), ("offload", _nvme(root))):
+        model, strategy = FusedTiny("adamw"), _stage3(offload, activation_checkpointing=True)
+        _fit(model, strategy, max_steps=5)
+        out[name] = (model.losses, params_of(model), units_released(strategy, model))
+    model, strategy = FusedTiny("adamw"), _stage3(_nvme(root))
+    _fit(model, strategy, callbacks=[_saver(os.path.join(root, "ckpt"))])
+    out["saved_run"] = model.losses
+    return out
+
+
+@pytest.mark.slow
+def test_offload_composes_with_checkpointing_and_resumes_at_another_world_size(gloo_pool, tmp_path) -> None:
+    from tests.test_checkpoints import _fit, _global
+
+    runs = gloo_pool.run("tests.test_offload:composition_body", root=str(tmp_path))
+    for r in runs:  # activation checkpointing recomputes the forward: the units are gathered again from the store
+        (plain_losses, plain_params, plain_units), (losses, params, units) = r["plain"], r["offload"]
+        assert losses == plain_losses and len(losses) == 5
+        assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+        assert_released(units) and assert_released(plain_units)
+    reference = _global([r["saved_run"] for r in runs])[4:]  # steps 5-10 of the 2-rank run
+    ckpt = os.path.join(str(tmp_path), "ckpt", "epoch=0-step=4.ckpt")
+    for offload in (None, _nvme(str(tmp_path))):  # 2 ranks with offload -> 1 rank without it, and with it
+        model = FusedTiny("adamw")
+        _fit(model, _stage3(offload), devices=1, batch_size=8, ckpt_path=ckpt)
+        assert model.losses == pytest.approx(reference, rel=1e-5), (offload, model.losses, reference)
