@@ -231,6 +231,14 @@ def test_pin_memory_without_an_accelerator_warns_and_stays_unpinned() -> None:
     assert not store.pin and not store.new_master(0, 10, torch.float32).is_pinned()
 
 
+def test_an_engine_without_an_optimizer_says_that_it_offloads_nothing() -> None:
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"offload=param_cpu .* without an optimizer .* every shard stays in memory"):
+        ZeroEngine(model, None, ZeroConfig(stage=3), offload=OffloadConfig(optimizer_device="cpu", param_device="cpu"))
+
+
 def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
     """A process killed mid-run leaves at most an empty private directory: its files were unlinked at once."""
     import signal

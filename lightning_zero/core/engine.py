@@ -154,6 +154,8 @@ class ZeroEngine(WholeModelViews, StepPreparation):
                 store = OptimizerOffload(self.offload_config, self.comm.rank, self.units)
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
                                             whole=config.stage == 0, master_init=master_init, offload=store)
+        if optimizer is None:
+            self.offload_config.warn_unused()
         if optimizer is not None:
             self._user_zero_grad = optimizer.zero_grad
             optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]

@@ -90,6 +90,13 @@ class OffloadConfig:
         if self.uses_nvme and not self.nvme_path:
             raise ValueError(f"offload={self.name} needs `nvme_path`: an existing, writable directory on a local disk.")
 
+    def warn_unused(self) -> None:
+        """An engine without an optimizer (validate / test / predict outside fit) offloads nothing: say so."""
+        if self.enabled:
+            warnings.warn(f"offload={self.name} moves the optimizer's shards (and with offload_param the parameter "
+                          "shards it steps); without an optimizer (evaluation outside fit) every shard stays in "
+                          "memory. Fit to use offload, or leave offload out of evaluation-only runs.", stacklevel=3)
+
     def check_path(self, need_bytes: int = 0) -> None:
         """Refuse an ``nvme_path`` that does not exist, is not a writable directory or lacks ``need_bytes``."""
         if not self.uses_nvme:
