@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_zero.core.offload import OffloadConfig
-from lightning_zero.core.offload_store import SwapFile, return_freed_memory
+from lightning_zero.core.offload_store import return_freed_memory
+from lightning_zero.core.swap_file import SwapFile
 
 MODES = ("none", "cpu", "nvme")
 

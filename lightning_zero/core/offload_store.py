@@ -26,10 +26,8 @@ Note [swap files]
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
-import mmap
 import os
 import tempfile
 import time
@@ -42,10 +40,11 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.core.param_offload import ParamOffload
+from lightning_zero.core.swap_file import SwapFile
 
 if TYPE_CHECKING:
     from lightning_zero.core.flat_param import FlatParamGroup
-    from lightning_zero.core.param_offload import ParamOffload
     from lightning_zero.core.sharded_unit import ShardedUnit
 
 MMAP_THRESHOLD_BYTES = 1 << 20  # Note [freed memory]
@@ -88,56 +87,6 @@ class OffloadCounters:
     step_s: float = 0.0  # seconds inside those steps (I/O waits included)
 
 
-class SwapFile:
-    """One run-private, already-unlinked file of ``numel`` elements, mapped as a 1-D tensor."""
-
-    def __init__(self, directory: str, numel: int, dtype: torch.dtype) -> None:
-        fd, path = tempfile.mkstemp(prefix="swap-", dir=directory)
-        os.unlink(path)  # Note [swap files]: gone at exit, never read again
-        self.fd = fd
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = max(numel * self.itemsize, mmap.PAGESIZE)
-        os.posix_fallocate(fd, 0, nbytes)  # reserve the disk space now: ENOSPC at setup, not mid-run
-        self.map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.tensor = torch.frombuffer(self.map, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
-
-    def _span(self, lo: int, hi: int) -> tuple[int, int]:
-        start = lo * self.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
-        return start, hi * self.itemsize - start
-
-    def prefetch(self, lo: int, hi: int, scratch: bytearray) -> int:
-        """Read elements ``[lo, hi)`` from disk into the page cache, in large sequential reads
-        (the reader thread runs it; the mapping's first touch is then a minor fault); returns the bytes."""
-        start, length = self._span(lo, hi)
-        view = memoryview(scratch)
-        end = start + length
-        while start < end:
-            n = os.preadv(self.fd, [view[: min(len(scratch), end - start)]], start)
-            if n <= 0:
-                break
-            start += n
-        return (hi - lo) * self.itemsize
-
-    def release(self, lo: int, hi: int) -> int:
-        """Take elements ``[lo, hi)`` out of this process (they stay in the file); returns the bytes."""
-        start, length = self._span(lo, hi)
-        if length > 0:
-            self.map.madvise(mmap.MADV_DONTNEED, start, length)
-        return (hi - lo) * self.itemsize
-
-    def flush(self, lo: int, hi: int) -> None:
-        """Write dirty pages to disk and drop ``[lo, hi)`` from the page cache (the writer thread runs it)."""
-        start, length = self._span(lo, hi)
-        os.fdatasync(self.fd)
-        if length > 0:
-            os.posix_fadvise(self.fd, start, length, os.POSIX_FADV_DONTNEED)
-
-    def close(self) -> None:
-        with contextlib.suppress(BufferError):  # tensors still view it: the mapping goes with them
-            self.map.close()
-        os.close(self.fd)
-
-
 # a sub-group: (flat group, first element, one past the last) ranges, at master-piece boundaries
 SubGroup = list[tuple[int, int, int]]
 
@@ -176,8 +125,6 @@ class OptimizerOffload:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-read")
         self.params: ParamOffload | None = None  # offload_param (Note [parameter offload])
         if config.param_device != "none":
-            from lightning_zero.core.param_offload import ParamOffload
-
             directory = self.directory.name if self.directory is not None else None
             self.params = ParamOffload(config.param_device, list(units or []), directory, self.pin)
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightning_zero.core.flat_param import FlatParamGroup
-from lightning_zero.core.offload_store import SwapFile
+from lightning_zero.core.swap_file import SwapFile
 
 if TYPE_CHECKING:
     from lightning_zero.core.sharded_unit import ShardedUnit
