@@ -81,6 +81,9 @@ class ParamOffload:
             for g in unit.groups:
                 self._neighbours[id(g)] = [n for u in near for n in u.groups]
             unit.shard_io = self
+            # stage 3 at world size 1 may lend a shard's memory to the gather buffer instead of copying it
+            # (``ShardedUnit.lend``, issue 21's speed items): never an offloaded shard, whose storage is the store's
+            unit.lend = False
 
     @torch.no_grad()
     def _home(self, g: FlatParamGroup, directory: str | None) -> torch.Tensor:
