@@ -5,6 +5,10 @@ or a value of the wrong type fails when Hydra composes the config, naming the ke
 :class:`TrainConfig` types each group too. The knob names follow DeepSpeed's JSON config where
 DeepSpeed has one (``reduce_bucket_size``, ``loss_scale_window``, ``offload_optimizer.device``, ...).
 
+Where a core dataclass or a module already declares the knobs (the fp16 loss scaler, the profiler
+window, the teacher data module), the schema is built from it (``_mirror``) instead of restating
+them, and option lists kept elsewhere become enums the same way (``_choices``).
+
 Cross-group rules (e.g. parameter offload needs stage 3) are not expressible as types; they live in
 :func:`lightning_zero.config.validate.validate_config`.
 """
