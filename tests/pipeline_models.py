@@ -9,7 +9,9 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.models import RankSampler
 
 VOCAB, WIDTH, SEQ = 13, 8, 6
 
@@ -97,19 +99,6 @@ def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
-class Shard(Sampler[int]):
-    """Fixed, unshuffled: sample ``i`` goes to data-parallel rank ``i % world``."""
-
-    def __init__(self, n: int, rank: int, world: int) -> None:
-        self.indices = list(range(rank, n, world))
-
-    def __iter__(self):  # type: ignore[override]
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
 def dataset(n: int = 96) -> TensorDataset:
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=gen)
@@ -117,7 +106,7 @@ def dataset(n: int = 96) -> TensorDataset:
 
 
 def loader(batch: int, dp_rank: int = 0, dp_size: int = 1, n: int = 96) -> DataLoader:
-    return DataLoader(dataset(n), batch_size=batch, sampler=Shard(n, dp_rank, dp_size))
+    return DataLoader(dataset(n), batch_size=batch, sampler=RankSampler(n, dp_rank, dp_size))
 
 
 def reference(optimizer: str, batch: int, dp_size: int, steps: int, clip: float | None = None,

@@ -13,7 +13,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,7 @@ def build_profiler(cfg: TrainConfig) -> ProfilerWindow | None:
     p = cfg.profiler
     if not p.enabled:
         return None
-    return ProfilerWindow(wait=p.wait, warmup=p.warmup, active=p.active, repeat=p.repeat,
-                          record_shapes=p.record_shapes, with_stack=p.with_stack)
+    return ProfilerWindow(**{f.name: getattr(p, f.name) for f in fields(ProfilerWindow)})
 
 
 def config_hparams(cfg: TrainConfig) -> dict[str, Any]:
@@ -116,10 +115,7 @@ def build_precision(cfg: TrainConfig) -> ZeroPrecision:
     name = LIGHTNING_PRECISION[p.name.value]
     scaler = None
     if name == "16-mixed":
-        scaler = LossScalerConfig(loss_scale=p.loss_scale, initial_scale_power=p.initial_scale_power,
-                                  loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis,
-                                  consecutive_hysteresis=p.consecutive_hysteresis, min_loss_scale=p.min_loss_scale,
-                                  raise_at_min_scale=p.raise_at_min_scale)
+        scaler = LossScalerConfig(**{f.name: getattr(p, f.name) for f in fields(LossScalerConfig)})
     return ZeroPrecision(name, loss_scaler=scaler, reduce_dtype=p.reduce_dtype, grad_accum_dtype=p.grad_accum_dtype)
 
 

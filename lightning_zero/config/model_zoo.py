@@ -6,6 +6,7 @@ GPT options are a preset of :data:`lightning_zero.models.gpt.GPT_PRESETS` plus s
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import lightning.pytorch as pl
@@ -73,7 +74,5 @@ def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
     if isinstance(d, TeacherDataSchema):
         from lightning_zero.models.mlp import TeacherDataModule
 
-        return TeacherDataModule(num_train=d.num_train, num_val=d.num_val, input_dim=d.input_dim,
-                                 num_classes=d.num_classes, micro_batch_size=d.micro_batch_size,
-                                 num_workers=d.num_workers, seed=d.seed, deterministic_order=d.deterministic_order)
+        return TeacherDataModule(**{name: getattr(d, name) for name in inspect.signature(TeacherDataModule).parameters})
     raise ValueError(f"no builder for data.kind={d.kind!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,12 @@ from lightning_zero.config.schema import (
     to_train_config,
 )
 from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
 from lightning_zero.core.offload import OffloadConfig
 
 BUILT_STAGES = (0, 1, 2, 3)
-_SCALER_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-                 "min_loss_scale", "raise_at_min_scale")
+_SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
 _DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
 
 

@@ -85,19 +85,25 @@ class PipelineConfig:
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` ranks; raises when it does not divide."""
-        if world_size % self.stages:
-            raise ValueError(
-                f"The world size ({world_size} ranks) is not a multiple of pipeline stages={self.stages}: every "
-                f"data-parallel replica needs {self.stages} ranks. Fix: devices x num_nodes a multiple of "
-                f"{self.stages}, or fewer stages."
-            )
-        return world_size // self.stages
+        return _split_evenly(
+            world_size, self.stages,
+            f"The world size ({world_size} ranks) is not a multiple of pipeline stages={self.stages}: every "
+            f"data-parallel replica needs {self.stages} ranks. Fix: devices x num_nodes a multiple of "
+            f"{self.stages}, or fewer stages.",
+        )
 
     def check_batch(self, batch_size: int) -> None:
         """Raise unless ``micro_batches`` divides the per-rank batch size."""
-        if batch_size % self.micro_batches:
-            raise ValueError(
-                f"The batch of {batch_size} samples per data-parallel rank does not split into micro_batches="
-                f"{self.micro_batches} equal micro-batches. Fix: a batch size that is a multiple of "
-                f"{self.micro_batches} (data.micro_batch_size / the DataLoader's batch_size), or other micro_batches."
-            )
+        _split_evenly(
+            batch_size, self.micro_batches,
+            f"The batch of {batch_size} samples per data-parallel rank does not split into micro_batches="
+            f"{self.micro_batches} equal micro-batches. Fix: a batch size that is a multiple of "
+            f"{self.micro_batches} (data.micro_batch_size / the DataLoader's batch_size), or other micro_batches.",
+        )
+
+
+def _split_evenly(total: int, parts: int, error: str) -> int:
+    """``total // parts``, or ``ValueError(error)`` when ``parts`` does not divide ``total``."""
+    if total % parts:
+        raise ValueError(error)
+    return total // parts
