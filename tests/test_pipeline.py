@@ -1,10 +1,10 @@
 """Pipeline stages beside ZeRO stages 0-3 (issue 18).
 
-Parity: the pipelined fit (2 stages on 2 ranks; 2 stages x 2 data-parallel ranks on 4) against plain
-PyTorch on one process computing what data-parallel training computes (each step averages the
-data-parallel ranks' batch losses). The model ties its embedding to its output head, so the tie
-crosses the first and last stage. Tolerances: losses within 1e-5 relative with AdamW, parameters
-within 1e-6 with SGD (observed: ~2e-7), 5 steps.
+Parity: the pipelined fit with 2 stages on 2 ranks against the unsplit model in plain PyTorch on one
+process; with 2 stages x 2 data-parallel ranks on 4 against a real 2-rank data-parallel ZeroStrategy
+run at the same ZeRO stage (computed in the shared pool; every 4-rank case in one 4-rank launch).
+The model ties its embedding to its output head, so the tie crosses the first and last stage.
+Tolerances: losses within 1e-5 relative with AdamW, parameters within 1e-6 with SGD (observed: ~2e-7), 5 steps.
 """
 
 from __future__ import annotations
@@ -95,17 +95,40 @@ def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | N
             "gathers": gathers, "dp_rank": rank % dp, "block_calls": Block.calls - calls}
 
 
+def data_parallel_body(optimizers: list[str]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The 4-rank parity's reference: a real ``ZeroStrategy`` run without a pipeline on 2 data-parallel
+    ranks (this rank's batch losses and the final parameters), for each optimizer and ZeRO stage 0-3."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for optimizer in optimizers:
+        for stage in (0, 1, 2, 3):
+            model = PipeLM(optimizer)
+            strategy = ZeroStrategy(stage=stage, param_persistence_threshold=0, reduce_bucket_size=40)
+            make_trainer(strategy, devices=world, max_steps=STEPS).fit(model, loader(BATCH, rank, world))
+            out[(optimizer, stage)] = {"losses": model.losses,
+                                       "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return out
+
+
 def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: float | None = None,
-                interval: int = 0) -> dict:
-    """Every ZeRO stage with each schedule and optimizer; returns the worst differences to the reference."""
+                interval: int = 0, data_parallel: list[dict] | None = None) -> dict:
+    """Every ZeRO stage with each schedule and optimizer; returns the worst differences to the reference:
+    plain PyTorch on one process, or (``data_parallel``: ``data_parallel_body``'s results by rank) the
+    unpipelined ZeroStrategy run at the same ZeRO stage on ``world / stages`` data-parallel ranks."""
     import torch.distributed as dist
 
     dp = dist.get_world_size() // stages
     out: dict[Any, Any] = {}
     for optimizer in optimizers:
-        ref = reference(optimizer, BATCH, dp, STEPS, clip)
+        ref = reference(optimizer, BATCH, dp, STEPS, clip) if data_parallel is None else None
         for schedule in schedules:
             for stage in (0, 1, 2, 3):
+                if data_parallel is not None:  # each data-parallel rank's losses; the parameters agree on all
+                    ref = {"losses": [list(s) for s in zip(*(r[(optimizer, stage)]["losses"] for r in data_parallel))],
+                           "params": data_parallel[0][(optimizer, stage)]["params"]}
+                assert ref is not None
                 run = _fit(stage, schedule, stages, optimizer, clip, interval)
                 ref_losses = [step[run["dp_rank"]] for step in ref["losses"]]
                 out[(optimizer, schedule, stage)] = {
@@ -153,11 +176,13 @@ def test_activation_checkpointing_recomputes_and_keeps_parity(gloo_pool: GlooPoo
 
 
 @pytest.mark.slow
-def test_two_stages_by_two_data_parallel_match_data_parallel() -> None:
+def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool) -> None:
+    # the reference: real 2-rank ZeroStrategy runs (shared pool); then every case in one 4-rank launch
+    data_parallel = gloo_pool.run("tests.test_pipeline:data_parallel_body", optimizers=["adamw", "sgd"])
     pool = GlooPool(world_size=4)
     try:
         _check(pool.run("tests.test_pipeline:parity_body", schedules=["gpipe", "1f1b", "interleaved_1f1b"],
-                        stages=2, optimizers=["adamw", "sgd"], _timeout_s=600))
+                        stages=2, optimizers=["adamw", "sgd"], data_parallel=data_parallel, _timeout_s=600))
     finally:
         pool.close()
 
