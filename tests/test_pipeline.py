@@ -25,7 +25,7 @@ from lightning_zero.core.sharded_unit import UnitState
 from lightning_zero.pipeline.model import plan_split
 from lightning_zero.pipeline.partition import layer_weights, partition
 from tests.models import make_trainer
-from tests.pipeline_models import PipeLM, loader, reference
+from tests.pipeline_models import PipeLM, loader, param_bytes, reference
 from tests.pool import GlooPool
 
 STEPS, BATCH = 5, 8
@@ -66,9 +66,28 @@ def test_protocol_and_ties_are_found_before_any_process_group() -> None:
     assert bounds == [0, 2, 5] and ties == [(0, 1)]  # the embedding and the head share a weight
 
 
+def test_a_gpt_built_on_meta_gets_its_own_initialisation() -> None:
+    """The pipelined GPT experiment builds in configure_model on the meta device; each stage initialises
+    its layers with GPT's initialisation (not reset_parameters: N(0, 1) embeddings tied to the head)."""
+    from lightning_zero.core.materialize import parameters_on_meta
+    from lightning_zero.models.gpt import GPTLightningModule, gpt_param_init
+    from lightning_zero.pipeline.build import materialize_whole
+
+    module = GPTLightningModule("gpt_tiny", build_in_configure_model=True)
+    with parameters_on_meta():
+        module.configure_model()
+    assert all(p.is_meta for p in module.parameters())
+    materialize_whole(module, gpt_param_init(module.config), 0)
+    gpt = module.model
+    assert gpt is not None and gpt.lm_head.weight is gpt.tok_emb.weight
+    assert abs(float(gpt.tok_emb.weight.detach().std()) - 0.02) < 0.002
+    proj = gpt.blocks[0].attn.proj  # residual scaling, zero bias
+    assert float(proj.weight.detach().std()) < 0.015 and float(proj.bias.detach().abs().max()) == 0.0
+
+
 # ------------------------------------------------------------------------------------------ distributed
 def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | None = None,
-         interval: int = 0) -> dict[str, Any]:
+         interval: int = 0, lazy: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
     from tests.pipeline_models import Block
@@ -78,21 +97,27 @@ def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | N
     config = PipelineConfig(stages=stages, micro_batches=4, schedule=schedule, partition_method="uniform",
                             virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
                             activation_checkpoint_interval=interval)
-    model, gathers = PipeLM(optimizer), []
+    model, gathers, held = PipeLM(optimizer, lazy=lazy), [], []
 
     class Units(pl.Callback):  # stage 3: gathers per step, and nothing left gathered after it
+        def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            held.append(param_bytes(model))
+
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            held.append(param_bytes(model))
+            if stage != 3:
+                return
             units = trainer.strategy.engine.units
             gathers.append((sum(u.gathers for u in units), len(units),
                             all(u.state is UnitState.SHARDED for u in units)))
 
     strategy = ZeroStrategy(stage=stage, pipeline=config, param_persistence_threshold=0, reduce_bucket_size=40)
-    trainer = make_trainer(strategy, devices=world, max_steps=STEPS, gradient_clip_val=clip,
-                           callbacks=[Units()] if stage == 3 else [])
+    trainer = make_trainer(strategy, devices=world, max_steps=STEPS, gradient_clip_val=clip, callbacks=[Units()])
     calls = Block.calls
     trainer.fit(model, loader(BATCH, rank % dp, dp))
     return {"losses": model.losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "gathers": gathers, "dp_rank": rank % dp, "block_calls": Block.calls - calls}
+            "gathers": gathers, "dp_rank": rank % dp, "block_calls": Block.calls - calls,
+            "built_bytes": model.built_bytes, "held_bytes": held}
 
 
 def data_parallel_body(optimizers: list[str]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -113,7 +138,8 @@ def data_parallel_body(optimizers: list[str]) -> dict[tuple[str, int], dict[str,
 
 
 def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: float | None = None,
-                interval: int = 0, data_parallel: list[dict] | None = None) -> dict:
+                interval: int = 0, data_parallel: list[dict] | None = None, lazy: bool = False,
+                zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> dict:
     """Every ZeRO stage with each schedule and optimizer; returns the worst differences to the reference:
     plain PyTorch on one process, or (``data_parallel``: ``data_parallel_body``'s results by rank) the
     unpipelined ZeroStrategy run at the same ZeRO stage on ``world / stages`` data-parallel ranks."""
@@ -122,19 +148,20 @@ def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: 
     dp = dist.get_world_size() // stages
     out: dict[Any, Any] = {}
     for optimizer in optimizers:
-        ref = reference(optimizer, BATCH, dp, STEPS, clip) if data_parallel is None else None
+        ref = reference(optimizer, BATCH, dp, STEPS, clip, lazy=lazy) if data_parallel is None else None
         for schedule in schedules:
-            for stage in (0, 1, 2, 3):
+            for stage in zero_stages:
                 if data_parallel is not None:  # each data-parallel rank's losses; the parameters agree on all
                     ref = {"losses": [list(s) for s in zip(*(r[(optimizer, stage)]["losses"] for r in data_parallel))],
                            "params": data_parallel[0][(optimizer, stage)]["params"]}
                 assert ref is not None
-                run = _fit(stage, schedule, stages, optimizer, clip, interval)
+                run = _fit(stage, schedule, stages, optimizer, clip, interval, lazy)
                 ref_losses = [step[run["dp_rank"]] for step in ref["losses"]]
                 out[(optimizer, schedule, stage)] = {
                     "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref_losses)),
                     "param_abs": max(float((p - ref["params"][n]).abs().max()) for n, p in run["params"].items()),
                     "steps": len(run["losses"]), "gathers": run["gathers"], "block_calls": run["block_calls"],
+                    "built_bytes": run["built_bytes"], "held_bytes": run["held_bytes"],
                 }
     return out
 
@@ -156,6 +183,30 @@ def _check(results: list[dict]) -> None:
 def test_two_stages_match_the_unsplit_model_at_every_zero_stage(gloo_pool: GlooPool) -> None:
     _check(gloo_pool.run("tests.test_pipeline:parity_body", schedules=["gpipe", "1f1b"], stages=2,
                          optimizers=["adamw", "sgd"]))
+
+
+@pytest.mark.slow
+def test_each_rank_builds_only_its_stage_and_keeps_parity(gloo_pool: GlooPool) -> None:
+    """A module built in configure_model: parameters on the meta device, then each rank materialises only
+    its stage's layers (Note [local construction] in pipeline/build.py). Parameter bytes held on a rank,
+    right after configure_model, at the start of training and after every step, are exactly its stage's
+    share (the other stages' parameters are 4-byte placeholders), not the whole model's."""
+    results = gloo_pool.run("tests.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
+                            lazy=True, zero_stages=(0, 3))
+    model = PipeLM()
+    layers, bounds, _ = plan_split(model, PipelineConfig(partition_method="uniform"))
+    params = set(model.parameters())
+    for rank, per_rank in enumerate(results):
+        local = {p for layer in layers[bounds[rank] : bounds[rank + 1]] for p in layer.parameters()}
+        share = 4 * sum(p.numel() for p in local) + 4 * len(params - local)
+        assert share < 0.85 * 4 * sum(p.numel() for p in params)  # the tied embedding is on both stages
+        for (_, _, stage), r in per_rank.items():
+            assert r["built_bytes"] == 0, r  # configure_model built nothing for real
+            if stage == 0:  # whole local parameters (stage 3 holds only shards of them)
+                assert r["held_bytes"] == [share] * (STEPS + 1), (rank, share, r["held_bytes"])
+            else:
+                assert max(r["held_bytes"]) < share, (rank, share, r["held_bytes"])
+    _check(results)  # parity with the whole module built the same way (pipeline_models.reference(lazy=True))
 
 
 @pytest.mark.slow
@@ -246,9 +297,10 @@ def test_cli_trains_and_logs_a_pipelined_gpt(tmp_path: Path) -> None:
     assert len(losses) == 3 and all(0 < v < 10 for v in losses), losses
 
 
-def checkpoint_body(directory: str, stage: int) -> dict[str, float]:
+def checkpoint_body(directory: str, stage: int, lazy: bool = False) -> dict[str, float]:
     """Pipelined -> pipelined, pipelined -> data parallel, data parallel -> pipelined resumes (3 + 2
-    SGD steps, 3 batches per epoch) against 5 uninterrupted reference steps."""
+    SGD steps, 3 batches per epoch) against 5 uninterrupted reference steps. ``lazy``: the pipelined
+    runs build the model in ``configure_model`` (each stage reads its own layers after setup)."""
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), 24
@@ -263,14 +315,14 @@ def checkpoint_body(directory: str, stage: int) -> dict[str, float]:
                 trainer.save_checkpoint(self.path)
 
     def fit(pipelined: bool, steps: int, ckpt: str | None = None, save: str | None = None) -> PipeLM:
-        model = PipeLM("sgd")
+        model = PipeLM("sgd", lazy=lazy and pipelined)
         strategy = ZeroStrategy(stage=stage, pipeline=config if pipelined else None, param_persistence_threshold=0)
         data = loader(BATCH, n=n) if pipelined else loader(BATCH // 2, rank, 2, n=n)  # the same 8 samples a step
         trainer = make_trainer(strategy, max_steps=steps, callbacks=[SaveAt3(save)] if save else [])
         trainer.fit(model, data, ckpt_path=ckpt)
         return model
 
-    ref = reference("sgd", BATCH, 1, 5, n=n)["params"]
+    ref = reference("sgd", BATCH, 1, 5, n=n, lazy=lazy)["params"]
 
     def diff(model: PipeLM) -> float:
         return max(float((p - ref[name]).abs().max()) for name, p in model.named_parameters())
@@ -280,16 +332,20 @@ def checkpoint_body(directory: str, stage: int) -> dict[str, float]:
     fit(True, 3, save=piped)
     out["piped->piped"] = diff(fit(True, 5, ckpt=piped))
     out["piped->plain"] = diff(fit(False, 5, ckpt=piped))
+    if lazy:  # an eager unpipelined run starts from other initial values
+        return out
     fit(False, 3, save=plain)
     out["plain->piped"] = diff(fit(True, 5, ckpt=plain))
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 3])
-def test_checkpoints_resume_across_pipelined_and_plain_runs(gloo_pool: GlooPool, tmp_path: Path, stage: int) -> None:
-    for result in gloo_pool.run("tests.test_pipeline:checkpoint_body", directory=str(tmp_path), stage=stage):
-        assert all(v < 1e-6 for v in result.values()), result
+@pytest.mark.parametrize(("stage", "lazy"), [(1, False), (3, False), (2, True)])
+def test_checkpoints_resume_across_pipelined_and_plain_runs(gloo_pool: GlooPool, tmp_path: Path, stage: int,
+                                                            lazy: bool) -> None:
+    for result in gloo_pool.run("tests.test_pipeline:checkpoint_body", directory=str(tmp_path), stage=stage,
+                                lazy=lazy):
+        assert len(result) == (3 if lazy else 4) and all(v < 1e-6 for v in result.values()), result
 
 
 def evaluation_body() -> dict[str, float]:

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import OmegaConf
 
-from lightning_zero.config.model_zoo import build_datamodule, build_module
+from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
     GPTModelSchema,
@@ -56,6 +56,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "profiler": build_profiler(cfg),
         "pipeline": pipeline_config(cfg),
         "offload": offload_config(cfg),
+        "param_init_fn": param_init_fn(cfg),
     }
 
 

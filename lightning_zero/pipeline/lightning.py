@@ -8,6 +8,7 @@ schedules); the engine then partitions only the local chunks over the stage's da
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +19,9 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.loading import load_full_state_dict
+from lightning_zero.core.materialize import ParamInitFn
+from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.mesh import PipelineGroups, PipelineMesh, make_groups
@@ -33,19 +37,28 @@ class StrategyPipeline:
         module: the LightningModule (split in place: the other stages' weights become placeholders).
         device: this rank's device.
         timeout_s: timeout of the pipeline's process groups.
+        init_fn: ``param_init_fn`` of a module built on the meta device (``configure_model``): only
+            this rank's layers are materialised (Note [local construction] in ``pipeline/build.py``).
+        init_seed: the base seed of that initialisation (rank 0's is used everywhere).
     """
 
     def __init__(self, config: PipelineConfig, module: pl.LightningModule, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, init_fn: ParamInitFn | None = None, init_seed: int = 0) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.config = config
         self.mesh = PipelineMesh(config.stages, config.data_parallel_size(world), rank)
         if config.stages > 1 and not dist.is_initialized():
             raise RuntimeError("A pipeline with stages > 1 needs one process per stage: devices x num_nodes >= stages.")
+        self.built_on_meta = prepare_meta_module(module, torch.device("cpu"))  # configure_model: nothing real yet
         _, _, tie_sets = plan_split(module, config)  # the protocol and the layer count are checked here
         self.groups: PipelineGroups = make_groups(self.mesh, timeout_s, tie_sets)
         self.local: LocalModel = split_module(module, config, self.mesh.stage, config.activation_checkpoint_interval)
+        if self.built_on_meta:
+            seed = torch.tensor([init_seed], dtype=torch.int64)
+            if dist.is_initialized():
+                dist.broadcast(seed, src=0)  # every stage initialises its layers from the same base seed
+            materialize_local(module, set(self.local.names), init_fn, int(seed))
         self.local.module.to(device)
         self.runner = PipelineRunner(config, self.local, self.groups, module.pipeline_loss, device)  # type: ignore[arg-type]
         self.checkpoint: PipelineCheckpoint | None = None  # set by restrict_optimizer (fit)
@@ -84,6 +97,24 @@ class StrategyPipeline:
             dist.broadcast(t, src=self.mesh.global_rank(stage, self.mesh.dp_rank), group=self.groups.pp)
 
         reassemble(self.local, self.mesh.stage, broadcast)
+
+    @torch.no_grad()
+    def load_local_state_dict(self, module: pl.LightningModule, engine: ZeroEngine | None,
+                              state: Mapping[str, Tensor], strict: bool) -> None:
+        """After setup (a module built on the meta device): this stage's layers from an unsplit state
+        dict (a pipelined or unpipelined checkpoint), read by their unsplit names."""
+        unsplit = {id(t): n for n, t in (*module.named_parameters(), *module.named_buffers())}
+        local = {name: state[unsplit[id(t)]] for name, t in self.local.module.state_dict(keep_vars=True).items()
+                 if unsplit[id(t)] in state}
+        missing = [unsplit[id(t)] for name, t in self.local.module.state_dict(keep_vars=True).items()
+                   if name not in local]
+        if strict and missing:
+            raise ValueError(f"The checkpoint lacks {missing[:5]} of this pipeline stage's layers. Resume from a "
+                             "checkpoint of the same model, or load weights with `strict=False`.")
+        if engine is not None:
+            load_full_state_dict(engine, local, strict=False)
+        else:
+            self.local.module.load_state_dict(local, strict=False)
 
     def restore_optimizer(self, optimizer: Optimizer) -> None:
         """After fit: the optimizer's param groups hold every stage's parameters again (its state only
