@@ -238,6 +238,50 @@ def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool
         pool.close()
 
 
+def overflow_body(zero_stages: list[int]) -> dict[int, dict[str, Any]]:
+    """fp16 with dynamic loss scaling (hysteresis 1): at step 2 the gradient of a block that lives on stage 0
+    only overflows (a hook multiplies it by inf). Per rank: the loss scale and skipped-step count after each
+    step, and whether this rank's parameters changed in each step."""
+    return {zero_stage: {"rows": _overflow_fit(zero_stage)} for zero_stage in zero_stages}
+
+
+def _overflow_fit(zero_stage: int) -> list[tuple[float, int, bool]]:
+    from lightning_zero import ZeroPrecision
+    from lightning_zero.core.loss_scaler import LossScalerConfig
+
+    model, now = PipeLM("sgd"), {"step": -1}
+    target = model.blocks[0].fc.weight  # layer 1 of 5: stage 0 under the uniform split [0, 2, 5]
+    target.register_hook(lambda g: g * float("inf") if now["step"] == 2 else g)
+    rows: list[tuple[float, int, bool]] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            now["step"] = batch_idx
+            self.before = [t.clone() for t in trainer.strategy.engine.full_master_params().values()]
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            after = trainer.strategy.engine.full_master_params().values()  # fp32 masters, whole
+            changed = any(not torch.equal(a, b) for a, b in zip(self.before, after))
+            rows.append((trainer.strategy.loss_scale, trainer.strategy.skipped_steps, changed))
+
+    config = PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", partition_method="uniform")
+    plugin = ZeroPrecision("16-mixed", loss_scaler=LossScalerConfig(initial_scale_power=8, hysteresis=1))
+    strategy = ZeroStrategy(stage=zero_stage, pipeline=config, precision=plugin, param_persistence_threshold=0)
+    make_trainer(strategy, max_steps=STEPS, callbacks=[Watch()]).fit(model, loader(BATCH))
+    return rows
+
+
+@pytest.mark.slow
+def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_rank(gloo_pool: GlooPool) -> None:
+    results = gloo_pool.run("tests.test_pipeline:overflow_body", zero_stages=[0, 1, 2, 3])
+    for zero_stage in (0, 1, 2, 3):
+        rows = [r[zero_stage]["rows"] for r in results]
+        assert rows[0] == rows[1], (zero_stage, rows)  # the same scale and skips on both stages
+        scales, skipped, changed = zip(*rows[0])
+        assert scales == (256.0, 256.0, 128.0, 128.0, 128.0), (zero_stage, rows)  # halved once, at step 2
+        assert skipped == (0, 0, 1, 1, 1) and changed == (True, True, False, True, True), (zero_stage, rows)
+
+
 class NoProtocol(PipeLM):
     pipeline_layers = None  # type: ignore[assignment]
 

@@ -96,7 +96,14 @@ class StrategyPipeline:
         def broadcast(t: Tensor, stage: int) -> None:
             dist.broadcast(t, src=self.mesh.global_rank(stage, self.mesh.dp_rank), group=self.groups.pp)
 
-        reassemble(self.local, self.mesh.stage, broadcast)
+        # the owners' dtypes: after a mixed-precision fit the engine leaves its parameters in the original
+        # dtype, while the other stages' placeholders kept the converted one
+        owned = {self.local.unsplit[p]: p.dtype for p in self.local.names
+                 if self.local.owner_stage[p] == self.mesh.stage}
+        parts: list[Any] = [None] * self.config.stages
+        dist.all_gather_object(parts, owned, group=self.groups.pp)
+        dtypes = {name: dtype for part in parts for name, dtype in part.items()}
+        reassemble(self.local, broadcast, lambda p: dtypes[self.local.unsplit[p]])
 
     @torch.no_grad()
     def load_local_state_dict(self, module: pl.LightningModule, engine: ZeroEngine | None,
