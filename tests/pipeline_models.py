@@ -143,11 +143,11 @@ def loader(batch: int, dp_rank: int = 0, dp_size: int = 1, n: int = 96) -> DataL
 
 
 def reference(optimizer: str, batch: int, dp_size: int, steps: int, clip: float | None = None,
-              n: int = 96, lazy: bool = False) -> dict[str, Any]:
+              n: int = 96, lazy: bool = False, tie: bool = True) -> dict[str, Any]:
     """Plain PyTorch on one process: each step averages the data-parallel ranks' batch losses (what
     data-parallel training computes), then clips and steps; epochs restart the unshuffled data. ``lazy``:
     the model built in ``configure_model`` on the meta device, materialised whole."""
-    model = PipeLM(optimizer, lazy=lazy)
+    model = PipeLM(optimizer, lazy=lazy, tie=tie)
     if lazy:  # built on meta and initialised as each pipeline stage initialises its part
         with parameters_on_meta():
             model.configure_model()

@@ -87,7 +87,7 @@ def test_a_gpt_built_on_meta_gets_its_own_initialisation() -> None:
 
 # ------------------------------------------------------------------------------------------ distributed
 def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | None = None,
-         interval: int = 0, lazy: bool = False) -> dict[str, Any]:
+         interval: int = 0, lazy: bool = False, tie: bool = True, per_micro: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
     from tests.pipeline_models import Block
@@ -96,12 +96,20 @@ def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | N
     dp = world // stages
     config = PipelineConfig(stages=stages, micro_batches=4, schedule=schedule, partition_method="uniform",
                             virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
-                            activation_checkpoint_interval=interval)
-    model, gathers, held = PipeLM(optimizer, lazy=lazy), [], []
+                            activation_checkpoint_interval=interval, reduce_per_micro_batch=per_micro)
+    model, gathers, held, whole_grads = PipeLM(optimizer, lazy=lazy, tie=tie), [], [], []
 
     class Units(pl.Callback):  # stage 3: gathers per step, and nothing left gathered after it
         def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
             held.append(param_bytes(model))
+            pipe = trainer.strategy._pipeline  # after the schedule, before the deferred reduction: whole .grad?
+            backward = pipe.backward
+
+            def watched(engine: Any) -> None:
+                whole_grads.append(any(p.grad is not None for p in engine.names))
+                backward(engine)
+
+            pipe.backward = watched
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             held.append(param_bytes(model))
@@ -117,10 +125,10 @@ def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | N
     trainer.fit(model, loader(BATCH, rank % dp, dp))
     return {"losses": model.losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "gathers": gathers, "dp_rank": rank % dp, "block_calls": Block.calls - calls,
-            "built_bytes": model.built_bytes, "held_bytes": held}
+            "built_bytes": model.built_bytes, "held_bytes": held, "whole_grads": whole_grads}
 
 
-def data_parallel_body(optimizers: list[str]) -> dict[tuple[str, int], dict[str, Any]]:
+def data_parallel_body(optimizers: list[str], tie: bool = True) -> dict[tuple[str, int], dict[str, Any]]:
     """The 4-rank parity's reference: a real ``ZeroStrategy`` run without a pipeline on 2 data-parallel
     ranks (this rank's batch losses and the final parameters), for each optimizer and ZeRO stage 0-3."""
     import torch.distributed as dist
@@ -129,7 +137,7 @@ def data_parallel_body(optimizers: list[str]) -> dict[tuple[str, int], dict[str,
     out = {}
     for optimizer in optimizers:
         for stage in (0, 1, 2, 3):
-            model = PipeLM(optimizer)
+            model = PipeLM(optimizer, tie=tie)
             strategy = ZeroStrategy(stage=stage, param_persistence_threshold=0, reduce_bucket_size=40)
             make_trainer(strategy, devices=world, max_steps=STEPS).fit(model, loader(BATCH, rank, world))
             out[(optimizer, stage)] = {"losses": model.losses,
@@ -139,7 +147,7 @@ def data_parallel_body(optimizers: list[str]) -> dict[tuple[str, int], dict[str,
 
 def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: float | None = None,
                 interval: int = 0, data_parallel: list[dict] | None = None, lazy: bool = False,
-                zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> dict:
+                zero_stages: tuple[int, ...] = (0, 1, 2, 3), tie: bool = True, per_micro: bool = False) -> dict:
     """Every ZeRO stage with each schedule and optimizer; returns the worst differences to the reference:
     plain PyTorch on one process, or (``data_parallel``: ``data_parallel_body``'s results by rank) the
     unpipelined ZeroStrategy run at the same ZeRO stage on ``world / stages`` data-parallel ranks."""
@@ -148,20 +156,21 @@ def parity_body(schedules: list[str], stages: int, optimizers: list[str], clip: 
     dp = dist.get_world_size() // stages
     out: dict[Any, Any] = {}
     for optimizer in optimizers:
-        ref = reference(optimizer, BATCH, dp, STEPS, clip, lazy=lazy) if data_parallel is None else None
+        ref = reference(optimizer, BATCH, dp, STEPS, clip, lazy=lazy, tie=tie) if data_parallel is None else None
         for schedule in schedules:
             for stage in zero_stages:
                 if data_parallel is not None:  # each data-parallel rank's losses; the parameters agree on all
                     ref = {"losses": [list(s) for s in zip(*(r[(optimizer, stage)]["losses"] for r in data_parallel))],
                            "params": data_parallel[0][(optimizer, stage)]["params"]}
                 assert ref is not None
-                run = _fit(stage, schedule, stages, optimizer, clip, interval, lazy)
+                run = _fit(stage, schedule, stages, optimizer, clip, interval, lazy, tie, per_micro)
                 ref_losses = [step[run["dp_rank"]] for step in ref["losses"]]
                 out[(optimizer, schedule, stage)] = {
                     "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref_losses)),
                     "param_abs": max(float((p - ref["params"][n]).abs().max()) for n, p in run["params"].items()),
                     "steps": len(run["losses"]), "gathers": run["gathers"], "block_calls": run["block_calls"],
                     "built_bytes": run["built_bytes"], "held_bytes": run["held_bytes"],
+                    "whole_grads": run["whole_grads"],
                 }
     return out
 
@@ -173,6 +182,9 @@ def _check(results: list[dict]) -> None:
             assert r["loss_rel"] < 1e-5, (optimizer, schedule, stage, r)
             if optimizer == "sgd":
                 assert r["param_abs"] < 1e-6, (optimizer, schedule, stage, r)
+            per_micro = bool(r["whole_grads"]) and not any(r["whole_grads"])  # asserted by its own test
+            if stage >= 2 and not per_micro:  # deferred: the step's whole gradient waits in .grad for one reduction
+                assert all(r["whole_grads"]) and len(r["whole_grads"]) == STEPS, r["whole_grads"]
             if stage == 3:  # Note [deferred reduction]: one gather per unit per step, not per micro-batch
                 counts, units, released = zip(*r["gathers"])
                 assert all(released) and units[0] >= 2
@@ -230,12 +242,20 @@ def test_activation_checkpointing_recomputes_and_keeps_parity(gloo_pool: GlooPoo
 def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool) -> None:
     # the reference: real 2-rank ZeroStrategy runs (shared pool); then every case in one 4-rank launch
     data_parallel = gloo_pool.run("tests.test_pipeline:data_parallel_body", optimizers=["adamw", "sgd"])
+    untied = gloo_pool.run("tests.test_pipeline:data_parallel_body", optimizers=["sgd"], tie=False)
     pool = GlooPool(world_size=4)
     try:
         _check(pool.run("tests.test_pipeline:parity_body", schedules=["gpipe", "1f1b", "interleaved_1f1b"],
                         stages=2, optimizers=["adamw", "sgd"], data_parallel=data_parallel, _timeout_s=600))
+        # reduce_per_micro_batch (ZeRO 2-3, untied): the same parameters, and no whole .grad left for backward
+        per_micro = pool.run("tests.test_pipeline:parity_body", schedules=["1f1b", "interleaved_1f1b"], stages=2,
+                             optimizers=["sgd"], data_parallel=untied, zero_stages=(2, 3), tie=False,
+                             per_micro=True, _timeout_s=300)
     finally:
         pool.close()
+    _check(per_micro)
+    assert all(not any(r["whole_grads"]) and len(r["whole_grads"]) == STEPS for rank in per_micro
+               for r in rank.values()), [{k: r["whole_grads"] for k, r in rank.items()} for rank in per_micro]
 
 
 def overflow_body(zero_stages: list[int]) -> dict[int, dict[str, Any]]:
@@ -290,7 +310,7 @@ def bad_input_body(case: str) -> str:
     """Each bad input raises on every rank (the pool collects one message per rank)."""
     import torch.distributed as dist
 
-    stages, micro, model = 2, 4, PipeLM()
+    stages, micro, model, per_micro = 2, 4, PipeLM(), False
     if case == "world":
         stages = 3
     elif case == "micro":
@@ -299,9 +319,15 @@ def bad_input_body(case: str) -> str:
         model = PipeLM(n_blocks=0)  # 2 layers, 3 chunks... on 2 stages with virtual stages
     elif case == "protocol":
         model = NoProtocol()
+    elif case == "per_micro_tied":
+        per_micro = True
+    elif case == "per_micro_stage1":
+        per_micro, model = True, PipeLM(tie=False)
     config = PipelineConfig(stages=stages, micro_batches=micro, schedule="gpipe" if case != "layers" else
-                            "interleaved_1f1b", virtual_stages=2 if case == "layers" else 1)
-    trainer = make_trainer(ZeroStrategy(stage=2, pipeline=config), devices=dist.get_world_size(), max_steps=1)
+                            "interleaved_1f1b", virtual_stages=2 if case == "layers" else 1,
+                            reduce_per_micro_batch=per_micro)
+    zero_stage = 1 if case == "per_micro_stage1" else 2
+    trainer = make_trainer(ZeroStrategy(stage=zero_stage, pipeline=config), devices=dist.get_world_size(), max_steps=1)
     try:
         trainer.fit(model, loader(BATCH))
     except (ValueError, TypeError) as err:
@@ -315,6 +341,8 @@ def bad_input_body(case: str) -> str:
     ("micro", "does not split into micro_batches=3"),
     ("layers", "2 pipeline layers, fewer than the 4 pipeline chunks"),
     ("protocol", "add `pipeline_layers(self) -> Sequence[nn.Module]`"),
+    ("per_micro_tied", "reduce_per_micro_batch=True) with parameters tied across pipeline stages"),
+    ("per_micro_stage1", "reduce_per_micro_batch=True) with ZeRO stage 1: it saves memory only at stages 2-3"),
 ])
 def test_bad_input_is_refused_on_every_rank(gloo_pool: GlooPool, case: str, message: str) -> None:
     messages = gloo_pool.run("tests.test_pipeline:bad_input_body", case=case)
@@ -324,8 +352,10 @@ def test_bad_input_is_refused_on_every_rank(gloo_pool: GlooPool, case: str, mess
 @pytest.mark.slow
 def test_cli_trains_and_logs_a_pipelined_gpt(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    # reduce_per_micro_batch here (the deferred reduction runs from the CLI in docs/pipeline.md's commands)
     cmd = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "pipeline=pp2_1f1b",
            "zero=stage3", "zero.param_persistence_threshold=0", "trainer.devices=2", "trainer.max_steps=6",
+           "pipeline.reduce_per_micro_batch=true", "model.tie_weights=false",
            "trainer.log_every_n_steps=2", f"hydra.run.dir={tmp_path}"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -339,6 +369,20 @@ def test_cli_trains_and_logs_a_pipelined_gpt(tmp_path: Path) -> None:
         if "train_loss" in events.Tags()["scalars"]:
             losses = [e.value for e in events.Scalars("train_loss")]
     assert len(losses) == 3 and all(0 < v < 10 for v in losses), losses
+
+
+def test_the_cli_refuses_reduce_per_micro_batch_where_it_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_zero.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    base = ["train", "experiment=gpt_tiny", "pipeline=pp2_1f1b", "trainer.devices=2",
+            "pipeline.reduce_per_micro_batch=true"]
+    assert main([*base, "zero=stage1", "model.tie_weights=false"]) == 2
+    assert "with zero.stage=1: it saves memory only at ZeRO stages 2-3" in capsys.readouterr().err
+    assert main([*base, "zero=stage2"]) == 2
+    assert "Fix: model.tie_weights=false" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing started
 
 
 def checkpoint_body(directory: str, stage: int, lazy: bool = False) -> dict[str, float]:

@@ -67,7 +67,8 @@ def pipeline_config(cfg: TrainConfig) -> PipelineConfig | None:
         return None
     return PipelineConfig(stages=pp.stages, micro_batches=pp.micro_batches, schedule=pp.schedule.value,
                           virtual_stages=pp.virtual_stages, partition_method=pp.partition_method,
-                          activation_checkpoint_interval=pp.activation_checkpoint_interval)
+                          activation_checkpoint_interval=pp.activation_checkpoint_interval,
+                          reduce_per_micro_batch=pp.reduce_per_micro_batch)
 def build_deepspeed_strategy(cfg: TrainConfig) -> ZeroStrategy:
     """The ranks' strategy for a merged, typed config with ``deepspeed_config``: the Hydra-side strategy
     arguments (equal to the JSON's wherever the JSON sets a value, after

@@ -35,7 +35,7 @@ def gpt_config(m: GPTModelSchema) -> Any:
 
 def gpt_overrides(m: GPTModelSchema) -> dict[str, Any]:
     """The shape fields of ``m`` that are set (they replace the preset's)."""
-    keys = ("seq_len", "n_layer", "n_head", "n_embd", "dropout")
+    keys = ("seq_len", "n_layer", "n_head", "n_embd", "dropout", "tie_weights")
     return {k: getattr(m, k) for k in keys if getattr(m, k) is not None}
 
 

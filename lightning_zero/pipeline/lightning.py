@@ -52,6 +52,7 @@ class StrategyPipeline:
             raise RuntimeError("A pipeline with stages > 1 needs one process per stage: devices x num_nodes >= stages.")
         self.built_on_meta = prepare_meta_module(module, torch.device("cpu"))  # configure_model: nothing real yet
         _, _, tie_sets = plan_split(module, config)  # the protocol and the layer count are checked here
+        self.tie_sets = tie_sets
         self.groups: PipelineGroups = make_groups(self.mesh, timeout_s, tie_sets)
         self.local: LocalModel = split_module(module, config, self.mesh.stage, config.activation_checkpoint_interval)
         if self.built_on_meta:
@@ -77,7 +78,16 @@ class StrategyPipeline:
             group["params"] = [p for p in group["params"] if p in local]
 
     def attach(self, engine: ZeroEngine) -> None:
-        """Combine the engine's norms and overflow checks over the pipeline's stages."""
+        """Combine the engine's norms and overflow checks over the pipeline's stages (and refuse, on every
+        rank, a per-micro-batch reduction that cannot run here)."""
+        if self.config.reduce_per_micro_batch and engine.config.stage < 2:
+            raise ValueError(f"PipelineConfig(reduce_per_micro_batch=True) with ZeRO stage {engine.config.stage}: it "
+                             "saves memory only at stages 2-3 (stages 0-1 keep the whole gradient buffer anyway). "
+                             "Fix: ZeRO stage 2 or 3, or reduce_per_micro_batch=False.")
+        if self.config.reduce_per_micro_batch and self.tie_sets:
+            raise ValueError("PipelineConfig(reduce_per_micro_batch=True) with parameters tied across pipeline stages "
+                             f"(stages {self.tie_sets}): their gradients are summed over the stages once per step. "
+                             "Fix: untie them (e.g. GPT tie_weights=False), or reduce_per_micro_batch=False.")
         if self.config.stages > 1:
             engine.model_parallel = DataParallelComm(self.groups.pp, engine.config.collective)
         engine.norm_excess = self.runner.tied_norm_excess
@@ -135,14 +145,40 @@ class StrategyPipeline:
         """Forward and backward of every micro-batch (gradients kept for :meth:`backward`); the batch-mean loss."""
         inputs, target = split_batch(module, batch)
         self.runner.loss_factor = loss_scale
-        with engine.deferred_reduction():
-            loss = self.runner.train_step(inputs, target)
+        if self.config.reduce_per_micro_batch:
+            loss = self._train_reducing_each_micro_batch(engine, inputs, target)
+        else:
+            with engine.deferred_reduction():
+                loss = self.runner.train_step(inputs, target)
         self._report(module, "train", loss, batch, inputs)
+        return loss
+
+    def _train_reducing_each_micro_batch(self, engine: ZeroEngine, inputs: Any, target: Any) -> Tensor:
+        """``reduce_per_micro_batch``: every micro-batch's backward is a backward of its own for the engine
+        (its hooks reduce-scatter into the shards as the gradients arrive); stage 3 still gathers once."""
+        runtime = engine.runtime
+        if runtime is not None:
+            runtime.hold_all()
+        self.runner.around_backward = (engine.before_backward, engine.finish_backward)
+        try:
+            loss = self.runner.train_step(inputs, target)
+        finally:
+            self.runner.around_backward = None
+            if runtime is not None:
+                runtime.release_held()
+        # the shards hold the step's gradients: Lightning's zero_grad, which runs before its backward, leaves
+        # them alone while the engine's reduction is marked deferred (cleared in backward, nothing reduced then)
+        engine.reducer.deferred = True
         return loss
 
     def backward(self, engine: ZeroEngine) -> None:
         """Where Lightning calls backward: sum tied gradients over stages, then reduce once over the
-        data-parallel group (Note [deferred reduction] in core/engine.py)."""
+        data-parallel group (Note [deferred reduction] in core/engine.py); with
+        ``reduce_per_micro_batch`` everything was reduced during the schedule."""
+        if self.config.reduce_per_micro_batch:
+            engine.reducer.deferred = False
+            engine.link_master_grads()  # Lightning's zero_grad unlinked them from the reduced shards
+            return
         self.runner.sync_tied_grads(engine.groups, engine.reducer.flat_grads)
         engine.reduce_deferred()
 
