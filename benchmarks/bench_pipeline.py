@@ -1,7 +1,7 @@
 """Pipeline bubble and per-rank memory of pipeline x ZeRO (CPU processes over gloo).
 
-* bubble: 2 stages, GPipe and 1F1B, 1/2/4/8 micro-batches of one fixed batch. Every compute call
-  of a stage (``forward_one_chunk`` / ``backward_one_chunk``) is timestamped; a step's window starts
+* bubble: 2 stages, GPipe and 1F1B, 1/2/4/8 micro-batches of one fixed batch (8 layers of width 1024).
+  Every compute call of a stage (``forward_one_chunk`` / ``backward_one_chunk``) is timestamped; a step's window starts
   at a barrier and ends when the stage's schedule returns; idle fraction = 1 - busy / window, printed
   beside the theoretical (p - 1) / (m + p - 1).
 * reduction: ZeRO-2, 2 stages x 2 data-parallel ranks: the deferred reduction against
@@ -234,10 +234,13 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=50_000, help="reduction: reduce_bucket_size (elements)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--width", type=int, default=None,
+                        help="layer width (default: 1024 for bubble, so compute outweighs the schedule's overhead; "
+                             "384 for memory and reduction)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
+    args.width = args.width or (1024 if args.part == "bubble" else 384)
     if "RANK" not in os.environ:  # started by hand: launch the ranks (torchrun), one thread each
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD[args.part]}",
                os.path.abspath(__file__), *sys.argv[1:]]
