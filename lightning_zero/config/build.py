@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import OmegaConf
 
-from lightning_zero.config.model_zoo import build_datamodule, build_module
+from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
     GPTModelSchema,
@@ -56,6 +56,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "profiler": build_profiler(cfg),
         "pipeline": pipeline_config(cfg),
         "offload": offload_config(cfg),
+        "param_init_fn": param_init_fn(cfg),
     }
 
 
@@ -66,7 +67,8 @@ def pipeline_config(cfg: TrainConfig) -> PipelineConfig | None:
         return None
     return PipelineConfig(stages=pp.stages, micro_batches=pp.micro_batches, schedule=pp.schedule.value,
                           virtual_stages=pp.virtual_stages, partition_method=pp.partition_method,
-                          activation_checkpoint_interval=pp.activation_checkpoint_interval)
+                          activation_checkpoint_interval=pp.activation_checkpoint_interval,
+                          reduce_per_micro_batch=pp.reduce_per_micro_batch)
 def build_deepspeed_strategy(cfg: TrainConfig) -> ZeroStrategy:
     """The ranks' strategy for a merged, typed config with ``deepspeed_config``: the Hydra-side strategy
     arguments (equal to the JSON's wherever the JSON sets a value, after

@@ -169,6 +169,7 @@ class PipelineSchema:
     virtual_stages: int = 1
     partition_method: str = "parameters"
     activation_checkpoint_interval: int = 0
+    reduce_per_micro_batch: bool = False  # ZeRO 2-3, no ties across stages (docs/pipeline.md)
 
 
 @dataclass
@@ -192,6 +193,7 @@ class GPTModelSchema(ModelSchema):
     n_head: int | None = None
     n_embd: int | None = None
     dropout: float | None = None
+    tie_weights: bool | None = None  # None: the preset's (tied token embedding and head)
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 20

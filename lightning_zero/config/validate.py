@@ -131,6 +131,13 @@ def _pipeline_problems(cfg: TrainConfig) -> list[str]:
                    f"{pp.stages}). Fix: more micro_batches, or pipeline=pp2_gpipe.")
     if not interleaved and pp.virtual_stages != 1:
         out.append("pipeline.virtual_stages > 1 needs pipeline.schedule=interleaved_1f1b.")
+    if pp.stages > 1 and pp.reduce_per_micro_batch and cfg.zero.stage < 2:
+        out.append(f"pipeline.reduce_per_micro_batch=true with zero.stage={cfg.zero.stage}: it saves memory only at "
+                   "ZeRO stages 2-3. Fix: zero=stage2 or zero=stage3, or drop it.")
+    if (pp.stages > 1 and pp.reduce_per_micro_batch and isinstance(cfg.model, GPTModelSchema)
+            and preset_known(cfg.model) and gpt_config(cfg.model).tie_weights):
+        out.append("pipeline.reduce_per_micro_batch=true with a GPT whose token embedding and head are tied across "
+                   "the first and last stage (their gradients are summed once per step). Fix: model.tie_weights=false.")
     layers = _layers(cfg)
     if pp.stages > 1 and isinstance(cfg.model, MLPModelSchema):
         out.append("pipeline.stages > 1 with model=mlp: the MLP classifier does not follow the pipeline protocol "

@@ -36,6 +36,10 @@ class PipelineConfig:
             counts) or ``"type:<regex>"`` (balance the layers whose class name matches).
         activation_checkpoint_interval: recompute activations in backward for every group of this many
             layers (0: keep them).
+        reduce_per_micro_batch: ZeRO stages 2-3: reduce-scatter each micro-batch's gradients as its
+            backward ends instead of once per step, so no rank holds its stage's whole gradient (the
+            peak model state drops by ``4 Psi_s`` bytes) at the price of ``micro_batches`` reductions
+            per step (docs/pipeline.md has the measurement). Not with parameters tied across stages.
     """
 
     stages: int = 2
@@ -44,6 +48,7 @@ class PipelineConfig:
     virtual_stages: int = 1
     partition_method: str = "parameters"
     activation_checkpoint_interval: int = 0
+    reduce_per_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", _ALIASES.get(self.schedule, self.schedule))
