@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.models import RankSampler
-
 from lightning_zero.core.materialize import parameters_on_meta
 from lightning_zero.pipeline.build import materialize_whole
+from tests.models import RankSampler
 
 VOCAB, WIDTH, SEQ = 13, 8, 6
 
