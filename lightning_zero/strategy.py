@@ -229,7 +229,8 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
         self.model = self.precision_plugin.convert_module(self.model)
         if self.pipeline_config is not None:  # split: other stages' weights become storage-less placeholders
             self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
-                                              self.zero_config.timeout_s)
+                                              self.zero_config.timeout_s, self.param_init_fn,
+                                              torch.initial_seed() % 2**63)
         elif has_meta_parameters(self.model):
             self._prepare_meta_model()
         if self._pipeline is None:

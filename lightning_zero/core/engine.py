@@ -270,6 +270,10 @@ class ZeroEngine(WholeModelViews, StepPreparation):
                     continue
                 for s, view in zip(g.slots, g.views(flat)):
                     s.param.grad = view
+        self.link_master_grads()
+
+    def link_master_grads(self) -> None:
+        """Point the masters' gradients at the reduced buffers (after a backward, or a kept ``zero_grad``)."""
         if self.sharded is not None and self.reducer.communicating and self.master_grad_is_view:
             self.sharded.set_grads(self._reduced_for_masters())
 
