@@ -4,8 +4,9 @@ Three parts, each printing a markdown table (docs/benchmarks.md holds a run's ou
 
 * ``memory``: a GPT trained by ``ZeroEngine`` on ``--world-size`` gloo ranks (fresh processes per
   mode, modes interleaved over ``--rounds``): peak RSS per rank and step time without offload,
-  with ``offload_optimizer="cpu"`` and with ``"nvme"``; the peak RSS drop is compared with the
-  rank's AdamW state bytes (the two moments of its shard).
+  with ``offload_optimizer="cpu"`` / ``"nvme"`` and (``--stage 3``) ``param_cpu`` / ``param_nvme``
+  (parameter shards too); the drop of the training peak (VmHWM reset after setup) is compared
+  with the bytes offloaded (the rank's AdamW moments, plus its parameter shard for ``param_*``).
 * ``optimizer``: AdamW steps on one fp32 shard of ``--numel`` elements: torch's fused CPU kernel
   (what offload uses), torch's foreach, and DeepSpeed's ``DeepSpeedCPUAdam`` when DeepSpeed can be
   imported (an optional peer, never a dependency: run this script with an interpreter that has it).
@@ -13,6 +14,7 @@ Three parts, each printing a markdown table (docs/benchmarks.md holds a run's ou
   and cold read-in of the same bytes (Note [swap files] in core/offload_store.py), interleaved.
 
     python benchmarks/bench_offload.py memory --model gpt_125m --rounds 3
+    python benchmarks/bench_offload.py memory --model gpt_125m --stage 3 --modes none,param_nvme
     python benchmarks/bench_offload.py optimizer --numel 16777216 --rounds 5
     python benchmarks/bench_offload.py disk --mib 512 --rounds 3 --dir /tmp
 """
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -33,29 +34,51 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_zero.core.offload import OffloadConfig
-from lightning_zero.core.offload_store import SwapFile
+from lightning_zero.core.offload_store import return_freed_memory
+from lightning_zero.core.swap_file import SwapFile
 
 MODES = ("none", "cpu", "nvme")
 
 
 # ------------------------------------------------------------------------------------------------ memory
+def _status(*keys: str) -> dict[str, int]:
+    """Fields of /proc/self/status in bytes (VmHWM: peak RSS; RssAnon / RssFile: anonymous / file-backed RSS)."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {k: int(fields[k].split()[0]) * 1024 for k in keys}
+
+
+def _offload(mode: str, args: argparse.Namespace) -> OffloadConfig | None:
+    """``none``, ``cpu`` / ``nvme`` (optimizer offload), ``param_cpu`` / ``param_nvme`` (stage 3: parameters too)."""
+    if mode == "none":
+        return None
+    where = mode.removeprefix("param_")
+    return OffloadConfig(optimizer_device=where, param_device=where if mode.startswith("param_") else "none",
+                         nvme_path=args.dir, sub_group_size=args.sub_group)
+
+
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace, mode: str, queue) -> None:
     import torch.distributed as dist
-    from experiments.gpt import GPT, resolve_config
 
     from lightning_zero import ZeroConfig, ZeroEngine
     from lightning_zero.core.comm import DataParallelComm
+    from lightning_zero.models.gpt import GPT, resolve_config
 
     torch.set_num_threads(1)
+    if args.same_allocator:  # what "nvme" offload sets (Note [freed memory]), in every mode: the drop is the offload's
+        return_freed_memory()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = GPT(resolve_config(args.model, {"seq_len": args.seq_len}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the same kernel in every mode
-    offload = None if mode == "none" else OffloadConfig(optimizer_device=mode, nvme_path=args.dir,
-                                                        sub_group_size=args.sub_group)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=args.stage), DataParallelComm(dist.group.WORLD),
-                        offload=offload)
-    state_bytes = 8 * sum(g.shard_numel for g in engine.groups)
+    config = ZeroConfig(stage=args.stage, **({"param_persistence_threshold": 0} if args.stage == 3 else {}))
+    engine = ZeroEngine(model, optimizer, config, DataParallelComm(dist.group.WORLD), offload=_offload(mode, args))
+    state_bytes = 8 * sum(g.shard_numel for g in engine.groups)  # AdamW's two fp32 moments of this rank's shard
+    shard_bytes = sum(g.shard_numel * g.flat.element_size() for u in engine.units if not u.persistent
+                      for g in u.groups)  # stage 3: this rank's parameter shards
+    setup_peak = _status("VmHWM")["VmHWM"]
+    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM: the peak of training alone from here
+        f.write("5")
     gen = torch.Generator().manual_seed(rank)
     times = []
     for step in range(args.warmup + args.steps):
@@ -71,11 +94,17 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, mode: str
         engine.after_step()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    counters = engine.sharded.offload.counters if engine.sharded.offload is not None else None
-    io = (counters.bytes_read + counters.bytes_written) if counters is not None else 0
+    end = _status("VmHWM", "RssAnon", "RssFile")
+    offload = engine.sharded.offload
+    io = 0
+    if offload is not None:
+        io = offload.counters.bytes_read + offload.counters.bytes_written
+        if offload.params is not None:
+            io += offload.params.counters.bytes_in + offload.params.counters.bytes_out
+    io //= args.warmup + args.steps
     engine.detach(keep_optimizer_state=False)
-    queue.put((rank, peak, statistics.median(times), state_bytes, io))
+    queue.put((rank, end["VmHWM"], statistics.median(times), state_bytes, io, setup_peak, shard_bytes,
+               end["RssAnon"], end["RssFile"]))
     dist.destroy_process_group()
 
 
@@ -102,22 +131,32 @@ def memory(args: argparse.Namespace) -> None:
         for mode in modes:
             runs[mode].append(_run_mode(args, mode))
             print(f"round {round_} {mode}: {runs[mode][-1]}", file=sys.stderr, flush=True)
-    state = runs["none"][0][0][3]
-    base_peak = max(statistics.median(r[rank][1] for r in runs["none"]) for rank in range(args.world_size))
+
+    def field(mode: str, i: int) -> float:  # max over ranks of the median over rounds
+        return max(statistics.median(r[rank][i] for r in runs[mode]) for rank in range(args.world_size))
+
+    state, shard = runs["none"][0][0][3], runs["none"][0][0][6]
     base_time = statistics.median(statistics.median(x[2] for x in r) for r in runs["none"])
-    print(f"\n{args.model}, stage {args.stage}, {args.world_size} ranks, AdamW state {state / 2**20:.0f} MiB per rank, "
-          f"sub_group_size {args.sub_group}, micro-batch {args.micro_batch}x{args.seq_len}; "
-          f"median of {args.rounds} interleaved rounds\n")
-    print("| offload | peak RSS per rank (max over ranks) | drop vs none | drop / AdamW state | step time | vs none "
-          "| swap I/O per rank |")
-    print("| :-- | --: | --: | --: | --: | --: | --: |")
+    print(f"\n{args.model}, stage {args.stage}, {args.world_size} ranks, AdamW state {state / 2**20:.0f} MiB per rank"
+          f"{f', parameter shard {shard / 2**20:.0f} MiB per rank' if shard else ''}, sub_group_size "
+          f"{args.sub_group}, micro-batch {args.micro_batch}x{args.seq_len}; median of {args.rounds} interleaved "
+          "rounds. Training peak: VmHWM over the steps (reset after setup); offloaded: AdamW state, plus the "
+          "parameter shard for param_* modes\n")
+    print("| offload | peak RSS: setup | training | whole run | drop vs none (whole run) | drop / offloaded | "
+          "training peak drop / offloaded | RssAnon / RssFile at end | step time | vs none | I/O per rank and step |")
+    print("| :-- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
+    base_peak, base_train = max(field("none", 1), field("none", 5)), field("none", 1)
     for mode in modes:
-        peak = max(statistics.median(r[rank][1] for r in runs[mode]) for rank in range(args.world_size))
+        peak = max(field(mode, 1), field(mode, 5))
         step = statistics.median(statistics.median(x[2] for x in r) for r in runs[mode])
-        io = statistics.median(r[0][4] for r in runs[mode])
+        moved = state + (shard if mode.startswith("param_") else 0)
         drop = base_peak - peak
-        print(f"| {mode} | {peak / 2**20:.0f} MiB | {drop / 2**20:.0f} MiB | {100 * drop / state:.0f}% | {step:.2f} s "
-              f"| {step / base_time:.2f}x | {io / 2**20:.0f} MiB |")
+        print(f"| {mode} | {field(mode, 5) / 2**20:.0f} MiB | {field(mode, 1) / 2**20:.0f} MiB | "
+              f"{peak / 2**20:.0f} MiB | {drop / 2**20:.0f} MiB | "
+              f"{100 * drop / moved:.0f}% of {moved / 2**20:.0f} MiB | "
+              f"{100 * (base_train - field(mode, 1)) / moved:.0f}% | {field(mode, 7) / 2**20:.0f} / "
+              f"{field(mode, 8) / 2**20:.0f} MiB | {step:.2f} s | {step / base_time:.2f}x | "
+              f"{statistics.median(r[0][4] for r in runs[mode]) / 2**20:.0f} MiB |")
 
 
 # ------------------------------------------------------------------------------------------------ optimizer
@@ -245,6 +284,8 @@ def main() -> None:
     parser.add_argument("--sub-group", type=int, default=1_000_000, help="sub_group_size in elements")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="nvme_path / the disk measured")
     parser.add_argument("--modes", default=",".join(MODES), help="memory: offload modes, 'none' first")
+    parser.add_argument("--default-allocator", dest="same_allocator", action="store_false",
+                        help="memory: leave glibc's dynamic mmap threshold in the modes without nvme offload")
     parser.add_argument("--numel", type=int, default=1 << 24)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mib", type=int, default=512)

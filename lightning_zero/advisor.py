@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from torch import nn
+from typing_extensions import Unpack
 
 from lightning_zero.estimator import (
     PRECISIONS,
     Activations,
     Cluster,
     ConfigEstimate,
+    EstimateOptions,
     ModelSpec,
     estimate_config,
     estimate_memory,
@@ -167,19 +168,7 @@ def advise(
     nvme: float | str = 0.0,
     headroom: float = 0.1,
     activation_checkpointing: bool = False,
-    model: str | nn.Module | None = None,
-    world_size: int | None = None,
-    num_nodes: int | None = None,
-    gpus_per_node: int | None = None,
-    precision: str = "mixed",
-    micro_batch: int | None = None,
-    seq_len: int | None = None,
-    layers: int | None = None,
-    hidden: int | None = None,
-    heads: int | None = None,
-    flash_attention: bool = False,
-    largest_layer_params: float | None = None,
-    optimizer_state_per_param: int = 8,
+    **options: Unpack[EstimateOptions],
 ) -> Advice:
     """The fastest configuration of :data:`PREFERENCE` that fits, with why each faster one does not.
 
@@ -191,24 +180,22 @@ def advise(
         headroom: fraction of each memory left free (see :class:`Hardware`).
         activation_checkpointing: count checkpointed activations instead of full ones (only
             when the transformer shape is known).
-        model, world_size, num_nodes, gpus_per_node, precision, micro_batch, seq_len, layers,
-        hidden, heads, flash_attention, largest_layer_params, optimizer_state_per_param: as for
-            :func:`lightning_zero.estimator.estimate_memory`.
+        options: the model, the cluster and the precision, as for
+            :func:`lightning_zero.estimator.estimate_memory` (``model``, ``world_size``, ``num_nodes``,
+            ``gpus_per_node``, ``precision``, ``micro_batch``, ``seq_len``, ``layers``, ``hidden``,
+            ``heads``, ``flash_attention``, ``largest_layer_params``, ``optimizer_state_per_param``:
+            :class:`~lightning_zero.estimator.EstimateOptions`).
     """
     hw = Hardware(parse_size(device_memory), parse_size(cpu_memory), parse_size(nvme), float(headroom))
-    base = estimate_memory(
-        num_params, model=model, world_size=world_size, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
-        precision=precision, micro_batch=micro_batch, seq_len=seq_len, layers=layers, hidden=hidden, heads=heads,
-        flash_attention=flash_attention, largest_layer_params=largest_layer_params,
-        optimizer_state_per_param=optimizer_state_per_param,
-    )
+    base = estimate_memory(num_params, offload="all", **options)
+    precision, osp = base.precision, base.optimizer_state_per_param
     candidates = []
     for stage, offload in PREFERENCE:
         c = base.config(stage, offload)
         needs = needs_of(c, activation_checkpointing)
         short = tuple(Shortfall(m, need, hw.usable(m)) for m, need in needs if need > hw.usable(m))
-        biggest = _max_params(stage, offload, base.model, base.cluster, precision, base.activations,
-                              optimizer_state_per_param, hw, activation_checkpointing)
+        biggest = _max_params(stage, offload, base.model, base.cluster, precision, base.activations, osp, hw,
+                              activation_checkpointing)
         candidates.append(Candidate(c, needs, short, biggest))
     return Advice(base.model, base.cluster, hw, precision, activation_checkpointing, base.activations,
-                  tuple(candidates), optimizer_state_per_param)
+                  tuple(candidates), osp)

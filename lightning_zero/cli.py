@@ -14,7 +14,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_zero.advisor import advise
-from lightning_zero.estimator import OFFLOADS, PRECISIONS, PRESETS, estimate_memory, parse_count, parse_size
+from lightning_zero.estimator import (
+    OFFLOADS,
+    PRECISIONS,
+    PRESETS,
+    EstimateOptions,
+    estimate_memory,
+    parse_count,
+    parse_size,
+)
 
 
 @dataclass(frozen=True)
@@ -61,8 +69,8 @@ def _common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--units", default="GB", choices=["GB", "GiB"], help="GB = 10^9 bytes (default), GiB = 2^30")
 
 
-def _model_kwargs(a: argparse.Namespace) -> dict:
-    return dict(
+def _model_kwargs(a: argparse.Namespace) -> EstimateOptions:
+    return EstimateOptions(
         model=a.model, world_size=a.world_size, num_nodes=a.num_nodes, gpus_per_node=a.gpus_per_node,
         precision=a.precision, micro_batch=a.micro_batch, seq_len=a.seq_len, layers=a.layers, hidden=a.hidden,
         heads=a.heads, flash_attention=a.flash_attention, largest_layer_params=a.largest_layer,

@@ -46,6 +46,16 @@ def _side_channel(timeout_s: float) -> dist.Store:
     return store
 
 
+def _marks(operation: str) -> Callable[..., None]:
+    """A :class:`HangWatchdog` hook (any Lightning callback hook's arguments) marking ``operation``."""
+
+    def hook(self: HangWatchdog, trainer: pl.Trainer, *args: Any) -> None:
+        self.mark(operation, trainer)
+
+    hook.__doc__ = f"Mark {operation!r} as this rank's running operation."
+    return hook
+
+
 class HangWatchdog(pl.Callback):
     """Runs a :class:`~lightning_zero.core.heartbeat.HeartbeatWatchdog` for the Trainer's run.
 
@@ -78,29 +88,13 @@ class HangWatchdog(pl.Callback):
         if self.watchdog is not None:
             self.watchdog.mark(operation, trainer.global_step)
 
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.mark("training_step", trainer)
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.mark("backward (gradient reduction)", trainer)
-
-    @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.mark("optimizer step (parameter all-gather)", trainer)
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.mark("between steps (callbacks, logging, checkpointing)", trainer)
-
-    @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.mark("checkpoint save", trainer)
-
-    @override
-    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.mark("validation step", trainer)
+    # Lightning hook -> the operation a rank silent after it is named as running
+    on_train_batch_start = _marks("training_step")
+    on_before_backward = _marks("backward (gradient reduction)")
+    on_before_optimizer_step = _marks("optimizer step (parameter all-gather)")
+    on_train_batch_end = _marks("between steps (callbacks, logging, checkpointing)")
+    on_save_checkpoint = _marks("checkpoint save")
+    on_validation_batch_start = _marks("validation step")
 
     @override
     def on_exception(self, trainer: pl.Trainer, *args: Any) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -224,21 +225,20 @@ class ZeroPrecision(Precision):
         return optimizer.step(**kwargs)
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if self.engine is None:
-            return super().clip_grad_by_norm(optimizer, clip_val)
+    def clip_gradients(
+        self, optimizer: Optimizer, clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """With an engine, the engine clips every shard (mixed modes: unscaled fp32 master gradients,
+        prepared here when manual optimization clips before ``opt.step()``)."""
+        if self.engine is None or clip_val <= 0:
+            return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
         if self._custom_step():
             self._prepare()
-        self.engine.clip_grad_norm_(float(clip_val))
-        return None
-
-    @override
-    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if self.engine is None:
-            return super().clip_grad_by_value(optimizer, clip_val)
-        if self._custom_step():
-            self._prepare()
-        self.engine.clip_grad_value_(float(clip_val))
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.engine.clip_grad_value_(float(clip_val))
+        else:
+            self.engine.clip_grad_norm_(float(clip_val))
         return None
 
     # ------------------------------------------------------------------ checkpoint

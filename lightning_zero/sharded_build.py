@@ -30,15 +30,16 @@ class ShardedBuildMixin:
     lightning_module: Any
     _lightning_module: Any
     _built_sharded: bool  # this run's model was built in configure_model (stage 3), until teardown
-    pipeline_config: Any  # PipelineConfig | None: a pipeline builds the module for real
+    pipeline_config: Any  # PipelineConfig | None: a pipeline materialises only its stage's layers
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: parameters built in ``configure_model`` go to the meta device, and are
         materialised and sharded unit by unit at setup (Note [sharded construction] in
-        core/materialize.py); buffers and metric states are created for real. With a pipeline the
-        module is built for real and each rank drops the other stages' weights at setup."""
-        if self.zero_config.stage != 3 or self.pipeline_config is not None:
+        core/materialize.py); buffers and metric states are created for real. With a pipeline (any
+        ZeRO stage) parameters go to the meta device too, and each rank materialises only its own
+        stage's layers at setup (Note [local construction] in pipeline/build.py)."""
+        if self.zero_config.stage != 3 and self.pipeline_config is None:
             yield
             return
         with parameters_on_meta():

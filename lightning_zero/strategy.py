@@ -229,7 +229,8 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
         self.model = self.precision_plugin.convert_module(self.model)
         if self.pipeline_config is not None:  # split: other stages' weights become storage-less placeholders
             self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
-                                              self.zero_config.timeout_s)
+                                              self.zero_config.timeout_s, self.param_init_fn,
+                                              torch.initial_seed() % 2**63)
         elif has_meta_parameters(self.model):
             self._prepare_meta_model()
         if self._pipeline is None:
@@ -392,8 +393,9 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
                 )
         for name, stage, kwargs in (
             ("zero_stage_2_offload", 2, {"offload_optimizer": "cpu"}),
-            ("zero_stage_3_offload", 3, {"offload_optimizer": "cpu"}),
-            ("zero_stage_3_offload_nvme", 3, {"offload_optimizer": "nvme", "nvme_path": "/local_nvme"}),
+            ("zero_stage_3_offload", 3, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
+            ("zero_stage_3_offload_nvme", 3, {"offload_optimizer": "nvme", "offload_param": "nvme",
+                                              "nvme_path": "/local_nvme"}),
         ):
             strategy_registry.register(name, cls, description=f"ZeRO stage {stage} with {kwargs} (lightning_zero)",
                                        stage=stage, **kwargs)

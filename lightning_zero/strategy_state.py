@@ -241,8 +241,11 @@ class ZeroStateMixin:
     def restore_checkpoint_after_setup(self) -> bool:
         """Stage 3 reads a ``ckpt_path`` after setup, each rank only the slices of its shards
         (Note [owned slices] in checkpoint/owned.py), so the whole model never exists anywhere. A
-        pipelined run reads before setup: its checkpoints hold the unsplit module (docs/pipeline.md)."""
-        return self.zero_config.stage == 3 and self.pipeline_config is None
+        pipelined run reads before setup (its checkpoints hold the unsplit module, docs/pipeline.md),
+        unless it was built on the meta device: then each stage reads its own layers after setup."""
+        if self.pipeline_config is not None:
+            return self.lightning_module is not None and has_meta_parameters(self.lightning_module)
+        return self.zero_config.stage == 3
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -250,6 +253,9 @@ class ZeroStateMixin:
         setup (stage 3 with a model built in ``configure_model``: ``restore_checkpoint_after_setup``)
         the values are streamed into the engine's shards one unit at a time, also for evaluation."""
         state = checkpoint["state_dict"]
+        if self._pipeline is not None:  # after setup, built on meta: this stage's layers, by their unsplit names
+            self._pipeline.load_local_state_dict(self.lightning_module, self._engine, state, strict)
+            return None
         if self._engine is not None:  # after setup: into the shards
             if isinstance(state, LazyStateDict):
                 load_owned_state_dict(self._engine, state, strict)  # this rank's slices only

@@ -41,12 +41,19 @@ def reset_peak() -> None:
         f.write("5")  # VmHWM := VmRSS
 
 
+def return_freed_memory_to_the_os() -> None:
+    """Fix glibc's mmap threshold at 128 KiB: large tensors are then always mmap-ed and unmapped
+    on free. (By default the threshold grows after big frees, and freed buffers stay in the heap,
+    so the resident set would count memory the model no longer uses.)"""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD
+
+
 def limit_memory() -> dict[str, Any]:
     """Return freed memory to the OS (a fixed mmap threshold), then cap this process's data
     segment at ``LIMIT`` above what it uses now; check DDP's per-rank state cannot be allocated."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: large buffers are unmapped on free
+    return_freed_memory_to_the_os()
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if os.environ.get("LZ_DEBUG"):
         print("start", {k: status(k) >> 20 for k in ("VmHWM", "VmRSS", "VmData")}, LIMIT >> 20, flush=True)

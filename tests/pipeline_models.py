@@ -9,7 +9,11 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero.core.materialize import parameters_on_meta
+from lightning_zero.pipeline.build import materialize_whole
+from tests.models import RankSampler
 
 VOCAB, WIDTH, SEQ = 13, 8, 6
 
@@ -47,17 +51,29 @@ class Head(nn.Module):
 class PipeLM(pl.LightningModule):
     """Embedding (tied to the output head), ``n_blocks`` residual blocks, a norm and the head."""
 
-    def __init__(self, optimizer: str = "adamw", n_blocks: int = 3, tie: bool = True, lr: float = 0.05) -> None:
+    def __init__(self, optimizer: str = "adamw", n_blocks: int = 3, tie: bool = True, lr: float = 0.05,
+                 lazy: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
-        self.norm = nn.LayerNorm(WIDTH)
-        self.out = nn.Linear(WIDTH, VOCAB)
-        if tie:
-            self.out.weight = self.emb.weight
+        self.n_blocks, self.tie = n_blocks, tie
         self.optimizer_name, self.lr = optimizer, lr
         self.losses: list[float] = []
+        self.built_bytes: int | None = None  # lazy: parameter bytes held right after configure_model
+        if not lazy:
+            self._build()
+
+    def _build(self) -> None:
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(self.n_blocks))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.out = nn.Linear(WIDTH, VOCAB)
+        if self.tie:
+            self.out.weight = self.emb.weight
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "emb"):  # lazy: built here (under a pipeline, on the meta device)
+            self._build()
+            self.built_bytes = param_bytes(self)
 
     def pipeline_layers(self) -> list[nn.Module]:
         return [Embed(self.emb), *self.blocks, Head(self.norm, self.out)]
@@ -91,23 +107,17 @@ class PipeLM(pl.LightningModule):
         return make_optimizer(self.optimizer_name, self.parameters(), self.lr)
 
 
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of the storages behind ``module``'s parameters (meta ones hold none; a placeholder one element)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()
+                if not p.is_meta}
+    return sum(storages.values())
+
+
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-
-
-class Shard(Sampler[int]):
-    """Fixed, unshuffled: sample ``i`` goes to data-parallel rank ``i % world``."""
-
-    def __init__(self, n: int, rank: int, world: int) -> None:
-        self.indices = list(range(rank, n, world))
-
-    def __iter__(self):  # type: ignore[override]
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
 
 def dataset(n: int = 96) -> TensorDataset:
@@ -117,14 +127,19 @@ def dataset(n: int = 96) -> TensorDataset:
 
 
 def loader(batch: int, dp_rank: int = 0, dp_size: int = 1, n: int = 96) -> DataLoader:
-    return DataLoader(dataset(n), batch_size=batch, sampler=Shard(n, dp_rank, dp_size))
+    return DataLoader(dataset(n), batch_size=batch, sampler=RankSampler(n, dp_rank, dp_size))
 
 
 def reference(optimizer: str, batch: int, dp_size: int, steps: int, clip: float | None = None,
-              n: int = 96) -> dict[str, Any]:
+              n: int = 96, lazy: bool = False, tie: bool = True) -> dict[str, Any]:
     """Plain PyTorch on one process: each step averages the data-parallel ranks' batch losses (what
-    data-parallel training computes), then clips and steps; epochs restart the unshuffled data."""
-    model = PipeLM(optimizer)
+    data-parallel training computes), then clips and steps; epochs restart the unshuffled data. ``lazy``:
+    the model built in ``configure_model`` on the meta device, materialised whole."""
+    model = PipeLM(optimizer, lazy=lazy, tie=tie)
+    if lazy:  # built on meta and initialised as each pipeline stage initialises its part
+        with parameters_on_meta():
+            model.configure_model()
+        materialize_whole(model, None, torch.initial_seed())
     opt = model.configure_optimizers()
     batches = [list(loader(batch, r, dp_size, n)) for r in range(dp_size)]
     losses = []

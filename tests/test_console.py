@@ -8,8 +8,9 @@ from lightning_zero.config.console import RankConsole, failure_summary
 
 
 def _failure(idx: int, rank: int, code: int, traceback: str) -> str:
-    return (f"[{idx}]:\n  time      : 2026-11-23_07:00:00\n  host      : vm\n  rank      : {rank} (local_rank: {rank})\n"
-            f"  exitcode  : {code} (pid: 123)\n  error_file: <N/A>\n  traceback : {traceback}")
+    return "\n".join([f"[{idx}]:", "  time      : 2026-11-23_07:00:00", "  host      : vm",
+                      f"  rank      : {rank} (local_rank: {rank})", f"  exitcode  : {code} (pid: 123)",
+                      "  error_file: <N/A>", f"  traceback : {traceback}"])
 
 
 def _report(root: str, others: list[str]) -> str:

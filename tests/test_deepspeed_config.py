@@ -239,7 +239,7 @@ NVME_HYDRA = ["zero=stage3", "offload=param_nvme", "precision=fp16", "precision.
 def test_stage3_offload_config_equals_the_hydra_options_field_by_field(config: dict, overrides: list[str],
                                                                       tmp_path: Path) -> None:
     ds = parse_deepspeed_config(config)
-    hydra = validate_config_or_unbuilt(compose_config(overrides))
+    hydra = validate_config(compose_config(overrides))
     from_json, from_hydra = deepspeed_settings(ds), strategy_settings(hydra)
     assert from_json.keys() == from_hydra.keys()
     for part in ("zero", "offload"):
@@ -251,25 +251,14 @@ def test_stage3_offload_config_equals_the_hydra_options_field_by_field(config: d
     # the strategy arguments the Hydra path builds carry the same ZeroConfig
     assert hydra_strategy_kwargs(hydra)["config"] == ds.zero
     # and the JSON merged over the default composition amounts to the same groups as the Hydra options
-    merged = validate_config_or_unbuilt(apply_deepspeed_config(
+    merged = validate_config(apply_deepspeed_config(
         compose_config([f"deepspeed_config={_write(tmp_path, config)}", *[o for o in overrides if "trainer" in o]])))
     for group in ("zero", "offload", "precision"):
         assert getattr(merged, group) == getattr(hydra, group), group
-    # parameter offload is not built: the strategy refuses it, naming the feature
-    with pytest.raises(NotImplementedError, match=f"offload_param={ds.offload.param_device!r}"):
-        DeepSpeedZeroStrategy.from_deepspeed_config(config)
-
-
-def validate_config_or_unbuilt(cfg: Any) -> Any:
-    """The typed config; stage 3 / offload / 16-bit are valid but unbuilt, so validation raises after checking."""
-    from lightning_zero.config.schema import to_train_config
-    from lightning_zero.config.validate import invalid_combinations
-
-    typed = to_train_config(cfg)
-    assert invalid_combinations(typed) == []
-    with pytest.raises(NotImplementedError, match="offload"):
-        validate_config(typed)
-    return typed
+    # and the strategy takes it as it is (parameter offload is built)
+    local = json.loads(json.dumps(config).replace("/local_nvme", str(tmp_path)))  # nvme_path must exist
+    built = DeepSpeedZeroStrategy.from_deepspeed_config(local).offload
+    assert built == dataclasses.replace(ds.offload, nvme_path=ds.offload.nvme_path and str(tmp_path))
 
 
 # ---------------------------------------------------------------------------- from_deepspeed_config arguments

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroStrategy
+from tests.large_model_phases import reset_peak, return_freed_memory_to_the_os, status
 from tests.models import assert_released, make_trainer, token_loader, units_released
 
 DIM, BLOCKS, VOCAB = 2048, 16, 17  # 16 blocks of 4.2M parameters: 268 MB in fp32 whole
@@ -54,14 +55,6 @@ class WideStack(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 class _PeakAtTrainStart(pl.Callback):
     def __init__(self, start_rss: int) -> None:
         self.start_rss = start_rss
@@ -69,29 +62,17 @@ class _PeakAtTrainStart(pl.Callback):
         self.peak_increase = -1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.peak_increase = _status("VmHWM") - self.start_rss
+        self.peak_increase = status("VmHWM") - self.start_rss
         trainer.should_stop = True  # setup is what is measured: no step
-
-
-def _return_freed_memory_to_the_os() -> None:
-    """Fix glibc's mmap threshold at 128 KiB: large tensors are then always mmap-ed and unmapped
-    on free. (By default the threshold grows after big frees, and freed buffers stay in the heap,
-    so the resident set would count memory the model no longer uses.)"""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    m_mmap_threshold = -3
-    libc.mallopt(m_mmap_threshold, 128 * 1024)
 
 
 def sharded_construction_body(limit_bytes: int | None) -> dict[str, Any]:
     import gc
 
-    _return_freed_memory_to_the_os()
+    return_freed_memory_to_the_os()
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    start = _status("VmRSS")
+    reset_peak()  # VmHWM := VmRSS
+    start = status("VmRSS")
     probe = _PeakAtTrainStart(start)
     # RLIMIT_DATA bounds the process's private writable memory (heap and anonymous mmaps, where
     # tensors live); RLIMIT_AS would also count thread stacks and allocator reservations
@@ -99,7 +80,7 @@ def sharded_construction_body(limit_bytes: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         if limit_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData") + limit_bytes, hard))
+            resource.setrlimit(resource.RLIMIT_DATA, (status("VmData") + limit_bytes, hard))
             try:  # the limit really is below one whole copy of the model
                 torch.empty(WHOLE_BYTES // 4)
                 out["whole_fits"] = True

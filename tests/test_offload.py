@@ -19,7 +19,15 @@ import torch
 from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.offload import OffloadConfig
-from tests.models import TinyTransformer, make_trainer, params_of, token_loader
+from tests.models import (
+    STAGE3_SHARDED,
+    TinyTransformer,
+    assert_released,
+    make_trainer,
+    params_of,
+    token_loader,
+    units_released,
+)
 
 PIECE = 64  # master pieces of 64 elements: many pieces, several sub-groups of SUB_GROUP elements
 SUB_GROUP = 200
@@ -34,10 +42,12 @@ class FusedTiny(TinyTransformer):
 
 
 class OffloadProbe(pl.Callback):
-    """At every optimizer step: the counters advanced, masters and state live in the store's storage."""
+    """At every optimizer step: the counters advanced, masters and state live in the store's storage;
+    with ``offload_param``, every released unit's shards live in the param store's own storage."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, int]] = []
+        self.units: list[tuple[int, int]] = []  # (offloaded shards, releases so far) per micro-step
         self.fused: list[bool] = []
         self.swap_dir: str | None = None
 
@@ -47,8 +57,10 @@ class OffloadProbe(pl.Callback):
         if store is None:
             return
         c = store.counters
+        shards = store.params.counters if store.params is not None else None
         self.steps.append(dict(steps=c.steps, grad_in=c.grad_bytes_in, out=c.param_bytes_out,
-                               read=c.bytes_read, written=c.bytes_written))
+                               read=c.bytes_read, written=c.bytes_written,
+                               shard_in=shards.bytes_in if shards else 0, shard_out=shards.bytes_out if shards else 0))
         self.fused.append(all(g.get("fused") for g in sharded.optimizer.param_groups))
         params = [p.untyped_storage().data_ptr() for p in pl_module.parameters()]
         shards = [g.own_shard().untyped_storage().data_ptr() for g in engine.groups]
@@ -61,13 +73,34 @@ class OffloadProbe(pl.Callback):
                     for key in ("exp_avg", "exp_avg_sq"):
                         t = sharded.optimizer.state[piece][key]
                         assert t.data_ptr() == store.files[(fi, key)].tensor[k * PIECE:].data_ptr(), key
-        if store.nvme:
+        if store.params is not None:
+            self.units.append(_check_param_shards(engine, store.params, params))
+        if store.directory is not None:
             self.swap_dir = store.directory.name
             assert os.path.isdir(self.swap_dir) and not os.listdir(self.swap_dir), "swap files must be unlinked"
 
 
+def _check_param_shards(engine: Any, store: Any, params: list[int]) -> tuple[int, int]:
+    """Each released unit's shards live in the param store (its buffers or swap files), not the module's storage."""
+    released = [u for u in engine.units if not u.persistent]
+    assert released and all(u.shard_io is store for u in released)
+    for u in released:
+        for g in u.groups:
+            assert g.shard.untyped_storage().data_ptr() not in params, "param shard shares the module's storage"
+            assert g.shard.data_ptr() == store.homes[id(g)].data_ptr(), "param shard is not in the store"
+            if store.nvme:
+                assert g.shard.data_ptr() == store.files[id(g)].tensor.data_ptr(), "param shard is not its swap file"
+    return store.counters.shards, sum(u.releases for u in released), sum(u.releases > 0 for u in released)
+
+
+def _devices(device: str) -> dict[str, str]:
+    """``"cpu"`` / ``"nvme"``: optimizer offload; ``"param_cpu"`` / ``"param_nvme"``: parameters too."""
+    where = device.removeprefix("param_")
+    return {"optimizer_device": where, "param_device": where if device.startswith("param_") else "none"}
+
+
 def _strategy(stage: int, mode: str, **offload: Any) -> ZeroStrategy:
-    extra = {"param_persistence_threshold": 0} if stage == 3 else {}
+    extra = STAGE3_SHARDED if stage == 3 else {}  # several units, all released
     scaler = LossScalerConfig(initial_scale_power=8) if mode == "16-mixed" else None
     return ZeroStrategy(stage=stage, reduce_bucket_size=100, precision=ZeroPrecision(mode, loss_scaler=scaler),
                         **extra, **offload)
@@ -79,6 +112,7 @@ def _fit(strategy: ZeroStrategy) -> dict[str, Any]:
     trainer = make_trainer(strategy, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=5, callbacks=[probe])
     trainer.fit(model, token_loader(n=80))
     return {"losses": model.losses, "params": params_of(model), "steps": probe.steps, "fused": probe.fused,
+            "units": probe.units,
             "swap_dir_left": probe.swap_dir is not None and os.path.exists(probe.swap_dir),
             "optimizer_fused_after": [g.get("fused") for g in trainer.optimizers[0].param_groups]}
 
@@ -93,7 +127,7 @@ def parity_body(runs: list[tuple[int, str, str]]) -> dict[tuple[int, str, str], 
             for stage, mode, device in runs:
                 if (stage, mode, "none") not in out:
                     out[(stage, mode, "none")] = _fit(_strategy(stage, mode))
-                config = OffloadConfig(optimizer_device=device, nvme_path=nvme, sub_group_size=SUB_GROUP)
+                config = OffloadConfig(**_devices(device), nvme_path=nvme, sub_group_size=SUB_GROUP)
                 out[(stage, mode, device)] = _fit(_strategy(stage, mode, offload=config))
     finally:
         zero_optimizer.MASTER_PIECE_NUMEL = default
@@ -103,7 +137,7 @@ def parity_body(runs: list[tuple[int, str, str]]) -> dict[tuple[int, str, str], 
 RUNS = [(stage, "32-true", device) for stage in (1, 2, 3) for device in ("cpu", "nvme")] + [
     (2, "bf16-mixed", "nvme"), (3, "bf16-mixed", "cpu"), (1, "16-mixed", "cpu"), (3, "16-mixed", "nvme"),
     (2, "bf16-true", "cpu"),
-]
+] + [(3, mode, f"param_{device}") for mode in ("32-true", "bf16-mixed", "16-mixed") for device in ("cpu", "nvme")]
 
 
 @pytest.fixture(scope="module")
@@ -128,16 +162,22 @@ def test_offload_matches_the_same_stage_without_offload(offload_results: list[di
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "-".join(map(str, r)))
 def test_offload_counters_advance_every_step_and_files_go(offload_results: list[dict], run: tuple) -> None:
     _, mode, device = run
+    where = _devices(device)["optimizer_device"]
     for by_run in offload_results:
         off = by_run[run]
         steps = off["steps"][1::2]  # the boundary micro-steps (accumulation 2)
         assert [s["steps"] for s in steps] == [1, 2, 3, 4, 5]
         for before, after in zip([dict.fromkeys(steps[0], 0), *steps], steps):
             assert after["out"] > before["out"]
-            if device == "cpu" or mode not in ("32-true", "bf16-true"):
+            if where == "cpu" or mode not in ("32-true", "bf16-true"):
                 assert after["grad_in"] > before["grad_in"]
-            if device == "nvme":
+            if where == "nvme":
                 assert after["read"] > before["read"] and after["written"] > before["written"]
+            if device.startswith("param_"):  # shards read at every gather, written at every step
+                assert after["shard_in"] > before["shard_in"] and after["shard_out"] > before["shard_out"]
+        if device.startswith("param_"):
+            shards, releases, units = zip(*off["units"])
+            assert min(shards) >= 2 and releases[-1] > releases[0] > 0 and units[-1] >= 2  # sharded, released
         assert all(off["fused"])  # stepped with the fused CPU kernels
         assert not off["swap_dir_left"]
 
@@ -148,7 +188,9 @@ def test_offload_counters_advance_every_step_and_files_go(offload_results: list[
     (dict(stage=0, offload_optimizer="cpu"), ValueError, r"needs ZeRO stage 1, 2 or 3, got stage 0"),
     (dict(stage=2, offload_optimizer="nvme"), ValueError, r"needs `nvme_path`"),
     (dict(stage=2, offload_optimizer="nvme", nvme_path="/no/such/dir"), ValueError, r"does not exist"),
-    (dict(stage=3, offload_optimizer="cpu", offload_param="cpu"), NotImplementedError, r"offload_param=.cpu.*not"),
+    (dict(stage=3, offload_param="nvme"), ValueError, r"offload=param_nvme needs `nvme_path`"),
+    (dict(stage=1, offload_optimizer="nvme", offload_param="nvme", nvme_path="/tmp"), ValueError,
+     r"offload_param='nvme' needs ZeRO stage 3 \(partitioned parameters\), got stage 1. Fix: stage=3"),
 ])
 def test_bad_offload_input_is_refused_when_the_strategy_is_built(kwargs: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
@@ -187,6 +229,14 @@ def test_pin_memory_without_an_accelerator_warns_and_stays_unpinned() -> None:
     with pytest.warns(UserWarning, match="pin_memory=True needs an accelerator"):
         store = OptimizerOffload(OffloadConfig(optimizer_device="cpu", pin_memory=True))
     assert not store.pin and not store.new_master(0, 10, torch.float32).is_pinned()
+
+
+def test_an_engine_without_an_optimizer_says_that_it_offloads_nothing() -> None:
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"offload=param_cpu .* without an optimizer .* every shard stays in memory"):
+        ZeroEngine(model, None, ZeroConfig(stage=3), offload=OffloadConfig(optimizer_device="cpu", param_device="cpu"))
 
 
 def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
@@ -306,3 +356,46 @@ def test_a_model_that_exceeds_rlimit_data_trains_with_its_optimizer_state_on_dis
     assert "can't allocate memory" in results["none"]["error"]
     assert results["nvme"]["trained"] is True, results["nvme"]
     assert results["nvme"]["losses"] == results["reference"]["losses"]  # the same training
+
+
+# ---------------------------------------------------------------------------------------------- composition
+def _stage3(offload: OffloadConfig | None, **kwargs: Any) -> ZeroStrategy:
+    return ZeroStrategy(stage=3, **STAGE3_SHARDED, **kwargs, **({"offload": offload} if offload else {}))
+
+
+def _nvme(directory: str) -> OffloadConfig:
+    return OffloadConfig(optimizer_device="nvme", param_device="nvme", nvme_path=directory, sub_group_size=SUB_GROUP)
+
+
+def composition_body(root: str) -> dict[str, Any]:
+    """Stage 3 with both offloads on "nvme": (a) with activation checkpointing, against the same without
+    offload; (b) 10 steps saving a sharded checkpoint at step 4 (resumed at 1 rank by the test)."""
+    from tests.test_checkpoints import _fit, _saver
+
+    out: dict[str, Any] = {}
+    for name, offload in (("plain", None), ("offload", _nvme(root))):
+        model, strategy = FusedTiny("adamw"), _stage3(offload, activation_checkpointing=True)
+        _fit(model, strategy, max_steps=5)
+        out[name] = (model.losses, params_of(model), units_released(strategy, model))
+    model, strategy = FusedTiny("adamw"), _stage3(_nvme(root))
+    _fit(model, strategy, callbacks=[_saver(os.path.join(root, "ckpt"))])
+    out["saved_run"] = model.losses
+    return out
+
+
+@pytest.mark.slow
+def test_offload_composes_with_checkpointing_and_resumes_at_another_world_size(gloo_pool, tmp_path) -> None:
+    from tests.test_checkpoints import _fit, _global
+
+    runs = gloo_pool.run("tests.test_offload:composition_body", root=str(tmp_path))
+    for r in runs:  # activation checkpointing recomputes the forward: the units are gathered again from the store
+        (plain_losses, plain_params, plain_units), (losses, params, units) = r["plain"], r["offload"]
+        assert losses == plain_losses and len(losses) == 5
+        assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+        assert_released(units) and assert_released(plain_units)
+    reference = _global([r["saved_run"] for r in runs])[4:]  # steps 5-10 of the 2-rank run
+    ckpt = os.path.join(str(tmp_path), "ckpt", "epoch=0-step=4.ckpt")
+    for offload in (None, _nvme(str(tmp_path))):  # 2 ranks with offload -> 1 rank without it, and with it
+        model = FusedTiny("adamw")
+        _fit(model, _stage3(offload), devices=1, batch_size=8, ckpt_path=ckpt)
+        assert model.losses == pytest.approx(reference, rel=1e-5), (offload, model.losses, reference)

@@ -1,5 +1,8 @@
 """A tiny GPT in 2 pipeline stages (1F1B, 4 micro-batches) with ZeRO stage 2 on 2 CPU processes.
 
+The GPT is built in ``configure_model``: on the meta device, and each rank materialises only its
+stage's layers (with GPT's own initialisation), so no rank ever holds the whole model.
+
 Run: python docs/examples/pipeline.py
 """
 
@@ -8,6 +11,7 @@ from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
 
 from lightning_zero import PipelineConfig, ZeroStrategy
+from lightning_zero.models.gpt import gpt_param_init
 
 
 class PrintLoss(pl.Callback):
@@ -22,7 +26,7 @@ if __name__ == "__main__":
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,  # 2 stages x 1 data-parallel rank; devices=4 gives 2 x 2
-        strategy=ZeroStrategy(stage=2, pipeline=pipeline),
+        strategy=ZeroStrategy(stage=2, pipeline=pipeline, param_init_fn=gpt_param_init("gpt_tiny")),
         max_steps=20,
         gradient_clip_val=1.0,
         limit_val_batches=2,
@@ -31,6 +35,6 @@ if __name__ == "__main__":
         logger=False,
         enable_checkpointing=False,
     )
-    model = GPTLightningModule("gpt_tiny", warmup_steps=0)
+    model = GPTLightningModule("gpt_tiny", warmup_steps=0, build_in_configure_model=True)
     trainer.fit(model, TextDataModule(seq_len=64, micro_batch_size=8, max_bytes=500_000, max_val_samples=16))
     print(f"rank {trainer.global_rank}: val_loss {float(trainer.callback_metrics['val_loss']):.4f}")

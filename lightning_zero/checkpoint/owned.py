@@ -105,8 +105,8 @@ def load_owned_state_dict(engine: ZeroEngine, state: LazyStateDict, strict: bool
         lo, hi, dest = _target(g)
         _fill(ckpt, g, lo, hi, dest, ref_of)
         in_flat.update(s.param for s in g.slots)
-    if engine.sharded is not None and engine.separate_master:
-        for fi, g in enumerate(engine.groups):
+    if engine.sharded is not None and (engine.separate_master or engine.sharded.offload is not None):
+        for fi, g in enumerate(engine.groups):  # an offloaded master is its own copy, whatever the dtypes
             lo, hi = engine.sharded.master_range(fi)
             _fill(ckpt, g, lo, hi, engine.sharded.masters[fi], ref_of)
     for p, key in key_of.items():

@@ -13,7 +13,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import OmegaConf
 
-from lightning_zero.config.model_zoo import build_datamodule, build_module
+from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
     GPTModelSchema,
@@ -56,6 +56,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "profiler": build_profiler(cfg),
         "pipeline": pipeline_config(cfg),
         "offload": offload_config(cfg),
+        "param_init_fn": param_init_fn(cfg),
     }
 
 
@@ -66,7 +67,8 @@ def pipeline_config(cfg: TrainConfig) -> PipelineConfig | None:
         return None
     return PipelineConfig(stages=pp.stages, micro_batches=pp.micro_batches, schedule=pp.schedule.value,
                           virtual_stages=pp.virtual_stages, partition_method=pp.partition_method,
-                          activation_checkpoint_interval=pp.activation_checkpoint_interval)
+                          activation_checkpoint_interval=pp.activation_checkpoint_interval,
+                          reduce_per_micro_batch=pp.reduce_per_micro_batch)
 def build_deepspeed_strategy(cfg: TrainConfig) -> ZeroStrategy:
     """The ranks' strategy for a merged, typed config with ``deepspeed_config``: the Hydra-side strategy
     arguments (equal to the JSON's wherever the JSON sets a value, after
@@ -81,8 +83,7 @@ def build_profiler(cfg: TrainConfig) -> ProfilerWindow | None:
     p = cfg.profiler
     if not p.enabled:
         return None
-    return ProfilerWindow(wait=p.wait, warmup=p.warmup, active=p.active, repeat=p.repeat,
-                          record_shapes=p.record_shapes, with_stack=p.with_stack)
+    return ProfilerWindow(**{f.name: getattr(p, f.name) for f in fields(ProfilerWindow)})
 
 
 def config_hparams(cfg: TrainConfig) -> dict[str, Any]:
@@ -116,10 +117,7 @@ def build_precision(cfg: TrainConfig) -> ZeroPrecision:
     name = LIGHTNING_PRECISION[p.name.value]
     scaler = None
     if name == "16-mixed":
-        scaler = LossScalerConfig(loss_scale=p.loss_scale, initial_scale_power=p.initial_scale_power,
-                                  loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis,
-                                  consecutive_hysteresis=p.consecutive_hysteresis, min_loss_scale=p.min_loss_scale,
-                                  raise_at_min_scale=p.raise_at_min_scale)
+        scaler = LossScalerConfig(**{f.name: getattr(p, f.name) for f in fields(LossScalerConfig)})
     return ZeroPrecision(name, loss_scaler=scaler, reduce_dtype=p.reduce_dtype, grad_accum_dtype=p.grad_accum_dtype)
 
 

@@ -10,9 +10,16 @@ Precedence (also in ``docs/deepspeed_config.md``):
   code 2, nothing started) with one message naming both places. Written means a key
   (``zero.stage=1``, ``data.micro_batch_size: 8`` in the experiment, ...) or a group choice for the
   keys that define the option: ``zero=...`` / ``override /zero: ...`` sets ``zero.stage``,
-  ``offload=...`` the two offload devices, ``precision=...`` ``precision.name``.
+  ``offload=...`` the two offload devices, ``precision=...`` ``precision.name``, ``pipeline=...``
+  ``pipeline.stages``.
 * The batch triple is resolved against the data-parallel size ``trainer.devices / pipeline.stages``
-  before anything starts; it sets ``data.micro_batch_size`` and ``trainer.accumulate_grad_batches``.
+  before anything starts; it sets ``data.micro_batch_size`` and ``trainer.accumulate_grad_batches``,
+  or, pipelined (``pipeline.stages`` > 1, from the JSON's ``pipeline`` section or the command line),
+  ``pipeline.micro_batches`` = the accumulation steps, ``data.micro_batch_size`` = micro-batch x
+  accumulation steps and no accumulation (Note [DeepSpeed pipeline batches] in deepspeed/pipeline.py).
+  The JSON's ``pipeline`` keys set ``pipeline.stages`` / ``partition_method`` /
+  ``activation_checkpoint_interval``; a pipeline the JSON starts gets 1F1B (GPipe below ``stages``
+  micro-batches).
 * A JSON ``optimizer`` / ``scheduler`` section replaces the model's optimizer / schedule
   (``optimizer_source="config"``), so ``model.optimizer``, ``model.lr``, ``model.weight_decay``,
   ``model.betas`` (resp. ``model.scheduler``, ``model.warmup_steps``, ``model.lr_decay_steps``,
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
 from enum import Enum
 from typing import Any
 
@@ -34,11 +42,12 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_zero.config.paths import conf_dir
 from lightning_zero.config.schema import LIGHTNING_PRECISION, TrainConfig
 from lightning_zero.config.validate import offload_config, zero_config
-from lightning_zero.deepspeed.batch import GAS, MICRO, TBS
+from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, ResolvedBatch
 from lightning_zero.deepspeed.config import DeepSpeedConfig, parse_deepspeed_config
+from lightning_zero.deepspeed.pipeline import pipeline_batch
 
 GROUP_KEYS = {"zero": ("zero.stage",), "offload": ("offload.optimizer_device", "offload.param_device"),
-              "precision": ("precision.name",)}
+              "precision": ("precision.name",), "pipeline": ("pipeline.stages",)}
 HYDRA_PRECISION = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
 OPTIMIZER_KEYS = ("model.optimizer", "model.lr", "model.weight_decay", "model.betas")
 SCHEDULER_KEYS = ("model.scheduler", "model.warmup_steps", "model.lr_decay_steps", "model.min_lr_ratio")
@@ -109,6 +118,8 @@ def json_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
             out[name] = getattr(ds.loss_scaler, key)
         elif name == "trainer.gradient_clip_val":
             out[name] = ds.gradient_clipping
+        elif group == "pipeline" and ds.pipeline is not None:
+            out[name] = getattr(ds.pipeline, key)
     return out
 
 
@@ -136,17 +147,24 @@ def apply_deepspeed_config(cfg: DictConfig | TrainConfig, overrides: Sequence[st
     explicit = {k for k, where in written.items() if where == "on the command line"}
     settings = {name: (value, f"{ds.given[name]}=true (precision {value})" if name == "precision.name"
                        else f"{ds.given[name]}={value!r}") for name, value in json_settings(ds).items()}
-    devices, stages = int(node.trainer.devices), max(1, int(node.pipeline.stages))
+    json_stages = ds.pipeline.stages if ds.pipeline is not None else None
+    devices, stages = int(node.trainer.devices), max(1, json_stages or int(node.pipeline.stages))
     try:
         batch = ds.batch.resolve(devices // stages)
     except ValueError as err:
         raise ValueError(f"DeepSpeed config {ds.source} with trainer.devices={devices}"
                          f"{f' / pipeline.stages={stages}' if stages > 1 else ''}: {err}") from err
+    if batch is not None and stages > 1 and not ds.batch.gives_accumulation:
+        m = int(node.pipeline.micro_batches)  # only the micro-batch size given: the pipeline's micro_batches stay
+        batch = replace(batch, accumulation_steps=m, train_batch_size=batch.micro_batch_size * m * batch.world_size)
     if batch is not None:
         how = f"{TBS}={batch.train_batch_size} over {batch.world_size} data-parallel rank(s)"
-        settings["data.micro_batch_size"] = (batch.micro_batch_size, f"{MICRO}={batch.micro_batch_size} ({how})")
-        settings["trainer.accumulate_grad_batches"] = (batch.accumulation_steps,
-                                                       f"{GAS}={batch.accumulation_steps} ({how})")
+        if stages > 1:  # Note [DeepSpeed pipeline batches] in deepspeed/pipeline.py
+            settings.update(_pipeline_batch_settings(batch, how))
+        else:
+            settings["data.micro_batch_size"] = (batch.micro_batch_size, f"{MICRO}={batch.micro_batch_size} ({how})")
+            settings["trainer.accumulate_grad_batches"] = (batch.accumulation_steps,
+                                                           f"{GAS}={batch.accumulation_steps} ({how})")
     problems = []
     for name, (value, source) in settings.items():
         current = _plain(OmegaConf.select(node, name))
@@ -163,7 +181,24 @@ def apply_deepspeed_config(cfg: DictConfig | TrainConfig, overrides: Sequence[st
                             f"section, which replaces the model's. Set it in `{section}.params` (or drop the section).")
     if problems:
         raise ValueError("conflicting settings:\n  - " + "\n  - ".join(problems))
+    if stages > 1 and _plain(OmegaConf.select(node, "pipeline.schedule")) == "none":  # the JSON made the pipeline
+        m = int(node.pipeline.micro_batches)
+        OmegaConf.update(node, "pipeline.schedule", "one_f_one_b" if m >= stages else "gpipe", merge=False)
     return node
+
+
+def _pipeline_batch_settings(batch: ResolvedBatch, how: str) -> dict[str, tuple[Any, str]]:
+    """The batch triple as DeepSpeed's pipeline engine reads it: GAS micro-batches per step, one batch of
+    micro x GAS samples per data-parallel rank, no accumulation by Lightning."""
+    micro_batches, per_rank = pipeline_batch(batch)
+    engine = "DeepSpeed's pipeline engine runs that many micro-batches per step"
+    return {
+        "pipeline.micro_batches": (micro_batches, f"{GAS}={micro_batches} ({engine}; {how})"),
+        "data.micro_batch_size": (per_rank, f"{MICRO}={batch.micro_batch_size} x {GAS}={micro_batches} = {per_rank} "
+                                            f"samples per data-parallel rank and step ({how})"),
+        "trainer.accumulate_grad_batches": (1, f"{GAS}={micro_batches} as pipeline micro-batches, so Lightning "
+                                               "accumulates nothing"),
+    }
 
 
 def strategy_settings(cfg: TrainConfig) -> dict[str, Any]:

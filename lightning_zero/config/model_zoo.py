@@ -6,6 +6,7 @@ GPT options are a preset of :data:`lightning_zero.models.gpt.GPT_PRESETS` plus s
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,8 +36,18 @@ def gpt_config(m: GPTModelSchema) -> Any:
 
 def gpt_overrides(m: GPTModelSchema) -> dict[str, Any]:
     """The shape fields of ``m`` that are set (they replace the preset's)."""
-    keys = ("seq_len", "n_layer", "n_head", "n_embd", "dropout")
+    keys = ("seq_len", "n_layer", "n_head", "n_embd", "dropout", "tie_weights")
     return {k: getattr(m, k) for k in keys if getattr(m, k) is not None}
+
+
+def param_init_fn(cfg: TrainConfig) -> Any:
+    """The strategy's ``param_init_fn``: a pipelined GPT is built on the meta device and each stage
+    initialises its layers with GPT's own initialisation (``None`` otherwise: ``reset_parameters``)."""
+    if isinstance(cfg.model, GPTModelSchema) and cfg.pipeline.stages > 1:
+        from lightning_zero.models.gpt import gpt_param_init
+
+        return gpt_param_init(gpt_config(cfg.model))
+    return None
 
 
 def build_module(cfg: TrainConfig) -> pl.LightningModule:
@@ -49,7 +60,8 @@ def build_module(cfg: TrainConfig) -> pl.LightningModule:
             model=m.preset, lr=m.lr, weight_decay=m.weight_decay, betas=list(m.betas), warmup_steps=m.warmup_steps,
             optimizer=m.optimizer.value, scheduler=m.scheduler.value, lr_decay_steps=m.lr_decay_steps,
             min_lr_ratio=m.min_lr_ratio, model_overrides=gpt_overrides(m) or None,
-            build_in_configure_model=m.build_in_configure_model, freeze_step=m.freeze_step,
+            # a pipeline builds only each rank's stage (docs/pipeline.md): in configure_model, on meta
+            build_in_configure_model=m.build_in_configure_model or cfg.pipeline.stages > 1, freeze_step=m.freeze_step,
         )
     if isinstance(m, MLPModelSchema):
         from lightning_zero.models.mlp import MLPClassifier
@@ -73,7 +85,5 @@ def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
     if isinstance(d, TeacherDataSchema):
         from lightning_zero.models.mlp import TeacherDataModule
 
-        return TeacherDataModule(num_train=d.num_train, num_val=d.num_val, input_dim=d.input_dim,
-                                 num_classes=d.num_classes, micro_batch_size=d.micro_batch_size,
-                                 num_workers=d.num_workers, seed=d.seed, deterministic_order=d.deterministic_order)
+        return TeacherDataModule(**{name: getattr(d, name) for name in inspect.signature(TeacherDataModule).parameters})
     raise ValueError(f"no builder for data.kind={d.kind!r}")

@@ -5,26 +5,62 @@ or a value of the wrong type fails when Hydra composes the config, naming the ke
 :class:`TrainConfig` types each group too. The knob names follow DeepSpeed's JSON config where
 DeepSpeed has one (``reduce_bucket_size``, ``loss_scale_window``, ``offload_optimizer.device``, ...).
 
+Where a core dataclass or a module already declares the knobs (the fp16 loss scaler, the profiler
+window, the teacher data module), the schema is built from it (``_mirror``) instead of restating
+them, and option lists kept elsewhere become enums the same way (``_choices``).
+
 Cross-group rules (e.g. parameter offload needs stage 3) are not expressible as types; they live in
 :func:`lightning_zero.config.validate.validate_config`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import inspect
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from lightning_zero.core import config as core_config
+from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.models.mlp import TeacherDataModule
+from lightning_zero.monitoring import ProfilerWindow
 
-class Collective(Enum):
-    """Gradient / parameter collectives of the ZeRO engine (see ``ZeroConfig.collective``)."""
 
-    auto = "auto"
-    all_reduce = "all_reduce"
-    reduce_scatter = "reduce_scatter"
+def _choices(name: str, values: Iterable[str], doc: str) -> Any:
+    """An ``Enum`` of the options ``values`` (each member named as its value), for options whose list
+    lives elsewhere."""
+    choices = Enum(name, [(v, v) for v in values])  # type: ignore[misc]
+    choices.__module__, choices.__doc__ = __name__, doc
+    return choices
+
+
+def _fields_of(source: type) -> list[tuple[str, Any, Any]]:
+    """``(name, type, default)`` of a dataclass's fields, or of the parameters of a class's ``__init__``."""
+    if is_dataclass(source):
+        hints = get_type_hints(source)
+        return [(f.name, hints[f.name], f.default) for f in fields(source)]
+    hints = get_type_hints(source.__init__)
+    return [(p.name, hints[p.name], p.default) for p in inspect.signature(source).parameters.values()]
+
+
+def _mirror(name: str, doc: str, *parts: tuple[str, Any, Any] | type, base: type | None = None) -> Any:
+    """A schema dataclass (subclassing ``base``) whose fields are ``parts`` in order: a ``(name, type,
+    default)`` field, or a frozen core dataclass or a class whose fields / ``__init__`` parameters are
+    taken over with their types and defaults, so that a knob and its default are written once, next
+    to the mechanism. (The schema itself is mutable: Hydra merges overrides into it.)"""
+    specs = [(n, t, field(default=d)) for part in parts
+             for n, t, d in ([part] if isinstance(part, tuple) else _fields_of(part))]
+    schema = make_dataclass(name, specs, bases=(base,) if base else (), namespace={"__doc__": doc})
+    schema.__module__ = __name__
+    return schema
+
+
+Collective = _choices("Collective", get_args(core_config.Collective),
+                      "Gradient / parameter collectives of the ZeRO engine (``ZeroConfig.collective``).")
 
 
 class OffloadDevice(Enum):
@@ -35,17 +71,11 @@ class OffloadDevice(Enum):
     nvme = "nvme"
 
 
-class PrecisionName(Enum):
-    """Precision modes; :data:`LIGHTNING_PRECISION` maps them to Lightning's strings."""
-
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-    bf16_true = "bf16_true"
-
-
+# precision mode -> Lightning's string
 LIGHTNING_PRECISION: dict[str, str] = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed",
                                        "bf16_true": "bf16-true"}
+PrecisionName = _choices("PrecisionName", LIGHTNING_PRECISION,
+                         "Precision modes: the keys of :data:`LIGHTNING_PRECISION`.")
 
 
 class PipeSchedule(Enum):
@@ -116,22 +146,17 @@ class OffloadSchema:
     sub_group_size: int = 1_000_000  # elements stepped / swapped at once with nvme (docs/offload.md)
 
 
-@dataclass
-class PrecisionSchema:
-    """``precision/``: the mode, DeepSpeed's fp16 loss-scaler knobs (``loss_scale=0`` means dynamic) and
-    the gradient dtypes (``reduce_dtype``: DeepSpeed's ``communication_data_type``; ``grad_accum_dtype``:
-    ``data_types.grad_accum_dtype``; ``null`` = the compute dtype)."""
-
-    name: PrecisionName = PrecisionName.fp32
-    loss_scale: float = 0.0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
-    raise_at_min_scale: bool = False
-    reduce_dtype: str | None = None  # float32, float16 or bfloat16
-    grad_accum_dtype: str | None = None
+PrecisionSchema = _mirror(
+    "PrecisionSchema",
+    """``precision/``: the mode, DeepSpeed's fp16 loss-scaler knobs (the fields of
+    :class:`~lightning_zero.core.loss_scaler.LossScalerConfig`; ``loss_scale=0`` means dynamic) and the
+    gradient dtypes (``reduce_dtype``: DeepSpeed's ``communication_data_type``; ``grad_accum_dtype``:
+    ``data_types.grad_accum_dtype``; ``null`` = the compute dtype).""",
+    ("name", PrecisionName, PrecisionName.fp32),
+    LossScalerConfig,
+    ("reduce_dtype", str | None, None),  # float32, float16 or bfloat16
+    ("grad_accum_dtype", str | None, None),
+)
 
 
 @dataclass
@@ -144,6 +169,7 @@ class PipelineSchema:
     virtual_stages: int = 1
     partition_method: str = "parameters"
     activation_checkpoint_interval: int = 0
+    reduce_per_micro_batch: bool = False  # ZeRO 2-3, no ties across stages (docs/pipeline.md)
 
 
 @dataclass
@@ -167,6 +193,7 @@ class GPTModelSchema(ModelSchema):
     n_head: int | None = None
     n_embd: int | None = None
     dropout: float | None = None
+    tie_weights: bool | None = None  # None: the preset's (tied token embedding and head)
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 20
@@ -214,16 +241,14 @@ class TextDataSchema(DataSchema):
     synthetic: bool = False
 
 
-@dataclass
-class TeacherDataSchema(DataSchema):
-    """``experiments.mlp.TeacherDataModule``: a synthetic random-teacher classification task."""
-
-    kind: str = "teacher"
-    num_train: int = 4096
-    num_val: int = 1024
-    input_dim: int = 32
-    num_classes: int = 10
-    micro_batch_size: int = 64
+TeacherDataSchema = _mirror(
+    "TeacherDataSchema",
+    """``experiments.mlp.TeacherDataModule``: a synthetic random-teacher classification task (the
+    arguments of :class:`~lightning_zero.models.mlp.TeacherDataModule`).""",
+    ("kind", str, "teacher"),
+    TeacherDataModule,
+    base=DataSchema,
+)
 
 
 @dataclass
@@ -277,18 +302,14 @@ class LoggerSchema:
     monitor: bool = True  # ZeroStrategy(monitor=...): the ZeroStatsMonitor dashboard (docs/monitoring.md)
 
 
-@dataclass
-class ProfilerSchema:
+ProfilerSchema = _mirror(
+    "ProfilerSchema",
     """``profiler.*`` (a root key, no group): ``torch.profiler`` with memory profiling over a window of
-    optimizer steps, traces in ``<run dir>/<logger.name>/profiler`` (``lightning_zero.ProfilerWindow``)."""
-
-    enabled: bool = False
-    wait: int = 5
-    warmup: int = 1
-    active: int = 3
-    repeat: int = 1
-    record_shapes: bool = True
-    with_stack: bool = False
+    optimizer steps, traces in ``<run dir>/<logger.name>/profiler``: ``enabled`` and the fields of
+    :class:`lightning_zero.ProfilerWindow`.""",
+    ("enabled", bool, False),
+    ProfilerWindow,
+)
 
 
 @dataclass

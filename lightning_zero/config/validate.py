@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,12 @@ from lightning_zero.config.schema import (
     to_train_config,
 )
 from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
 from lightning_zero.core.offload import OffloadConfig
 
 BUILT_STAGES = (0, 1, 2, 3)
-_SCALER_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-                 "min_loss_scale", "raise_at_min_scale")
+_SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
 _DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
 
 
@@ -130,6 +131,13 @@ def _pipeline_problems(cfg: TrainConfig) -> list[str]:
                    f"{pp.stages}). Fix: more micro_batches, or pipeline=pp2_gpipe.")
     if not interleaved and pp.virtual_stages != 1:
         out.append("pipeline.virtual_stages > 1 needs pipeline.schedule=interleaved_1f1b.")
+    if pp.stages > 1 and pp.reduce_per_micro_batch and cfg.zero.stage < 2:
+        out.append(f"pipeline.reduce_per_micro_batch=true with zero.stage={cfg.zero.stage}: it saves memory only at "
+                   "ZeRO stages 2-3. Fix: zero=stage2 or zero=stage3, or drop it.")
+    if (pp.stages > 1 and pp.reduce_per_micro_batch and isinstance(cfg.model, GPTModelSchema)
+            and preset_known(cfg.model) and gpt_config(cfg.model).tie_weights):
+        out.append("pipeline.reduce_per_micro_batch=true with a GPT whose token embedding and head are tied across "
+                   "the first and last stage (their gradients are summed once per step). Fix: model.tie_weights=false.")
     layers = _layers(cfg)
     if pp.stages > 1 and isinstance(cfg.model, MLPModelSchema):
         out.append("pipeline.stages > 1 with model=mlp: the MLP classifier does not follow the pipeline protocol "
@@ -288,8 +296,6 @@ def unbuilt_features(cfg: TrainConfig) -> list[str]:
     if cfg.zero.stage not in BUILT_STAGES:
         out.append(f"ZeRO stage {cfg.zero.stage} (zero=stage{cfg.zero.stage}, partitioned parameters); "
                    "use zero=stage0, stage1 or stage2")
-    if cfg.offload.param_device is not OffloadDevice.none:
-        out.append(f"offload={offload_name(cfg)} (parameter offload); use offload=optimizer_cpu or optimizer_nvme")
     return out
 
 

@@ -43,7 +43,7 @@ from lightning_zero.core.grad_reducer import BackwardState, GradReducer
 from lightning_zero.core.materialize import ParamInitFn
 from lightning_zero.core.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.offload import OffloadConfig
-from lightning_zero.core.offload_store import OptimizerOffload
+from lightning_zero.core.offload_store import OptimizerOffload, swap_bytes
 from lightning_zero.core.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
 from lightning_zero.core.optimizer_state import broadcast_master_init
 from lightning_zero.core.sharded_unit import ShardedUnit
@@ -149,10 +149,13 @@ class ZeroEngine(WholeModelViews, StepPreparation):
                                                     self.dtypes.master_dtype, self.comm)
             store = None
             if self.offload_config.optimizer_device != "none":
-                self.offload_config.check_path(self._offloaded_bytes())
-                store = OptimizerOffload(self.offload_config, self.comm.rank)
+                need = swap_bytes(self.offload_config, self.groups, self.units, self.dtypes.master_dtype)
+                self.offload_config.check_path(need)
+                store = OptimizerOffload(self.offload_config, self.comm.rank, self.units)
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
                                             whole=config.stage == 0, master_init=master_init, offload=store)
+        if optimizer is None:
+            self.offload_config.warn_unused()
         if optimizer is not None:
             self._user_zero_grad = optimizer.zero_grad
             optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
@@ -175,12 +178,6 @@ class ZeroEngine(WholeModelViews, StepPreparation):
     def master_grad_is_view(self) -> bool:
         """Whether the optimizer steps on the reduced gradient buffers themselves (no cast, no offload)."""
         return self.dtypes.master_grad_is_view and self.offload_config.optimizer_device == "none"
-
-    def _offloaded_bytes(self) -> int:
-        """This rank's bytes in the swap files: master and state shards (AdamW's two moments; one
-        more element per parameter is kept free for other optimizers' state)."""
-        size = torch.empty((), dtype=self.dtypes.master_dtype).element_size()
-        return sum(g.shard_numel for g in self.groups) * size * 4
 
     # ------------------------------------------------------------------ setup
     def _check_same_structure(self, settings: Mapping[str, str]) -> None:
@@ -273,6 +270,10 @@ class ZeroEngine(WholeModelViews, StepPreparation):
                     continue
                 for s, view in zip(g.slots, g.views(flat)):
                     s.param.grad = view
+        self.link_master_grads()
+
+    def link_master_grads(self) -> None:
+        """Point the masters' gradients at the reduced buffers (after a backward, or a kept ``zero_grad``)."""
         if self.sharded is not None and self.reducer.communicating and self.master_grad_is_view:
             self.sharded.set_grads(self._reduced_for_masters())
 

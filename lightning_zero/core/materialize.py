@@ -80,6 +80,12 @@ def is_uninitialized(p: torch.Tensor) -> bool:
     return bool(getattr(p, _UNINITIALIZED, False))
 
 
+def mark_initialized(p: torch.Tensor) -> None:
+    """Drop the uninitialised mark (a stand-in that is never initialised here: another rank's)."""
+    if hasattr(p, _UNINITIALIZED):
+        delattr(p, _UNINITIALIZED)
+
+
 def default_init(module: nn.Module, name: str) -> None:
     """``module.reset_parameters()``; raises, naming the module, when it has none."""
     reset = getattr(module, "reset_parameters", None)

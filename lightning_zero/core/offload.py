@@ -2,7 +2,7 @@
 
 The fields are those of DeepSpeed's ``zero_optimization.offload_optimizer`` / ``offload_param``
 and of the Hydra ``offload/`` group. The mechanism is in ``offload_store.py`` (optimizer shards)
-and ``offload_params.py`` (stage-3 parameter shards); see docs/offload.md.
+and ``param_offload.py`` (stage-3 parameter shards); see docs/offload.md.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ class OffloadConfig:
 
         Raises:
             ValueError: an invalid combination.
-            NotImplementedError: parameter offload, not built yet.
         """
         if not self.enabled:
             return
@@ -90,11 +89,13 @@ class OffloadConfig:
                              "needs ZeRO stage 1, 2 or 3, got stage 0. Fix: stage>=1, or offload_optimizer='none'.")
         if self.uses_nvme and not self.nvme_path:
             raise ValueError(f"offload={self.name} needs `nvme_path`: an existing, writable directory on a local disk.")
-        if self.param_device != "none":
-            raise NotImplementedError(
-                f"offload_param={self.param_device!r} (parameter shards in host memory or files) is not built yet; "
-                "optimizer offload is. Fix: offload_param='none' with offload_optimizer='cpu' or 'nvme' (Hydra: "
-                "offload=optimizer_cpu or offload=optimizer_nvme).")
+
+    def warn_unused(self) -> None:
+        """An engine without an optimizer (validate / test / predict outside fit) offloads nothing: say so."""
+        if self.enabled:
+            warnings.warn(f"offload={self.name} moves the optimizer's shards (and with offload_param the parameter "
+                          "shards it steps); without an optimizer (evaluation outside fit) every shard stays in "
+                          "memory. Fit to use offload, or leave offload out of evaluation-only runs.", stacklevel=3)
 
     def check_path(self, need_bytes: int = 0) -> None:
         """Refuse an ``nvme_path`` that does not exist, is not a writable directory or lacks ``need_bytes``."""

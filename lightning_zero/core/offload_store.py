@@ -26,19 +26,48 @@ Note [swap files]
 
 from __future__ import annotations
 
-import contextlib
-import mmap
+import ctypes
+import ctypes.util
 import os
 import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.core.param_offload import ParamOffload
+from lightning_zero.core.swap_file import SwapFile
+
+if TYPE_CHECKING:
+    from lightning_zero.core.flat_param import FlatParamGroup
+    from lightning_zero.core.sharded_unit import ShardedUnit
+
+MMAP_THRESHOLD_BYTES = 1 << 20  # Note [freed memory]
+
+
+def return_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Note [freed memory]
+        glibc serves an allocation above its mmap threshold with its own mapping, returned to the OS when
+        freed; but the first such free raises the threshold (up to 32 MiB), and from then on those buffers
+        come from the heap, which keeps freed memory. Offload to disk creates and frees shard-sized
+        temporaries (a sub-group's lazily created optimizer state before it moves to the files, backward's
+        buffers): with the dynamic threshold a GPT-125M rank kept ~200 MiB it no longer used, most of the
+        relief. Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops the adjustment) keeps
+        the resident set at what is live (docs/offload.md, docs/benchmarks.md). Process-wide, set once
+        when ``"nvme"`` offload starts; glibc only (returns whether it was set).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except OSError:
+        return False
+
 
 # optimizer classes whose CPU step has a fused kernel in torch (``fused=True``)
 FUSED_CPU_OPTIMIZERS: tuple[type[Optimizer], ...] = (
@@ -58,56 +87,6 @@ class OffloadCounters:
     step_s: float = 0.0  # seconds inside those steps (I/O waits included)
 
 
-class SwapFile:
-    """One run-private, already-unlinked file of ``numel`` elements, mapped as a 1-D tensor."""
-
-    def __init__(self, directory: str, numel: int, dtype: torch.dtype) -> None:
-        fd, path = tempfile.mkstemp(prefix="swap-", dir=directory)
-        os.unlink(path)  # Note [swap files]: gone at exit, never read again
-        self.fd = fd
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = max(numel * self.itemsize, mmap.PAGESIZE)
-        os.posix_fallocate(fd, 0, nbytes)  # reserve the disk space now: ENOSPC at setup, not mid-run
-        self.map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.tensor = torch.frombuffer(self.map, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
-
-    def _span(self, lo: int, hi: int) -> tuple[int, int]:
-        start = lo * self.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
-        return start, hi * self.itemsize - start
-
-    def prefetch(self, lo: int, hi: int, scratch: bytearray) -> int:
-        """Read elements ``[lo, hi)`` from disk into the page cache, in large sequential reads
-        (the reader thread runs it; the mapping's first touch is then a minor fault); returns the bytes."""
-        start, length = self._span(lo, hi)
-        view = memoryview(scratch)
-        end = start + length
-        while start < end:
-            n = os.preadv(self.fd, [view[: min(len(scratch), end - start)]], start)
-            if n <= 0:
-                break
-            start += n
-        return (hi - lo) * self.itemsize
-
-    def release(self, lo: int, hi: int) -> int:
-        """Take elements ``[lo, hi)`` out of this process (they stay in the file); returns the bytes."""
-        start, length = self._span(lo, hi)
-        if length > 0:
-            self.map.madvise(mmap.MADV_DONTNEED, start, length)
-        return (hi - lo) * self.itemsize
-
-    def flush(self, lo: int, hi: int) -> None:
-        """Write dirty pages to disk and drop ``[lo, hi)`` from the page cache (the writer thread runs it)."""
-        start, length = self._span(lo, hi)
-        os.fdatasync(self.fd)
-        if length > 0:
-            os.posix_fadvise(self.fd, start, length, os.POSIX_FADV_DONTNEED)
-
-    def close(self) -> None:
-        with contextlib.suppress(BufferError):  # tensors still view it: the mapping goes with them
-            self.map.close()
-        os.close(self.fd)
-
-
 # a sub-group: (flat group, first element, one past the last) ranges, at master-piece boundaries
 SubGroup = list[tuple[int, int, int]]
 
@@ -118,9 +97,11 @@ class OptimizerOffload:
     Args:
         config: the offload policy (``optimizer_device`` is ``"cpu"`` or ``"nvme"``).
         rank: the data-parallel rank (names its swap directory).
+        units: stage 3's units; with ``config.param_device`` set their shards are offloaded too
+            (:class:`~lightning_zero.core.param_offload.ParamOffload`, sharing the swap directory).
     """
 
-    def __init__(self, config: OffloadConfig, rank: int = 0) -> None:
+    def __init__(self, config: OffloadConfig, rank: int = 0, units: list[ShardedUnit] | None = None) -> None:
         if config.optimizer_device not in ("cpu", "nvme"):
             raise ValueError(f"optimizer_device must be 'cpu' or 'nvme', not {config.optimizer_device!r}.")
         self.config = config
@@ -135,11 +116,17 @@ class OptimizerOffload:
         self._pending: list[Future] = []
         self._reading: dict[int, list[Future]] = {}  # sub-group index -> its reads in flight
         self._scratch = bytearray(16 << 20) if self.nvme else bytearray()
-        if self.nvme:
+        if config.uses_nvme:
+            return_freed_memory()  # Note [freed memory]
             self.directory = tempfile.TemporaryDirectory(prefix=f"lightning_zero-{os.getpid()}-r{rank}-",
                                                          dir=config.nvme_path)
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-write")
+        if self.nvme:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-read")
+        self.params: ParamOffload | None = None  # offload_param (Note [parameter offload])
+        if config.param_device != "none":
+            directory = self.directory.name if self.directory is not None else None
+            self.params = ParamOffload(config.param_device, list(units or []), directory, self.pin)
 
     # ------------------------------------------------------------------ storage
     def new_master(self, fi: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -172,9 +159,12 @@ class OptimizerOffload:
         self.counters.grad_bytes_in += grad.numel() * grad.element_size()
         return host
 
-    def write_back(self, own: torch.Tensor, master: torch.Tensor) -> None:
+    def write_back(self, own: torch.Tensor, master: torch.Tensor, group: FlatParamGroup, lo: int) -> None:
+        """Cast the stepped ``master`` into ``own``: elements ``[lo, lo + own.numel())`` of ``group``'s shard."""
         own.copy_(master, non_blocking=self.pin)
         self.counters.param_bytes_out += own.numel() * own.element_size()
+        if self.params is not None:
+            self.params.written(group, lo, lo + own.numel())
 
     # ------------------------------------------------------------------ step
     def sub_groups(self, numels: list[int], piece: int) -> list[SubGroup]:
@@ -213,6 +203,8 @@ class OptimizerOffload:
             step_one(sg)
             if self.nvme:
                 self._release(sg)
+        if self.params is not None:
+            self._pending += self.params.flush(self._writer)
         self.wait()
         self.counters.steps += 1
         self.counters.step_s += time.perf_counter() - start
@@ -247,6 +239,8 @@ class OptimizerOffload:
         """Take every swapped tensor out of this process (after a checkpoint or a load read them)."""
         for file in self.files.values():
             file.release(0, file.tensor.numel())
+        if self.params is not None:
+            self.params.release_all()
 
     def wait(self) -> None:
         """Wait for the writer thread (raises its error, e.g. a full disk)."""
@@ -266,9 +260,24 @@ class OptimizerOffload:
         for file in self.files.values():
             file.close()
         self.files.clear()
+        if self.params is not None:
+            self.params.close()
         if self.directory is not None:
             self.directory.cleanup()
             self.directory = None
+
+
+def swap_bytes(config: OffloadConfig, groups: list[FlatParamGroup], units: list[ShardedUnit],
+               master_dtype: torch.dtype) -> int:
+    """This rank's bytes in swap files under ``config``: with ``optimizer_device="nvme"`` the master and
+    state shards of ``groups`` (AdamW's two moments; one more element per parameter is kept free for
+    other optimizers' state); with ``param_device="nvme"`` the parameter shards of the non-persistent ``units``."""
+    out = 0
+    if config.optimizer_device == "nvme":
+        out += sum(g.shard_numel for g in groups) * torch.empty((), dtype=master_dtype).element_size() * 4
+    if config.param_device == "nvme":
+        out += sum(g.shard_numel * g.flat.element_size() for u in units if not u.persistent for g in u.groups)
+    return out
 
 
 def use_fused_kernels(optimizer: Optimizer) -> dict[int, tuple]:

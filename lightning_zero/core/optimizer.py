@@ -165,6 +165,7 @@ class ShardedOptimizer:
             if hasattr(self._user_step, "_wrapped_by_lr_sched"):  # still counts for the LR scheduler's check
                 step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             optimizer.step = step  # type: ignore[method-assign]
+            self._settle()  # the masters' fill read the parameter shards (offload_param: their files)
 
     def master_range(self, flat_group: int) -> tuple[int, int]:
         fg = self.groups[flat_group]
@@ -255,7 +256,7 @@ class ShardedOptimizer:
             self._home(fi, k)
         for fi, lo, hi in sg:
             own = self._own(fi)
-            self.offload.write_back(own[lo:hi], self.masters[fi][lo:hi])
+            self.offload.write_back(own[lo:hi], self.masters[fi][lo:hi], self.groups[fi], lo)
 
     def _home(self, fi: int, k: int) -> None:
         """Move piece ``k`` of flat group ``fi``'s per-element state into the store (Note [swap files])."""

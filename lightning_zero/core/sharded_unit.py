@@ -19,6 +19,7 @@ Note [version counter]
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from lightning_zero.core.comm import DataParallelComm, Handle
 from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.gather_pool import GatherPool, lend, take_back
 from lightning_zero.core.units import PERSISTENT
+
+if TYPE_CHECKING:
+    from lightning_zero.core.param_offload import ParamOffload
 
 
 class UnitState(enum.Enum):
@@ -54,6 +58,7 @@ class ShardedUnit:
         self.has_frozen: bool = any(g.optimizer_group < 0 for g in groups)
         self.state = UnitState.GATHERED  # bound whole at setup, sharded by shard()
         self._handles: list[Handle] = []
+        self.shard_io: ParamOffload | None = None  # offload_param: reads the shards (Note [parameter offload])
         self.pool: GatherPool | None = None  # Note [gather buffer pool]; set by the runtime
         self._lent: dict[int, torch.Tensor] = {}  # Note [one rank]: group index -> the shard whose memory is lent
         self.lend: bool = True  # Note [one rank]; False copies instead (benchmarks/ measures the difference)
@@ -106,7 +111,8 @@ class ShardedUnit:
     def start_gather(self, comm: DataParallelComm) -> None:
         assert self.state is UnitState.SHARDED, self.state
         for i, g in enumerate(self.groups):
-            if comm.world_size == 1 and self.lend and lend(g.flat, g.shard):  # Note [one rank]: no copy
+            # Note [one rank]: no copy (an offloaded shard is read by shard_io instead)
+            if comm.world_size == 1 and self.lend and self.shard_io is None and lend(g.flat, g.shard):
                 self._lent[i], g.shard = g.shard, g.flat[:]
                 continue
             storage, nbytes = g.flat.untyped_storage(), g.padded_numel * g.flat.element_size()
@@ -116,7 +122,10 @@ class ShardedUnit:
                 storage.resize_(nbytes)
             start, end = g.shard_range()
             with torch.autograd._unsafe_preserve_version_counter(g.flat):  # Note [version counter]
-                g.flat[start:end].copy_(g.shard)
+                if self.shard_io is None:
+                    g.flat[start:end].copy_(g.shard)
+                else:  # the shard lives in host buffers or swap files (param_offload.py)
+                    self.shard_io.read(g, g.flat[start:end])
                 self._handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
         self.state = UnitState.GATHERING
 

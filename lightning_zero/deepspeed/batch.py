@@ -42,6 +42,11 @@ class BatchSizes:
         return [(TBS, self.train_batch_size), (MICRO, self.micro_batch_size), (GAS, self.accumulation_steps)]
 
     @property
+    def gives_accumulation(self) -> bool:
+        """Whether the keys fix the accumulation steps (given, or derived from ``train_batch_size``)."""
+        return self.accumulation_steps is not None or self.train_batch_size is not None
+
+    @property
     def given(self) -> bool:
         """Whether the config gives any batch key."""
         return any(v is not None for _, v in self._items())

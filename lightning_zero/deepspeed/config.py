@@ -29,6 +29,7 @@ from lightning_zero.core.memory import OFFLOAD_STAGES
 from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
 from lightning_zero.deepspeed.optim import optimizer_recipe
+from lightning_zero.deepspeed.pipeline import PipelineSpec, parse_pipeline
 from lightning_zero.deepspeed.schedulers import check_scheduler_params
 
 AUTO = "auto"
@@ -74,6 +75,7 @@ class DeepSpeedConfig:
         gradient_clipping: global-norm clipping (``None``: off / not set).
         optimizer, scheduler: the sections, validated (types known, params accepted).
         steps_per_print, wall_clock_breakdown: progress and timing lines on rank 0.
+        pipeline: the ``pipeline`` section (``deepspeed/pipeline.py``; ``None``: absent).
         given: Hydra-style setting name -> the JSON key that set it.
         unsupported: JSON keys (``key=value`` for unsupported values) that are ignored.
         source: the file, or ``"<dict>"``.
@@ -91,6 +93,7 @@ class DeepSpeedConfig:
     scheduler: SectionSpec | None = None
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
+    pipeline: PipelineSpec | None = None
     given: dict[str, str] = field(default_factory=dict)
     unsupported: tuple[str, ...] = ()
     source: str = "<dict>"
@@ -208,6 +211,7 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
     if steps_per_print is not None and steps_per_print < 1:
         raise ValueError(f"DeepSpeed config: `steps_per_print` must be >= 1, got {steps_per_print}.")
     wall_clock = root.get("wall_clock_breakdown", bool, False)
+    pipeline = parse_pipeline(root.section("pipeline"), given)
     root.noop(_NOOP_TOP)
     amp = root.section("amp")
     if amp is not None:
@@ -217,7 +221,8 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
     config = DeepSpeedConfig(zero=zero, offload=offload, precision=precision, loss_scaler=scaler,
                              reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, batch=batch,
                              gradient_clipping=clip or None, optimizer=optimizer, scheduler=scheduler,
-                             steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, given=given,
+                             steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, pipeline=pipeline,
+                             given=given,
                              unsupported=tuple(unsupported), source=origin)
     if config.unsupported and strict:
         raise ValueError(config.unsupported_message())

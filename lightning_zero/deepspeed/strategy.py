@@ -26,7 +26,6 @@ DeepSpeed builds it over ``model.parameters()``.
 
 from __future__ import annotations
 
-import time
 import types
 import warnings
 from collections.abc import Mapping
@@ -35,13 +34,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
@@ -53,6 +51,8 @@ from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, ResolvedBatch
 from lightning_zero.deepspeed.config import DeepSpeedConfig, parse_deepspeed_config
 from lightning_zero.deepspeed.optim import optimizer_recipe
+from lightning_zero.deepspeed.pipeline import merged_pipeline, pipeline_for_batch
+from lightning_zero.deepspeed.report import DeepSpeedReport
 from lightning_zero.deepspeed.schedulers import NEEDS_TOTAL_STEPS, build_scheduler
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
@@ -135,6 +135,7 @@ def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[s
         raise ValueError("conflicting settings:\n  - " + _conflict(ds, "offload", ds.offload, "offload", offload))
     if offload is None or not offload.enabled:
         offload = ds.offload
+    rest["pipeline"] = merged_pipeline(ds.pipeline, ds.batch, rest.get("pipeline"), ds.source)
     zero = replace(ds.zero, **{n: v for n, v in user.items() if f"zero.{n}" not in ds.given})
     if plugin is None:
         plugin = build_precision_plugin(ds, default=precision)
@@ -156,6 +157,7 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
         self.deepspeed_config = deepspeed_config
         self.optimizer_source = optimizer_source
         self.resolved_batch: ResolvedBatch | None = None  # set in setup(), when the world size is known
+        self.pipeline_from_json = False  # the JSON's pipeline section made the pipeline (it takes the JSON's GAS)
         self._trainer_precision: str | None = None  # what Trainer(precision=...) asked for
         self._patched: pl.LightningModule | None = None
         super().__init__(*args, **kwargs)
@@ -189,8 +191,9 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
             ds = parse_deepspeed_config(source, strict=strict, warn=False)
             if ds.unsupported:
                 rank_zero_warn(ds.unsupported_message())
-        kwargs = strategy_kwargs(ds, overrides)
-        return cls(deepspeed_config=ds, optimizer_source=optimizer_source, **kwargs)
+        strategy = cls(deepspeed_config=ds, optimizer_source=optimizer_source, **strategy_kwargs(ds, overrides))
+        strategy.pipeline_from_json = overrides.get("pipeline") is None
+        return strategy
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZeroPrecision:
@@ -222,13 +225,20 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
             problems.append(_conflict(ds, "precision.name", ds.precision, "Trainer(precision)", asked) +
                             " (Lightning turns precision='16-mixed' into 'bf16-mixed' on CPU: leave the Trainer's "
                             "precision unset when the DeepSpeed config chooses it.)")
-        try:
-            self.resolved_batch = ds.batch.resolve(self.world_size)
+        pipe = self.pipeline_config
+        try:  # pipelined: over the data-parallel ranks of a stage (Note [DeepSpeed pipeline batches])
+            self.resolved_batch = ds.batch.resolve(self.world_size // (pipe.stages if pipe is not None else 1))
         except ValueError as err:
             raise ValueError(f"DeepSpeed config {ds.source}: {err}") from err
         manual = not self.lightning_module.automatic_optimization
         batch = self.resolved_batch
-        if batch is not None:
+        if batch is not None and pipe is not None:  # GAS are the pipeline's micro-batches: nothing to accumulate
+            if ds.batch.gives_accumulation:
+                self.pipeline_config = pipeline_for_batch(pipe, batch, self.pipeline_from_json, ds.source)
+            if trainer.accumulate_grad_batches != 1:
+                problems.append(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with a pipeline "
+                                f"and the DeepSpeed config {ds.source}: its {GAS} are the pipeline's micro-batches.")
+        elif batch is not None:
             acc = trainer.accumulate_grad_batches
             if acc != 1 and acc != batch.accumulation_steps:
                 problems.append(f"the DeepSpeed config {ds.source} gives {GAS}={batch.accumulation_steps} "
@@ -271,13 +281,16 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
             return
         found: list[DataLoader] = []
         apply_to_collection(self.lightning_module.trainer.train_dataloader, DataLoader, found.append)
+        pipe = self.pipeline_config  # pipelined: one batch of all micro-batches per step
+        wanted = batch.micro_batch_size * (pipe.micro_batches if pipe is not None else 1)
         for loader in found:
             size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
-            if size is not None and size != batch.micro_batch_size:
+            if size is not None and size != wanted:
                 raise ValueError(
                     f"the training DataLoader's batch_size={size}, but the DeepSpeed config "
-                    f"{self.deepspeed_config.source} gives {MICRO}={batch.micro_batch_size} ({_batch_text(batch)}). "
-                    f"Fix: DataLoader(batch_size={batch.micro_batch_size}), or change the config.")
+                    f"{self.deepspeed_config.source} gives {MICRO}={batch.micro_batch_size} ({_batch_text(batch)})"
+                    f"{f' x {pipe.micro_batches} pipeline micro-batches' if pipe is not None else ''}. "
+                    f"Fix: DataLoader(batch_size={wanted}), or change the config.")
 
     @override
     def teardown(self) -> None:
@@ -350,48 +363,3 @@ def configure_optimizers(strategy: DeepSpeedZeroStrategy,
                 "optimizer_source='config' to use the config's.")
         configs = json_schedulers(optimizers[0])
     return optimizers, configs
-
-
-class DeepSpeedReport(Callback):
-    """``steps_per_print`` / ``wall_clock_breakdown``: a line on rank 0 every ``every`` optimizer steps with the
-    LRs (and the loss scale when there is one), plus forward / backward / step milliseconds when timing."""
-
-    def __init__(self, every: int, wall_clock: bool) -> None:
-        self.every, self.wall_clock = every, wall_clock
-        self._mark, self._stepping, self._printed = 0.0, False, -1
-        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-
-    def _lap(self, name: str | None) -> None:
-        now = time.perf_counter()
-        if name is not None:
-            self._times[name] += now - self._mark
-        self._mark = now
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._lap(None)
-
-    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._lap("forward")
-
-    def on_after_backward(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._lap("backward")
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._lap(None)
-        self._stepping = True
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self._stepping:
-            self._lap("step")
-            self._stepping = False
-        step = trainer.global_step
-        if step == 0 or step % self.every or self._printed == step:
-            return
-        self._printed = step
-        lrs = [round(g["lr"], 10) for opt in trainer.optimizers for g in opt.param_groups]
-        scale = getattr(trainer.strategy, "loss_scale", None)
-        line = f"[lightning-zero] step={step} lr={lrs}" + ("" if scale is None else f" loss_scale={scale}")
-        if self.wall_clock:
-            line += " | " + " | ".join(f"{k}: {v * 1e3 / self.every:.2f} ms" for k, v in self._times.items())
-            self._times = dict.fromkeys(self._times, 0.0)
-        rank_zero_info(line)

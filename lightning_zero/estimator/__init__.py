@@ -9,7 +9,13 @@ model), :mod:`.cluster`, :mod:`.activations`, :mod:`.deepspeed_figures` (DeepSpe
 from lightning_zero.estimator.activations import Activations, activation_memory
 from lightning_zero.estimator.cluster import Cluster, make_cluster
 from lightning_zero.estimator.deepspeed_figures import DeepSpeedFigures, deepspeed_figures
-from lightning_zero.estimator.estimate import ConfigEstimate, MemoryEstimate, estimate_config, estimate_memory
+from lightning_zero.estimator.estimate import (
+    ConfigEstimate,
+    EstimateOptions,
+    MemoryEstimate,
+    estimate_config,
+    estimate_memory,
+)
 from lightning_zero.estimator.model_spec import PRESETS, ModelSpec, resolve_model, spec_of_module
 from lightning_zero.estimator.options import OFFLOADS, PRECISIONS, formula_precision
 from lightning_zero.estimator.report import render_estimate
@@ -23,6 +29,7 @@ __all__ = [
     "Cluster",
     "ConfigEstimate",
     "DeepSpeedFigures",
+    "EstimateOptions",
     "MemoryEstimate",
     "ModelSpec",
     "activation_memory",

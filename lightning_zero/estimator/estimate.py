@@ -12,6 +12,7 @@ measured memory is tested against. Activations follow Korthikanti et al. (2022),
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TypedDict
 
 from torch import nn
 
@@ -118,6 +119,25 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         return self.table()
+
+
+class EstimateOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`estimate_memory` (less ``offload``): what is estimated, on how
+    many ranks, in which precision; :func:`lightning_zero.advisor.advise` takes them as ``**options``."""
+
+    model: str | nn.Module | None
+    world_size: int | None
+    num_nodes: int | None
+    gpus_per_node: int | None
+    precision: str
+    micro_batch: int | None
+    seq_len: int | None
+    layers: int | None
+    hidden: int | None
+    heads: int | None
+    flash_attention: bool
+    largest_layer_params: float | None
+    optimizer_state_per_param: int
 
 
 def estimate_memory(

@@ -204,14 +204,21 @@ def trainer_shard(module: LightningDataModule) -> tuple[int, int]:
 class ShardedDataModule(LightningDataModule):
     """The loaders of the experiments' DataModules: micro-batches of ``train_dataset`` /
     ``val_dataset`` (set in ``setup``), shuffled for training, or with ``deterministic_order`` our
-    rank-aware :class:`DeterministicShardSampler` (Lightning leaves a loader with a sampler alone)."""
+    rank-aware :class:`DeterministicShardSampler` (Lightning leaves a loader with a sampler alone).
 
-    micro_batch_size: int
-    num_workers: int
-    seed: int
-    deterministic_order: bool
-    train_dataset: Dataset | None
-    val_dataset: Dataset | None
+    Saves the hyperparameters: the subclass's ``__init__`` arguments (Lightning collects them from
+    every ``__init__`` up the call chain).
+    """
+
+    def __init__(self, micro_batch_size: int, num_workers: int, seed: int, deterministic_order: bool) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.micro_batch_size = micro_batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.deterministic_order = deterministic_order
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
 
     def _loader(self, dataset: Dataset, sampler: DistributedSampler | None, shuffle: bool) -> DataLoader:
         return DataLoader(
@@ -224,25 +231,24 @@ class ShardedDataModule(LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
+    def _split_loader(self, train: bool) -> DataLoader:
+        self.setup("fit" if train else "validate")
+        dataset = self.train_dataset if train else self.val_dataset
+        assert dataset is not None
+        sampler = None
+        if self.deterministic_order:  # training: shuffled, whole batches; validation: in order, padded
+            world, rank = trainer_shard(self)
+            sampler = DeterministicShardSampler(len(dataset), world, rank, shuffle=train, seed=self.seed,
+                                                drop_last=train)
+        return self._loader(dataset, sampler, shuffle=train)
+
     def train_dataloader(self) -> DataLoader:
         """Training loader; with ``deterministic_order`` it carries its own rank-aware sampler."""
-        self.setup("fit")
-        assert self.train_dataset is not None
-        sampler = None
-        if self.deterministic_order:
-            world, rank = trainer_shard(self)
-            sampler = DeterministicShardSampler(len(self.train_dataset), world, rank, True, self.seed)
-        return self._loader(self.train_dataset, sampler, shuffle=True)
+        return self._split_loader(train=True)
 
     def val_dataloader(self) -> DataLoader:
         """Validation loader (in order; with ``deterministic_order`` sharded by our sampler, padded)."""
-        self.setup("validate")
-        assert self.val_dataset is not None
-        sampler = None
-        if self.deterministic_order:
-            world, rank = trainer_shard(self)
-            sampler = DeterministicShardSampler(len(self.val_dataset), world, rank, False, drop_last=False)
-        return self._loader(self.val_dataset, sampler, shuffle=False)
+        return self._split_loader(train=False)
 
 
 class TextDataModule(ShardedDataModule):
@@ -277,21 +283,14 @@ class TextDataModule(ShardedDataModule):
         synthetic: bool = False,
         pattern: str | None = None,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
+        super().__init__(micro_batch_size, num_workers, seed, deterministic_order)
         self.seq_len = seq_len
-        self.micro_batch_size = micro_batch_size
-        self.num_workers = num_workers
         self.max_bytes = max_bytes
         self.path = path
         self.val_fraction = val_fraction
-        self.seed = seed
-        self.deterministic_order = deterministic_order
         self.max_val_samples = max_val_samples
         self.synthetic = synthetic
         self.pattern = pattern
-        self.train_dataset: TokenChunkDataset | None = None
-        self.val_dataset: TokenChunkDataset | None = None
         self.vocab_size = VOCAB_SIZE
 
     def setup(self, stage: str | None = None) -> None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from lightning_zero.core.materialize import ParamInitFn, default_init
 from lightning_zero.core.onebit_adam import OneBitAdam
 from lightning_zero.models.data import log_train_loss
 
@@ -169,6 +170,23 @@ class GPTHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+
+def gpt_param_init(config: GPTConfig | str | dict[str, Any]) -> ParamInitFn:
+    """``param_init_fn`` for a :class:`GPT` built on the meta device (``configure_model``): GPT's own
+    initialisation, one module at a time (``normal(0.02)`` weights, the residual projections scaled
+    by ``1 / sqrt(2 n_layer)``, zero biases; LayerNorms their ``reset_parameters``)."""
+    resid_std = 0.02 / math.sqrt(2 * resolve_config(config).n_layer)
+
+    def init(module: nn.Module, name: str) -> None:
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            default_init(module, name)
+            return
+        nn.init.normal_(module.weight, std=resid_std if name.endswith(("attn.proj", "mlp.proj")) else 0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    return init
 
 
 def count_parameters(config: GPTConfig | str | dict[str, Any]) -> int:

@@ -43,26 +43,16 @@ class TeacherDataModule(ShardedDataModule):
         seed: int = 0,
         deterministic_order: bool = False,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.num_train = num_train
-        self.num_val = num_val
-        self.input_dim = input_dim
-        self.num_classes = num_classes
-        self.micro_batch_size = micro_batch_size
-        self.num_workers = num_workers
-        self.seed = seed
-        self.deterministic_order = deterministic_order
-        self.train_dataset: TensorDataset | None = None
-        self.val_dataset: TensorDataset | None = None
+        super().__init__(micro_batch_size, num_workers, seed, deterministic_order)  # saves every argument
 
     def setup(self, stage: str | None = None) -> None:
         """Generate both splits (idempotent)."""
         if self.train_dataset is None:
-            full = teacher_dataset(self.num_train + self.num_val, self.input_dim, self.num_classes, self.seed)
+            hp = self.hparams
+            full = teacher_dataset(hp.num_train + hp.num_val, hp.input_dim, hp.num_classes, self.seed)
             x, y = full.tensors
-            self.train_dataset = TensorDataset(x[: self.num_train], y[: self.num_train])
-            self.val_dataset = TensorDataset(x[self.num_train :], y[self.num_train :])
+            self.train_dataset = TensorDataset(x[: hp.num_train], y[: hp.num_train])
+            self.val_dataset = TensorDataset(x[hp.num_train :], y[hp.num_train :])
 
     def val_dataloader(self) -> DataLoader:
         """Validation loader, in order (Lightning shards it)."""

@@ -36,6 +36,10 @@ class PipelineConfig:
             counts) or ``"type:<regex>"`` (balance the layers whose class name matches).
         activation_checkpoint_interval: recompute activations in backward for every group of this many
             layers (0: keep them).
+        reduce_per_micro_batch: ZeRO stages 2-3: reduce-scatter each micro-batch's gradients as its
+            backward ends instead of once per step, so no rank holds its stage's whole gradient (the
+            peak model state drops by ``4 Psi_s`` bytes) at the price of ``micro_batches`` reductions
+            per step (docs/pipeline.md has the measurement). Not with parameters tied across stages.
     """
 
     stages: int = 2
@@ -44,6 +48,7 @@ class PipelineConfig:
     virtual_stages: int = 1
     partition_method: str = "parameters"
     activation_checkpoint_interval: int = 0
+    reduce_per_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", _ALIASES.get(self.schedule, self.schedule))
@@ -85,19 +90,25 @@ class PipelineConfig:
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` ranks; raises when it does not divide."""
-        if world_size % self.stages:
-            raise ValueError(
-                f"The world size ({world_size} ranks) is not a multiple of pipeline stages={self.stages}: every "
-                f"data-parallel replica needs {self.stages} ranks. Fix: devices x num_nodes a multiple of "
-                f"{self.stages}, or fewer stages."
-            )
-        return world_size // self.stages
+        return _split_evenly(
+            world_size, self.stages,
+            f"The world size ({world_size} ranks) is not a multiple of pipeline stages={self.stages}: every "
+            f"data-parallel replica needs {self.stages} ranks. Fix: devices x num_nodes a multiple of "
+            f"{self.stages}, or fewer stages.",
+        )
 
     def check_batch(self, batch_size: int) -> None:
         """Raise unless ``micro_batches`` divides the per-rank batch size."""
-        if batch_size % self.micro_batches:
-            raise ValueError(
-                f"The batch of {batch_size} samples per data-parallel rank does not split into micro_batches="
-                f"{self.micro_batches} equal micro-batches. Fix: a batch size that is a multiple of "
-                f"{self.micro_batches} (data.micro_batch_size / the DataLoader's batch_size), or other micro_batches."
-            )
+        _split_evenly(
+            batch_size, self.micro_batches,
+            f"The batch of {batch_size} samples per data-parallel rank does not split into micro_batches="
+            f"{self.micro_batches} equal micro-batches. Fix: a batch size that is a multiple of "
+            f"{self.micro_batches} (data.micro_batch_size / the DataLoader's batch_size), or other micro_batches.",
+        )
+
+
+def _split_evenly(total: int, parts: int, error: str) -> int:
+    """``total // parts``, or ``ValueError(error)`` when ``parts`` does not divide ``total``."""
+    if total % parts:
+        raise ValueError(error)
+    return total // parts

@@ -8,6 +8,7 @@ schedules); the engine then partitions only the local chunks over the stage's da
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +19,9 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.engine import ZeroEngine
+from lightning_zero.core.loading import load_full_state_dict
+from lightning_zero.core.materialize import ParamInitFn
+from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.mesh import PipelineGroups, PipelineMesh, make_groups
@@ -33,19 +37,29 @@ class StrategyPipeline:
         module: the LightningModule (split in place: the other stages' weights become placeholders).
         device: this rank's device.
         timeout_s: timeout of the pipeline's process groups.
+        init_fn: ``param_init_fn`` of a module built on the meta device (``configure_model``): only
+            this rank's layers are materialised (Note [local construction] in ``pipeline/build.py``).
+        init_seed: the base seed of that initialisation (rank 0's is used everywhere).
     """
 
     def __init__(self, config: PipelineConfig, module: pl.LightningModule, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, init_fn: ParamInitFn | None = None, init_seed: int = 0) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.config = config
         self.mesh = PipelineMesh(config.stages, config.data_parallel_size(world), rank)
         if config.stages > 1 and not dist.is_initialized():
             raise RuntimeError("A pipeline with stages > 1 needs one process per stage: devices x num_nodes >= stages.")
+        self.built_on_meta = prepare_meta_module(module, torch.device("cpu"))  # configure_model: nothing real yet
         _, _, tie_sets = plan_split(module, config)  # the protocol and the layer count are checked here
+        self.tie_sets = tie_sets
         self.groups: PipelineGroups = make_groups(self.mesh, timeout_s, tie_sets)
         self.local: LocalModel = split_module(module, config, self.mesh.stage, config.activation_checkpoint_interval)
+        if self.built_on_meta:
+            seed = torch.tensor([init_seed], dtype=torch.int64)
+            if dist.is_initialized():
+                dist.broadcast(seed, src=0)  # every stage initialises its layers from the same base seed
+            materialize_local(module, set(self.local.names), init_fn, int(seed))
         self.local.module.to(device)
         self.runner = PipelineRunner(config, self.local, self.groups, module.pipeline_loss, device)  # type: ignore[arg-type]
         self.checkpoint: PipelineCheckpoint | None = None  # set by restrict_optimizer (fit)
@@ -64,7 +78,16 @@ class StrategyPipeline:
             group["params"] = [p for p in group["params"] if p in local]
 
     def attach(self, engine: ZeroEngine) -> None:
-        """Combine the engine's norms and overflow checks over the pipeline's stages."""
+        """Combine the engine's norms and overflow checks over the pipeline's stages (and refuse, on every
+        rank, a per-micro-batch reduction that cannot run here)."""
+        if self.config.reduce_per_micro_batch and engine.config.stage < 2:
+            raise ValueError(f"PipelineConfig(reduce_per_micro_batch=True) with ZeRO stage {engine.config.stage}: it "
+                             "saves memory only at stages 2-3 (stages 0-1 keep the whole gradient buffer anyway). "
+                             "Fix: ZeRO stage 2 or 3, or reduce_per_micro_batch=False.")
+        if self.config.reduce_per_micro_batch and self.tie_sets:
+            raise ValueError("PipelineConfig(reduce_per_micro_batch=True) with parameters tied across pipeline stages "
+                             f"(stages {self.tie_sets}): their gradients are summed over the stages once per step. "
+                             "Fix: untie them (e.g. GPT tie_weights=False), or reduce_per_micro_batch=False.")
         if self.config.stages > 1:
             engine.model_parallel = DataParallelComm(self.groups.pp, engine.config.collective)
         engine.norm_excess = self.runner.tied_norm_excess
@@ -83,7 +106,32 @@ class StrategyPipeline:
         def broadcast(t: Tensor, stage: int) -> None:
             dist.broadcast(t, src=self.mesh.global_rank(stage, self.mesh.dp_rank), group=self.groups.pp)
 
-        reassemble(self.local, self.mesh.stage, broadcast)
+        # the owners' dtypes: after a mixed-precision fit the engine leaves its parameters in the original
+        # dtype, while the other stages' placeholders kept the converted one
+        owned = {self.local.unsplit[p]: p.dtype for p in self.local.names
+                 if self.local.owner_stage[p] == self.mesh.stage}
+        parts: list[Any] = [None] * self.config.stages
+        dist.all_gather_object(parts, owned, group=self.groups.pp)
+        dtypes = {name: dtype for part in parts for name, dtype in part.items()}
+        reassemble(self.local, broadcast, lambda p: dtypes[self.local.unsplit[p]])
+
+    @torch.no_grad()
+    def load_local_state_dict(self, module: pl.LightningModule, engine: ZeroEngine | None,
+                              state: Mapping[str, Tensor], strict: bool) -> None:
+        """After setup (a module built on the meta device): this stage's layers from an unsplit state
+        dict (a pipelined or unpipelined checkpoint), read by their unsplit names."""
+        unsplit = {id(t): n for n, t in (*module.named_parameters(), *module.named_buffers())}
+        local = {name: state[unsplit[id(t)]] for name, t in self.local.module.state_dict(keep_vars=True).items()
+                 if unsplit[id(t)] in state}
+        missing = [unsplit[id(t)] for name, t in self.local.module.state_dict(keep_vars=True).items()
+                   if name not in local]
+        if strict and missing:
+            raise ValueError(f"The checkpoint lacks {missing[:5]} of this pipeline stage's layers. Resume from a "
+                             "checkpoint of the same model, or load weights with `strict=False`.")
+        if engine is not None:
+            load_full_state_dict(engine, local, strict=False)
+        else:
+            self.local.module.load_state_dict(local, strict=False)
 
     def restore_optimizer(self, optimizer: Optimizer) -> None:
         """After fit: the optimizer's param groups hold every stage's parameters again (its state only
@@ -97,14 +145,40 @@ class StrategyPipeline:
         """Forward and backward of every micro-batch (gradients kept for :meth:`backward`); the batch-mean loss."""
         inputs, target = split_batch(module, batch)
         self.runner.loss_factor = loss_scale
-        with engine.deferred_reduction():
-            loss = self.runner.train_step(inputs, target)
+        if self.config.reduce_per_micro_batch:
+            loss = self._train_reducing_each_micro_batch(engine, inputs, target)
+        else:
+            with engine.deferred_reduction():
+                loss = self.runner.train_step(inputs, target)
         self._report(module, "train", loss, batch, inputs)
+        return loss
+
+    def _train_reducing_each_micro_batch(self, engine: ZeroEngine, inputs: Any, target: Any) -> Tensor:
+        """``reduce_per_micro_batch``: every micro-batch's backward is a backward of its own for the engine
+        (its hooks reduce-scatter into the shards as the gradients arrive); stage 3 still gathers once."""
+        runtime = engine.runtime
+        if runtime is not None:
+            runtime.hold_all()
+        self.runner.around_backward = (engine.before_backward, engine.finish_backward)
+        try:
+            loss = self.runner.train_step(inputs, target)
+        finally:
+            self.runner.around_backward = None
+            if runtime is not None:
+                runtime.release_held()
+        # the shards hold the step's gradients: Lightning's zero_grad, which runs before its backward, leaves
+        # them alone while the engine's reduction is marked deferred (cleared in backward, nothing reduced then)
+        engine.reducer.deferred = True
         return loss
 
     def backward(self, engine: ZeroEngine) -> None:
         """Where Lightning calls backward: sum tied gradients over stages, then reduce once over the
-        data-parallel group (Note [deferred reduction] in core/engine.py)."""
+        data-parallel group (Note [deferred reduction] in core/engine.py); with
+        ``reduce_per_micro_batch`` everything was reduced during the schedule."""
+        if self.config.reduce_per_micro_batch:
+            engine.reducer.deferred = False
+            engine.link_master_grads()  # Lightning's zero_grad unlinked them from the reduced shards
+            return
         self.runner.sync_tied_grads(engine.groups, engine.reducer.flat_grads)
         engine.reduce_deferred()
 

@@ -170,11 +170,12 @@ def split_module(module: nn.Module, config: PipelineConfig, stage: int, interval
 
 
 @torch.no_grad()
-def reassemble(local: LocalModel, stage: int, broadcast: Any) -> None:
+def reassemble(local: LocalModel, broadcast: Any, dtype_of: Any) -> None:
     """Give every rank the whole module again: each parameter is broadcast from the first stage that
-    holds it (``broadcast(tensor, from_stage)``, a collective over the pipeline group)."""
+    holds it (``broadcast(tensor, from_stage)``, a collective over the pipeline group), in the dtype
+    it has there (``dtype_of(param)``)."""
     for p in local.unsplit:  # the same order on every rank
         owner = local.owner_stage[p]
-        buf = p.data if p in local.names else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        buf = p.data if p in local.names else torch.empty(p.shape, dtype=dtype_of(p), device=p.device)
         broadcast(buf, owner)
         p.data = buf

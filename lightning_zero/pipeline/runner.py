@@ -48,6 +48,8 @@ class PipelineRunner:
         self.config, self.local, self.groups = config, local, groups
         self.loss_fn, self.device = loss_fn, device
         self.loss_factor: float = 1.0  # Note [loss scaling in the schedule]
+        # reduce_per_micro_batch: called before and after each micro-batch's backward of a local chunk
+        self.around_backward: tuple[Callable[[], None], Callable[[], None]] | None = None
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self.last_rank = groups.mesh.global_rank(config.stages - 1, groups.mesh.dp_rank)
 
@@ -72,6 +74,8 @@ class PipelineRunner:
             return schedule
         stages = [PipelineStage(chunk, c, self.config.chunks, self.device, group=self.groups.pp)
                   for chunk, c in zip(self.local.chunks, self.local.chunk_ids)]
+        for stage in stages:
+            stage.backward_one_chunk = self._bracketed(stage.backward_one_chunk)  # type: ignore[method-assign]
         loss = self._scaled_loss(micro_batches) if with_loss else None  # predict: outputs only
         if self.config.schedule == "interleaved_1f1b":
             schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss, scale_grads=False)
@@ -80,6 +84,17 @@ class PipelineRunner:
             schedule = cls(stages[0], micro_batches, loss_fn=loss, scale_grads=False)
         self._schedules[full_key] = schedule
         return schedule
+
+    def _bracketed(self, backward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.around_backward is None:
+                return backward(*args, **kwargs)
+            self.around_backward[0]()
+            out = backward(*args, **kwargs)
+            self.around_backward[1]()
+            return out
+
+        return run
 
     def _broadcast_loss(self, losses: list[torch.Tensor], micro_batches: int) -> torch.Tensor:
         """The batch-mean loss on every rank of the pipeline (computed on the last stage)."""
