@@ -109,8 +109,11 @@ for _suffix, _options in (("nocheck", {"check_step_errors": False}), ("rs", {"co
     register(f"zero3_{_suffix}", "lightning", f"zero3 with {_options}")(_zero3(**_options))
 
 
-register("zero3_offload_nvme", "lightning", "zero3 with offload_optimizer='nvme' (swap files in the run's "
-         "temporary directory)")(_zero3(offload_optimizer="nvme"))  # fmt: skip
+register("zero3_offload_nvme", "lightning", "zero3 with offload_param='nvme' and offload_optimizer='nvme' "
+         "(parameter shards, master and AdamW state in swap files in the run's temporary directory)")(
+    _zero3(offload_optimizer="nvme", offload_param="nvme"))  # fmt: skip
+register("zero3_offload_opt_nvme", "lightning", "zero3 with offload_optimizer='nvme' only")(
+    _zero3(offload_optimizer="nvme"))  # fmt: skip
 
 
 def _stage3_as(agreement: Agreement = Agreement.WHILE_RECORDING, pool: bool = True,
