@@ -83,8 +83,15 @@ def _hparams(acc: EventAccumulator) -> dict[str, object]:
 
 def _steps_in_write_order(run_dir: Path) -> dict[str, list[int]]:
     """Every scalar's steps in the order they were written (files by creation, as TensorBoard reads them)."""
+
+    def created(path: Path) -> tuple[int, int, int]:
+        # events.out.tfevents.<seconds>.<host>.<pid>.<writer number>: files made in the same second come
+        # in the order their writers were made (a host name may hold dots, so count from both ends)
+        parts = path.name.split(".")
+        return int(parts[3]), int(parts[-2]), int(parts[-1])
+
     order: dict[str, list[int]] = defaultdict(list)
-    for path in sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3])):
+    for path in sorted(run_dir.glob("events.out.tfevents.*"), key=created):
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
                 if value.metadata.plugin_data.plugin_name == "scalars" or value.HasField("simple_value"):

@@ -20,6 +20,10 @@ Note [one rank]
     ``shard`` is a view of the flat buffer (so code that reads or writes the shard while the
     unit is gathered sees the same numbers), and the original shard tensor, which the optimizer
     holds, gets its memory back, with any change made meanwhile, when the unit is released.
+    While lent, that original tensor (and an fp32 master that is a view of it) has no memory:
+    reading it crashes the process. So only forward / backward lend (no optimizer code runs
+    between a unit's gather there and its release); gathers outside them (``gathered_parameters``,
+    state dicts, teardown, a pipeline's held step) copy (``may_lend=False``).
 """
 
 from __future__ import annotations

@@ -108,11 +108,12 @@ class ShardedUnit:
         self._attach()
 
     @torch.no_grad()
-    def start_gather(self, comm: DataParallelComm) -> None:
+    def start_gather(self, comm: DataParallelComm, may_lend: bool = True) -> None:
+        """Start gathering the unit; ``may_lend=False`` copies even at one rank (Note [one rank])."""
         assert self.state is UnitState.SHARDED, self.state
         for i, g in enumerate(self.groups):
             # Note [one rank]: no copy (an offloaded shard is read by shard_io instead)
-            if comm.world_size == 1 and self.lend and self.shard_io is None and lend(g.flat, g.shard):
+            if comm.world_size == 1 and may_lend and self.lend and self.shard_io is None and lend(g.flat, g.shard):
                 self._lent[i], g.shard = g.shard, g.flat[:]
                 continue
             storage, nbytes = g.flat.untyped_storage(), g.padded_numel * g.flat.element_size()

@@ -124,7 +124,7 @@ class Stage3Runtime:
         self.pool.close()
 
     # ---------------------------------------------------------------- gather / release
-    def _gather(self, unit: ShardedUnit, recording: bool = True) -> None:
+    def _gather(self, unit: ShardedUnit, recording: bool = True, may_lend: bool = True) -> None:
         if unit.state is not UnitState.SHARDED:
             return
         check = self.agreement is Agreement.ALWAYS or (recording and self.agreement is Agreement.WHILE_RECORDING)
@@ -139,7 +139,7 @@ class Stage3Runtime:
                     "same units in the same order: make the branch the same on every rank, or keep the branch's "
                     "modules out of the units (`unit_classes`) so that they belong to the root unit."
                 )
-        unit.start_gather(self.comm)
+        unit.start_gather(self.comm, may_lend)
         self.live_numel += unit.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
@@ -150,8 +150,9 @@ class Stage3Runtime:
         self.live_numel -= unit.numel
 
     def gather_one(self, unit: ShardedUnit) -> None:
-        """Start gathering ``unit`` outside forward / backward (e.g. ``gathered_parameters``)."""
-        self._gather(unit)
+        """Start gathering ``unit`` outside forward / backward (e.g. ``gathered_parameters``): never lent,
+        because the optimizer's masters may be read meanwhile (Note [one rank])."""
+        self._gather(unit, may_lend=False)
 
     def release_one(self, unit: ShardedUnit) -> None:
         self._release(unit)
@@ -302,7 +303,7 @@ class Stage3Runtime:
         tracks training and evaluation."""
         peak = self.peak_live_numel
         for u in self.units:
-            self._gather(u)
+            self._gather(u, may_lend=False)  # Note [one rank]: the masters may be read while gathered
         for u in self.units:
             u.wait()
         self.peak_live_numel = peak
