@@ -7,6 +7,7 @@ inside functions; only imports under ``if TYPE_CHECKING:`` are left out (they ne
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -161,3 +162,22 @@ def test_every_module_opens_with_a_docstring() -> None:
     missing = [str(p.relative_to(ROOT)) for p in sorted(PACKAGE.rglob("*.py"))
                if ast.get_docstring(ast.parse(p.read_text())) is None]
     assert missing == []
+
+
+def _named_in_design_map() -> set[str]:
+    """The file names (without ``.py``) that ``docs/design.md`` writes in backticks."""
+    spans = re.findall(r"`([^`]+)`", (ROOT / "docs" / "design.md").read_text())
+    return {Path(word).stem for span in spans for word in re.split(r"[\s,/]+", span) if word}
+
+
+def test_docs_design_map_names_every_module() -> None:
+    named = _named_in_design_map()
+    unnamed = [str(p.relative_to(ROOT)) for p in sorted(PACKAGE.rglob("*.py"))
+               if p.stem not in {"__init__", "__main__"} and p.stem not in named]
+    assert unnamed == [], "add these files to the map in docs/design.md"
+
+
+def test_docs_design_map_names_only_files_that_exist() -> None:
+    spans = re.findall(r"`([^`/\s]+\.py)`", (ROOT / "docs" / "design.md").read_text())
+    existing = {p.name for p in ROOT.glob("**/*.py") if ".venv" not in p.parts}
+    assert sorted(set(spans) - existing) == []

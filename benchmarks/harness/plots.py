@@ -46,7 +46,7 @@ def peers(rows: Rows, path: Path, title: str) -> Path:
     right.set_yticks(list(y), names)
     right.invert_yaxis()
     right.set_xlabel("MB per rank")
-    right.legend(fontsize=8, loc="lower right")
+    right.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2)  # above: no bar under it
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
