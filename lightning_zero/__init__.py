@@ -8,7 +8,7 @@ from lightning_zero.checkpoint import CheckpointError, consolidate_checkpoint, c
 from lightning_zero.core.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.gathered import gathered_parameters
-from lightning_zero.core.loss_scaler import DynamicLossScaler, LossScaler, LossScalerConfig
+from lightning_zero.core.loss_scaler import LossScaler, LossScalerConfig
 from lightning_zero.core.memory import ModelStateBytes, model_state_formula
 from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.core.onebit_adam import OneBitAdam
@@ -28,7 +28,6 @@ __all__ = [
     "CheckpointError",
     "DeepSpeedZeroStrategy",
     "DtypePolicy",
-    "DynamicLossScaler",
     "LossScaler",
     "LossScalerConfig",
     "MemoryEstimate",
@@ -51,3 +50,12 @@ __all__ = [
     "model_state_formula",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """Former names, with a warning that says the new one."""
+    if name == "DynamicLossScaler":
+        from lightning_zero.core import loss_scaler
+
+        return loss_scaler.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

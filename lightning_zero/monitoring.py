@@ -1,5 +1,5 @@
-"""The pieces of :class:`~lightning_zero.callbacks.ZeroStatsMonitor` that are not hooks: scalar names, the
-TensorBoard dashboard layout, peak memory, counting a batch's samples and tokens, the profiler window.
+"""What :class:`~lightning_zero.callbacks.ZeroStatsMonitor` measures, as plain functions its hooks call (the
+scalars' names and layout, peak memory, a batch's samples and tokens, the profiler's window).
 
 Scalar names (docs/monitoring.md has the full table):
 

@@ -1,6 +1,7 @@
-"""The state side of :class:`~lightning_zero.ZeroStrategy`: memory accounting, step statistics,
-state dicts and checkpoints (sharded or consolidated). A mixin, so ``strategy.py`` stays the
-lifecycle glue; it reads the strategy's ``_engine``, ``_comm`` and precision plugin.
+"""What :class:`~lightning_zero.ZeroStrategy` reports of its state and how it saves it: the strategy's
+state dicts and checkpoint files (sharded or consolidated), with the memory and step figures read
+from the same engine. A mixin, so ``strategy.py`` stays the lifecycle glue; it reads the strategy's
+``_engine``, ``_comm`` and precision plugin.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch
 
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.loss_scaler import (
-    DynamicLossScaler,
+    LossScaler,
     LossScalerConfig,
     MinLossScaleError,
     any_rank,
@@ -70,7 +70,7 @@ REFILL_EVERY_CLEAN_STEP = [
 ]
 
 
-def _replay(scaler: DynamicLossScaler, rows: list[tuple[str, float, int]]) -> None:
+def _replay(scaler: LossScaler, rows: list[tuple[str, float, int]]) -> None:
     for i, (kind, scale, credits) in enumerate(rows):
         scaler.update(kind == "O")
         assert (scaler.scale, scaler.hysteresis_left) == (scale, credits), f"after step {i} ({kind})"
@@ -101,7 +101,7 @@ def reference(kinds: str, *, power: int, window: int, hysteresis: int, consecuti
 
 def test_deepspeed_example_from_the_issue() -> None:
     """initial_scale_power=8, window 2, three clean steps: 256, 256, 512 (DeepSpeed 0.19.8)."""
-    scaler = DynamicLossScaler(LossScalerConfig(initial_scale_power=8, loss_scale_window=2))
+    scaler = LossScaler(LossScalerConfig(initial_scale_power=8, loss_scale_window=2))
     scales = []
     for _ in range(3):
         scaler.update(False)
@@ -111,7 +111,7 @@ def test_deepspeed_example_from_the_issue() -> None:
 
 @pytest.mark.parametrize(("config", "rows"), [(BASE, REFILL_ON_GROWTH), (CONSECUTIVE, REFILL_EVERY_CLEAN_STEP)])
 def test_hand_worked_sequences(config: dict, rows: list[tuple[str, float, int]]) -> None:
-    scaler = DynamicLossScaler(LossScalerConfig(**config))
+    scaler = LossScaler(LossScalerConfig(**config))
     assert (scaler.scale, scaler.hysteresis_left) == (16.0, config["hysteresis"])
     _replay(scaler, rows)
     assert scaler.overflows == sum(kind == "O" for kind, _, _ in rows)
@@ -134,7 +134,7 @@ def _sequences() -> list[str]:
 @pytest.mark.parametrize("hysteresis", [1, 2, 3])
 def test_table_of_sequences(hysteresis: int, window: int, consecutive: bool) -> None:
     for kinds in _sequences():
-        scaler = DynamicLossScaler(LossScalerConfig(initial_scale_power=5, loss_scale_window=window,
+        scaler = LossScaler(LossScalerConfig(initial_scale_power=5, loss_scale_window=window,
                                                     hysteresis=hysteresis, consecutive_hysteresis=consecutive,
                                                     min_loss_scale=1.0))
         expected = reference(kinds, power=5, window=window, hysteresis=hysteresis, consecutive=consecutive, floor=1.0)
@@ -148,19 +148,19 @@ def test_table_of_sequences(hysteresis: int, window: int, consecutive: bool) -> 
 
 
 def test_default_policy_is_deepspeeds() -> None:
-    scaler = DynamicLossScaler()
+    scaler = LossScaler()
     assert (scaler.scale, scaler.hysteresis_left, scaler.config.loss_scale_window) == (65536.0, 2, 1000)
     assert scaler.config.min_loss_scale == 1.0 and not scaler.config.consecutive_hysteresis
 
 
 def test_window_of_one_doubles_on_every_clean_step_after_the_first() -> None:
-    scaler = DynamicLossScaler(LossScalerConfig(initial_scale_power=0, loss_scale_window=1))
+    scaler = LossScaler(LossScalerConfig(initial_scale_power=0, loss_scale_window=1))
     # stable 0, 1, 2; overflow; stable 0 (no refill), 1 (double and refill)
     _replay(scaler, [("C", 1, 2), ("C", 2, 2), ("C", 4, 2), ("O", 4, 1), ("C", 4, 1), ("C", 8, 2)])
 
 
 def test_minimum_scale_keeps_training_and_warns_once() -> None:
-    scaler = DynamicLossScaler(LossScalerConfig(initial_scale_power=2, hysteresis=1, min_loss_scale=2.0))
+    scaler = LossScaler(LossScalerConfig(initial_scale_power=2, hysteresis=1, min_loss_scale=2.0))
     scaler.update(True)  # 4 -> 2
     assert scaler.scale == 2.0
     with pytest.warns(UserWarning, match="minimum 2.*Training goes on"):
@@ -172,18 +172,18 @@ def test_minimum_scale_keeps_training_and_warns_once() -> None:
 
 
 def test_minimum_scale_raises_with_what_to_try_after_the_credits_are_spent() -> None:
-    scaler = DynamicLossScaler(LossScalerConfig(initial_scale_power=1, hysteresis=2, min_loss_scale=1.0,
+    scaler = LossScaler(LossScalerConfig(initial_scale_power=1, hysteresis=2, min_loss_scale=1.0,
                                                 raise_at_min_scale=True))
     _replay(scaler, [("O", 2, 1), ("O", 1, 1)])  # spend a credit, then halve onto the floor
     with pytest.raises(MinLossScaleError, match=r"minimum 1.*bf16-mixed.*learning rate.*float32"):
         scaler.update(True)
-    fresh = DynamicLossScaler(LossScalerConfig(initial_scale_power=0, hysteresis=2, raise_at_min_scale=True))
+    fresh = LossScaler(LossScalerConfig(initial_scale_power=0, hysteresis=2, raise_at_min_scale=True))
     fresh.update(True)  # at the floor but a credit is left: spent, no error
     assert (fresh.scale, fresh.hysteresis_left) == (1.0, 1)
 
 
 def test_static_scale_never_changes_but_counts_overflows() -> None:
-    scaler = DynamicLossScaler(LossScalerConfig(loss_scale=128.0, loss_scale_window=1, hysteresis=1))
+    scaler = LossScaler(LossScalerConfig(loss_scale=128.0, loss_scale_window=1, hysteresis=1))
     for overflow in (True, False, False, True, True, False):
         scaler.update(overflow)
         assert scaler.scale == 128.0
@@ -192,10 +192,10 @@ def test_static_scale_never_changes_but_counts_overflows() -> None:
 
 def test_state_round_trips() -> None:
     config = LossScalerConfig(**BASE)
-    scaler = DynamicLossScaler(config)
+    scaler = LossScaler(config)
     for kind, _, _ in REFILL_ON_GROWTH[:5]:
         scaler.update(kind == "O")
-    restored = DynamicLossScaler(config)
+    restored = LossScaler(config)
     restored.load_state_dict(scaler.state_dict())
     assert restored.state_dict() == scaler.state_dict()
     _replay(restored, REFILL_ON_GROWTH[5:])
@@ -216,7 +216,7 @@ def test_bad_policies_are_refused(kwargs: dict, match: str) -> None:
 @pytest.mark.parametrize("kwargs", [dict(loss_scale_window=0), dict(loss_scale_window=-1), dict(min_loss_scale=0),
                                     dict(min_loss_scale=-1), dict(hysteresis=0)])
 def test_a_static_scale_ignores_the_dynamic_knobs(kwargs: dict) -> None:
-    scaler = DynamicLossScaler(LossScalerConfig(loss_scale=128.0, **kwargs))  # DeepSpeed accepts these too
+    scaler = LossScaler(LossScalerConfig(loss_scale=128.0, **kwargs))  # DeepSpeed accepts these too
     for overflow in (True, False, False):
         scaler.update(overflow)
     assert scaler.scale == 128.0
@@ -232,3 +232,14 @@ def test_overflow_detection_without_a_process_group() -> None:
         t[2] = bad
         value = local_sum_of_squares([t])
         assert value != value or value == float("inf")
+
+
+def test_the_former_name_dynamic_loss_scaler_still_works_and_says_the_new_one() -> None:
+    import lightning_zero
+    from lightning_zero.core import loss_scaler
+
+    for module in (lightning_zero, loss_scaler):
+        with pytest.warns(DeprecationWarning, match="import LossScaler"):
+            assert module.DynamicLossScaler is LossScaler
+    with pytest.raises(AttributeError):
+        _ = lightning_zero.NoSuchName

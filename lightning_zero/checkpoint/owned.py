@@ -28,6 +28,7 @@ from lightning_zero.checkpoint.reader import (
     ShardedCheckpoint,
     materialize_optimizer_state,
 )
+from lightning_zero.core.flat_param import overlap
 
 if TYPE_CHECKING:
     from lightning_zero.core.engine import ZeroEngine
@@ -49,7 +50,7 @@ def _target(g: FlatParamGroup) -> tuple[int, int, torch.Tensor]:
 def _fill(ckpt: ShardedCheckpoint, g: FlatParamGroup, lo: int, hi: int, dest: torch.Tensor, ref_of: RefOf) -> None:
     """Read the elements ``[lo, hi)`` of ``g``'s layout into ``dest`` (Note [owned slices])."""
     for s in g.slots:
-        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        a, b = overlap(lo, hi, s.offset, s.offset + s.numel)
         ref = ref_of(s.param)
         if b <= a or ref is None:
             continue

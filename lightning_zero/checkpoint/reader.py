@@ -19,6 +19,7 @@ import torch
 from lightning_zero.checkpoint.layout import EXTRA, FORMAT_NAME, FORMAT_VERSION, METADATA, parse_dtype, rank_file
 from lightning_zero.checkpoint.plain import CheckpointError, from_plain
 from lightning_zero.checkpoint.tensor_file import TensorFile
+from lightning_zero.core.flat_param import overlap
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -137,7 +138,7 @@ class ShardedCheckpoint:
         lo, hi = offset + start, offset + end  # in the flat group's coordinates
         covered = 0
         for rank, s0, s1 in self.meta["groups"][gi]["shards"]:
-            a, b = max(lo, s0), min(hi, s1)
+            a, b = overlap(lo, hi, s0, s1)
             if b > a:
                 self._file_with(rank, key, "shard").read(key, a - s0, b - s0, out[a - lo : b - lo])
                 covered += b - a

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_zero.core.flat_param import overlap
+
 if TYPE_CHECKING:
     from lightning_zero.core.engine import ZeroEngine
 
@@ -90,7 +92,7 @@ def _fill_masters(engine: ZeroEngine, state: Mapping[str, torch.Tensor], key_of:
         if own.data_ptr() == master.data_ptr():
             continue  # the master is the parameter itself
         for slot in fg.slots:
-            start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            start, end = overlap(slot.offset, slot.offset + slot.numel, lo, hi)
             key = key_of.get(slot.param)
             if start < end and key is not None:
                 value = state[key].reshape(-1)[start - slot.offset:end - slot.offset]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from lightning_zero.core.flat_param import overlap
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.mesh import PipelineGroups
 from lightning_zero.pipeline.model import LocalModel
@@ -181,7 +182,7 @@ class PipelineRunner:
             for s in g.slots:
                 if self.local.owner_stage[s.param] == stage:
                     continue
-                lo, hi = max(s.offset, start), min(s.offset + s.numel, end)
+                lo, hi = overlap(s.offset, s.offset + s.numel, start, end)
                 if hi > lo:
                     total += float(t[lo - start : hi - start].float().abs().pow(norm_type).sum())
         return total
