@@ -16,7 +16,6 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks.harness.config import BenchConfig
-from benchmarks.harness.probes import live_tensor_bytes
 from benchmarks.harness.recorder import StepRecorder
 from benchmarks.harness.training import loader, module_for
 
@@ -59,7 +58,7 @@ def deepspeed_loop(stage: int) -> Any:
             engine.backward(loss)
             rec.mark("backward")
             if step == config.total_steps - 1:
-                rec.state = {"live": live_tensor_bytes()}
+                rec.state = {"live": rec.live_state_bytes()}
                 rec.exclude_since_mark()
             engine.step()
             rec.mark("optimizer")

@@ -46,8 +46,10 @@ def count_by_hand(module: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp
 
 
 def live_tensor_bytes() -> float:
-    """Bytes of every distinct tensor storage Python can reach (``gc``): the model state of a system whose
-    internals this harness does not count by hand. Tensors held only by C++ (autograd, DDP's reducer) are missed."""
+    """Bytes of every distinct tensor storage Python can reach (``gc``, after a collection): the model state of a
+    system whose internals this harness does not count by hand, less :attr:`StepRecorder.live_base`. Tensors held
+    only by C++ (autograd, DDP's reducer) are missed."""
+    gc.collect()  # uncollected cycles are still in gc.get_objects(): count only what is reachable
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and not obj.is_meta:

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.harness.config import BenchConfig
-from benchmarks.harness.probes import count_by_hand, live_tensor_bytes
+from benchmarks.harness.probes import count_by_hand
 from benchmarks.harness.recorder import StepRecorder, TimingCallback
 from lightning_zero.models.data import DeterministicShardSampler, RandomTokenDataset, TokenChunkDataset, load_corpus
 from lightning_zero.models.gpt import GPT_PRESETS, GPTLightningModule
@@ -57,7 +57,7 @@ def plain_loop(config: BenchConfig, rec: StepRecorder, rank: int, world_size: in
         loss.backward()
         rec.mark("backward")
         if step == config.total_steps - 1:
-            rec.state = {**count_by_hand(module, optimizer, ddp=False), "live": live_tensor_bytes()}
+            rec.state = {**count_by_hand(module, optimizer, ddp=False), "live": rec.live_state_bytes()}
             rec.exclude_since_mark()
         optimizer.step()
         rec.mark("optimizer")
@@ -84,7 +84,7 @@ def zero_redundancy_loop(config: BenchConfig, rec: StepRecorder, rank: int, worl
         loss.backward()
         rec.mark("backward")
         if step == config.total_steps - 1:
-            rec.state = {**count_by_hand(module, optimizer.optim, ddp=True), "live": live_tensor_bytes()}
+            rec.state = {**count_by_hand(module, optimizer.optim, ddp=True), "live": rec.live_state_bytes()}
             rec.exclude_since_mark()
         optimizer.step()
         rec.mark("optimizer")
