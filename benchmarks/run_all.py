@@ -168,9 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         f"({budget.sweep_batch[0]} x {budget.sweep_batch[1]}); {budget.rounds} interleaved round(s) each; a run's "
         "step = max over ranks of the median step, then median over rounds; ratios = median over rounds of the "
         "same-round ratio; each round starts at the next system of the cell",
-        "Every system: the same GPT (seed 0), AdamW lr 1e-4, fp32, the same rows per rank, 1 torch thread per rank, "
-        "gloo on CPU. DeepSpeed: a plain loop over deepspeed.initialize (Lightning's DeepSpeedStrategy refuses the "
-        "CPU), DS_ACCELERATOR=cpu" + ("" if ds_python else f" -- SKIPPED: {ds_note}"),
+        "Every system: the same GPT (seed 0), AdamW lr 1e-4, fp32, the same rows per rank (a pipeline replica: "
+        "the rows of its ranks), 1 torch thread per rank, gloo on CPU. DeepSpeed: a plain loop over "
+        "deepspeed.initialize (Lightning's DeepSpeedStrategy refuses the CPU), DS_ACCELERATOR=cpu"
+        + ("" if ds_python else f" -- SKIPPED: {ds_note}"),
         "Pool start-up (spawn, imports, the gloo group; not timed in any step): " + ", ".join(
             f"{kind} {world} rank(s) {s:.1f} s" for (kind, world), s in POOL_STARTUP.items()),
     ]
@@ -251,7 +252,8 @@ def write_pages(args: argparse.Namespace, results: dict[str, Any], cells: list[C
             tuning += [f"### Sweep: {knob}", "", pages.rows_table(rows, baseline="zero2"), "",
                        "Most elements gathered at once (zero3): " + ", ".join(
                            f"{r['name'].split('=', 1)[1]}: {r['gathered_peak'] / 1e6:.2f}M" for r in rows
-                           if r["name"].startswith("zero3")), "", *lines, ""]  # fmt: skip
+                           if r["name"].startswith("zero3")),
+                       "", pages.sweep_reading(rows), "", *lines, ""]  # fmt: skip
             if write:
                 plots.sweep(rows, knob, img / f"tuning_{slug}.png")
                 tuning += [f"![{knob}](img/tuning_{slug}.png)", ""]

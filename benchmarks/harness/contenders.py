@@ -15,7 +15,7 @@ from benchmarks.harness.config import BenchConfig
 from benchmarks.harness.deepspeed_loop import deepspeed_loop
 from benchmarks.harness.fsdp2 import FSDP2Strategy
 from benchmarks.harness.training import plain_loop, zero_redundancy_loop
-from lightning_zero import ZeroStrategy
+from lightning_zero import PipelineConfig, ZeroStrategy
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.stage3 import Agreement
 
@@ -84,6 +84,9 @@ for _s in (1, 2):  # diagnostic variants, not run by default
     for _suffix, _options in (("nocheck", {"check_step_errors": False}), ("rs", {"collective": "reduce_scatter"}),
                               ("defaults", {"reduce_bucket_size": ZeroConfig().reduce_bucket_size})):  # fmt: skip
         register(f"zero{_s}_{_suffix}", "lightning", f"zero{_s} with {_options}")(_zero(_s, **_options))
+register("pp2_1f1b", "lightning", "ZeroStrategy(stage=1) over 2 pipeline stages (1F1B, 4 micro-batches): one "
+         "data-parallel replica, whose batch is both ranks' rows")(
+    _zero(1, pipeline=PipelineConfig(stages=2, micro_batches=4, schedule="1f1b")))
 register("zero2_nooverlap", "lightning", "zero2 with {'overlap_comm': False}")(_zero(2, overlap_comm=False))
 register("zero2_offload", "lightning", "zero2 with offload_optimizer='cpu' (master + AdamW state in separate "
          "host buffers)")(_zero(2, offload_optimizer="cpu"))  # fmt: skip

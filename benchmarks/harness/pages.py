@@ -31,10 +31,13 @@ def replace_between_markers(path: Path, body: str) -> None:
 def loss_check(rows: Rows, baseline: str = "ddp") -> tuple[list[str], list[str]]:
     """(lines, disagreeing systems): each compared system's last loss against ``baseline``'s."""
     ref = next((r["loss"] for r in rows if r["name"] == baseline), float("nan"))
+    first = next((r.get("first_loss", float("nan")) for r in rows if r["name"] == baseline), float("nan"))
     bad = [r["name"] for r in rows if r.get("compared", True) and not abs(r["loss"] - ref) <= LOSS_TOLERANCE]
     lines = [f"Loss after the last step (mean over ranks): {baseline} {ref:.6f}; every system within "
              f"{LOSS_TOLERANCE:g}: " + ("yes." if not bad else f"**NO: {', '.join(bad)} trained a different model "
-                                       "and cannot be compared.**")]  # fmt: skip
+                                       "and cannot be compared.**")
+             + f" Over the run {baseline}'s loss moved by {abs(first - ref):.1e} (from {first:.6f} at the first step):"
+             " a system that skipped or mis-scaled its updates would be off by about that much."]  # fmt: skip
     return lines, bad
 
 
@@ -109,3 +112,18 @@ def growth_table(cells: dict[tuple[str, int], Rows], sizes: list[str], worlds: l
                     f"{by[s]['ratio']:.2f}x / {(sum(by[s]['state'].values()) or by[s]['live']) / MB:.0f}"
                     for s in systems]])  # fmt: skip
     return _table(head, body, markdown=True)
+
+
+def sweep_reading(rows: Rows, baseline: str = "zero2") -> str:
+    """One sentence reading a sweep: the fastest and slowest setting, and whether their step-time ranges (min-max
+    over rounds) are apart, i.e. whether the knob's effect stands out of this run's spread."""
+    points = [r for r in rows if r["name"] != baseline]
+    if len(points) < 2:
+        return ""
+    fast, slow = min(points, key=lambda r: r["ratio"]), max(points, key=lambda r: r["ratio"])
+    apart = fast["high"] < slow["low"]
+    return (f"Reading: fastest {fast['name']} ({fast['ratio']:.3f}x {baseline}), slowest {slow['name']} "
+            f"({slow['ratio']:.3f}x); their step ranges [{fast['low'] * 1e3:.0f}-{fast['high'] * 1e3:.0f}] and "
+            f"[{slow['low'] * 1e3:.0f}-{slow['high'] * 1e3:.0f}] ms "
+            + ("are apart: a measured effect." if apart else
+               "overlap: in this run the knob's effect is within the spread between rounds."))

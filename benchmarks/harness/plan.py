@@ -17,7 +17,7 @@ SIZES: dict[str, tuple[str, tuple[tuple[str, int], ...]]] = {
     "tiny": ("gpt_tiny", ()),  # --quick only
 }
 PEERS = ("ddp", "torch_zero1", "fsdp2", "fsdp2_noreshard", "ds_zero0", "ds_zero1", "ds_zero2", "ds_zero3",
-         "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload_nvme")  # fmt: skip
+         "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload_nvme", "pp2_1f1b")  # fmt: skip
 GROWTH = ("ddp", "zero2", "zero3", "fsdp2", "ds_zero3")
 # the stage-3 knobs of docs/tuning.md: BenchConfig field -> values, each run as zero3 beside zero2 and ddp
 SWEEPS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -55,7 +55,7 @@ class Budget:
 
     peer_steps: int = 3
     growth_steps: int = 2
-    sweep_steps: int = 2
+    sweep_steps: int = 4  # 2 left the sweeps' differences inside the spread between rounds
     warmup: int = 1
     rounds: int = 3
     peer_batch: tuple[int, int] = (4, 128)  # micro-batch x seq per rank

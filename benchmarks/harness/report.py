@@ -49,6 +49,7 @@ def summarize(runs: Runs, warmup: int, baseline: str = "ddp") -> list[dict[str, 
             "gathered_peak": max(r.get("gathered_peak_numel", 0) for rk in reps for r in rk),
             "steps": steps,
             "loss": _med([statistics.fmean(r["losses"][-1] for r in rk) for rk in reps if rk[0].get("losses")]),
+            "first_loss": _med([statistics.fmean(r["losses"][0] for r in rk) for rk in reps if rk[0].get("losses")]),
             "live": max(r["state"].get("live", 0.0) for r in reps[-1]),
             "info": reps[0][0].get("info", {}),
         })  # fmt: skip

@@ -27,15 +27,20 @@ def module_for(config: BenchConfig) -> GPTLightningModule:
     return GPTLightningModule(config.model, lr=1e-4, warmup_steps=0, model_overrides=overrides or None)
 
 
-def loader(config: BenchConfig, rank: int, world_size: int) -> DataLoader:
-    """This rank's ``micro_batch`` sequences per step: disjoint across ranks, the same for every contender."""
+def loader(config: BenchConfig, rank: int, world_size: int, stages: int = 1) -> DataLoader:
+    """This rank's ``micro_batch`` sequences per step: disjoint across ranks, the same for every contender.
+
+    Under a pipeline of ``stages`` stages the ranks of one data-parallel replica share its batch: it is the union
+    of the rows those ranks take without a pipeline (``DeterministicShardSampler``), so every step trains the same
+    global batch as the other contenders."""
     n = config.micro_batch * world_size * config.total_steps
     if config.data == "stdlib":
         dataset: Dataset = TokenChunkDataset(load_corpus(max_bytes=(n + 1) * config.seq_len + 1), config.seq_len)
     else:
         dataset = RandomTokenDataset(n, config.seq_len)
-    sampler = DeterministicShardSampler(len(dataset), world_size, rank, shuffle=False)
-    return DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True)
+    replicas = world_size // stages  # pipeline/mesh.py: rank = stage * replicas + replica
+    sampler = DeterministicShardSampler(len(dataset), replicas, rank % replicas, shuffle=False)
+    return DataLoader(dataset, batch_size=config.micro_batch * stages, sampler=sampler, drop_last=True)
 
 
 def fit(strategy: Strategy, config: BenchConfig, rec: StepRecorder, rank: int, world_size: int) -> None:
@@ -43,7 +48,8 @@ def fit(strategy: Strategy, config: BenchConfig, rec: StepRecorder, rank: int, w
                          max_steps=config.total_steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, callbacks=[TimingCallback(rec, config)])  # fmt: skip
-    trainer.fit(module_for(config), loader(config, rank, world_size))
+    pipeline = getattr(strategy, "pipeline_config", None)  # a pipelined ZeroStrategy's PipelineConfig
+    trainer.fit(module_for(config), loader(config, rank, world_size, pipeline.stages if pipeline else 1))
 
 
 def plain_loop(config: BenchConfig, rec: StepRecorder, rank: int, world_size: int) -> None:
