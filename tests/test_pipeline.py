@@ -137,18 +137,20 @@ def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | N
             "built_bytes": model.built_bytes, "held_bytes": held, "whole_grads": whole_grads}
 
 
-def data_parallel_body(optimizers: list[str], tie: bool = True) -> dict[tuple[str, int], dict[str, Any]]:
+def data_parallel_body(optimizers: list[str], tie: bool = True, clip: float | None = None,
+                       zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> dict[tuple[str, int], dict[str, Any]]:
     """The 4-rank parity's reference: a real ``ZeroStrategy`` run without a pipeline on 2 data-parallel
-    ranks (this rank's batch losses and the final parameters), for each optimizer and ZeRO stage 0-3."""
+    ranks (this rank's batch losses and the final parameters), for each optimizer and ZeRO stage."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for optimizer in optimizers:
-        for stage in (0, 1, 2, 3):
+        for stage in zero_stages:
             model = PipeLM(optimizer, tie=tie)
             strategy = ZeroStrategy(stage=stage, param_persistence_threshold=0, reduce_bucket_size=40)
-            make_trainer(strategy, devices=world, max_steps=STEPS).fit(model, loader(BATCH, rank, world))
+            make_trainer(strategy, devices=world, max_steps=STEPS, gradient_clip_val=clip).fit(
+                model, loader(BATCH, rank, world))
             out[(optimizer, stage)] = {"losses": model.losses,
                                        "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     return out
@@ -261,8 +263,16 @@ def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool
     # the reference: real 2-rank ZeroStrategy runs (shared pool); then every case in one 4-rank launch
     data_parallel = gloo_pool.run("tests.test_pipeline:data_parallel_body", optimizers=["adamw", "sgd"])
     untied = gloo_pool.run("tests.test_pipeline:data_parallel_body", optimizers=["sgd"], tie=False)
+    clipped = gloo_pool.run("tests.test_pipeline:data_parallel_body", optimizers=["sgd"], clip=1.0, zero_stages=(0, 3))
     pool = GlooPool(world_size=4)
     try:
+        # Lightning's own DistributedSampler shards over the data-parallel group: the two stages of a
+        # replica (ranks 0 and 2, 1 and 3) draw the same samples, the two replicas different ones
+        seen = pool.run("tests.test_pipeline:sampler_body")
+        assert seen[0] == seen[2] and seen[1] == seen[3] and not set(seen[0]) & set(seen[1]), seen
+        # clipping by the norm over both stages and both data-parallel ranks (a clip at 1.0 acts every step)
+        _check(pool.run("tests.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
+                        data_parallel=clipped, zero_stages=(0, 3), clip=1.0))
         _check(pool.run("tests.test_pipeline:parity_body", schedules=["gpipe", "1f1b", "interleaved_1f1b"],
                         stages=2, optimizers=["adamw", "sgd"], data_parallel=data_parallel, _timeout_s=600))
         # reduce_per_micro_batch (ZeRO 2-3, untied): the same parameters, and no whole .grad left for backward
@@ -274,6 +284,33 @@ def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool
     _check(per_micro)
     assert all(not any(r["whole_grads"]) and len(r["whole_grads"]) == STEPS for rank in per_micro
                for r in rank.values()), [{k: r["whole_grads"] for k, r in rank.items()} for rank in per_micro]
+
+
+def sampler_body() -> list[int]:
+    """The sample indices this rank trained on in 2 steps, with Lightning's default (shuffling) sampler."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.pipeline_models import dataset
+
+    data = dataset()
+    indexed = TensorDataset(*data.tensors, torch.arange(len(data)))
+    seen: list[int] = []
+
+    class Seen(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            seen.extend(int(i) for i in batch[2])
+
+    config = PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", partition_method="uniform")
+    trainer = make_trainer(ZeroStrategy(stage=1, pipeline=config), devices=dist.get_world_size(), max_steps=2,
+                           use_distributed_sampler=True, callbacks=[Seen()])
+    trainer.fit(_IndexedLM("sgd"), DataLoader(indexed, batch_size=BATCH, shuffle=True))
+    return seen
+
+
+class _IndexedLM(PipeLM):
+    def pipeline_batch(self, batch: Any) -> tuple[Any, Any]:  # (tokens, targets, sample indices)
+        return batch[0], batch[1]
 
 
 def overflow_body(zero_stages: list[int]) -> dict[int, dict[str, Any]]:
