@@ -218,6 +218,8 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
+        if self._pipeline is not None:  # batches that do not split into micro-batches: refused before any step
+            self._pipeline.check_train_loader(trainer)
         if self._comm is not None:  # uneven training batches would hang a rank: refuse on every rank
             steps = trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps > 0 else float("inf")
             check_training_batches(trainer.num_training_batches, self._comm, steps)
@@ -281,8 +283,7 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
     def _make_dp_group(self) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
-        # A group of our own carries the strategy's timeout for every collective it issues.
-        return dist.new_group(timeout=timedelta(seconds=self.zero_config.timeout_s))
+        return dist.new_group(timeout=timedelta(seconds=self.zero_config.timeout_s))  # the strategy's timeout
 
     @torch.no_grad()
     def _broadcast_module_states(self) -> None:
@@ -358,19 +359,20 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
             self._built_sharded = False
 
     def _teardown(self, failed: bool) -> None:
+        whole_state = None  # a pipeline's optimizer state of every stage, to save after fit
         if self._engine is not None:
             # after an error another rank may be gone: no collective, the shard state is dropped
             if self._engine.optimizer is not None:
                 self._last_runtime = self._engine.runtime
             plan = plan_teardown(self._engine, failed, self.gather_on_teardown)  # Note [teardown gather]
+            if self._pipeline is not None and not failed:
+                whole_state = self._pipeline.whole_optimizer_state(self._engine, plan.keep_optimizer_state)
             self._engine.detach(keep_optimizer_state=plan.keep_optimizer_state, gather_params=plan.gather_params)
             self._engine = None
             self.precision_plugin.engine = None
-        if self._pipeline is not None:
-            if not failed and self.gather_on_teardown:
-                self._pipeline.reassemble()  # the whole (trained) module on every rank again
-                for optimizer in self.optimizers:
-                    self._pipeline.restore_optimizer(optimizer)
+        if self._pipeline is not None:  # the unsplit module (and, after fit, optimizer) on every rank again
+            refusal = self._pipeline.teardown(self.optimizers, whole_state, failed, self.gather_on_teardown)
+            self._after_fit_refusal = refusal if self._pipeline.checkpoint is not None else self._after_fit_refusal
             self._pipeline = None
         module = self.lightning_module
         if module is not None:

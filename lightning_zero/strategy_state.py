@@ -41,6 +41,7 @@ class ZeroStateMixin:
 
     _engine: ZeroEngine | None
     _pipeline: Any  # lightning_zero.pipeline.lightning.StrategyPipeline | None
+    _after_fit_refusal: tuple[str, bool] | None = None  # StrategyPipeline.teardown: why a save now is incomplete
     pipeline_config: Any
 
     # ------------------------------------------------------------------ state
@@ -202,6 +203,13 @@ class ZeroStateMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Sharded format (docs/checkpoints.md): every rank writes its shards into a temporary
         directory; once all succeeded rank 0 publishes it atomically under ``filepath``."""
+        refusal = self._after_fit_refusal if self._pipeline is None else None
+        if refusal is not None and ("optimizer_states" in checkpoint or not refusal[1]):
+            raise CheckpointError(
+                f"trainer.save_checkpoint after fit would write an incomplete checkpoint: {refusal[0]}. Save during "
+                "fit instead (`ModelCheckpoint`, or `trainer.save_checkpoint` in a callback), where every stage "
+                "contributes its part."
+            )
         if not self._sharded_format():  # each tensor its own bytes, not the flat buffer it views
             return super().save_checkpoint(own_bytes(checkpoint), filepath, storage_options=storage_options)
         if storage_options is not None:

@@ -85,8 +85,12 @@ class StepDispatchMixin:
         if self._pipeline is None or self._engine is None:
             return super().training_step(*args, **kwargs)
         scaler = self.precision_plugin.scaler  # the schedule scales each micro-batch's loss itself
-        return self._pipeline.training_step(self.lightning_module, self._engine,
-                                            scaler.scale if scaler is not None else 1.0, args[0])
+        module = self.lightning_module
+        # Lightning divides a returned loss by the accumulation count before its backward; the schedule's
+        # backward ran already, so the division goes into the loss the schedule backpropagates
+        accumulate = module.trainer.accumulate_grad_batches if module.automatic_optimization else 1
+        return self._pipeline.training_step(module, self._engine, scaler.scale if scaler is not None else 1.0,
+                                            args[0], accumulate)
 
     @property
     @override

@@ -97,14 +97,43 @@ class PipelineConfig:
             f"{self.stages}, or fewer stages.",
         )
 
-    def check_batch(self, batch_size: int) -> None:
-        """Raise unless ``micro_batches`` divides the per-rank batch size."""
+    def check_batch(self, batch_size: int, full_batch_size: int | None = None) -> None:
+        """Raise unless ``micro_batches`` divides the per-rank batch size.
+
+        Args:
+            batch_size: the samples of this batch on this data-parallel rank.
+            full_batch_size: the loader's batch size, when known: a smaller batch is the short last batch
+                of an epoch (``drop_last=False``), and the message says so.
+        """
+        if full_batch_size is not None and batch_size < full_batch_size:
+            _split_evenly(
+                batch_size, self.micro_batches,
+                f"The last batch of the epoch holds {batch_size} samples per data-parallel rank (the DataLoader's "
+                f"batch size is {full_batch_size}; drop_last=False keeps the rest of the data set as a short batch), "
+                f"which does not split into micro_batches={self.micro_batches} equal micro-batches. Fix: "
+                "DataLoader(drop_last=True), or a data set length per data-parallel rank that the batch size "
+                "divides.",
+            )
+            return
         _split_evenly(
             batch_size, self.micro_batches,
             f"The batch of {batch_size} samples per data-parallel rank does not split into micro_batches="
             f"{self.micro_batches} equal micro-batches. Fix: a batch size that is a multiple of "
             f"{self.micro_batches} (data.micro_batch_size / the DataLoader's batch_size), or other micro_batches.",
         )
+
+
+def short_last_batch(samples: int, batch_size: int, drop_last: bool, micro_batches: int) -> str | None:
+    """Why an epoch of ``samples`` per data-parallel rank ends in a batch that does not split into
+    ``micro_batches`` (``None``: every batch splits; ``batch_size`` itself is checked by ``check_batch``)."""
+    short = samples % batch_size
+    if drop_last or short % micro_batches == 0:
+        return None
+    return (f"The train DataLoader's last batch of each epoch holds {short} samples per data-parallel rank "
+            f"({samples} samples, batch_size={batch_size}, drop_last=False), which does not split into "
+            f"micro_batches={micro_batches} equal micro-batches: the run would stop there. Fix: "
+            f"DataLoader(drop_last=True), a batch size that divides {samples}, or a data set length per "
+            f"data-parallel rank that leaves a last batch of a multiple of {micro_batches} samples.")
 
 
 def _split_evenly(total: int, parts: int, error: str) -> int:

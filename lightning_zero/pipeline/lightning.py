@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.engine import ZeroEngine
@@ -23,7 +24,7 @@ from lightning_zero.core.loading import load_full_state_dict
 from lightning_zero.core.materialize import ParamInitFn
 from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
-from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.pipeline.config import PipelineConfig, short_last_batch
 from lightning_zero.pipeline.mesh import PipelineGroups, PipelineMesh, make_groups
 from lightning_zero.pipeline.model import LocalModel, plan_split, reassemble, split_batch, split_module
 from lightning_zero.pipeline.runner import PipelineRunner
@@ -68,6 +69,31 @@ class StrategyPipeline:
     def sampler_kwargs(self) -> dict[str, int]:
         """The sampler shards over the data-parallel group only: every stage of a replica sees the same batch."""
         return {"num_replicas": self.mesh.dp_size, "rank": self.mesh.dp_rank}
+
+    def check_train_loader(self, trainer: pl.Trainer) -> None:
+        """Before the first training step, on every rank: refuse a train DataLoader whose batch size, or
+        whose short last batch (``drop_last=False``), does not split into ``micro_batches`` (what cannot be
+        read from the loader, a custom batch sampler's, is checked at each step instead)."""
+        loader = trainer.train_dataloader
+        if not isinstance(loader, DataLoader):
+            return
+        batches = loader.batch_sampler
+        size = loader.batch_size if loader.batch_size is not None else getattr(batches, "batch_size", None)
+        if not isinstance(size, int):
+            return
+        self.config.check_batch(size)
+        self.runner.full_batch_size = size
+        try:
+            samples, per_epoch = len(getattr(batches, "sampler", ())), len(loader)
+        except TypeError:  # an iterable data set: no length
+            return
+        steps = trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps >= 0 else float("inf")
+        if min(trainer.num_training_batches, steps) < per_epoch or not samples:  # the last batch is never drawn
+            return
+        problem = short_last_batch(samples, size, bool(getattr(batches, "drop_last", loader.drop_last)),
+                                   self.config.micro_batches)
+        if problem is not None:
+            raise ValueError(problem)
 
     def restrict_optimizer(self, optimizer: Optimizer) -> None:
         """Drop the other stages' (placeholder) parameters from the optimizer's param groups."""
@@ -133,18 +159,70 @@ class StrategyPipeline:
         else:
             self.local.module.load_state_dict(local, strict=False)
 
-    def restore_optimizer(self, optimizer: Optimizer) -> None:
-        """After fit: the optimizer's param groups hold every stage's parameters again (its state only
-        this stage's entries: save checkpoints during fit, where all stages contribute)."""
-        if self.checkpoint is not None:
-            for group, params in zip(optimizer.param_groups, self.checkpoint.original_groups):
-                group["params"] = list(params)
+    def whole_optimizer_state(self, engine: ZeroEngine, fits: bool) -> dict[str, Any] | None:
+        """At the end of a successful fit, before the engine detaches: every stage's optimizer state,
+        numbered as the unsplit optimizer numbers it, on every rank (a collective over the world).
+
+        Args:
+            engine: this stage's engine.
+            fits: this rank may keep the whole optimizer state (``plan_teardown``, agreed over its
+                data-parallel group); the stages agree too, else every rank gets ``None``.
+        """
+        if self.checkpoint is None:  # not a fit
+            return None
+        if self.config.stages > 1:
+            agreed = torch.tensor([int(fits)], device=self.runner.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.groups.pp)
+            fits = bool(agreed.item())
+        return self.checkpoint.optimizer_state(engine) if fits else None
+
+    def teardown(self, optimizers: list[Optimizer], whole_state: dict[str, Any] | None, failed: bool,
+                 gather: bool) -> tuple[str, bool] | None:
+        """After fit / evaluation: the other stages' parameters back on every rank and, after fit, the
+        optimizer's param groups and state of the unsplit model (``whole_state``), so that
+        ``trainer.save_checkpoint`` after fit writes what a save during fit writes.
+
+        Args:
+            optimizers: the strategy's optimizers.
+            whole_state: :meth:`whole_optimizer_state` (``None``: it was not gathered).
+            failed: the run failed (no collective is safe).
+            gather: ``ZeroStrategy(gather_on_teardown)``.
+
+        Returns:
+            After fit, when a checkpoint saved now would be incomplete: why, and whether a weights-only
+            save is still complete; else ``None``.
+        """
+        if not failed and gather:
+            self.reassemble()  # the whole (trained) module on every rank again
+            if self.checkpoint is not None:
+                for optimizer in optimizers:
+                    for group, params in zip(optimizer.param_groups, self.checkpoint.original_groups):
+                        group["params"] = list(params)
+                    if whole_state is not None:
+                        optimizer.load_state_dict(whole_state)
+        if self.checkpoint is None or (whole_state is not None and not failed and gather):
+            return None
+        if failed or not gather:
+            return ("the pipelined fit " + ("failed" if failed else "ran with gather_on_teardown=False") + ", so "
+                    "each rank holds only its own stage's parameters and optimizer state", False)
+        return ("the pipelined fit's whole optimizer state did not fit in memory to be gathered at its end "
+                "(the parameters did: `save_checkpoint(path, weights_only=True)` is complete)", True)
 
     # ------------------------------------------------------------------ steps
-    def training_step(self, module: pl.LightningModule, engine: ZeroEngine, loss_scale: float, batch: Any) -> Tensor:
-        """Forward and backward of every micro-batch (gradients kept for :meth:`backward`); the batch-mean loss."""
+    def training_step(self, module: pl.LightningModule, engine: ZeroEngine, loss_scale: float, batch: Any,
+                      accumulate: int = 1) -> Tensor:
+        """Forward and backward of every micro-batch (gradients kept for :meth:`backward`); the batch-mean loss.
+
+        Args:
+            module: the LightningModule (its ``pipeline_batch`` / ``on_pipeline_loss``).
+            engine: the ZeRO engine of this rank's stage.
+            loss_scale: the fp16 loss scale (1.0 without one).
+            batch: this data-parallel rank's batch.
+            accumulate: ``Trainer(accumulate_grad_batches)``: the gradients are divided by it, as Lightning
+                divides the loss of an unpipelined step (Note [loss scaling in the schedule] in runner.py).
+        """
         inputs, target = split_batch(module, batch)
-        self.runner.loss_factor = loss_scale
+        self.runner.loss_factor = loss_scale / accumulate
         if self.config.reduce_per_micro_batch:
             loss = self._train_reducing_each_micro_batch(engine, inputs, target)
         else:
@@ -179,7 +257,7 @@ class StrategyPipeline:
             engine.reducer.deferred = False
             engine.link_master_grads()  # Lightning's zero_grad unlinked them from the reduced shards
             return
-        self.runner.sync_tied_grads(engine.groups, engine.reducer.flat_grads)
+        self.runner.sync_tied_grads(engine.groups, engine.reducer.flat_grads, boundary=engine.reducer.sync)
         engine.reduce_deferred()
 
     def evaluation_step(self, module: pl.LightningModule, engine: ZeroEngine | None, stage: str, batch: Any) -> Any:

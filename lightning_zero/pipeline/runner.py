@@ -9,9 +9,12 @@ Note [loss scaling in the schedule]
     The schedules are built with ``scale_grads=False``: torch's own scaling divides ``p.grad`` after
     the last backward, which the ZeRO hooks have consumed by then (and the zero-bubble schedules
     assign weight gradients by hand, see ``config.REFUSED_SCHEDULES``). Instead the loss of each
-    micro-batch is multiplied by ``loss_scale / micro_batches`` before its backward, so the summed
-    gradients are those of the batch mean, scaled like the fp16 loss scaler expects. The loss
-    reported is the sum of the micro-batch terms divided by the loss scale: the true batch mean.
+    micro-batch is multiplied by ``loss_scale / (micro_batches x accumulate_grad_batches)`` before its
+    backward (``loss_factor`` is ``loss_scale / accumulate_grad_batches``), so the summed gradients are
+    those of the batch mean, scaled like the fp16 loss scaler expects, and divided by the accumulation
+    count as Lightning divides an unpipelined ``training_step``'s loss before its backward (which never
+    runs here: the schedule ran the backwards). The loss reported is the sum of the micro-batch terms
+    divided by ``loss_factor``: the true batch mean.
 
 Evaluation (``eval_step``) runs the forward-only pass of the same schedule (``schedule.eval``),
 with as many micro-batches as divide the batch (at most ``micro_batches``).
@@ -49,6 +52,7 @@ class PipelineRunner:
         self.config, self.local, self.groups = config, local, groups
         self.loss_fn, self.device = loss_fn, device
         self.loss_factor: float = 1.0  # Note [loss scaling in the schedule]
+        self.full_batch_size: int | None = None  # the train loader's batch size (else the largest batch seen)
         # reduce_per_micro_batch: called before and after each micro-batch's backward of a local chunk
         self.around_backward: tuple[Callable[[], None], Callable[[], None]] | None = None
         self._schedules: dict[tuple[Any, ...], Any] = {}
@@ -113,7 +117,10 @@ class PipelineRunner:
     def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the batch-mean loss (every rank)."""
         size = _batch_size(inputs)
-        self.config.check_batch(size)
+        if self.full_batch_size is None or size > self.full_batch_size:
+            self.config.check_batch(size)
+            self.full_batch_size = size
+        self.config.check_batch(size, self.full_batch_size)
         m = self.config.micro_batches
         schedule = self._schedule(m, True, self._shape_key(inputs, target))
         losses: list[torch.Tensor] = []
@@ -152,9 +159,19 @@ class PipelineRunner:
         return out
 
     @torch.no_grad()
-    def sync_tied_grads(self, engine_groups: list[Any], flat_grads: list[torch.Tensor | None]) -> None:
+    def sync_tied_grads(self, engine_groups: list[Any], flat_grads: list[torch.Tensor | None],
+                        boundary: bool = True) -> None:
         """Sum the gradients of parameters shared by several stages across those stages (in ``.grad``
-        at ZeRO stages 2-3, in the engine's whole gradient buffers ``flat_grads`` at stages 0-1)."""
+        at ZeRO stages 2-3, in the engine's whole gradient buffers ``flat_grads`` at stages 0-1).
+
+        Args:
+            engine_groups: the engine's parameter groups (their slots locate a parameter in ``flat_grads``).
+            flat_grads: the whole gradient buffers (stages 0-1), ``None`` entries elsewhere.
+            boundary: whether this backward ends the accumulation window. The whole buffers accumulate
+                the window's batches, so they are summed once, at its end (summing them after every batch
+                would add the earlier batches' stage sums again); ``.grad`` holds one batch and is summed
+                every time.
+        """
         views: dict[torch.Tensor, torch.Tensor] = {}
         for g, flat in zip(engine_groups, flat_grads):
             if flat is not None:
@@ -163,7 +180,8 @@ class PipelineRunner:
             group = self.groups.ties[stages]
             for p in params:
                 if p in views:
-                    dist.all_reduce(views[p], group=group)
+                    if boundary:
+                        dist.all_reduce(views[p], group=group)
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
