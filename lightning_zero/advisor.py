@@ -10,10 +10,13 @@ closed form from two evaluations.
 from __future__ import annotations
 
 import math
+import shlex
+import tempfile
 from dataclasses import dataclass, replace
 
 from typing_extensions import Unpack
 
+from lightning_zero.core.offload import nvme_path_problem
 from lightning_zero.estimator import (
     PRECISIONS,
     Activations,
@@ -100,10 +103,19 @@ class Candidate:
     def fits(self) -> bool:
         return not self.shortfalls
 
-    def overrides(self, precision: str) -> str:
-        """Hydra overrides selecting this configuration, e.g. ``zero=stage2 offload=none precision=bf16``."""
+    def overrides(self, precision: str, nvme_path: str | None = None) -> str:
+        """Hydra overrides selecting this configuration, e.g. ``zero=stage2 offload=none precision=bf16``.
+
+        Args:
+            precision: the precision's user spelling (a key of :data:`PRECISIONS`).
+            nvme_path: the directory for swap files, added as ``offload.nvme_path=...`` to an ``"nvme"``
+                offload (default: the system's temporary directory).
+        """
         e = self.estimate
-        return f"zero=stage{e.stage} offload={e.offload} precision={PRECISIONS[precision][1]}"
+        out = f"zero=stage{e.stage} offload={e.offload} precision={PRECISIONS[precision][1]}"
+        if e.target == "nvme":
+            out += f" offload.nvme_path={shlex.quote(nvme_path or tempfile.gettempdir())}"
+        return out
 
 
 def needs_of(c: ConfigEstimate, checkpointing: bool) -> tuple[tuple[str, float], ...]:
@@ -127,6 +139,7 @@ class Advice:
     activations: Activations | None
     candidates: tuple[Candidate, ...]
     optimizer_state_per_param: int = 8
+    nvme_path: str | None = None  # where "nvme" offload puts its swap files (None: the temporary directory)
 
     @property
     def choice(self) -> Candidate | None:
@@ -134,7 +147,17 @@ class Advice:
 
     @property
     def overrides(self) -> str | None:
-        return None if self.choice is None else self.choice.overrides(self.precision)
+        return None if self.choice is None else self.choice.overrides(self.precision, self.nvme_path)
+
+    def nvme_path_problem(self) -> str | None:
+        """Why the recommended ``"nvme"`` configuration's ``nvme_path`` cannot hold its state on this machine
+        (:func:`~lightning_zero.core.offload.nvme_path_problem`: exists, writable, the node's NVMe need free),
+        or ``None`` (also when the choice does not use NVMe)."""
+        choice = self.choice
+        if choice is None or choice.estimate.target != "nvme":
+            return None
+        path = self.nvme_path or tempfile.gettempdir()
+        return nvme_path_problem(path, dict(choice.needs)["NVMe"], "--nvme-path")
 
     def table(self, units: str = "GB") -> str:
         return render_advice(self, units)
@@ -168,6 +191,7 @@ def advise(
     nvme: float | str = 0.0,
     headroom: float = 0.1,
     activation_checkpointing: bool = False,
+    nvme_path: str | None = None,
     **options: Unpack[EstimateOptions],
 ) -> Advice:
     """The fastest configuration of :data:`PREFERENCE` that fits, with why each faster one does not.
@@ -180,6 +204,8 @@ def advise(
         headroom: fraction of each memory left free (see :class:`Hardware`).
         activation_checkpointing: count checkpointed activations instead of full ones (only
             when the transformer shape is known).
+        nvme_path: the directory an ``"nvme"`` choice's overrides name for its swap files (default: the
+            system's temporary directory); :meth:`Advice.nvme_path_problem` checks it.
         options: the model, the cluster and the precision, as for
             :func:`lightning_zero.estimator.estimate_memory` (``model``, ``world_size``, ``num_nodes``,
             ``gpus_per_node``, ``precision``, ``micro_batch``, ``seq_len``, ``layers``, ``hidden``,
@@ -198,4 +224,4 @@ def advise(
                               activation_checkpointing)
         candidates.append(Candidate(c, needs, short, biggest))
     return Advice(base.model, base.cluster, hw, precision, activation_checkpointing, base.activations,
-                  tuple(candidates), osp)
+                  tuple(candidates), osp, nvme_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -116,6 +117,10 @@ def advise_command(argv: list[str]) -> int:
         hw.add_argument("--device-memory", type=_typed(parse_size), required=True, help="accelerator memory per rank")
         hw.add_argument("--cpu-memory", type=_typed(parse_size), default=0.0, help="host memory per node")
         hw.add_argument("--nvme", type=_typed(parse_size), default=0.0, help="NVMe capacity per node")
+        hw.add_argument("--nvme-path", default=tempfile.gettempdir(),
+                        help="directory for the swap files of an NVMe choice, named in its overrides and checked "
+                        "for writability and free space (default: the system's temporary directory, "
+                        f"{tempfile.gettempdir()})")
         hw.add_argument("--headroom", type=float, default=0.1,
                         help="fraction of each memory kept free for buffers, fragmentation, etc. (default 0.1)")
         hw.add_argument("--activation-checkpointing", action="store_true",
@@ -124,9 +129,13 @@ def advise_command(argv: list[str]) -> int:
 
     def act(a: argparse.Namespace) -> int:
         result = advise(a.params, device_memory=a.device_memory, cpu_memory=a.cpu_memory, nvme=a.nvme,
-                        headroom=a.headroom, activation_checkpointing=a.activation_checkpointing, **_model_kwargs(a))
+                        headroom=a.headroom, activation_checkpointing=a.activation_checkpointing,
+                        nvme_path=a.nvme_path, **_model_kwargs(a))
         print(result.table(a.units))
-        return 0 if result.choice is not None else 1
+        problem = result.nvme_path_problem()
+        if problem:  # the suggested command would be refused: say so, and how to fix it
+            print(f"lightning-zero advise: error: {problem}", file=sys.stderr)
+        return 0 if result.choice is not None and not problem else 1
 
     return _run("advise", advise_command.__doc__ or "", build, act, argv)
 

@@ -153,7 +153,8 @@ def test_advisor_choice_fits_and_faster_ones_do_not(params: float, device: str, 
         return
     assert all(need <= limits[m] for m, need in needs_of(choice.estimate, False))
     assert re.fullmatch(r"zero=stage[0-3] offload=(none|optimizer_cpu|optimizer_nvme|param_cpu|param_nvme) "
-                        r"precision=bf16", adv.overrides or "")
+                        r"precision=bf16( offload.nvme_path=\S+)?", adv.overrides or "")
+    assert ("offload.nvme_path=" in (adv.overrides or "")) == (choice.estimate.target == "nvme")
     # the largest model of the chosen configuration sits at the edge of the hardware
     biggest = choice.max_params
     assert biggest >= params

@@ -113,8 +113,7 @@ def _fit(strategy: ZeroStrategy) -> dict[str, Any]:
     trainer.fit(model, token_loader(n=80))
     return {"losses": model.losses, "params": params_of(model), "steps": probe.steps, "fused": probe.fused,
             "units": probe.units,
-            "swap_dir_left": probe.swap_dir is not None and os.path.exists(probe.swap_dir),
-            "optimizer_fused_after": [g.get("fused") for g in trainer.optimizers[0].param_groups]}
+            "swap_dir_left": probe.swap_dir is not None and os.path.exists(probe.swap_dir)}
 
 
 def parity_body(runs: list[tuple[int, str, str]]) -> dict[tuple[int, str, str], dict[str, Any]]:
@@ -215,7 +214,7 @@ def test_the_engine_refuses_a_disk_without_room_for_the_estimated_state(tmp_path
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr("lightning_zero.core.offload.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
     model = torch.nn.Linear(100, 100)
-    with pytest.raises(ValueError, match=r"has 0.00 GiB free but this rank's offloaded state needs"):
+    with pytest.raises(ValueError, match=r"has 1 kB free but the offloaded state needs 162 kB. Fix: nvme_path=<"):
         ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2),
                    offload=OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)))
     assert not os.listdir(tmp_path)  # refused before any swap file

@@ -136,8 +136,8 @@ def _collect_shards(
     meta["state_dict"] = entries
     meta["optimizers"] = []
     if with_optimizer and sharded is not None:
-        groups = [{**{k: v for k, v in pg.items() if k != "params"}, "params": [index[p] for p in params_]}
-                  for pg, params_ in zip(sharded.optimizer.param_groups, sharded.original_params)]
+        groups = [{**sharded.group_options(i), "params": [index[p] for p in params_]}
+                  for i, params_ in enumerate(sharded.original_params)]
         meta["optimizers"].append({"param_groups": to_plain(groups, {}, "optimizer param_groups"),
                                    "state": opt_state})
 

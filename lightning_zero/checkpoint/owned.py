@@ -184,6 +184,7 @@ def load_owned_optimizer_state(engine: ZeroEngine, state: Mapping[str, Any]) -> 
             }
             at += n
     sharded.optimizer.load_state_dict(shard_sd)
+    sharded.adopt_loaded_state()
 
 
 @torch.no_grad()

@@ -152,6 +152,8 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
         typed.data.path = to_absolute_path(typed.data.path)  # the ranks may run elsewhere
     if typed.trainer.resume_from:
         typed.trainer.resume_from = to_absolute_path(typed.trainer.resume_from)
+    if typed.offload.nvme_path:
+        typed.offload.nvme_path = to_absolute_path(typed.offload.nvme_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / CONFIG_FILE
     config_file.write_text(to_yaml(typed))

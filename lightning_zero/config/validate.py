@@ -35,7 +35,7 @@ from lightning_zero.config.schema import (
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
-from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.core.offload import OffloadConfig, nvme_path_problem
 
 BUILT_STAGES = (0, 1, 2, 3)
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
@@ -82,9 +82,33 @@ def _offload_problems(cfg: TrainConfig) -> list[str]:
         out.append(f"offload={name} ({what}) needs {needs}, got zero.stage={stage}. Fix: {fix}, or offload=none.")
     if OffloadDevice.nvme in (o.optimizer_device, o.param_device) and not o.nvme_path:
         out.append(f"offload={name} needs offload.nvme_path (a directory on a local NVMe drive).")
+    elif OffloadDevice.nvme in (o.optimizer_device, o.param_device):
+        problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
+        if problem:  # the check the ranks repeat, here before any of them starts
+            out.append(problem)
     if o.buffer_count < 1:
         out.append(f"offload.buffer_count must be >= 1, got {o.buffer_count}.")
     return out
+
+
+def nvme_bytes_per_node(cfg: TrainConfig) -> float:
+    """The estimator's bytes of offloaded state under ``offload.nvme_path`` on one node (its ranks share the
+    path); 0 when it cannot be counted yet (a stage the offload cannot run, an unknown model: refused apart).
+
+    Args:
+        cfg: a composed config with ``"nvme"`` offload.
+    """
+    from lightning_zero.estimator import ModelSpec, estimate_config, make_cluster
+
+    name, t = offload_name(cfg), cfg.trainer
+    gpt = isinstance(cfg.model, GPTModelSchema)
+    if (cfg.zero.stage not in OFFLOAD_STAGES.get(name, ()) or (gpt and not preset_known(cfg.model))
+            or t.devices < 1 or t.num_nodes < 1):
+        return 0.0
+    cluster = make_cluster(t.devices * t.num_nodes, t.num_nodes, t.devices)
+    estimate = estimate_config(cfg.zero.stage, name, ModelSpec(float(count_model_parameters(cfg))), cluster,
+                               cfg.precision.name.value)
+    return estimate.nvme_bytes * t.devices
 
 
 def _precision_problems(cfg: TrainConfig) -> list[str]:

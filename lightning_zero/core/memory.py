@@ -3,7 +3,7 @@
 The formulas follow the ZeRO paper (Rajbhandari et al., 2020, section 3) for Adam-like
 optimizers with two fp32 moments per element. Ψ is the number of trainable parameters and N the
 number of data-parallel ranks. Both the memory estimator and the tests of
-``ZeroStrategy.model_state_bytes()`` use :func:`model_state_formula`.
+``ZeroStrategy.model_state_bytes()`` use :func:`model_state_formula`; :func:`format_bytes` prints sizes.
 """
 
 from __future__ import annotations
@@ -158,3 +158,15 @@ def offloaded_model_state(
     )
     moved = ModelStateBytes(params=moved_params, grads=master * shard, optimizer=(master + state) * shard)
     return device, moved
+
+
+def format_bytes(n: float, units: str = "GB") -> str:
+    """``n`` bytes with 3 significant digits in decimal (``"GB"``) or binary (``"GiB"``) units."""
+    if units not in ("GB", "GiB"):
+        raise ValueError(f"units must be 'GB' (10^9 bytes) or 'GiB' (2^30 bytes), got {units!r}.")
+    base, names = (1000.0, ("B", "kB", "MB", "GB", "TB", "PB")) if units == "GB" else (
+        1024.0, ("B", "KiB", "MiB", "GiB", "TiB", "PiB"))
+    value, i = float(n), 0
+    while i < len(names) - 1 and float(f"{value:.3g}") >= 1000:
+        value, i = value / base, i + 1
+    return f"{value:.3g} {names[i]}"

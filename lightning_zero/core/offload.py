@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from lightning_zero.core.memory import format_bytes
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 _DEVICES = ("none", "cpu", "nvme")
@@ -97,22 +100,20 @@ class OffloadConfig:
                           "shards it steps); without an optimizer (evaluation outside fit) every shard stays in "
                           "memory. Fit to use offload, or leave offload out of evaluation-only runs.", stacklevel=3)
 
-    def check_path(self, need_bytes: int = 0) -> None:
-        """Refuse an ``nvme_path`` that does not exist, is not a writable directory or lacks ``need_bytes``."""
-        if not self.uses_nvme:
-            return
-        path = str(self.nvme_path)
-        if not os.path.isdir(path):
-            raise ValueError(f"offload nvme_path {path!r} does not exist or is not a directory. Fix: create it "
-                             "(a directory on a local disk) or pass another `nvme_path`.")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"offload nvme_path {path!r} is not writable by this process. Fix: pass a directory "
-                             "you can write to as `nvme_path`.")
-        free = shutil.disk_usage(path).free
-        if need_bytes > free:
-            raise ValueError(f"offload nvme_path {path!r} has {free / 2**30:.2f} GiB free but this rank's offloaded "
-                             f"state needs {need_bytes / 2**30:.2f} GiB. Fix: free space, or point `nvme_path` at a "
-                             "larger disk.")
+    def check_path(self, need_bytes: int = 0, key: str = "nvme_path") -> None:
+        """Refuse an ``nvme_path`` that :func:`nvme_path_problem` finds unusable for ``need_bytes``.
+
+        Args:
+            need_bytes: bytes the swap files under it will take (0: not known yet).
+            key: how the user sets the path, named in the fix (``offload.nvme_path`` on the command line).
+
+        Raises:
+            ValueError: the problem and its fix, in one line.
+        """
+        if self.uses_nvme:
+            problem = nvme_path_problem(str(self.nvme_path), need_bytes, key)
+            if problem:
+                raise ValueError(problem)
 
     def pin(self) -> bool:
         """Whether to pin host buffers: asked for, and an accelerator present (else a warning)."""
@@ -123,6 +124,39 @@ class OffloadConfig:
         warnings.warn("offload pin_memory=True needs an accelerator (pinning fails without one); using "
                       "ordinary host memory. Set pin_memory=False to silence this.", stacklevel=2)
         return False
+
+
+def nvme_path_problem(path: str, need_bytes: float = 0, key: str = "nvme_path") -> str | None:
+    """Why ``path`` cannot hold swap files of ``need_bytes`` (one line ending in the fix), or ``None``.
+
+    The one check of an ``nvme_path``: the strategy and the engine run it, and so do the command line's
+    validation (before any rank starts, with the estimator's figure) and ``lightning-zero advise``.
+
+    Args:
+        path: the directory the swap files go under.
+        need_bytes: bytes the swap files will take there (0: only existence and writability are checked).
+        key: how the user sets the path (``offload.nvme_path``, ``--nvme-path``), named in the fix.
+    """
+    room = f" with {format_bytes(need_bytes)} free" if need_bytes else ""
+    fix = f"Fix: {key}=<a writable directory on a local disk{room}>."
+    if not os.path.isdir(path):
+        return f"offload nvme_path {path!r} does not exist or is not a directory. {fix}"
+    usage = shutil.disk_usage(path)
+    if usage.total == 0:
+        return (f"offload nvme_path {path!r} is not on a disk (a virtual file system of size 0, like /proc or "
+                f"/sys). {fix}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"offload nvme_path {path!r} is not writable by this process. {fix}"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lightning_zero-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return f"offload nvme_path {path!r} is not writable: a file cannot be created there ({err.strerror}). {fix}"
+    if need_bytes > usage.free:
+        return (f"offload nvme_path {path!r} has {format_bytes(usage.free)} free but the offloaded state needs "
+                f"{format_bytes(need_bytes)}. {fix}")
+    return None
 
 
 def offload_from_args(

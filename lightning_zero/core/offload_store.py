@@ -10,9 +10,11 @@ sub-groups (Note [swap files]).
 
 Note [swap files]
     Each (flat group, state key) has one file under a directory private to the run
-    (``<nvme_path>/lightning_zero-<pid>-<random>``). It is unlinked as soon as it is opened, so it
-    disappears when the process exits, however it exits, and no later run can ever read it as
-    state. The file is mapped ``MAP_SHARED``; tensors are views of the mapping, so the optimizer,
+    (``<nvme_path>/lightning_zero-<pid>-r<rank>-<random>``). It is unlinked as soon as it is opened, so
+    it disappears when the process exits, however it exits, and no later run can ever read it as
+    state. A run killed by a signal leaves its empty directory; the next run to start there removes
+    those of this user whose process is gone (``remove_stale_run_dirs``). The file is mapped
+    ``MAP_SHARED``; tensors are views of the mapping, so the optimizer,
     checkpoints and ``state_dict`` see ordinary CPU tensors. Stepping walks sub-groups of at most
     ``sub_group_size`` elements: while sub-group k steps, a reader thread reads sub-group k+1
     into the page cache with large ``os.preadv`` calls; after k stepped, its pages leave the process
@@ -41,7 +43,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.core.param_offload import ParamOffload
-from lightning_zero.core.swap_file import SwapFile
+from lightning_zero.core.swap_file import SwapFile, remove_stale_run_dirs
 
 if TYPE_CHECKING:
     from lightning_zero.core.flat_param import FlatParamGroup
@@ -118,6 +120,7 @@ class OptimizerOffload:
         self._scratch = bytearray(16 << 20) if self.nvme else bytearray()
         if config.uses_nvme:
             return_freed_memory()  # Note [freed memory]
+            remove_stale_run_dirs(str(config.nvme_path))  # killed runs' empty directories (Note [swap files])
             self.directory = tempfile.TemporaryDirectory(prefix=f"lightning_zero-{os.getpid()}-r{rank}-",
                                                          dir=config.nvme_path)
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-write")

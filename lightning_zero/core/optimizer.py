@@ -267,10 +267,20 @@ class ShardedOptimizer:
             if isinstance(value, torch.Tensor) and value.shape == piece.shape and key not in SCALAR_STATE_KEYS:
                 state[key] = self.offload.place(fi, key, k * self.piece_numel, value, self.masters[fi].numel())
 
+    def group_options(self, index: int) -> dict:
+        """Param group ``index``'s options (no ``params``) as the user's optimizer holds them: what a state
+        dict or checkpoint saves, without the offload's switch to the fused kernel (``fused``, ``foreach``)."""
+        out = {k: v for k, v in self.optimizer.param_groups[index].items() if k != "params"}
+        if index in self._fused_before:
+            out["fused"], out["foreach"] = self._fused_before[index]
+        return out
+
     def adopt_loaded_state(self) -> None:
-        """After ``optimizer.load_state_dict``: move the loaded state into the offload's storage."""
+        """After ``optimizer.load_state_dict``: move the loaded state into the offload's storage; the loaded
+        ``fused`` / ``foreach`` become the user's flags (restored after fit) and the offload's kernel is used."""
         if self.offload is None:
             return
+        self._fused_before = use_fused_kernels(self.optimizer)
         for fi, pieces in enumerate(self.pieces_of):
             for k in range(len(pieces)):
                 self._home(fi, k)

@@ -30,8 +30,8 @@ def full_optimizer_state(sharded: ShardedOptimizer, comm: DataParallelComm) -> d
     index = original_index(sharded)
     state: dict[int, dict] = {}
     groups = []
-    for pg, params in zip(sharded.optimizer.param_groups, sharded.original_params):
-        groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": [index[p] for p in params]})
+    for i, params in enumerate(sharded.original_params):  # the user's options, not the offload's kernel flags
+        groups.append({**sharded.group_options(i), "params": [index[p] for p in params]})
     for fi, fg in enumerate(sharded.groups):
         shard_state = sharded.shard_state(fi)
         for key in sorted(shard_state):

@@ -1,15 +1,56 @@
-"""One run-private swap file mapped as a tensor: the storage of ``"nvme"`` offload (Note [swap files] in
-``offload_store.py``): unlinked as soon as it is created, its disk space reserved, mapped ``MAP_SHARED``,
-read ahead and written out in element ranges."""
+"""The storage of ``"nvme"`` offload (Note [swap files] in ``offload_store.py``): one run-private swap file
+mapped as a tensor (unlinked as soon as it is created, its disk space reserved, mapped ``MAP_SHARED``, read
+ahead and written out in element ranges), and the removal of run directories that killed runs left."""
 
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
+import re
 import tempfile
 
 import torch
+
+# <nvme_path>/lightning_zero-<pid>-r<rank>-<tempfile's random suffix>: one run's directory (offload_store.py)
+RUN_DIR = re.compile(r"lightning_zero-(\d+)-r\d+-[a-z0-9_]+")
+
+
+def remove_stale_run_dirs(root: str) -> list[str]:
+    """Remove the run directories under ``root`` that runs killed by a signal left behind; return their paths.
+
+    Only directories named as :data:`RUN_DIR`, owned by this user, whose process no longer exists on this
+    host, and empty (their swap files were unlinked when created: ``os.rmdir`` never removes contents).
+
+    Args:
+        root: an ``nvme_path``.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = RUN_DIR.fullmatch(entry.name)
+        try:
+            if (match is None or not entry.is_dir(follow_symlinks=False)
+                    or entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(match.group(1)))):
+                continue
+            os.rmdir(entry.path)
+        except OSError:  # not empty, or gone meanwhile (another rank removed it)
+            continue
+        removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class SwapFile:

@@ -119,7 +119,7 @@ def render_advice(adv: Advice, units: str = "GB") -> str:
         lines.append("Nothing fits. Add ranks or memory, shorten sequences / micro-batch, or enable checkpointing.")
     else:
         lines += [f"Recommended: {choice.estimate.label}",
-                  f"Hydra overrides: {choice.overrides(adv.precision)}"]
+                  f"Hydra overrides: {adv.overrides}"]
     if faster:
         lines.append("Why not the faster options:" if choice else "Why each option does not fit:")
     for c in faster:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import re
 
+from lightning_zero.core.memory import format_bytes as format_bytes  # re-exported: it lives in core
+
 _SIZE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _DECIMAL = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
             "tb": 1e12, "p": 1e15, "pb": 1e15}
@@ -44,18 +46,6 @@ def parse_count(text: float | str) -> float:
         text: a number, or a string with an optional k / M / B (or G) / T suffix.
     """
     return _parse(text, _COUNT, "parameter count", "7.5e9, 7.5B or 350M", True)
-
-
-def format_bytes(n: float, units: str = "GB") -> str:
-    """``n`` bytes with 3 significant digits in decimal (``"GB"``) or binary (``"GiB"``) units."""
-    if units not in ("GB", "GiB"):
-        raise ValueError(f"units must be 'GB' (10^9 bytes) or 'GiB' (2^30 bytes), got {units!r}.")
-    base, names = (1000.0, ("B", "kB", "MB", "GB", "TB", "PB")) if units == "GB" else (
-        1024.0, ("B", "KiB", "MiB", "GiB", "TiB", "PiB"))
-    value, i = float(n), 0
-    while i < len(names) - 1 and float(f"{value:.3g}") >= 1000:
-        value, i = value / base, i + 1
-    return f"{value:.3g} {names[i]}"
 
 
 def format_count(n: float) -> str:
