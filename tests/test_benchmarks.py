@@ -164,3 +164,23 @@ def test_a_loss_disagreement_is_reported_loudly() -> None:
     assert bad == ["ds_zero3"] and "**NO: ds_zero3 trained a different model" in lines[0]
     assert pages.loss_check(rows[:2]) == (["Loss after the last step (mean over ranks): ddp 2.500000; every system "
                                            "within 0.0001: yes."], [])  # fmt: skip
+    moved = [{**rows[0], "first_loss": 2.75}, rows[1]]  # how far the loss moved: the power of the check
+    assert pages.loss_check(moved)[0][0].endswith("within 0.0001: yes. Over the run ddp's loss moved by 2.5e-01 (from "
+                                                  "2.750000 at the first step): a system that skipped or mis-scaled "
+                                                  "its updates would be off by about that much.")  # fmt: skip
+
+
+def test_a_sweep_reading_says_whether_the_knob_stands_out_of_the_spread() -> None:
+    from benchmarks.harness import pages
+
+    def row(name: str, ratio: float, low: float, high: float) -> dict[str, object]:
+        return {"name": name, "ratio": ratio, "low": low, "high": high}
+
+    apart = [row("zero2", 1.0, 0.9, 1.0), row("zero3 k=1", 1.3, 1.25, 1.35), row("zero3 k=2", 1.1, 1.0, 1.1)]
+    assert pages.sweep_reading(apart) == ("Reading: fastest zero3 k=2 (1.100x zero2), slowest zero3 k=1 (1.300x); "
+                                          "their step ranges [1000-1100] and [1250-1350] ms are apart: a measured "
+                                          "effect.")  # fmt: skip
+    overlapping = [apart[0], row("zero3 k=1", 1.3, 1.05, 1.35), apart[2]]
+    assert pages.sweep_reading(overlapping).endswith("overlap: in this run the knob's effect is within the spread "
+                                                     "between rounds.")  # fmt: skip
+    assert pages.sweep_reading(apart[:2]) == ""  # one setting: nothing to compare

@@ -36,8 +36,9 @@ def loss_check(rows: Rows, baseline: str = "ddp") -> tuple[list[str], list[str]]
     lines = [f"Loss after the last step (mean over ranks): {baseline} {ref:.6f}; every system within "
              f"{LOSS_TOLERANCE:g}: " + ("yes." if not bad else f"**NO: {', '.join(bad)} trained a different model "
                                        "and cannot be compared.**")
-             + f" Over the run {baseline}'s loss moved by {abs(first - ref):.1e} (from {first:.6f} at the first step):"
-             " a system that skipped or mis-scaled its updates would be off by about that much."]  # fmt: skip
+             + ("" if math.isnan(first) else
+                f" Over the run {baseline}'s loss moved by {abs(first - ref):.1e} (from {first:.6f} at the first step):"
+                " a system that skipped or mis-scaled its updates would be off by about that much.")]  # fmt: skip
     return lines, bad
 
 
