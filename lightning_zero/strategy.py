@@ -178,9 +178,6 @@ class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStra
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
         self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
         self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
-        if self.pipeline_config is not None and checkpoint_format == "sharded":
-            raise ValueError("A pipelined run saves consolidated checkpoints with the unsplit model's names "
-                             "(docs/pipeline.md): drop checkpoint_format='sharded'.")
         self._pipeline: StrategyPipeline | None = None  # this rank's stage (setup, when pipelined)
         self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/heartbeat.py)
         self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)

@@ -26,6 +26,7 @@ from lightning_zero.checkpoint.format import (
 from lightning_zero.checkpoint.format import remove as remove_sharded
 from lightning_zero.checkpoint.owned import load_owned_optimizer_state, load_owned_state_dict, load_whole_module
 from lightning_zero.checkpoint.plain import CheckpointError
+from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loading import load_full_state_dict
 from lightning_zero.core.materialize import has_meta_parameters
@@ -129,10 +130,10 @@ class ZeroStateMixin:
         engine, module = self._engine, self.lightning_module
         if engine is None or module is None:
             return super().lightning_module_state_dict()
-        if self._pipeline is not None and self._pipeline.checkpoint is not None:  # unsplit names, all stages
-            return self._pipeline.checkpoint.state_dict(engine, module)
         if self._writes_shards:
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
+        if self._pipeline is not None and self._pipeline.checkpoint is not None:  # unsplit names, all stages
+            return self._pipeline.checkpoint.state_dict(engine, module)
         state = engine.full_state_dict()  # stage 3 gathers unit by unit (every rank takes part)
         if not engine.separate_master:
             return state
@@ -156,13 +157,13 @@ class ZeroStateMixin:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self._writes_shards:
+            return {}  # save_checkpoint writes every rank's shards instead (no gather)
         if self._pipeline is not None and self._pipeline.checkpoint is not None and self._engine is not None:
             state = self._pipeline.checkpoint.optimizer_state(self._engine)  # numbered as the unsplit optimizer's
             return state if self.is_global_zero else {}
         if self._engine is None or self._engine.sharded is None:
             return optimizer.state_dict()
-        if self._writes_shards:
-            return {}  # save_checkpoint writes every rank's shards instead (no gather)
         # world-size independent: the state of the original parameters, gathered from all shards
         state = full_optimizer_state(self._engine.sharded, self._engine.comm)
         return state if self.is_global_zero else {}
@@ -171,9 +172,8 @@ class ZeroStateMixin:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint.get("optimizer_states", [])
         if self._pipeline is not None and self._pipeline.checkpoint is not None and self._engine is not None:
-            for state in states[:1]:
-                plain = dict(state) if isinstance(state.get("state"), dict) else materialize_optimizer_state(state)
-                self._pipeline.checkpoint.load_optimizer_state(self._engine, plain)
+            for state in states[:1]:  # this stage's entries only (a sharded checkpoint's read lazily)
+                self._pipeline.checkpoint.load_optimizer_state(self._engine, dict(state))
             return None
         if self._engine is None or self._engine.sharded is None or self._engine.sharded.whole:
             if any(isinstance(s.get("state"), Mapping) and not isinstance(s.get("state"), dict) for s in states):
@@ -194,8 +194,6 @@ class ZeroStateMixin:
 
     def _sharded_format(self) -> bool:
         """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1)."""
-        if self.pipeline_config is not None:  # pipelines save the unsplit model, consolidated (docs/pipeline.md)
-            return False
         fmt = self.checkpoint_format
         return fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
 
@@ -221,11 +219,16 @@ class ZeroStateMixin:
                 "or `gather_on_teardown=False`), so there is nothing to save now. Save during fit: "
                 "`trainer.save_checkpoint` in a callback or `ModelCheckpoint`."
             )
-        comm = self._comm
+        comm, layout, merge = self._comm, None, None
+        if self._pipeline is not None and self._pipeline.checkpoint is not None and self._writes_shards:
+            layout, merge = self._pipeline.checkpoint.sharded_parts(self._engine, module)  # each stage its shards
+        if self.pipeline_config is not None:  # every stage writes into one directory: the world's group agrees
+            comm = DataParallelComm()
         save_sharded(
             filepath, checkpoint, self._engine if self._writes_shards else None, self.global_rank,
             self.world_size, broadcast=comm.broadcast_text if comm is not None else (lambda name: name),
             failed_ranks=comm.ranks_with if comm is not None else (lambda flag: [0] if flag else []),
+            layout=layout, merge=merge,
         )
         return None
 

@@ -259,7 +259,7 @@ def test_activation_checkpointing_recomputes_and_keeps_parity(gloo_pool: GlooPoo
 
 
 @pytest.mark.slow
-def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool) -> None:
+def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool, tmp_path: Path) -> None:
     # the reference: real 2-rank ZeroStrategy runs (shared pool); then every case in one 4-rank launch
     data_parallel = gloo_pool.run("tests.test_pipeline:data_parallel_body", optimizers=["adamw", "sgd"])
     untied = gloo_pool.run("tests.test_pipeline:data_parallel_body", optimizers=["sgd"], tie=False)
@@ -275,6 +275,10 @@ def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool
                         data_parallel=clipped, zero_stages=(0, 3), clip=1.0))
         _check(pool.run("tests.test_pipeline:parity_body", schedules=["gpipe", "1f1b", "interleaved_1f1b"],
                         stages=2, optimizers=["adamw", "sgd"], data_parallel=data_parallel, _timeout_s=600))
+        # sharded checkpoints: each stage's ranks write their own shards; the same state as consolidated
+        for per_stage in pool.run("tests.test_pipeline:dp_checkpoint_body", directory=str(tmp_path),
+                                  zero_stages=(1, 3)):
+            assert all(v < 1e-6 for r in per_stage.values() for v in r.values()), per_stage
         # reduce_per_micro_batch (ZeRO 2-3, untied): the same parameters, and no whole .grad left for backward
         per_micro = pool.run("tests.test_pipeline:parity_body", schedules=["1f1b", "interleaved_1f1b"], stages=2,
                              optimizers=["sgd"], data_parallel=untied, zero_stages=(2, 3), tie=False,
@@ -452,10 +456,11 @@ def test_the_cli_refuses_reduce_per_micro_batch_where_it_cannot_run(tmp_path: Pa
     assert not list(tmp_path.iterdir())  # nothing started
 
 
-def checkpoint_body(directory: str, stage: int, lazy: bool = False) -> dict[str, float]:
+def checkpoint_body(directory: str, stage: int, lazy: bool = False, fmt: str = "auto") -> dict[str, float]:
     """Pipelined -> pipelined, pipelined -> data parallel, data parallel -> pipelined resumes (3 + 2
     SGD steps, 3 batches per epoch) against 5 uninterrupted reference steps. ``lazy``: the pipelined
-    runs build the model in ``configure_model`` (each stage reads its own layers after setup)."""
+    runs build the model in ``configure_model`` (each stage reads its own layers after setup).
+    ``fmt``: the checkpoint format ("auto": sharded at these ZeRO stages)."""
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), 24
@@ -473,7 +478,7 @@ def checkpoint_body(directory: str, stage: int, lazy: bool = False) -> dict[str,
             gather: bool = True) -> PipeLM:
         model = PipeLM("sgd", lazy=lazy and pipelined)
         strategy = ZeroStrategy(stage=stage, pipeline=config if pipelined else None, param_persistence_threshold=0,
-                                gather_on_teardown=gather)
+                                gather_on_teardown=gather, checkpoint_format=fmt)
         data = loader(BATCH, n=n) if pipelined else loader(BATCH // 2, rank, 2, n=n)  # the same 8 samples a step
         trainer = make_trainer(strategy, max_steps=steps, callbacks=[SaveAt3(save)] if save else [])
         trainer.fit(model, data, ckpt_path=ckpt)
@@ -487,6 +492,9 @@ def checkpoint_body(directory: str, stage: int, lazy: bool = False) -> dict[str,
     piped, plain = f"{directory}/piped.ckpt", f"{directory}/plain.ckpt"
     out = {"uninterrupted": diff(fit(True, 5))}
     fit(True, 3, save=piped)
+    if fmt != "consolidated":
+        dist.barrier()  # rank 0 published it
+        out["each stage wrote its own shards"] = _stage_shards_apart(piped)
     out["piped->piped"] = diff(fit(True, 5, ckpt=piped))
     out["piped->plain"] = diff(fit(False, 5, ckpt=piped))
     # trainer.save_checkpoint after fit: the reassembled module and every stage's optimizer state, as saved
@@ -506,9 +514,84 @@ def checkpoint_body(directory: str, stage: int, lazy: bool = False) -> dict[str,
     return out
 
 
+def dp_checkpoint_body(directory: str, zero_stages: tuple[int, ...]) -> dict[int, dict[str, float]]:
+    """2 stages x 2 data-parallel ranks, SGD with momentum: a sharded checkpoint saved at step 3 against a
+    consolidated one saved at the same step of the same run (the same weights and optimizer state, read
+    whole), and a resume from it against 5 uninterrupted steps."""
+    import torch.distributed as dist
+
+    rank, dp, n = dist.get_rank(), 2, 48  # 3 batches per epoch on each data-parallel rank: step 3 ends one
+    config = PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", partition_method="uniform")
+
+    class SaveAt3(pl.Callback):
+        def __init__(self, path: str, fmt: str) -> None:
+            self.path, self.fmt = path, fmt
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                trainer.strategy.checkpoint_format = self.fmt
+                trainer.save_checkpoint(self.path)
+                trainer.strategy.checkpoint_format = "auto"
+
+    def fit(stage: int, steps: int, ckpt: str | None = None, saves: tuple[tuple[str, str], ...] = ()) -> PipeLM:
+        model = PipeLM("sgd")
+        strategy = ZeroStrategy(stage=stage, pipeline=config, param_persistence_threshold=0)
+        trainer = make_trainer(strategy, devices=4, max_steps=steps,
+                               callbacks=[SaveAt3(path, fmt) for path, fmt in saves])
+        trainer.fit(model, loader(BATCH, rank % dp, dp, n=n), ckpt_path=ckpt)
+        return model
+
+    out = {}
+    for stage in zero_stages:
+        sharded, whole = f"{directory}/z{stage}.sharded", f"{directory}/z{stage}.ckpt"
+        uninterrupted = fit(stage, 5)
+        fit(stage, 3, saves=((sharded, "sharded"), (whole, "consolidated")))
+        dist.barrier()
+        resumed = fit(stage, 5, ckpt=sharded)
+        out[stage] = {
+            "sharded vs consolidated": _checkpoint_difference(sharded, whole),
+            "each stage's ranks wrote its own shards": _stage_shards_apart(sharded, files_per_group=2),
+            "resumed vs uninterrupted": max(float((p - q).abs().max()) for p, q in
+                                            zip(resumed.parameters(), uninterrupted.parameters())),
+        }
+    return out
+
+
+def _stage_shards_apart(path: str, files_per_group: int = 1) -> float:
+    """0.0 when the ranks of each stage of a 2-stage run hold flat-group shards of their own stage only
+    (``files_per_group``: its data-parallel size) and every key resolves; 1.0 otherwise."""
+    from lightning_zero.checkpoint import ShardedCheckpoint
+    from lightning_zero.checkpoint.tensor_file import TensorFile
+
+    ckpt = ShardedCheckpoint(path)
+    groups_in = []
+    for name in ckpt.meta["files"]:
+        file = TensorFile(os.path.join(path, name))
+        groups_in.append({k.split(".")[0] for k in file if k.startswith("g")})
+        file.close()
+    files_of = [{r for r, _, _ in g["shards"]} for g in ckpt.meta["groups"]]
+    half = len(groups_in) // 2  # stage 0's ranks come first (Note [rank layout])
+    first, second = set().union(*groups_in[:half]), set().union(*groups_in[half:])
+    apart = len(groups_in) == 2 * files_per_group and first and second and not first & second
+    own_files = all(len(files) == files_per_group for files in files_of)
+    ckpt.state_dict().materialize()  # every key resolves (the tied head and embedding to one stage's shards)
+    return 0.0 if apart and own_files else 1.0
+
+
+def _read_checkpoint(path: str) -> dict[str, Any]:
+    """A checkpoint file, or a sharded checkpoint directory read whole."""
+    from lightning_zero.checkpoint import ShardedCheckpoint, materialize_optimizer_state
+
+    if not os.path.isdir(path):
+        return torch.load(path, weights_only=False)
+    ckpt = ShardedCheckpoint(path)
+    return {"state_dict": ckpt.state_dict().materialize(),
+            "optimizer_states": [materialize_optimizer_state(s) for s in ckpt.optimizer_states()]}
+
+
 def _checkpoint_difference(first: str, second: str) -> float:
     """The largest difference between two checkpoints' weights and optimizer states (inf: keys differ)."""
-    one, two = (torch.load(path, weights_only=False) for path in (first, second))
+    one, two = (_read_checkpoint(path) for path in (first, second))
     states = [(one["state_dict"], two["state_dict"])]
     opt_one, opt_two = one["optimizer_states"][0]["state"], two["optimizer_states"][0]["state"]
     if opt_one.keys() != opt_two.keys() or states[0][0].keys() != states[0][1].keys():
@@ -518,12 +601,16 @@ def _checkpoint_difference(first: str, second: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("stage", "lazy"), [(1, False), (3, False), (2, True)])
+@pytest.mark.parametrize(("stage", "lazy", "fmt"), [(1, False, "auto"), (3, False, "auto"), (2, True, "auto"),
+                                                    (3, False, "consolidated")])
 def test_checkpoints_resume_across_pipelined_and_plain_runs(gloo_pool: GlooPool, tmp_path: Path, stage: int,
-                                                            lazy: bool) -> None:
+                                                            lazy: bool, fmt: str) -> None:
+    expected = {"uninterrupted", "piped->piped", "piped->plain", "after fit vs during fit"}
+    expected |= {"each stage wrote its own shards"} if fmt != "consolidated" else set()
+    expected |= ({"refused"} if stage == 1 else set()) | ({"plain->piped"} if not lazy else set())
     for result in gloo_pool.run("tests.test_pipeline:checkpoint_body", directory=str(tmp_path), stage=stage,
-                                lazy=lazy):
-        assert len(result) == (4 if lazy else 6 if stage == 1 else 5) and all(v < 1e-6 for v in result.values()), result
+                                lazy=lazy, fmt=fmt):
+        assert set(result) == expected and all(v < 1e-6 for v in result.values()), result
 
 
 def evaluation_body() -> dict[str, float]:

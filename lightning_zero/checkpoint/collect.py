@@ -8,10 +8,12 @@ master's pieces); ``tensor_file.write_file`` writes it from there (Note [streame
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from lightning_zero.checkpoint.layout import FORMAT_NAME, FORMAT_VERSION, MODEL_KEYS, dtype_name, rank_file
 from lightning_zero.checkpoint.plain import to_plain
@@ -23,13 +25,50 @@ if TYPE_CHECKING:
 Tensors = dict[str, "torch.Tensor | list[torch.Tensor]"]
 
 
+@dataclass(frozen=True)
+class StageLayout:
+    """Where one pipeline stage's engine sits in a checkpoint that every stage writes a part of.
+
+    Note [pipelined shards]
+        Each pipeline stage's engine holds its own flat groups, so each stage describes its own:
+        stage ``s``'s groups are numbered from ``group_offset`` on (the groups of the stages
+        before it come first), their shards name the files of the stage's data-parallel ranks
+        (``file_of``), parameters carry the unsplit model's state-dict keys and optimizer indices.
+        A parameter several stages hold (a tied embedding and head) is written by each of them
+        but referred to only from the first (``owns``). The stages' descriptions are merged on
+        rank 0 (``pipeline/checkpoint.py``) into one ``metadata.json`` of the ordinary format, so
+        the checkpoint reads back with or without a pipeline, at any world size.
+
+    Attributes:
+        group_offset: the checkpoint index of this engine's first flat group.
+        file_of: data-parallel rank -> the global rank whose file holds that rank's shards.
+        key_of: parameter -> its state-dict key in the unsplit module.
+        index_of: parameter -> its index in the unsplit optimizer's state dict.
+        owns: whether this stage's copy of a parameter is the one the checkpoint refers to.
+        param_groups: the unsplit optimizer's param groups (parameters of every stage).
+        whole: tensors written whole into this rank's file, by key (the unsplit module's buffers, on
+            one rank only).
+    """
+
+    group_offset: int
+    file_of: Callable[[int], int]
+    key_of: Mapping[nn.Parameter, str]
+    index_of: Mapping[nn.Parameter, int]
+    owns: Callable[[nn.Parameter], bool]
+    param_groups: list[list[nn.Parameter]]
+    whole: Mapping[str, torch.Tensor]
+
+
 def collect(
-    checkpoint: Mapping[str, Any], engine: ZeroEngine | None, rank: int, world_size: int
+    checkpoint: Mapping[str, Any], engine: ZeroEngine | None, rank: int, world_size: int,
+    layout: StageLayout | None = None,
 ) -> tuple[Tensors, dict[str, Any] | None, dict[str, Any]]:
     """This rank's tensors, and on rank 0 the metadata and the Lightning state's tensors.
 
     With an engine at stage >= 1 the model and optimizer come from the shards; otherwise (stage
     0, or no engine) rank 0 writes ``checkpoint['state_dict']`` / ``['optimizer_states']`` whole.
+    With a ``layout`` (a pipeline stage) every rank returns the metadata of its own stage's part
+    (Note [pipelined shards]).
     Returns ``(tensors, metadata or None, extra)``; ``extra["__header__"]`` is the rank file's header.
     """
     tensors: Tensors = {}
@@ -38,7 +77,7 @@ def collect(
     with_optimizer = "optimizer_states" in checkpoint
     if engine is not None and engine.config.stage >= 1:
         meta["stage"] = engine.config.stage
-        _collect_shards(engine, rank, world_size, with_optimizer, tensors, meta)
+        _collect_shards(engine, rank, world_size, with_optimizer, tensors, meta, layout)
     else:
         meta["stage"] = engine.config.stage if engine is not None else None
         if rank == 0:
@@ -48,7 +87,7 @@ def collect(
     tensors.update({f"rng.{k}": v for k, v in rng_tensors.items()})
     header = {"rng": json.dumps(rng_plain), "format": FORMAT_NAME, "version": str(FORMAT_VERSION)}
     if rank != 0:
-        return tensors, None, {"__header__": header}
+        return tensors, meta if layout is not None else None, {"__header__": header}
     extra: dict[str, Any] = {}
     rest = {k: v for k, v in checkpoint.items() if k not in MODEL_KEYS}
     meta["lightning"] = to_plain(rest, extra, "checkpoint")
@@ -78,6 +117,7 @@ def _optimizer_shard(engine: ZeroEngine, fi: int) -> dict[str, Any]:
 
 def _collect_shards(
     engine: ZeroEngine, rank: int, world_size: int, with_optimizer: bool, tensors: Tensors, meta: dict[str, Any],
+    layout: StageLayout | None,
 ) -> None:
     from lightning_zero.core.optimizer import original_index
 
@@ -86,10 +126,14 @@ def _collect_shards(
     master_dtype = engine.dtypes.master_dtype
     trainable = {id(g): fi for fi, g in enumerate(engine.groups)}
     index = original_index(sharded) if sharded is not None else {}
+    offset, file_of, name_of = 0, (lambda r: r), engine.names.get
+    if layout is not None:  # a pipeline stage: Note [pipelined shards]
+        offset, file_of, index, name_of = layout.group_offset, layout.file_of, layout.index_of, layout.key_of.get
+    dp_size = engine.comm.world_size if layout is not None else world_size
     where: dict[torch.Tensor, dict[str, Any]] = {}  # parameter -> its state-dict ref
     opt_state: dict[str, dict[str, Any]] = {}
-    for gi, g in enumerate(engine.all_groups):
-        fi = trainable.get(id(g))
+    for li, g in enumerate(engine.all_groups):
+        gi, fi = li + offset, trainable.get(id(g))
         has_master = separate and fi is not None and sharded is not None
         tensors[f"g{gi}.param"] = g.own_shard()
         if has_master:
@@ -103,23 +147,27 @@ def _collect_shards(
                     opt_keys.append(key)
                 elif isinstance(value, torch.Tensor):
                     tensors[f"g{gi}.scalar.{key}"] = value
-                    scalars[key] = {"file": 0, "key": f"g{gi}.scalar.{key}"}
+                    scalars[key] = {"file": file_of(0), "key": f"g{gi}.scalar.{key}"}
                 else:
                     scalars[key] = {"value": to_plain(value, {}, f"optimizer state {key!r}")}
         meta["groups"].append({
             "padded_numel": g.padded_numel,
-            "shards": [[r, *g.shard_range(r)] for r in range(world_size)],
+            "shards": [[file_of(r), *g.shard_range(r)] for r in range(dp_size)],
             "dtype": dtype_name(g.dtype),
             "master": has_master,
             "optimizer_group": g.optimizer_group,
-            "params": [{"name": engine.names.get(s.param), "offset": s.offset, "shape": list(s.shape)}
-                       for s in g.slots],
+            "params": [{"name": name_of(s.param), "offset": s.offset, "shape": list(s.shape)} for s in g.slots],
         })
         for s in g.slots:
+            if layout is not None and not layout.owns(s.param):
+                continue  # a tied parameter: the first stage holding it is referred to
             cast = master_dtype if separate and not has_master and g.dtype.is_floating_point else None
             where[s.param] = _flat_ref(gi, "master" if has_master else "param", s, cast)
             if opt_keys or scalars:
                 opt_state[str(index[s.param])] = {**{k: _flat_ref(gi, f"opt.{k}", s) for k in opt_keys}, **scalars}
+    if layout is not None:
+        _stage_entries(engine, layout, rank, with_optimizer, where, opt_state, tensors, meta)
+        return
     params = dict(module.named_parameters(remove_duplicate=False))
     entries = []
     for key, value in module.state_dict(keep_vars=True).items():
@@ -138,6 +186,26 @@ def _collect_shards(
     if with_optimizer and sharded is not None:
         groups = [{**sharded.group_options(i), "params": [index[p] for p in params_]}
                   for i, params_ in enumerate(sharded.original_params)]
+        meta["optimizers"].append({"param_groups": to_plain(groups, {}, "optimizer param_groups"),
+                                   "state": opt_state})
+
+
+def _stage_entries(
+    engine: ZeroEngine, layout: StageLayout, rank: int, with_optimizer: bool, where: dict[torch.Tensor, dict[str, Any]],
+    opt_state: dict[str, dict[str, Any]], tensors: Tensors, meta: dict[str, Any],
+) -> None:
+    """A pipeline stage's state-dict entries (its own parameters by unsplit key, and ``layout.whole``)
+    and its part of the optimizer state (Note [pipelined shards])."""
+    entries = [[layout.key_of[p], ref] for p, ref in where.items()]
+    for key, value in layout.whole.items():
+        tensors[f"sd.{key}"] = value.detach()
+        entries.append([key, {"file": rank, "key": f"sd.{key}"}])
+    meta["state_dict"] = entries
+    meta["optimizers"] = []
+    if with_optimizer and engine.sharded is not None:
+        sharded = engine.sharded
+        groups = [{**sharded.group_options(i), "params": [layout.index_of[p] for p in params_]}
+                  for i, params_ in enumerate(layout.param_groups)]
         meta["optimizers"].append({"param_groups": to_plain(groups, {}, "optimizer param_groups"),
                                    "state": opt_state})
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_zero.checkpoint.collect import Tensors, collect
+from lightning_zero.checkpoint.collect import StageLayout, Tensors, collect
 from lightning_zero.checkpoint.layout import EXTRA, FORMAT_NAME, METADATA, rank_file
 from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.checkpoint.tensor_file import save_tensors
@@ -101,6 +101,8 @@ def save_sharded(
     world_size: int,
     broadcast: Callable[[Any], Any],
     failed_ranks: Callable[[bool], list[int]],
+    layout: StageLayout | None = None,
+    merge: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None,
 ) -> None:
     """Every rank calls this together (Note [sharded checkpoint format]).
 
@@ -108,18 +110,34 @@ def save_sharded(
         broadcast: rank 0's temporary directory name (a str) on every rank (the strategy's
             ``DataParallelComm.broadcast_text``: its own group and timeout, no pickling).
         failed_ranks: all-gather of one flag per rank; the ranks where it is true.
+        layout: a pipeline stage's place in the checkpoint (Note [pipelined shards]).
+        merge: with ``layout``: a collective every rank joins with its stage's metadata (``None``
+            where collecting failed); returns on rank 0 the whole checkpoint's metadata (raising
+            when a stage's part is missing), elsewhere ``None``.
     """
     tmp = broadcast(new_temporary(path) if rank == 0 else None)
     error: BaseException | None = None
+    tensors: Tensors = {}
+    meta: dict[str, Any] | None = None
+    extra: dict[str, Any] = {}
     try:
         if rank == 0:
             refuse_foreign(Path(path))  # before anything is written; agreed on below, so every rank raises
-        tensors, meta, extra = collect(checkpoint, engine, rank, world_size)
-        write_rank(Path(tmp), rank, tensors, meta, extra)
-        del tensors
-        if after_write_hook is not None:
-            after_write_hook(rank, Path(tmp))
+        tensors, meta, extra = collect(checkpoint, engine, rank, world_size, layout)
     except Exception as exc:  # agreed on below, so that no rank waits for a rank that failed
+        error = exc
+    if merge is not None:  # joined by every rank, failed or not: no rank waits for one that raised
+        try:
+            meta = merge(meta if error is None else None)
+        except Exception as exc:
+            error = error or exc
+    try:
+        if error is None:
+            write_rank(Path(tmp), rank, tensors, meta, extra)
+            del tensors
+            if after_write_hook is not None:
+                after_write_hook(rank, Path(tmp))
+    except Exception as exc:
         error = exc
     failed = failed_ranks(error is not None)
     if failed:

@@ -1,12 +1,19 @@
 """Checkpoints of a pipelined run, in the unsplit model's terms.
 
-A pipelined run saves Lightning's consolidated checkpoint: the ``state_dict`` keyed by the unsplit
-module's parameter names and the optimizer state numbered as the unsplit ``configure_optimizers``
-numbers it. Each stage contributes its own parameters (gathered over its data-parallel group
-first at stage 3, masters at mixed precision), sent over the pipeline group. So a pipelined
-checkpoint resumes without a pipeline, and any checkpoint of the unsplit model (consolidated or
-sharded) resumes into a pipeline: weights load into the whole module before the split, and
-:meth:`PipelineCheckpoint.local_optimizer_state` picks this stage's entries of the optimizer state.
+Both checkpoint formats hold the unsplit model: the ``state_dict`` keyed by the unsplit module's
+parameter names and the optimizer state numbered as the unsplit ``configure_optimizers`` numbers it.
+
+* Sharded (``checkpoint_format="auto"`` at ZeRO stage >= 1, or ``"sharded"``): every rank writes its
+  own stage's shards; the stages' descriptions are merged into one metadata file
+  (:meth:`PipelineCheckpoint.sharded_parts`, Note [pipelined shards] in checkpoint/collect.py).
+  No rank receives another stage's weights.
+* Consolidated: each stage contributes its own parameters (gathered over its data-parallel group
+  first at stage 3, masters at mixed precision), sent over the pipeline group.
+
+So a pipelined checkpoint resumes without a pipeline, and any checkpoint of the unsplit model resumes
+into a pipeline: weights load into the whole module before the split (or, built on meta, each stage
+reads its own layers), and :meth:`PipelineCheckpoint.load_optimizer_state` picks this stage's entries
+of the optimizer state.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_zero.checkpoint.collect import StageLayout
+from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.optimizer_state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.pipeline.mesh import PipelineGroups
@@ -99,6 +108,60 @@ class PipelineCheckpoint:
                         for saved, params in zip(mine["param_groups"], self.original_groups)]
         return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 
+    def sharded_parts(self, engine: ZeroEngine, module: nn.Module) -> tuple[StageLayout, Any]:
+        """This stage's place in a sharded checkpoint and the merge of the stages' metadata
+        (Note [pipelined shards]); one collective over the pipeline group (the stages' group counts)."""
+        mesh = self.groups.mesh
+        counts = [len(engine.all_groups)]
+        if mesh.stages > 1:
+            counts = [0] * mesh.stages
+            dist.all_gather_object(counts, len(engine.all_groups), group=self.groups.pp)
+        whole = {}
+        if mesh.rank == 0:  # the unsplit module's buffers, as the consolidated format writes them
+            whole = {k: v for k, v in module.state_dict(keep_vars=True).items() if not isinstance(v, nn.Parameter)}
+        layout = StageLayout(
+            group_offset=sum(counts[: mesh.stage]), file_of=lambda dp: mesh.global_rank(mesh.stage, dp),
+            key_of=self.local.unsplit, index_of=self.original,
+            owns=lambda p: self.local.owner_stage.get(p) == mesh.stage, param_groups=self.original_groups,
+            whole=whole,
+        )
+
+        def merge(meta: dict[str, Any] | None) -> dict[str, Any] | None:
+            parts: list[Any] = [meta]
+            if mesh.stages > 1:
+                parts = [None] * mesh.stages
+                dist.all_gather_object(parts, meta, group=self.groups.pp)
+            if mesh.rank != 0:
+                return None
+            missing = [stage for stage, part in enumerate(parts) if part is None]
+            if missing:
+                raise CheckpointError(f"Pipeline stage(s) {missing} could not describe their shards (their "
+                                      "ranks' tracebacks say why); nothing was published.")
+            return self._merged(parts, module)
+
+        return layout, merge
+
+    def _merged(self, parts: list[dict[str, Any]], module: nn.Module) -> dict[str, Any]:
+        """Rank 0: the stages' metadata as one checkpoint's, state-dict keys in the unsplit module's order."""
+        refs: dict[str, Any] = {}
+        for part in parts:
+            for key, ref in part["state_dict"]:
+                refs.setdefault(key, ref)
+        named = module.named_parameters(remove_duplicate=False)
+        canonical = {name: self.local.unsplit.get(p, name) for name, p in named}
+        entries = []
+        for key in module.state_dict(keep_vars=True):
+            ref = refs.get(canonical.get(key, key))
+            if ref is None:
+                raise CheckpointError(f"No pipeline stage holds {key!r}: every parameter must live in a pipeline "
+                                      "layer (docs/pipeline.md).")
+            entries.append([key, ref])
+        merged = {**parts[0], "groups": [g for part in parts for g in part["groups"]], "state_dict": entries}
+        if parts[0]["optimizers"]:
+            state = {k: v for part in parts for k, v in part["optimizers"][0]["state"].items()}
+            merged["optimizers"] = [{**parts[0]["optimizers"][0], "state": state}]
+        return merged
+
     def load_optimizer_state(self, engine: ZeroEngine, full: dict[str, Any]) -> None:
         """Load an unsplit optimizer state: this stage's entries, renumbered for its optimizer."""
         groups = engine.sharded.original_params if engine.sharded is not None else [
@@ -109,7 +172,7 @@ class PipelineCheckpoint:
         for p, rid in restricted.items():
             entry = saved_state.get(self.original[p], saved_state.get(str(self.original[p])))
             if entry is not None:
-                state[rid] = entry
+                state[rid] = dict(entry)  # a sharded checkpoint's entries are read here, this stage's only
         saved_groups = full.get("param_groups", [])
         if len(saved_groups) != len(groups):
             raise ValueError(f"The checkpoint's optimizer has {len(saved_groups)} param groups, this one "
