@@ -18,7 +18,8 @@ Note [sharded checkpoint format]
                                   the rank's RNG states
 
     Flat group ``i``'s shard of rank ``r`` covers elements ``[r*S, (r+1)*S)`` of its padded
-    buffer (Note [flat shard layout]); ``metadata.json`` lists every parameter's names, offset
+    buffer (Note [flat shard layout]; a pipeline stage's groups name its own ranks' files, Note
+    [pipelined shards] in collect.py); ``metadata.json`` lists every parameter's names, offset
     and shape, so a parameter's whole value (or any slice of it) is read back from the shards
     that overlap it, with ``safe_open(...).get_slice``, at any world size or stage. The
     canonical optimizer layout is torch's per-parameter ``state_dict`` (the one
