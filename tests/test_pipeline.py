@@ -275,6 +275,10 @@ def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool
                         data_parallel=clipped, zero_stages=(0, 3), clip=1.0))
         _check(pool.run("tests.test_pipeline:parity_body", schedules=["gpipe", "1f1b", "interleaved_1f1b"],
                         stages=2, optimizers=["adamw", "sgd"], data_parallel=data_parallel, _timeout_s=600))
+        # Trainer(accumulate_grad_batches=2) over 2 x 2 ranks: the plain reference with batches of 2 x 8 per
+        # data-parallel rank (the schedule's backward divided by 2 on every stage)
+        _check(pool.run("tests.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
+                        zero_stages=(0, 3), accumulate=2))
         # sharded checkpoints: each stage's ranks write their own shards; the same state as consolidated
         for per_stage in pool.run("tests.test_pipeline:dp_checkpoint_body", directory=str(tmp_path),
                                   zero_stages=(1, 3)):
