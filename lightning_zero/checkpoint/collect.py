@@ -121,7 +121,7 @@ def _collect_shards(
 ) -> None:
     from lightning_zero.core.optimizer import original_index
 
-    sharded, module = engine.sharded, engine.module
+    sharded = engine.sharded
     separate = engine.separate_master
     master_dtype = engine.dtypes.master_dtype
     trainable = {id(g): fi for fi, g in enumerate(engine.groups)}
@@ -165,49 +165,40 @@ def _collect_shards(
             where[s.param] = _flat_ref(gi, "master" if has_master else "param", s, cast)
             if opt_keys or scalars:
                 opt_state[str(index[s.param])] = {**{k: _flat_ref(gi, f"opt.{k}", s) for k in opt_keys}, **scalars}
-    if layout is not None:
-        _stage_entries(engine, layout, rank, with_optimizer, where, opt_state, tensors, meta)
-        return
-    params = dict(module.named_parameters(remove_duplicate=False))
+    if layout is not None:  # its own parameters by unsplit key, and layout.whole (Note [pipelined shards])
+        meta["state_dict"] = [[layout.key_of[p], ref] for p, ref in where.items()]
+        for key, value in layout.whole.items():
+            tensors[f"sd.{key}"] = value.detach()
+            meta["state_dict"].append([key, {"file": rank, "key": f"sd.{key}"}])
+    else:
+        meta["state_dict"] = _module_entries(engine, rank, where, tensors)
+    meta["optimizers"] = []
+    if with_optimizer and sharded is not None:
+        param_groups = layout.param_groups if layout is not None else sharded.original_params
+        groups = [{**sharded.group_options(i), "params": [index[p] for p in params_]}
+                  for i, params_ in enumerate(param_groups)]
+        meta["optimizers"].append({"param_groups": to_plain(groups, {}, "optimizer param_groups"),
+                                   "state": opt_state})
+
+
+def _module_entries(
+    engine: ZeroEngine, rank: int, where: dict[torch.Tensor, dict[str, Any]], tensors: Tensors
+) -> list[list[Any]]:
+    """The engine module's state-dict entries: parameters from the flat groups, the rest whole on rank 0."""
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
     entries = []
-    for key, value in module.state_dict(keep_vars=True).items():
+    for key, value in engine.module.state_dict(keep_vars=True).items():
         p = params.get(key)
         if p is not None and p in where:
             entries.append([key, where[p]])
             continue
         if rank == 0:
             value = value.detach()
-            if separate and value.is_floating_point():
-                value = value.to(master_dtype)
+            if engine.separate_master and value.is_floating_point():
+                value = value.to(engine.dtypes.master_dtype)
             tensors[f"sd.{key}"] = value
         entries.append([key, {"file": 0, "key": f"sd.{key}"}])
-    meta["state_dict"] = entries
-    meta["optimizers"] = []
-    if with_optimizer and sharded is not None:
-        groups = [{**sharded.group_options(i), "params": [index[p] for p in params_]}
-                  for i, params_ in enumerate(sharded.original_params)]
-        meta["optimizers"].append({"param_groups": to_plain(groups, {}, "optimizer param_groups"),
-                                   "state": opt_state})
-
-
-def _stage_entries(
-    engine: ZeroEngine, layout: StageLayout, rank: int, with_optimizer: bool, where: dict[torch.Tensor, dict[str, Any]],
-    opt_state: dict[str, dict[str, Any]], tensors: Tensors, meta: dict[str, Any],
-) -> None:
-    """A pipeline stage's state-dict entries (its own parameters by unsplit key, and ``layout.whole``)
-    and its part of the optimizer state (Note [pipelined shards])."""
-    entries = [[layout.key_of[p], ref] for p, ref in where.items()]
-    for key, value in layout.whole.items():
-        tensors[f"sd.{key}"] = value.detach()
-        entries.append([key, {"file": rank, "key": f"sd.{key}"}])
-    meta["state_dict"] = entries
-    meta["optimizers"] = []
-    if with_optimizer and engine.sharded is not None:
-        sharded = engine.sharded
-        groups = [{**sharded.group_options(i), "params": [layout.index_of[p] for p in params_]}
-                  for i, params_ in enumerate(layout.param_groups)]
-        meta["optimizers"].append({"param_groups": to_plain(groups, {}, "optimizer param_groups"),
-                                   "state": opt_state})
+    return entries
 
 
 def _collect_whole(
