@@ -8,6 +8,13 @@ Note [per-rank scalars through rank 0]
     ``SummaryWriter`` per rank), CSV and other loggers get the same scalars with the same step axis as
     the module's own metrics, and no rank but 0 needs to know where the logs go. The ranks agree on
     when to gather because the cadence depends only on ``global_step`` (the same on all ranks).
+
+Note [no split for pipelines]
+    A pipelined step runs every micro-batch's forward, backward and the stage-to-stage sends inside
+    ``training_step`` (the schedule), so Lightning's backward hooks frame no backward and the engine's
+    ``comm`` clock sees only the data-parallel reduction: the split would put nearly everything in one
+    phase. The monitor writes ``time/rank<r>/step`` and ``optimizer`` for a pipelined run and leaves
+    ``forward``, ``backward``, ``comm`` and ``other`` out rather than log misleading numbers.
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ class ZeroStatsMonitor(pl.Callback):
     Scalars are written at the optimizer step they describe (``trainer.global_step`` after it), the axis
     of the validation loss too. A :class:`~lightning_zero.dashboard.ZeroTensorBoardLogger` turns them into
     the dashboard (losses first, one run per rank, a custom-scalars layout of what the run has).
+    A memory key is written from the first logged step where it is not zero on some rank (no flat zero
+    lines: ``buffers`` is often empty at the end of a step). A pipelined run writes only ``step`` and
+    ``optimizer`` of the split (Note [no split for pipelines]).
     The progress bar shows rank 0's ``loss``, the fp16 ``loss_scale`` and ``tokens/s`` (rank 0's
     tokens times the world size, over rank 0's step time) every step, without communication.
 
@@ -106,6 +116,8 @@ class ZeroStatsMonitor(pl.Callback):
         self._phase = {k: 0.0 for k in TIME_KEYS}
         self._marks: dict[str, tuple[float, float]] = {}  # hook -> (time, comm seconds)
         self._ref = (0.0, 0.0)  # the previous step's end
+        self._pipelined = False  # the split of a pipeline's step is not measured (Note [no split for pipelines])
+        self._memory_seen: set[str] = set()  # memory keys that were not zero on some rank at a logged step
 
     # ------------------------------------------------------------------ clocks
     @staticmethod
@@ -147,6 +159,7 @@ class ZeroStatsMonitor(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._cuda = trainer.strategy.root_device.type == "cuda"
         self._comm = self._engine_comm(trainer)
+        self._pipelined = getattr(trainer.strategy, "pipeline_config", None) is not None
         self._active = bool(trainer.loggers) or (self.prog_bar and trainer.progress_bar_callback is not None)
         self._last_step = trainer.global_step
         engine_comm = getattr(getattr(trainer.strategy, "engine", None), "comm", None)
@@ -294,8 +307,10 @@ class ZeroStatsMonitor(pl.Callback):
             tokens = sum(r["tokens"] for r in rows)
             if tokens:
                 metrics["throughput/tokens_per_s"] = tokens / seconds
+        self._memory_seen |= {k for k in MEMORY_KEYS if any(r[f"memory/{k}"] for r in rows)}  # NaN counts too
+        time_keys = ("step", "optimizer") if self._pipelined else TIME_KEYS
         for rank, r in enumerate(rows):
-            for topic, keys in (("time", TIME_KEYS), ("memory", MEMORY_KEYS)):
+            for topic, keys in (("time", time_keys), ("memory", [k for k in MEMORY_KEYS if k in self._memory_seen])):
                 values = {rank_tag(topic, rank, k): r[f"{topic}/{k}"] for k in keys}
                 metrics.update({tag: v for tag, v in values.items() if math.isfinite(v)})
         metrics.update(self._traffic(trainer))

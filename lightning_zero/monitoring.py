@@ -7,7 +7,8 @@ Scalar names (docs/monitoring.md has the full table):
   ``train/loss_scale`` and ``train/skipped_steps`` (fp16)
 - ``throughput/samples_per_s``, ``throughput/tokens_per_s``
 - ``time/rank<r>/{step,forward,backward,optimizer,comm,other}`` (seconds per optimizer step)
-- ``memory/rank<r>/{params,grads,optimizer,buffers,peak}`` (bytes)
+- ``memory/rank<r>/{params,grads,optimizer,buffers,peak}`` (bytes; a key is written from the first step
+  it is not zero on some rank)
 """
 
 from __future__ import annotations
@@ -39,19 +40,19 @@ def _chart(pattern: str) -> list[Any]:
 
 def _dashboard_charts() -> dict[str, dict[str, str]]:
     """Every chart the dashboard can have: ``{category: {title: tag regex}}`` (tags as
-    :class:`~lightning_zero.dashboard.ZeroTensorBoardLogger` writes them; per-rank ones live in the
-    ``rank<r>/`` runs, one line per rank)."""
+    :class:`~lightning_zero.dashboard.ZeroTensorBoardLogger` writes them; a per-rank chart matches
+    ``<key>_rank<r>`` of every rank: one line per rank, named by its tag)."""
     return {
         "loss": {"training loss (mean over ranks and micro-batches)": r"^loss/train$",
                  "validation loss": r"^loss/val$"},
-        "optimizer": {"learning rate": r"^train/lr(_pg\d+)?$", "gradient norm (global, unscaled)": r"^train/grad_norm$",
-                      "fp16 loss scale": r"^train/loss_scale$", "fp16 skipped steps": r"^train/skipped_steps$"},
-        "throughput": {"samples/s": r"^throughput/samples_per_s$", "tokens/s": r"^throughput/tokens_per_s$"},
+        "main": {"learning rate": r"^main/lr(_pg\d+)?$", "gradient norm (global, unscaled)": r"^main/grad_norm$",
+                 "fp16 loss scale": r"^main/loss_scale$", "fp16 skipped steps": r"^main/skipped_steps$",
+                 "tokens/s": r"^main/tokens_per_s$", "samples/s": r"^main/samples_per_s$"},
         "communication": {"bytes sent per optimizer step (rank 0, ring model)": r"^traffic/bytes_per_step$",
                           "compression ratio (1-bit Adam: fp32 all-reduce bytes / bytes sent)":
                               r"^traffic/compression_ratio$"},
-        "step time per rank (one line per rank)": {f"{key} time (s)": rf"^time/{key}$" for key in TIME_KEYS},
-        "memory per rank (one line per rank)": {f"{key} memory (bytes)": rf"^memory/{key}$" for key in MEMORY_KEYS},
+        "step time per rank (s)": {f"{key} time (s)": rf"^time/{key}_rank\d+$" for key in TIME_KEYS},
+        "memory per rank (MiB)": {f"{key} memory (MiB)": rf"^memory/{key}_rank\d+$" for key in MEMORY_KEYS},
     }
 
 
@@ -84,15 +85,19 @@ def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, bo
 def log_hyperparams(trainer: pl.Trainer, params: Mapping[str, Any]) -> None:
     """Give every logger of ``trainer`` the hyperparameters ``params`` (nested keys become ``a/b``).
 
-    A TensorBoard logger also gets the HPARAMS-tab session-start summary, without an experiment summary and
-    without a metric value (Lightning's logger writes both, the value e.g. ``hp_metric=-1``): TensorBoard
-    then builds the experiment from every run's session, marks the hyperparameters that differ between
-    runs and shows those columns first, and offers the runs' scalars as metrics. Call it before ``fit``.
+    A :class:`~lightning_zero.dashboard.ZeroTensorBoardLogger` also writes the HParams tab's experiment
+    (``log_run_hparams``: the run's choices against a short list of comparable metrics). A plain
+    ``TensorBoardLogger`` gets the session-start summary alone, without a metric value (Lightning's logger
+    writes e.g. ``hp_metric=-1``): TensorBoard then builds the experiment from every run's session and
+    offers all the runs' scalars as metrics. Call it before ``fit``.
     """
     from torch.utils.tensorboard.summary import hparams
 
     for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+        log_run_hparams = getattr(logger, "log_run_hparams", None)  # ZeroTensorBoardLogger (a layer above)
+        if callable(log_run_hparams):
+            log_run_hparams(params, trainer.world_size)
+        elif isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
             writer = logger.experiment._get_file_writer()
             _experiment, session_start, _end = hparams(flatten_hparams(params), {})
             writer.add_summary(session_start)

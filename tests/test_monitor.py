@@ -136,7 +136,10 @@ def test_the_event_file_holds_every_scalar_with_plausible_values(dashboard) -> N
     log_dir, ranks = dashboard
     acc = _events(log_dir)
     tags = set(acc.Tags()["scalars"])
-    per_rank = {f"{topic}/rank{r}/{k}" for r in (0, 1) for topic, keys in (("time", TIME_KEYS), ("memory", MEMORY_KEYS))
+    # a memory series is written from the first step it is not zero (comm buffers are empty at a step's end here)
+    assert not any(r["bytes"]["comm_buffers"] for r in ranks) and not any("buffers" in t for t in tags)
+    memory_keys = [k for k in MEMORY_KEYS if k != "buffers"]
+    per_rank = {f"{topic}/rank{r}/{k}" for r in (0, 1) for topic, keys in (("time", TIME_KEYS), ("memory", memory_keys))
                 for k in keys}
     assert set(GLOBAL_TAGS) | per_rank <= tags, sorted(set(GLOBAL_TAGS) | per_rank - tags)
     steps = list(range(STEPS))
@@ -192,9 +195,8 @@ def test_the_event_file_holds_every_scalar_with_plausible_values(dashboard) -> N
         # the steps tile the fit: their sum is the probe's span from train start to the last step's end
         assert sum(t["step"].values()) == pytest.approx(result["clock"][-1]["span"], rel=0.05, abs=0.25)
         assert sum(t["comm"].values()) > 0  # gloo collectives block the host: exposed communication is measured
-        m = {k: _series(acc, f"memory/rank{r}/{k}") for k in MEMORY_KEYS}
-        for k, field in (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
-                         ("buffers", "comm_buffers")):  # the tag keeps its name
+        m = {k: _series(acc, f"memory/rank{r}/{k}") for k in memory_keys}
+        for k, field in (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer")):
             assert m[k][STEPS - 1] == result["bytes"][field], (r, k)  # = strategy.model_state_bytes() on that rank
         assert result["bytes"]["optimizer"] > result["bytes"]["params"] > 0
         assert 50e6 < m["peak"][STEPS - 1] <= result["peak"]  # VmHWM: the process (torch + Lightning) at least
@@ -270,7 +272,38 @@ def test_hydra_run_logs_the_composed_config_as_hyperparameters(tmp_path: Path) -
     assert "profiler:\n      enabled: true" in str(acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0],
                                                      "utf-8")
     assert "hp_metric" not in acc.Tags()["scalars"]
-    assert {"loss/train", "throughput/tokens_per_s"} <= set(acc.Tags()["scalars"])
-    assert list((tmp_path / "tb" / "rank0").glob("events.out.tfevents.*"))  # memory/peak of rank 0: its own run
+    assert {"loss/train", "main/tokens_per_s"} <= set(acc.Tags()["scalars"])
+    assert [p for p in (tmp_path / "tb").iterdir() if p.is_dir()] == [tmp_path / "tb" / "profiler"]  # one run
+    assert 50 < _series(acc, "memory/peak_rank0")[1] < 1e5  # MiB (the CSV keeps bytes)
     assert list((tmp_path / "tb" / "profiler").glob("rank0.*.pt.trace.json"))
     assert not math.isnan(_series(acc, "loss/train")[1])
+
+
+# ---------------------------------------------------------------------------- a pipelined run's dashboard
+def pipelined_body(log_dir: str) -> dict[str, Any]:
+    """2 pipeline stages, 3 steps logged every step into a ZeroTensorBoardLogger: what rank 0's bar shows."""
+    import torch.distributed as dist
+
+    from lightning_zero import PipelineConfig, ZeroTensorBoardLogger
+    from tests.pipeline_models import PipeLM, loader
+
+    config = PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", partition_method="uniform")
+    trainer = make_trainer(ZeroStrategy(stage=1, pipeline=config), devices=dist.get_world_size(), max_steps=3,
+                           log_every_n_steps=1, enable_progress_bar=True,
+                           logger=ZeroTensorBoardLogger(log_dir, name="", version=""))
+    trainer.fit(PipeLM("sgd"), loader(8))
+    return {"pbar": sorted(trainer.progress_bar_metrics)}
+
+
+@pytest.mark.distributed
+def test_a_pipelined_run_logs_one_training_loss_and_no_unmeasured_step_split(gloo_pool, tmp_path: Path) -> None:
+    ranks = gloo_pool.run("tests.test_monitor:pipelined_body", log_dir=str(tmp_path))
+    assert "train_loss" not in ranks[0]["pbar"] and "loss" in ranks[0]["pbar"], ranks[0]["pbar"]  # the bar: once
+    acc = _events(tmp_path)
+    tags = set(acc.Tags()["scalars"])
+    assert "loss/train" in tags and "train_loss" not in tags, sorted(tags)  # the dashboard: once
+    for r in (0, 1):
+        assert {f"time/step_rank{r}", f"time/optimizer_rank{r}"} <= tags, sorted(tags)
+        assert all(v > 0 for k in ("step", "optimizer") for v in _series(acc, f"time/{k}_rank{r}").values())
+        # the schedule runs forward, backward and the stage-to-stage sends inside training_step: no split
+        assert not {f"time/{k}_rank{r}" for k in ("forward", "backward", "comm", "other")} & tags, sorted(tags)

@@ -96,7 +96,8 @@ def config_hparams(cfg: TrainConfig) -> dict[str, Any]:
 def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
     """The choices that define a run, as TensorBoard's HParams tab compares runs by (the rest of the
     config goes to the Text tab): ZeRO stage, offload, precision, pipeline, model preset and size,
-    world size, global batch (samples per optimizer step), learning rate."""
+    world size, global batch (samples per optimizer step), optimizer (``onebit_adam`` apart from ``adamw``),
+    learning rate."""
     from lightning_zero.config.validate import count_model_parameters, offload_name
 
     t, p = cfg.trainer, cfg.pipeline
@@ -107,8 +108,33 @@ def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
         "zero_stage": cfg.zero.stage, "offload": offload_name(cfg), "precision": cfg.precision.name.value,
         "pipeline": "none" if p.stages == 1 else f"{p.stages} stages, {p.schedule.value}",
         "model": model, "params_M": round(count_model_parameters(cfg) / 1e6, 3), "world_size": t.devices,
-        "global_batch": cfg.data.micro_batch_size * micro_batches * data_parallel, "lr": cfg.model.lr,
+        "global_batch": cfg.data.micro_batch_size * micro_batches * data_parallel,
+        "optimizer": cfg.model.optimizer.value, "lr": cfg.model.lr,
     }
+
+
+RUN_NAME_RESOLVER = "lz_run_name"  # conf/config.yaml's hydra.run.dir and hydra.sweep.subdir use it
+
+
+def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", pipeline: str = "none",
+             optimizer: Any = "adamw") -> str:
+    """A run's directory name from its choices, as TensorBoard lists the run, e.g. ``gpt_tiny-zero3-bf16``;
+    offload and pipeline choices other than ``none`` and an optimizer other than ``adamw`` are added
+    (``gpt_tiny-zero0-fp32-onebit_adam``)."""
+    def text(value: Any) -> str:
+        return str(getattr(value, "value", value))
+
+    parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
+    parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
+    if text(optimizer) != "adamw":
+        parts.append(text(optimizer))
+    return "-".join(parts)
+
+
+def register_run_name() -> None:
+    """Register :func:`run_name` as the OmegaConf resolver ``lz_run_name`` (idempotent; before Hydra composes)."""
+    if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
+        OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, run_name)
 
 
 def build_precision(cfg: TrainConfig) -> ZeroPrecision:

@@ -34,7 +34,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_zero
-from lightning_zero.config.build import RESULT_FILE, FitResult
+from lightning_zero.config.build import RESULT_FILE, FitResult, register_run_name
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
 from lightning_zero.config.paths import CONFIG_NAME, conf_dir
@@ -209,6 +209,7 @@ def train_command(argv: Sequence[str]) -> int:
             print(f"lightning-zero train: error: {explain(err)}", file=sys.stderr)
             return 2
     register_configs()
+    register_run_name()  # the output directories' names (conf/config.yaml)
     task = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(_hydra_task)
     saved = sys.argv
     sys.argv = ["lightning-zero train", *argv]  # hydra.main parses sys.argv

@@ -3,7 +3,8 @@
 ``ZeroStrategy.setup`` builds a :class:`StrategyPipeline` (the 2D groups, this rank's chunks, the
 schedules); the engine then partitions only the local chunks over the stage's data-parallel group.
 ``training_step`` / evaluation steps run the schedules instead of the module's step methods and log
-``<stage>_loss`` (or call the module's ``on_pipeline_loss(stage, loss, batch)`` when it has one).
+``<stage>_loss`` (or call the module's ``on_pipeline_loss(stage, loss, batch)`` when it has one); while a
+``ZeroStatsMonitor`` runs, ``train_loss`` goes to ``callback_metrics`` only (the monitor logs the loss).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from lightning_zero.callbacks import ZeroStatsMonitor
 from lightning_zero.core.comm import DataParallelComm
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loading import load_full_state_dict
@@ -286,4 +288,9 @@ class StrategyPipeline:
             hook(stage, loss, batch)
             return
         size = (inputs[0] if isinstance(inputs, (list, tuple)) else inputs).shape[0]
-        module.log(f"{stage}_loss", loss, prog_bar=True, batch_size=size, sync_dist=stage != "train")
+        # a ZeroStatsMonitor logs and shows the training loss already (`train/loss`, the bar's `loss`): then
+        # `train_loss` goes to callback_metrics only, so the console and the dashboard show one training loss
+        trainer = module._trainer
+        shown = not (stage == "train" and trainer is not None
+                     and any(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks))
+        module.log(f"{stage}_loss", loss, prog_bar=shown, logger=shown, batch_size=size, sync_dist=stage != "train")
