@@ -63,7 +63,7 @@ def test_multirun_over_two_zero_stages_leaves_one_directory_per_run(tmp_path: Pa
     sweeps = list(tmp_path.glob("multirun/*/*"))
     assert len(sweeps) == 1, sweeps  # the ranks never re-entered Hydra: no second sweep
     jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
-    assert [p.name for p in jobs] == ["0", "1"]
+    assert [p.name for p in jobs] == ["0_gpt_tiny-zero1-fp32", "1_gpt_tiny-zero2-fp32"]  # named by their choices
     results = [_check_run_dir(job, steps=3) for job in jobs]
     assert [OmegaConf.load(job / CONFIG_FILE).zero.stage for job in jobs] == [1, 2]
     assert ["zero=stage1" in (job / ".hydra" / "overrides.yaml").read_text() for job in jobs] == [True, False]

@@ -41,10 +41,11 @@ def _train(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
     root = tmp_path_factory.mktemp("cli_runs")
     out = {}
-    for name, extra in (("fp32", []), ("fp16", ["precision=fp16"])):
-        done = _train([*TINY, *extra, f"hydra.run.dir={root / name}"], root)
+    for name, extra in (("fp32", [f"hydra.run.dir={root / 'fp32'}"]), ("fp16", ["precision=fp16"])):
+        (root / name).mkdir()
+        done = _train([*TINY, *extra], root / name)  # fp16: in the default output directory
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-        out[name] = (root / name, done)
+        out[name] = (root / name if name == "fp32" else next((root / name).glob("outputs/*/*")), done)
     return out
 
 
@@ -65,6 +66,7 @@ def test_the_console_shows_progress_lines_and_no_noise(runs) -> None:
     assert not noisy, noisy
     log = (run / "train.log").read_text()
     assert "Tip: For seamless cloud logging" in log  # the console left it out; the log keeps everything
+    assert "Total params" in log and "flops" not in log.lower()  # the model summary, without unmeasured FLOPs
     assert all(line in log for line in lines if line.startswith("step "))
     assert "drop" in done.stdout.splitlines()[-1]  # the summary ends the run (Hydra logs to stdout)
 
@@ -99,44 +101,72 @@ def _steps_in_write_order(run_dir: Path) -> dict[str, list[int]]:
     return order
 
 
+def _experiment(acc: EventAccumulator) -> plugin_data_pb2.Experiment:
+    meta = acc.SummaryMetadata("_hparams_/experiment")  # the HParams tab's columns
+    return plugin_data_pb2.HParamsPluginData.FromString(meta.plugin_data.content).experiment
+
+
+@pytest.mark.slow
+def test_the_run_directory_is_named_by_the_run_s_choices(runs) -> None:
+    run, _ = runs["fp16"]  # outputs/<date>/<time>_<name>: the name TensorBoard lists the run by
+    assert re.fullmatch(r"\d\d-\d\d-\d\d_gpt_tiny-zero2-fp16", run.name), run
+    from lightning_zero.config.build import run_name
+
+    assert run_name("gpt_small", 3, "bf16", "optimizer_cpu", "pp2_1f1b", "onebit_adam") == \
+        "gpt_small-zero3-bf16-optimizer_cpu-pp2_1f1b-onebit_adam"
+
+
 @pytest.mark.slow
 def test_the_dashboard_of_an_fp32_and_an_fp16_run(runs) -> None:
     hparams = {}
     for name, (run, _) in runs.items():
         tb = run / "tb"
+        # one TensorBoard run per training run: no per-rank sub-runs
+        assert {p.parent for p in run.rglob("events.out.tfevents.*")} == {tb}, name
         main = EventAccumulator(str(tb), size_guidance={"scalars": 0, "tensors": 0})
         main.Reload()
         tags = set(main.Tags()["scalars"])
         # one training loss, both losses in the first group TensorBoard opens, no `epoch` group before it
         assert {"loss/train", "loss/val"} <= tags and not {"train_loss", "train/loss", "val_loss", "epoch"} & tags
-        assert min(t.split("/")[0] for t in tags) == "loss"
+        # Time Series opens the first two groups (by name): the losses, then lr, gradient norm, loss scale, tokens/s
+        groups = sorted({t.split("/")[0] for t in tags})
+        assert groups[:2] == ["loss", "main"], groups
+        assert {"main/lr", "main/grad_norm", "main/tokens_per_s"} <= tags
+        assert ("main/loss_scale" in tags) == (name == "fp16")
         assert [e.step for e in main.Scalars("loss/train")] == [5, 10]
         assert len({e.step for e in main.Scalars("loss/val")}) == 3  # 0, 5, 10: a curve
-        assert ("train/loss_scale" in tags) == (name == "fp16")
-        # each rank its own run directory: TensorBoard gives each its own colour and legend entry
-        rank_tags = {}
+        # each rank's values are tags of the run; memory in MiB, and no memory series that is always zero
         for r in (0, 1):
-            acc = EventAccumulator(str(tb / f"rank{r}"), size_guidance={"scalars": 0})
-            acc.Reload()
-            rank_tags[r] = set(acc.Tags()["scalars"])
-            assert {"time/step", "time/comm", "memory/params", "memory/peak"} <= rank_tags[r]
-        assert not any("rank" in t for t in tags)
-        # the layout refers only to tags the run has (in its main run or its rank runs)
+            assert {f"time/step_rank{r}", f"time/comm_rank{r}", f"memory/params_rank{r}",
+                    f"memory/peak_rank{r}"} <= tags
+            assert all(50 < e.value < 1e5 for e in main.Scalars(f"memory/peak_rank{r}"))  # MiB, not bytes
+        for tag in (t for t in tags if t.startswith("memory/")):
+            values = [e.value for e in main.Scalars(tag)]
+            assert any(values) and max(values) < 1e5, (tag, values)
+        # the layout refers only to tags the run has; a per-rank chart has a line for each rank
         layout = _layout(main)
-        written = tags | rank_tags[0]
         for title, patterns in layout.items():
-            assert any(re.search(p, t) for p in patterns for t in written), (name, title)
+            assert any(re.search(p, t) for p in patterns for t in tags), (name, title)
+        assert {t for t in tags if re.search(layout["peak memory (MiB)"][0], t)} == {"memory/peak_rank0",
+                                                                                     "memory/peak_rank1"}
         assert ("fp16 loss scale" in layout) == (name == "fp16")
         assert list(layout)[:2] == ["training loss (mean over ranks and micro-batches)", "validation loss"]
         for path, steps in _steps_in_write_order(tb).items():
             assert steps == sorted(steps), (name, path, steps)  # no out-of-order step
         hparams[name] = _hparams(main)
+        # HParams: a short list of comparable metric columns, the ZeRO choices listed first
+        experiment = _experiment(main)
+        assert [m.name.tag for m in experiment.metric_infos] == ["loss/train", "loss/val", "main/tokens_per_s",
+                                                                 "memory/peak_rank0", "memory/peak_rank1"]
+        assert {h.name for h in experiment.hparam_infos if h.differs} == {"zero_stage", "offload", "precision",
+                                                                          "optimizer", "pipeline"}
         config = main.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
         assert "reduce_bucket_size" in config and "max_val_samples" in config  # the rest of the config: Text tab
     assert set(hparams["fp32"]) == {"zero_stage", "offload", "precision", "pipeline", "model", "params_M",
-                                    "world_size", "global_batch", "lr"}
+                                    "world_size", "global_batch", "optimizer", "lr"}
     assert {k for k in hparams["fp32"] if hparams["fp32"][k] != hparams["fp16"][k]} == {"precision"}
     assert hparams["fp32"]["world_size"] == 2 and hparams["fp32"]["global_batch"] == 16  # 2 ranks x 8
+    assert hparams["fp32"]["optimizer"] == "adamw"
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -307,3 +308,35 @@ def test_a_pipelined_run_logs_one_training_loss_and_no_unmeasured_step_split(glo
         assert all(v > 0 for k in ("step", "optimizer") for v in _series(acc, f"time/{k}_rank{r}").values())
         # the schedule runs forward, backward and the stage-to-stage sends inside training_step: no split
         assert not {f"time/{k}_rank{r}" for k in ("forward", "backward", "comm", "other")} & tags, sorted(tags)
+
+
+def test_the_cli_model_summary_has_no_column_of_unmeasured_flops(tmp_path: Path) -> None:
+    import logging
+
+    from lightning_zero.callbacks import ZeroModelSummary
+    from lightning_zero.config.build import build_callbacks
+    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.validate import validate_config
+
+    cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.devices=1"]))
+    summaries = [c for c in build_callbacks(cfg, tmp_path) if isinstance(c, ModelSummary)]
+    assert [type(c) for c in summaries] == [ZeroModelSummary]  # the CLI's Trainer takes it instead of Lightning's
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.text = ""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.text += record.getMessage()
+
+    lines, logger = Lines(), logging.getLogger("lightning.pytorch.callbacks.model_summary")
+    logger.addHandler(lines)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        _fit(tmp_path, ZeroStrategy(stage=2), callbacks=[summaries[0]], enable_model_summary=True)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert "Total params" in lines.text and "Mode" in lines.text, lines.text  # the table is printed
+    assert "FLOPs" not in lines.text and "Total Flops" not in lines.text, lines.text  # no example_input_array

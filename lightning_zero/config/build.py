@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import OmegaConf
 
+from lightning_zero.callbacks import ZeroModelSummary
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
@@ -166,7 +167,8 @@ def build_logger(cfg: TrainConfig, run_dir: Path) -> Logger | bool:
 
 
 def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
-    """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled, and the progress lines
+    """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled, Lightning's model summary
+    without unmeasured FLOPs (:class:`~lightning_zero.callbacks.ZeroModelSummary`), and the progress lines
     of :class:`~lightning_zero.progress.LineProgress` when stdout is not a terminal (on one, Lightning's bar)
     unless ``trainer.enable_progress_bar=false`` (the strategy adds the :class:`~lightning_zero.ZeroStatsMonitor`
     itself, ``logger.monitor``)."""
@@ -174,6 +176,8 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
     out: list[Callback] = []
     if cfg.trainer.enable_progress_bar and not sys.stdout.isatty():
         out.append(LineProgress())
+    if cfg.trainer.enable_model_summary:
+        out.append(ZeroModelSummary())  # no column of unmeasured FLOPs
     if ck.enabled:
         out.append(ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_last=ck.save_last,
                                    save_top_k=ck.save_top_k, monitor=ck.monitor,
