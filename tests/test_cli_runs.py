@@ -1,8 +1,9 @@
 """``lightning-zero train`` as a newcomer meets it, on real 2-rank runs of ``experiment=gpt_tiny`` (console
 captured through a pipe, as CI or ``| tee`` would): progress lines, no noise on the console but all of
-it in ``train.log``, the TensorBoard dashboard of an fp32 and an fp16 run (one loss, losses first, a
-run per rank, a layout of existing tags, hparams that tell the runs apart, monotone steps), a resume
-whose start value is the checkpoint's, and the summary of a rank killed by SIGKILL."""
+it in ``train.log``, the TensorBoard dashboard of an fp32 and an fp16 run (one run per training run, the
+loss and the vital signs first, memory in MiB, a layout of existing tags, hparams that tell the runs apart
+against a few metrics, monotone steps), run directories named by their choices, a resume whose start
+value is the checkpoint's, and the summary of a rank killed by SIGKILL."""
 
 from __future__ import annotations
 
@@ -116,16 +117,35 @@ def test_the_run_directory_is_named_by_the_run_s_choices(runs) -> None:
         "gpt_small-zero3-bf16-optimizer_cpu-pp2_1f1b-onebit_adam"
 
 
+def _main_run(run: Path) -> tuple[EventAccumulator, set[str]]:
+    main = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    main.Reload()
+    return main, set(main.Tags()["scalars"])
+
+
 @pytest.mark.slow
-def test_the_dashboard_of_an_fp32_and_an_fp16_run(runs) -> None:
-    hparams = {}
+def test_the_dashboard_has_one_run_per_training_run(runs) -> None:
     for name, (run, _) in runs.items():
-        tb = run / "tb"
-        # one TensorBoard run per training run: no per-rank sub-runs
-        assert {p.parent for p in run.rglob("events.out.tfevents.*")} == {tb}, name
-        main = EventAccumulator(str(tb), size_guidance={"scalars": 0, "tensors": 0})
-        main.Reload()
-        tags = set(main.Tags()["scalars"])
+        # no per-rank sub-runs: TensorBoard's run list has one entry (one colour) per training run
+        assert {p.parent for p in run.rglob("events.out.tfevents.*")} == {run / "tb"}, name
+        main, tags = _main_run(run)
+        for r in (0, 1):  # each rank's values are tags of that run
+            assert {f"time/step_rank{r}", f"time/comm_rank{r}", f"memory/params_rank{r}",
+                    f"memory/peak_rank{r}"} <= tags, (name, sorted(tags))
+        # a per-rank chart of the custom scalars has a line for each rank, all in the one run
+        layout = _layout(main)
+        assert {t for t in tags if re.search(layout["peak memory (MiB)"][0], t)} == {"memory/peak_rank0",
+                                                                                     "memory/peak_rank1"}
+        for title, patterns in layout.items():  # the layout refers only to tags the run has
+            assert any(re.search(p, t) for p in patterns for t in tags), (name, title)
+        assert ("fp16 loss scale" in layout) == (name == "fp16")
+        assert list(layout)[:2] == ["training loss (mean over ranks and micro-batches)", "validation loss"]
+
+
+@pytest.mark.slow
+def test_the_dashboard_opens_on_the_loss_and_the_vital_signs(runs) -> None:
+    for name, (run, _) in runs.items():
+        main, tags = _main_run(run)
         # one training loss, both losses in the first group TensorBoard opens, no `epoch` group before it
         assert {"loss/train", "loss/val"} <= tags and not {"train_loss", "train/loss", "val_loss", "epoch"} & tags
         # Time Series opens the first two groups (by name): the losses, then lr, gradient norm, loss scale, tokens/s
@@ -135,26 +155,29 @@ def test_the_dashboard_of_an_fp32_and_an_fp16_run(runs) -> None:
         assert ("main/loss_scale" in tags) == (name == "fp16")
         assert [e.step for e in main.Scalars("loss/train")] == [5, 10]
         assert len({e.step for e in main.Scalars("loss/val")}) == 3  # 0, 5, 10: a curve
-        # each rank's values are tags of the run; memory in MiB, and no memory series that is always zero
-        for r in (0, 1):
-            assert {f"time/step_rank{r}", f"time/comm_rank{r}", f"memory/params_rank{r}",
-                    f"memory/peak_rank{r}"} <= tags
-            assert all(50 < e.value < 1e5 for e in main.Scalars(f"memory/peak_rank{r}"))  # MiB, not bytes
-        for tag in (t for t in tags if t.startswith("memory/")):
-            values = [e.value for e in main.Scalars(tag)]
-            assert any(values) and max(values) < 1e5, (tag, values)
-        # the layout refers only to tags the run has; a per-rank chart has a line for each rank
-        layout = _layout(main)
-        for title, patterns in layout.items():
-            assert any(re.search(p, t) for p in patterns for t in tags), (name, title)
-        assert {t for t in tags if re.search(layout["peak memory (MiB)"][0], t)} == {"memory/peak_rank0",
-                                                                                     "memory/peak_rank1"}
-        assert ("fp16 loss scale" in layout) == (name == "fp16")
-        assert list(layout)[:2] == ["training loss (mean over ranks and micro-batches)", "validation loss"]
-        for path, steps in _steps_in_write_order(tb).items():
+        for path, steps in _steps_in_write_order(run / "tb").items():
             assert steps == sorted(steps), (name, path, steps)  # no out-of-order step
+
+
+@pytest.mark.slow
+def test_the_dashboard_shows_memory_in_mib_and_no_series_that_is_always_zero(runs) -> None:
+    for name, (run, _) in runs.items():
+        main, tags = _main_run(run)
+        memory = [t for t in tags if t.startswith("memory/")]
+        assert len(memory) >= 6, memory  # params, grads, optimizer, peak of each rank
+        for tag in memory:
+            values = [e.value for e in main.Scalars(tag)]
+            assert any(values) and max(values) < 1e5, (name, tag, values)  # MiB, not bytes; never a flat zero
+        assert all(e.value > 50 for r in (0, 1) for e in main.Scalars(f"memory/peak_rank{r}"))  # the process
+
+
+@pytest.mark.slow
+def test_the_hparams_table_compares_runs_by_choices_and_a_few_metrics(runs) -> None:
+    hparams = {}
+    for name, (run, _) in runs.items():
+        main, _tags = _main_run(run)
         hparams[name] = _hparams(main)
-        # HParams: a short list of comparable metric columns, the ZeRO choices listed first
+        # a short list of comparable metric columns, the ZeRO choices listed first
         experiment = _experiment(main)
         assert [m.name.tag for m in experiment.metric_infos] == ["loss/train", "loss/val", "main/tokens_per_s",
                                                                  "memory/peak_rank0", "memory/peak_rank1"]
