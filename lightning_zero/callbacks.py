@@ -12,10 +12,12 @@ Note [per-rank scalars through rank 0]
 
 Note [no split for pipelines]
     A pipelined step runs every micro-batch's forward, backward and the stage-to-stage sends inside
-    ``training_step`` (the schedule), so Lightning's backward hooks frame no backward and the engine's
-    ``comm`` clock sees only the data-parallel reduction: the split would put nearly everything in one
-    phase. The monitor writes ``time/rank<r>/step`` and ``optimizer`` for a pipelined run and leaves
-    ``forward``, ``backward``, ``comm`` and ``other`` out rather than log misleading numbers.
+    ``training_step`` (the schedule replaces the module's), and the strategy's ``backward`` only reduces
+    the gradients the schedule left. The hooks' windows would call the whole schedule "forward" and the
+    reduction "backward", and the engine's ``comm`` clock does not see the sends. The monitor writes
+    ``time/rank<r>/step`` and ``optimizer`` (its window is the same as without a pipeline) for a
+    pipelined run and leaves ``forward``, ``backward``, ``comm`` and ``other`` out rather than log
+    misleading numbers.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class ZeroStatsMonitor(pl.Callback):
 
     Scalars are written at the optimizer step they describe (``trainer.global_step`` after it), the axis
     of the validation loss too. A :class:`~lightning_zero.dashboard.ZeroTensorBoardLogger` turns them into
-    the dashboard (losses first, one run per rank, a custom-scalars layout of what the run has).
+    the dashboard (the loss and the vital signs first, one run per training run, memory in MiB, a
+    custom-scalars layout of what the run has).
     A memory key is written from the first logged step where it is not zero on some rank (no flat zero
     lines: ``buffers`` is often empty at the end of a step). A pipelined run writes only ``step`` and
     ``optimizer`` of the split (Note [no split for pipelines]).
