@@ -441,8 +441,9 @@ def test_cli_trains_and_logs_a_pipelined_gpt(tmp_path: Path) -> None:
     for path in tmp_path.glob("tb/events.out.tfevents.*"):
         events = EventAccumulator(str(path))
         events.Reload()
-        if "train_loss" in events.Tags()["scalars"]:
-            losses = [e.value for e in events.Scalars("train_loss")]
+        assert "train_loss" not in events.Tags()["scalars"]  # one training loss: the monitor's
+        if "loss/train" in events.Tags()["scalars"]:
+            losses = [e.value for e in events.Scalars("loss/train")]
     assert len(losses) == 3 and all(0 < v < 10 for v in losses), losses
 
 
