@@ -111,10 +111,19 @@ def _experiment(acc: EventAccumulator) -> plugin_data_pb2.Experiment:
 def test_the_run_directory_is_named_by_the_run_s_choices(runs) -> None:
     run, _ = runs["fp16"]  # outputs/<date>/<time>_<name>: the name TensorBoard lists the run by
     assert re.fullmatch(r"\d\d-\d\d-\d\d_gpt_tiny-zero2-fp16", run.name), run
-    from lightning_zero.config.build import run_name
+
+
+def test_run_names_and_hparams_tell_the_choices_apart() -> None:
+    from lightning_zero.config.build import run_hparams, run_name
+    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.validate import validate_config
 
     assert run_name("gpt_small", 3, "bf16", "optimizer_cpu", "pp2_1f1b", "onebit_adam") == \
         "gpt_small-zero3-bf16-optimizer_cpu-pp2_1f1b-onebit_adam"
+    assert run_name("gpt_tiny", 2, "fp32", "none", "none", "adamw") == "gpt_tiny-zero2-fp32"  # defaults left out
+    onebit = validate_config(compose_config(["experiment=gpt_tiny", "zero=stage0", "model.optimizer=onebit_adam",
+                                             "model.freeze_step=5"]))
+    assert run_hparams(onebit)["optimizer"] == "onebit_adam"  # not mistaken for an AdamW run in HParams
 
 
 def _main_run(run: Path) -> tuple[EventAccumulator, set[str]]:
