@@ -121,6 +121,8 @@ def test_run_names_and_hparams_tell_the_choices_apart() -> None:
     assert run_name("gpt_small", 3, "bf16", "optimizer_cpu", "pp2_1f1b", "onebit_adam") == \
         "gpt_small-zero3-bf16-optimizer_cpu-pp2_1f1b-onebit_adam"
     assert run_name("gpt_tiny", 2, "fp32", "none", "none", "adamw") == "gpt_tiny-zero2-fp32"  # defaults left out
+    assert run_name("gpt_tiny", 2, "fp32", "none", "none", "adamw", "docs/examples/ds_config.json") == \
+        "gpt_tiny-ds_config"  # the JSON sets the stage and precision after Hydra named the directory
     onebit = validate_config(compose_config(["experiment=gpt_tiny", "zero=stage0", "model.optimizer=onebit_adam",
                                              "model.freeze_step=5"]))
     assert run_hparams(onebit)["optimizer"] == "onebit_adam"  # not mistaken for an AdamW run in HParams

@@ -118,13 +118,16 @@ RUN_NAME_RESOLVER = "lz_run_name"  # conf/config.yaml's hydra.run.dir and hydra.
 
 
 def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", pipeline: str = "none",
-             optimizer: Any = "adamw") -> str:
+             optimizer: Any = "adamw", deepspeed_config: str | None = None) -> str:
     """A run's directory name from its choices, as TensorBoard lists the run, e.g. ``gpt_tiny-zero3-bf16``;
     offload and pipeline choices other than ``none`` and an optimizer other than ``adamw`` are added
-    (``gpt_tiny-zero0-fp32-onebit_adam``)."""
+    (``gpt_tiny-zero0-fp32-onebit_adam``). With a DeepSpeed JSON, which sets those after Hydra named the
+    directory, the JSON file's name stands for them (``gpt_tiny-ds_config``)."""
     def text(value: Any) -> str:
         return str(getattr(value, "value", value))
 
+    if deepspeed_config:
+        return f"{text(name)}-{Path(str(deepspeed_config)).stem}"
     parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
     parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
     if text(optimizer) != "adamw":
