@@ -5,7 +5,7 @@ data is split by rank exactly as in the test pool), then fits TinyTransformer un
 
 - ``stop``: rank 1 SIGSTOPs itself at step 3 (the others must name it and exit);
 - ``kill``: saves ``last.ckpt`` every 2 steps into ROOT, rank 1 SIGKILLs itself at step 5;
-- ``slowsave``: rank 0 spends ``SLOW_SAVE_S`` seconds in every checkpoint save while rank 1 waits in the
+- ``slowsave``: rank 0's every checkpoint write takes ``SLOW_SAVE_S`` seconds more while rank 1 waits in the
   save's barrier (must not trip the watchdog);
 - ``diverge``: rank 1 calls an extra ``all_reduce`` from ``training_step`` at step 3 that rank 0 never
   calls (every rank must name rank 1 and the collectives each side waits in, then exit).
@@ -44,11 +44,18 @@ class Fault(Callback):
             print(f"KILLING rank 1 at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def on_save_checkpoint(self, trainer: Any, *args: Any) -> None:
-        if self.mode == "slowsave" and trainer.global_rank == 0:
-            time.sleep(float(os.environ["SLOW_SAVE_S"]))
-            seen = parse_progress(trainer.strategy._hang.watchdog._seen.get(1, ""))  # rank 0 aggregates the beats
-            print(f"SLOW SAVE done at step {trainer.global_step}; rank 1 {seen.where() if seen else None}", flush=True)
+    def setup(self, trainer: Any, *args: Any) -> None:
+        if self.mode == "slowsave" and trainer.global_rank == 0:  # a slow file system: rank 0's write takes long
+            strategy, save = trainer.strategy, trainer.strategy.save_checkpoint
+
+            def slow_save(*a: Any, **kw: Any) -> None:
+                save(*a, **kw)
+                time.sleep(float(os.environ["SLOW_SAVE_S"]))
+                seen = parse_progress(strategy._hang.watchdog._seen.get(1, ""))  # rank 0 aggregates the beats
+                print(f"SLOW SAVE done at step {trainer.global_step}; rank 1 {seen.where() if seen else None}",
+                      flush=True)
+
+            strategy.save_checkpoint = slow_save
 
 
 class Diverging(TinyTransformer):
