@@ -44,7 +44,7 @@ class Fault(Callback):
             print(f"KILLING rank 1 at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def setup(self, trainer: Any, *args: Any) -> None:
+    def setup(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         if self.mode == "slowsave" and trainer.global_rank == 0:  # a slow file system: rank 0's write takes long
             strategy, save = trainer.strategy, trainer.strategy.save_checkpoint
 
