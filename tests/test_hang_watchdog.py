@@ -339,6 +339,29 @@ def test_a_save_of_three_hang_timeouts_on_rank_0_while_rank_1_waits_in_a_barrier
     assert "DONE rank 1" in logs[1] and "hang detected" not in logs[0] + logs[1]
 
 
+def numbering_body() -> dict[str, Any]:
+    from lightning_zero.core.progress_record import RECORD
+    from tests.test_checkpoints import _fit
+
+    kinds: set[str] = set()
+    numbered = RECORD.collective
+    RECORD.collective = lambda kind: (kinds.add(kind), numbered(kind))[1]  # type: ignore[method-assign]
+    try:
+        _fit(TinyTransformer("adamw"), ZeroStrategy(stage=3, hang_timeout_s=30), max_steps=3)
+    finally:
+        del RECORD.collective
+    return {"seq": RECORD.seq, "waiting": RECORD.waiting_seq, "kinds": sorted(kinds)}
+
+
+@pytest.mark.distributed
+def test_every_rank_numbers_the_strategys_collectives_alike(gloo_pool) -> None:
+    results = gloo_pool.run("tests.test_hang_watchdog:numbering_body")
+    assert results[0]["seq"] > 10 and results[0]["seq"] == results[1]["seq"], results
+    assert results[0]["waiting"] == 0 and results[0]["kinds"] == results[1]["kinds"], results
+    assert {"all_gather", "all_reduce"} <= set(results[0]["kinds"]), results  # stage 3 gathers, gloo reduces
+    assert any(k.startswith("barrier") for k in results[0]["kinds"]), results  # Lightning's own barrier
+
+
 def resume_body(root: str) -> dict[str, Any]:
     from tests.test_checkpoints import _fit, _saver
 
