@@ -76,3 +76,19 @@ def test_a_sigkilled_rank_gets_the_estimators_host_memory_figure_and_the_setting
     assert "zero=stage1" not in lower  # a lower stage never lowers it
     text = failure_summary(RankExit(1, -9, False), 2, Path("/run"), note)
     assert "killed by SIGKILL" in text and "out-of-memory killer" in text and "host memory" in text
+
+
+def test_a_rank_stopped_by_the_hang_watchdog_is_summarised_as_such(tmp_path: Path) -> None:
+    from lightning_zero.core.hang_finding import SILENT_EXIT_CODE, STUCK_EXIT_CODE
+
+    console = RankConsole(tmp_path / "train.log", echo=lambda text: None)
+    for line in _report(_failure(0, 0, STUCK_EXIT_CODE, "To enable traceback see: ..."), []).splitlines():
+        console.feed(line + "\n")
+    console.close()
+    failed = console.first_failure()
+    assert failed is not None and (failed.rank, failed.exitcode) == (0, 76)
+    text = failure_summary(failed, 2, tmp_path, None)
+    assert "stopped by the hang watchdog (exit code 76: every rank alive, no progress" in text, text
+    assert "hang detected" in text and "traceback" not in text
+    silent = failure_summary(RankExit(1, SILENT_EXIT_CODE, False), 2, tmp_path, None)
+    assert "exit code 75: a rank or the store stopped answering" in silent

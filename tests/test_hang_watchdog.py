@@ -8,6 +8,7 @@ resumes from ``ckpt_path="last"`` exactly as if uninterrupted."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -290,7 +291,9 @@ def test_a_stopped_rank_is_named_within_60_s_at_default_settings_by_every_other_
         assert end is not None, f"rank {rank} still running:\n{log[-3000:]}"
         assert end - stopped_at < 60, (rank, end - stopped_at)  # named and exited (the collective timeout: 120 s)
         assert procs[rank].returncode == HANG_EXIT_CODE, log[-3000:]
-        assert "no heartbeat from rank 1" in log and "at step 3" in log, log[-3000:]
+        # its last beat (every 2 s at the default) may predate steps 0-3 of this tiny model
+        assert re.search(r"no heartbeat from rank 1 \(silent \d+ s, last seen at step [0-3] in '", log), log[-3000:]
+        print(f"rank {rank} named rank 1 and exited {end - stopped_at:.1f} s after the stop")
 
 
 def _extra_collective_at(log: str) -> float:

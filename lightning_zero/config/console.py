@@ -107,6 +107,9 @@ class RankConsole:
         return min(failures, key=rank_key)[1]
 
 
+# the hang watchdog's exit codes (core/hang_finding.py; literal: the launcher does not import torch for them)
+_HANG_EXITS = {75: "a rank or the store stopped answering",
+               76: "every rank alive, no progress: their collectives differ"}
 _LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT")  # what torchrun sends the surviving ranks when one fails
 
 
@@ -134,6 +137,10 @@ def failure_summary(failed: RankExit | None, devices: int, run_dir: Path, advice
     if failed is None:
         return f"the {devices} ranks of {run_dir} failed; the full output is in {log}."
     sig = failed.signal_name
+    if failed.exitcode in _HANG_EXITS:
+        return (f"rank {failed.rank} of {devices} was stopped by the hang watchdog (exit code {failed.exitcode}: "
+                f"{_HANG_EXITS[failed.exitcode]}); the finding, the same on every rank, is above ('[lightning-zero] "
+                f"hang detected'), and every rank's full output is in {log} (docs/reliability.md).")
     if sig is None:
         return (f"rank {failed.rank} of {devices} failed with exit code {failed.exitcode}; its traceback is "
                 f"above, and every rank's full output is in {log}.")
