@@ -274,7 +274,11 @@ class HeartbeatWatchdog:
         mine = self._report("silent", silent_text(silent, self.timeout_s), silent)
         current = self.store.compare_set(key, raw or "", f"{(raw or '0').split(chr(9))[0]}\t{_encode(mine)}")
         current = current.decode() if isinstance(current, bytes) else str(current)
-        return self._decode(current.split("\t", 1)[1]) if "\t" in current else mine
+        status = current.split("\t", 1)[1] if "\t" in current else ""
+        if status in ("ok", DONE):  # rank 0 published again meanwhile: it is not silent
+            self._verdict, self._verdict_changed = current, now
+            return None
+        return self._decode(status) if status else mine
 
     # ------------------------------------------------------------------ both
     def _report(self, kind: str, text: str, silent: list[SilentRank] | None = None,
