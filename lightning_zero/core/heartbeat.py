@@ -146,7 +146,7 @@ class HeartbeatWatchdog:
         self.report: HangReport | None = None  # set once a hang was found
         # rank 0: every rank's last beat text, when it changed, and the ranks whose key exists
         self._seen: dict[int, str] = {}
-        self._changed: dict[int, float] = {r: now for r in range(world_size)}
+        self._changed: dict[int, float] = {r: now for r in range(world_size)} if rank == 0 else {}
         self._present: list[int] = []
         self._round = 0
         # other ranks: the last verdict and when it changed
@@ -174,7 +174,7 @@ class HeartbeatWatchdog:
         """Publish the first beat and start the daemon threads."""
         now = self.clock()
         self._last_answer = self._verdict_changed = now
-        self._changed = {r: now for r in range(self.world_size)}
+        self._changed = {r: now for r in range(self.world_size)} if self.rank == 0 else {}
         self.beat()
         self._thread = threading.Thread(target=self._run, name=f"lightning-zero-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
