@@ -318,6 +318,7 @@ def test_a_collective_on_one_rank_only_ends_the_job_on_every_rank_naming_the_ran
         assert procs[rank].returncode == STUCK_EXIT_CODE, log[-3000:]
         # hang_timeout_s + one interval, plus 3 s for starting and ending the processes on a loaded machine
         assert ended[rank] - stuck_at < hang_timeout + 0.5 + 3.0, (rank, ended[rank] - stuck_at)
+        print(f"rank {rank} reported and exited {ended[rank] - stuck_at:.1f} s after the extra collective")
         finding = log.split(f"hang detected (rank {rank} reporting, exit code 76): ")[1].split("zero.timeout_s)")[0]
         findings.append(finding)
         assert "rank 0: waiting in the strategy's collective #" in finding, finding
