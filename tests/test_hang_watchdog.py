@@ -119,6 +119,22 @@ def test_rank_0_the_aggregator_silent_is_named_by_every_other_rank_alike() -> No
     assert (found[0].silent[0].step, found[0].silent[0].operation) == (5, "training_step")
 
 
+def test_rank_0_publishing_again_while_another_rank_names_it_is_not_named() -> None:
+    clock, store, dogs, _ = _ranks()
+    _round(dogs, clock)
+    for _ in range(9):
+        _round(dogs, clock, skip=(0,))
+    clock.now += 1
+    swap = store.compare_set
+
+    def late(key: str, expected: str, desired: str) -> bytes:  # rank 0 wakes up just before rank 1's swap
+        dogs[0].beat(), dogs[0].check()
+        return swap(key, expected, desired)
+
+    store.compare_set = late  # type: ignore[method-assign]
+    assert dogs[1].check() is None and dogs[2].check() is None
+
+
 def test_done_ranks_are_not_watched_and_a_rank_never_seen_is_named() -> None:
     clock, _, dogs, _ = _ranks()
     _round(dogs, clock, skip=(2,))  # rank 2 never beats
