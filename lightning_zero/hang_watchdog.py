@@ -1,11 +1,13 @@
-"""Lightning glue of the hang watchdog: start it per rank at setup, mark the running operation, and
-end the process with a message naming the silent rank(s) (Note [hang watchdog] in core/heartbeat.py).
+"""Lightning glue of the hang watchdog: start it per rank at setup, mark the running phase (and which
+phases are legitimately long), record Lightning's own collectives, and end the process with the
+finding (Note [hang watchdog] in core/heartbeat.py).
 
 ``ZeroStrategy`` adds a :class:`HangWatchdog` callback at setup when the process group has more
-than one rank and ``hang_timeout_s > 0``. A surviving rank that finds a silent one prints the report
-to stderr and leaves with exit code :data:`HANG_EXIT_CODE` (``os._exit``: its main thread is blocked
-inside a collective that only the silent rank could complete). Under torchrun that ends the job:
-the agent stops the other ranks once one exits non-zero.
+than one rank and ``hang_timeout_s > 0``. Every rank prints the same finding to stderr and leaves
+with exit code :data:`HANG_EXIT_CODE` (75: a rank is silent) or :data:`STUCK_EXIT_CODE` (76: every
+rank alive, none making progress) through ``os._exit``: its main thread is blocked inside a
+collective that will not complete. Under torchrun that ends the job: the agent stops the other
+ranks once one exits non-zero.
 """
 
 from __future__ import annotations
@@ -21,16 +23,13 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_zero.core.hang_finding import SILENT_EXIT_CODE, STUCK_EXIT_CODE
 from lightning_zero.core.heartbeat import HangReport, HeartbeatWatchdog, interval_for
+from lightning_zero.core.progress_record import RECORD
 
-HANG_EXIT_CODE = 75  # EX_TEMPFAIL: the job may well succeed when restarted without the hung host
+HANG_EXIT_CODE = SILENT_EXIT_CODE  # 75, EX_TEMPFAIL: the job may well succeed when restarted without the hung host
+__all__ = ["HANG_EXIT_CODE", "STUCK_EXIT_CODE", "HangWatchdog", "RecordedCollectives", "add_hang_watchdog"]
 _generation = [0]  # watchdogs started in this process; every rank starts them in the same order
-
-
-def _exit_with(report: HangReport, linger_s: float = 0.0) -> None:
-    print(report.message(), file=sys.stderr, flush=True)
-    time.sleep(linger_s)  # the others read the published report (this process may host the store)
-    os._exit(HANG_EXIT_CODE)
 
 
 def _side_channel(timeout_s: float) -> dist.Store:
@@ -46,13 +45,13 @@ def _side_channel(timeout_s: float) -> dist.Store:
     return store
 
 
-def _marks(operation: str) -> Callable[..., None]:
-    """A :class:`HangWatchdog` hook (any Lightning callback hook's arguments) marking ``operation``."""
+def _marks(phase: str, long_phase: bool = False) -> Callable[..., None]:
+    """A :class:`HangWatchdog` hook (any Lightning callback hook's arguments) marking ``phase``."""
 
     def hook(self: HangWatchdog, trainer: pl.Trainer, *args: Any) -> None:
-        self.mark(operation, trainer)
+        self.mark(phase, trainer, long_phase)
 
-    hook.__doc__ = f"Mark {operation!r} as this rank's running operation."
+    hook.__doc__ = f"Mark {phase!r} as this rank's running phase" + (" (long)." if long_phase else ".")
     return hook
 
 
@@ -60,22 +59,30 @@ class HangWatchdog(pl.Callback):
     """Runs a :class:`~lightning_zero.core.heartbeat.HeartbeatWatchdog` for the Trainer's run.
 
     Args:
-        timeout_s: seconds of silence after which a rank is named (``zero.hang_timeout_s``).
-        on_hang: what to do with the report (default: print it and end the process).
+        timeout_s: seconds of silence, or of no progress, after which ranks are named (``zero.hang_timeout_s``).
+        on_hang: what to do with the report (default: print it, let the others print theirs, end the process).
     """
 
     def __init__(self, timeout_s: float, on_hang: Callable[[HangReport], None] | None = None) -> None:
         self.timeout_s = timeout_s
-        self.on_hang = on_hang or (lambda report: _exit_with(report, 2 * interval_for(timeout_s) + 0.5))
+        self.on_hang = on_hang or self._exit_with
         self.watchdog: HeartbeatWatchdog | None = None
+        self._step_started: float | None = None
+
+    def _exit_with(self, report: HangReport) -> None:
+        print(report.message(), file=sys.stderr, flush=True)
+        if self.watchdog is not None and report.kind != "store":
+            self.watchdog.settle(2 * interval_for(self.timeout_s) + 0.5)
+        os._exit(report.exit_code)
 
     def start(self, rank: int, world_size: int) -> None:
         """Start beating (every rank of the run must start one: ``ZeroStrategy.setup`` does)."""
         self.stop()
         _generation[0] += 1
+        RECORD.reset()
         self.watchdog = HeartbeatWatchdog(
             _side_channel(self.timeout_s), rank, world_size, self.timeout_s, self.on_hang,
-            prefix=f"lightning_zero/heartbeat/{_generation[0]}",
+            prefix=f"lightning_zero/heartbeat/{_generation[0]}", record=RECORD,
         ).start()
 
     def stop(self) -> None:
@@ -84,21 +91,50 @@ class HangWatchdog(pl.Callback):
             self.watchdog.stop()
             self.watchdog = None
 
-    def mark(self, operation: str, trainer: pl.Trainer) -> None:
+    def mark(self, phase: str, trainer: pl.Trainer, long_phase: bool = False) -> None:
+        """Record ``phase`` at the Trainer's step; every phase of step 0 is long (first-step compilation)."""
         if self.watchdog is not None:
-            self.watchdog.mark(operation, trainer.global_step)
+            self.watchdog.mark(phase, trainer.global_step, long_phase or trainer.global_step == 0)
 
-    # Lightning hook -> the operation a rank silent after it is named as running
-    on_train_batch_start = _marks("training_step")
+    # Lightning hook -> the phase a rank is reported in; long ones never count as stuck
     on_before_backward = _marks("backward (gradient reduction)")
     on_before_optimizer_step = _marks("optimizer step (parameter all-gather)")
-    on_train_batch_end = _marks("between steps (callbacks, logging, checkpointing)")
-    on_save_checkpoint = _marks("checkpoint save")
+    on_save_checkpoint = _marks("checkpoint save", long_phase=True)
     on_validation_batch_start = _marks("validation step")
+    on_validation_batch_end = _marks("between validation steps (data loading)", long_phase=True)
+    on_validation_end = _marks("between steps (callbacks, logging, data loading)", long_phase=True)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._step_started = time.monotonic()
+        self.mark("training_step", trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._step_started is not None and trainer.global_step > 1:  # the first step (compilation) is apart
+            RECORD.step_s = max(RECORD.step_s, time.monotonic() - self._step_started)
+        self.mark("between steps (callbacks, logging, data loading)", trainer, long_phase=True)
 
     @override
     def on_exception(self, trainer: pl.Trainer, *args: Any) -> None:
         self.stop()
+
+
+class RecordedCollectives:
+    """Strategy mixin: Lightning's own barrier, broadcast and reduce are recorded as strategy collectives
+    (Note [progress record] in core/progress_record.py)."""
+
+    def barrier(self, name: str | None = None) -> None:
+        with RECORD.collective(f"barrier({name})" if name else "barrier"):
+            super().barrier(name)  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with RECORD.collective("broadcast (Lightning)"):
+            return super().broadcast(obj, src)  # type: ignore[misc]
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        with RECORD.collective("reduce (Lightning, e.g. self.log sync_dist)"):
+            return super().reduce(tensor, *args, **kwargs)  # type: ignore[misc]
 
 
 def add_hang_watchdog(trainer: pl.Trainer, timeout_s: float) -> HangWatchdog | None:

@@ -45,7 +45,7 @@ from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters
 from lightning_zero.core.offload import OffloadConfig, offload_from_args
 from lightning_zero.core.process_groups import own, reusable
 from lightning_zero.core.teardown import plan_teardown
-from lightning_zero.hang_watchdog import HangWatchdog, add_hang_watchdog
+from lightning_zero.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.nonfinite_guard import NonFiniteGuard
 from lightning_zero.pipeline.config import PipelineConfig
@@ -60,7 +60,7 @@ from lightning_zero.uneven import check_training_batches
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStrategy):
+class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:

@@ -5,7 +5,10 @@ data is split by rank exactly as in the test pool), then fits TinyTransformer un
 
 - ``stop``: rank 1 SIGSTOPs itself at step 3 (the others must name it and exit);
 - ``kill``: saves ``last.ckpt`` every 2 steps into ROOT, rank 1 SIGKILLs itself at step 5;
-- ``slowsave``: rank 0 spends ``SLOW_SAVE_S`` seconds in every checkpoint save (must not trip the watchdog).
+- ``slowsave``: rank 0's every checkpoint write takes ``SLOW_SAVE_S`` seconds more while rank 1 waits in the
+  save's barrier (must not trip the watchdog);
+- ``diverge``: rank 1 calls an extra ``all_reduce`` from ``training_step`` at step 3 that rank 0 never
+  calls (every rank must name rank 1 and the collectives each side waits in, then exit).
 
 ``HANG_TIMEOUT_S`` sets ``hang_timeout_s``; the collective timeout is 120 s, far above it.
 """
@@ -18,10 +21,12 @@ import sys
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.core.progress_record import parse_progress
 from tests.models import TinyTransformer
 from tests.test_checkpoints import _fit, _saver
 
@@ -39,18 +44,38 @@ class Fault(Callback):
             print(f"KILLING rank 1 at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def on_save_checkpoint(self, trainer: Any, *args: Any) -> None:
-        if self.mode == "slowsave" and trainer.global_rank == 0:
-            time.sleep(float(os.environ["SLOW_SAVE_S"]))
-            print(f"SLOW SAVE done at step {trainer.global_step}", flush=True)
+    def setup(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        if self.mode == "slowsave" and trainer.global_rank == 0:  # a slow file system: rank 0's write takes long
+            strategy, save = trainer.strategy, trainer.strategy.save_checkpoint
+
+            def slow_save(*a: Any, **kw: Any) -> None:
+                save(*a, **kw)
+                time.sleep(float(os.environ["SLOW_SAVE_S"]))
+                seen = parse_progress(strategy._hang.watchdog._seen.get(1, ""))  # rank 0 aggregates the beats
+                print(f"SLOW SAVE done at step {trainer.global_step}; rank 1 {seen.where() if seen else None}",
+                      flush=True)
+
+            strategy.save_checkpoint = slow_save
+
+
+class Diverging(TinyTransformer):
+    """Rank 1 issues a collective of its own at step 3 (on the default group; the strategy's are on its own)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.trainer.global_step == 3:
+            print(f"EXTRA all_reduce on rank 1 at step 3 t={time.monotonic():.3f}", flush=True)
+            dist.all_reduce(torch.ones(1))
+        return loss
 
 
 def main(mode: str, root: str) -> None:
     dist.init_process_group("gloo")
     strategy = ZeroStrategy(stage=2, timeout_s=120, hang_timeout_s=float(os.environ.get("HANG_TIMEOUT_S", "45")))
-    steps = {"stop": 200, "kill": 8, "slowsave": 4}[mode]
-    callbacks = [Fault(mode)] + ([_saver(root, every=2, save_last=True)] if mode != "stop" else [])
-    _fit(TinyTransformer("adamw"), strategy, devices=dist.get_world_size(), max_steps=steps, callbacks=callbacks)
+    steps = {"stop": 200, "kill": 8, "slowsave": 4, "diverge": 200}[mode]
+    callbacks = [Fault(mode)] + ([_saver(root, every=2, save_last=True)] if mode in ("kill", "slowsave") else [])
+    model = Diverging("adamw") if mode == "diverge" else TinyTransformer("adamw")
+    _fit(model, strategy, devices=dist.get_world_size(), max_steps=steps, callbacks=callbacks)
     print(f"DONE rank {dist.get_rank()}", flush=True)
     dist.destroy_process_group()
 

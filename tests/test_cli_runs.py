@@ -260,9 +260,11 @@ def test_a_rank_killed_by_sigkill_ends_with_a_short_summary(tmp_path: Path) -> N
             killed = True
         assert time.monotonic() < deadline, "\n".join(lines[-50:])
     assert proc.wait(timeout=60) == 1 and killed
-    end = "\n".join(lines[-4:])
+    end = "\n".join(lines[-6:])
     assert "rank 1 of 2 was killed by SIGKILL (it printed no traceback" in end, "\n".join(lines[-40:])
     assert "Likely cause: the out-of-memory killer" in end and "The estimator suggests" in end
+    assert "The estimator's host memory for this configuration (stage 2" in end and "per rank" in end, end
+    assert "Settings that lower it: data.micro_batch_size=" in end, end
     assert "zero=stage" in end and str(tmp_path / "run" / "train.log") in end
     assert "Traceback" not in "\n".join(lines[-8:])  # no launcher traceback after the summary
     assert "Root Cause" in (tmp_path / "run" / "train.log").read_text()  # torchrun's full report stays there

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_zero.config.console import RankConsole, failure_summary
+from lightning_zero.config.console import RankConsole, RankExit, failure_summary, host_memory_note
+from lightning_zero.config.validate import count_model_parameters, gpt_config
 
 
 def _failure(idx: int, rank: int, code: int, traceback: str) -> str:
@@ -52,3 +53,42 @@ def test_a_single_failure_and_no_report(tmp_path: Path) -> None:
     failed = _read(tmp_path, _report(_failure(0, 0, -11, "Signal 11 (SIGSEGV) received by PID 1"), [])).first_failure()
     assert failed is not None and (failed.rank, failed.signal_name) == (0, "SIGSEGV")
     assert _read(tmp_path, "plain output\n").first_failure() is None
+
+
+def test_a_sigkilled_rank_gets_the_estimators_host_memory_figure_and_the_settings_that_lower_it() -> None:
+    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.validate import validate_config
+    from lightning_zero.estimator import estimate_memory, format_bytes
+
+    cfg = validate_config(compose_config(["experiment=gpt_tiny", "zero=stage2"]))
+    note = host_memory_note(cfg)
+    assert note is not None
+    # on CPU the ranks hold everything in host memory: the estimator's device total of this configuration
+    shape = dict(micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len)
+    g = gpt_config(cfg.model)
+    expected = estimate_memory(count_model_parameters(cfg), world_size=2, gpus_per_node=2, precision="fp32",
+                               offload="none", layers=g.n_layer, hidden=g.n_embd,
+                               heads=g.n_head, **shape).config(2).device_total()
+    assert f"stage 2, offload none, fp32, 2 ranks per node; everything, the ranks train on CPU): " \
+           f"{format_bytes(expected)} per rank" in note, note
+    lower = note.split("Settings that lower it: ")[1]
+    assert f"data.micro_batch_size={cfg.data.micro_batch_size // 2}" in lower and "zero=stage3 (" in lower, note
+    assert "zero=stage1" not in lower  # a lower stage never lowers it
+    text = failure_summary(RankExit(1, -9, False), 2, Path("/run"), note)
+    assert "killed by SIGKILL" in text and "out-of-memory killer" in text and "host memory" in text
+
+
+def test_a_rank_stopped_by_the_hang_watchdog_is_summarised_as_such(tmp_path: Path) -> None:
+    from lightning_zero.core.hang_finding import SILENT_EXIT_CODE, STUCK_EXIT_CODE
+
+    console = RankConsole(tmp_path / "train.log", echo=lambda text: None)
+    for line in _report(_failure(0, 0, STUCK_EXIT_CODE, "To enable traceback see: ..."), []).splitlines():
+        console.feed(line + "\n")
+    console.close()
+    failed = console.first_failure()
+    assert failed is not None and (failed.rank, failed.exitcode) == (0, 76)
+    text = failure_summary(failed, 2, tmp_path, None)
+    assert "stopped by the hang watchdog (exit code 76: every rank alive, no progress" in text, text
+    assert "hang detected" in text and "traceback" not in text
+    silent = failure_summary(RankExit(1, SILENT_EXIT_CODE, False), 2, tmp_path, None)
+    assert "exit code 75: a rank or the store stopped answering" in silent

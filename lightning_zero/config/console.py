@@ -107,6 +107,9 @@ class RankConsole:
         return min(failures, key=rank_key)[1]
 
 
+# the hang watchdog's exit codes (core/hang_finding.py; literal: the launcher does not import torch for them)
+_HANG_EXITS = {75: "a rank or the store stopped answering",
+               76: "every rank alive, no progress: their collectives differ"}
 _LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT")  # what torchrun sends the surviving ranks when one fails
 
 
@@ -134,6 +137,10 @@ def failure_summary(failed: RankExit | None, devices: int, run_dir: Path, advice
     if failed is None:
         return f"the {devices} ranks of {run_dir} failed; the full output is in {log}."
     sig = failed.signal_name
+    if failed.exitcode in _HANG_EXITS:
+        return (f"rank {failed.rank} of {devices} was stopped by the hang watchdog (exit code {failed.exitcode}: "
+                f"{_HANG_EXITS[failed.exitcode]}); the finding, the same on every rank, is above ('[lightning-zero] "
+                f"hang detected'), and every rank's full output is in {log} (docs/reliability.md).")
     if sig is None:
         return (f"rank {failed.rank} of {devices} failed with exit code {failed.exitcode}; its traceback is "
                 f"above, and every rank's full output is in {log}.")
@@ -179,3 +186,68 @@ def oom_advice(cfg: TrainConfig) -> str | None:
     return (f"The estimator suggests for {size}: {adv.choice.estimate.label} -> {adv.overrides} "
             f"(`lightning-zero advise --device-memory {device / 1e9:.1f}GB --params "
             f"{count_model_parameters(cfg)} --precision {precision}` explains why).")
+
+
+def _offload_of(cfg: TrainConfig) -> str:
+    """The estimator's offload option of ``cfg`` (``none``, ``optimizer_cpu``, ``param_nvme``...)."""
+    o = cfg.offload
+    if o.param_device.value != "none":
+        return f"param_{o.param_device.value}"
+    return "none" if o.optimizer_device.value == "none" else f"optimizer_{o.optimizer_device.value}"
+
+
+def host_memory_note(cfg: TrainConfig) -> str | None:
+    """For a rank killed by SIGKILL: the estimator's host-memory figure of ``cfg`` (per rank and for this
+    node's ranks) and the settings of the same model that lower it, each with its figure.
+
+    Host memory is what the estimator puts on the CPU: everything (model states and activations) when the
+    ranks train on CPU, the offloaded model states on GPU. The processes' own footprint (Python, torch,
+    the data) comes on top."""
+    import torch
+
+    from lightning_zero.config.validate import count_model_parameters
+    from lightning_zero.core.memory import OFFLOAD_STAGES
+    from lightning_zero.estimator import estimate_memory, format_bytes
+
+    t = cfg.trainer
+    on_cpu = not (t.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available())
+    shape: dict[str, int] = {}
+    if isinstance(cfg.model, GPTModelSchema) and isinstance(cfg.data, TextDataSchema):
+        from lightning_zero.config.validate import gpt_config
+
+        g = gpt_config(cfg.model)
+        shape = dict(micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len, layers=g.n_layer,
+                     hidden=g.n_embd, heads=g.n_head)
+    params, precision = count_model_parameters(cfg), cfg.precision.name.value
+
+    def host(stage: int, offload: str, **change: int) -> float:
+        c = estimate_memory(params, world_size=t.devices * t.num_nodes, gpus_per_node=t.devices,
+                            precision=precision, offload=offload, **{**shape, **change}).config(stage, offload)
+        return c.cpu_bytes + (c.device_total() if on_cpu else 0.0)
+
+    stage, offload = cfg.zero.stage, _offload_of(cfg)
+    try:
+        now = host(stage, offload)
+        options: list[tuple[str, float]] = [(f"zero=stage{s}", host(s, offload)) for s in range(stage + 1, 4)
+                                            if s in OFFLOAD_STAGES[offload]]
+        if offload in ("none", "optimizer_cpu") and (on_cpu or offload == "optimizer_cpu"):
+            s = max(stage, 1)
+            options.append(("offload=optimizer_nvme offload.nvme_path=<fast disk>"
+                            + ("" if s == stage else f" zero=stage{s}"), host(s, "optimizer_nvme")))
+        if offload != "param_nvme" and (on_cpu or offload == "param_cpu"):
+            options.append(("offload=param_nvme offload.nvme_path=<fast disk> zero=stage3", host(3, "param_nvme")))
+        if shape.get("micro_batch", 1) > 1:
+            half = shape["micro_batch"] // 2
+            options.append((f"data.micro_batch_size={half}", host(stage, offload, micro_batch=half)))
+    except ValueError:
+        return None
+    where = "everything, the ranks train on CPU" if on_cpu else "the offloaded model states"
+    lines = [f"The estimator's host memory for this configuration (stage {stage}, offload {offload}, {precision}, "
+             f"{t.devices} ranks per node; {where}): {format_bytes(now)} per rank, {format_bytes(now * t.devices)} "
+             "for this node's ranks, plus each process's own (Python, torch, data)."]
+    lower = [f"{o} ({format_bytes(b)} per rank)" for o, b in sorted(options, key=lambda x: x[1]) if b < now]
+    if lower:
+        lines.append("Settings that lower it: " + "; ".join(lower) + "; fewer ranks per node (trainer.devices).")
+    else:
+        lines.append("Fewer ranks per node (trainer.devices) lower it; no other stage or offload of this model does.")
+    return "\n".join(lines)

@@ -112,7 +112,7 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
         RankFailure: torchrun exited non-zero; the message says which rank failed and how (a rank killed
             by a signal has no traceback: the likely cause and a configuration that fits instead).
     """
-    from lightning_zero.config.console import RankConsole, failure_summary, oom_advice
+    from lightning_zero.config.console import RankConsole, failure_summary, host_memory_note, oom_advice
 
     where = node.torchrun_args() if node is not None else ["--standalone"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={devices}",
@@ -136,7 +136,8 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
         failed = console.first_failure()
         advice = None
         if failed is not None and failed.signal_name == "SIGKILL":
-            advice = oom_advice(to_train_config(OmegaConf.to_container(OmegaConf.load(config_file))))  # type: ignore[arg-type]
+            cfg = to_train_config(OmegaConf.to_container(OmegaConf.load(config_file)))  # type: ignore[arg-type]
+            advice = "\n".join(filter(None, [host_memory_note(cfg), oom_advice(cfg)]))
         raise RankFailure(failure_summary(failed, devices, run_dir, advice))
 
 

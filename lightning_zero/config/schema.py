@@ -121,7 +121,7 @@ class ZeroSchema:
     overlap_comm: bool = True
     collective: Collective = Collective.auto
     timeout_s: float = 300.0
-    hang_timeout_s: float = 45.0  # a rank silent this long is named by the others, which exit (0: off)
+    hang_timeout_s: float = 45.0  # a rank silent, or every rank without progress, this long: named, exit (0: off)
     nonfinite: str = "off"  # nan/inf gradients in fp32/bf16: off | skip | raise
     # stage 3 only
     prefetch_bucket_size: int = 50_000_000

@@ -63,7 +63,7 @@ def check_same_everywhere(entries: Sequence[Entry], comm: DataParallelComm, fix:
     if both[0].item() == -both[1].item():
         return
     per_rank: list[list[Entry]] = [[] for _ in range(comm.world_size)]
-    with comm.blocking():
+    with comm.blocking("all_gather_object (setup agreement)"):
         dist.all_gather_object(per_rank, list(entries), group=comm.group)
     raise ValueError(
         "The ranks disagree at setup (parameter names, shapes, dtypes, optimizer groups or settings); the first "

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.core.config import Collective
+from lightning_zero.core.progress_record import RECORD
 
 
 class Handle(Protocol):
@@ -61,9 +62,10 @@ class _Timed:
 
     def __init__(self, work: Handle, comm: DataParallelComm) -> None:
         self.work, self.comm = work, comm
+        self.seq, self.kind = RECORD.seq, RECORD.kind  # the collective just issued (Note [progress record])
 
     def wait(self) -> object:
-        with self.comm.blocking():
+        with self.comm.blocking(), RECORD.waiting(self.seq, self.kind):
             return self.work.wait()
 
 
@@ -107,11 +109,16 @@ class DataParallelComm:
                 dist.destroy_process_group(group)
 
     @contextmanager
-    def blocking(self) -> Iterator[None]:
-        """Count the time spent in the block into :attr:`wait_seconds`."""
+    def blocking(self, kind: str = "") -> Iterator[None]:
+        """Count the time spent in the block into :attr:`wait_seconds`; ``kind``: the block issues that
+        collective, recorded for the hang watchdog (Note [progress record] in core/progress_record.py)."""
         start = time.perf_counter()
         try:
-            yield
+            if kind:
+                with RECORD.collective(kind):
+                    yield
+            else:
+                yield
         finally:
             self.wait_seconds += time.perf_counter() - start
 
@@ -127,7 +134,7 @@ class DataParallelComm:
         if not self.active:
             return DONE
         self._count(tensor, 2 * (self.world_size - 1))
-        with self.blocking():
+        with self.blocking("all_reduce"):
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return self._issued(work, async_op)
 
@@ -135,7 +142,7 @@ class DataParallelComm:
         """Element-wise maximum over the ranks, in place (blocking)."""
         if self.active:
             self._count(tensor, 2 * (self.world_size - 1))
-            with self.blocking():
+            with self.blocking("all_reduce (max)"):
                 dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
     def extremes(self, value: int) -> tuple[int, int]:
@@ -155,7 +162,7 @@ class DataParallelComm:
             out.copy_(pieces[0])
             return DONE
         self.bytes_sent += sum(p.numel() * p.element_size() for i, p in enumerate(pieces) if i != self.rank)
-        with self.blocking():
+        with self.blocking("reduce_scatter"):
             if all(p.numel() == pieces[0].numel() for p in pieces):
                 work = dist.reduce_scatter_tensor(out, torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0],
                                                   group=self.group, async_op=async_op)
@@ -172,7 +179,7 @@ class DataParallelComm:
             # gloo: one broadcast per owner is measured ~1.8x faster than all_gather_into_tensor
             # (docs/benchmarks.md); the broadcasts run concurrently and are waited on together.
             size = end - start
-            with self.blocking():
+            with self.blocking("all_gather"):
                 works = [
                     dist.broadcast(flat[r * size : (r + 1) * size], src=self._global_rank(r), group=self.group,
                                    async_op=True)
@@ -182,7 +189,7 @@ class DataParallelComm:
                 if not async_op:
                     work.wait()
         else:
-            with self.blocking():
+            with self.blocking("all_gather"):
                 work = dist.all_gather_into_tensor(flat, flat[start:end], group=self.group, async_op=async_op)
         return self._issued(work, async_op)
 
@@ -192,7 +199,7 @@ class DataParallelComm:
             outputs[0].copy_(inputs[0])
             return
         self.bytes_sent += sum(t.numel() * t.element_size() for i, t in enumerate(inputs) if i != self.rank)
-        with self.blocking():
+        with self.blocking("all_to_all"):
             dist.all_to_all(outputs, inputs, group=self.group)
 
     def all_gather(self, out: torch.Tensor, piece: torch.Tensor) -> None:
@@ -201,7 +208,7 @@ class DataParallelComm:
             out.copy_(piece.reshape(out.shape))
             return
         self._count(out, self.world_size - 1)
-        with self.blocking():
+        with self.blocking("all_gather"):
             dist.all_gather_into_tensor(out, piece, group=self.group)
 
     def _global_rank(self, dp_rank: int) -> int:
@@ -210,7 +217,7 @@ class DataParallelComm:
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         if self.active:
             self._count(tensor, self.world_size - 1)
-            with self.blocking():
+            with self.blocking("broadcast"):
                 dist.broadcast(tensor, src=self._global_rank(src_rank), group=self.group)
 
     def broadcast_text(self, text: str | None, src_rank: int = 0) -> str:
@@ -233,7 +240,7 @@ class DataParallelComm:
         flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         flags[self.rank] = int(flag)
         self._count(flags, 2 * (self.world_size - 1))
-        with self.blocking():
+        with self.blocking("all_reduce (flags)"):
             dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
         return [r for r in range(self.world_size) if flags[r].item()]
 

@@ -27,9 +27,10 @@ class ZeroConfig:
             and ``reduce_scatter`` elsewhere. Memory bounds are the same: the whole gradient is
             never kept beyond one bucket.
         timeout_s: seconds any collective of the strategy may wait before raising.
-        hang_timeout_s: seconds without a heartbeat after which a rank counts as hung: every other rank
-            names it and exits (Note [hang watchdog] in ``core/heartbeat.py``); ``0`` disables the
-            watchdog. Long work on a live rank (a big checkpoint save) never trips it.
+        hang_timeout_s: seconds without a heartbeat (a silent rank), or without progress of any rank
+            while all are alive (ranks in different collectives), after which every rank prints the
+            same finding and exits, code 75 or 76 (Note [hang watchdog] in ``core/heartbeat.py``);
+            ``0`` disables the watchdog. Long phases (a checkpoint save, the first step) never trip it.
         nonfinite: ``"off"``, ``"skip"`` or ``"raise"``: what a ``nan`` / ``inf`` reduced gradient does
             in fp32 / bf16 (Note [non-finite policy] in ``core/nonfinite.py``; fp16 keeps its loss scaler).
         prefetch_bucket_size: stage 3: elements gathered ahead of the running unit.

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from lightning_zero.core.flat_param import overlap
+from lightning_zero.core.progress_record import RECORD
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.mesh import PipelineGroups
 from lightning_zero.pipeline.model import LocalModel
@@ -107,7 +108,8 @@ class PipelineRunner:
         if self.is_last:
             total = torch.stack([t.detach().float() for t in losses]).sum() / self.loss_factor
         if self.config.stages > 1:
-            dist.broadcast(total, src=self.last_rank, group=self.groups.pp)
+            with RECORD.collective("broadcast (pipeline loss)"):
+                dist.broadcast(total, src=self.last_rank, group=self.groups.pp)
         return total
 
     @staticmethod
@@ -125,8 +127,9 @@ class PipelineRunner:
         schedule = self._schedule(m, True, self._shape_key(inputs, target))
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
-        schedule.step(*args, target=target if self.is_last else None, losses=losses if self.is_last else None,
-                      return_outputs=False)
+        with RECORD.collective("pipeline send/recv (schedule)"):  # Note [progress record]: the whole schedule
+            schedule.step(*args, target=target if self.is_last else None, losses=losses if self.is_last else None,
+                          return_outputs=False)
         return self._broadcast_loss(losses, m)
 
     @torch.no_grad()
