@@ -99,6 +99,25 @@ def test_bad_configurations_stop_before_anything_starts(args: list[str], message
     assert not list(tmp_path.iterdir())  # no output directory, no process
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    (["zero=stag2"], "zero=stag2: no such option in conf/zero/. Did you mean zero=stage2? "
+                     "Options: stage0, stage1, stage2, stage3."),
+    (["zero=zero_schema"], "zero=zero_schema: `zero_schema` is the typed schema behind conf/zero/, not an option. "
+                           "Options: stage0, stage1, stage2, stage3."),
+    (["-m", "offload=none,offload_schema"], "offload=offload_schema: `offload_schema` is the typed schema"),
+])
+def test_a_bad_group_choice_is_one_line_that_lists_only_real_options(args: list[str], line: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Hydra printed 12-15 lines (its search path) and listed the ``*_schema`` entries, which trained silently."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
+    assert "_schema" not in err[0].partition("Options:")[2]
+    assert not list(tmp_path.iterdir())
+
+
 def test_hydra_flags_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)

@@ -38,7 +38,7 @@ from lightning_zero.config.build import RESULT_FILE, FitResult
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
 from lightning_zero.config.paths import CONFIG_NAME, conf_dir
-from lightning_zero.config.schema import TextDataSchema, TrainConfig, register_configs, to_train_config, to_yaml
+from lightning_zero.config.schema import SCHEMAS, TextDataSchema, TrainConfig, register_configs, to_train_config, to_yaml
 from lightning_zero.config.validate import describe, validate_config
 
 CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory
@@ -49,8 +49,31 @@ class RankFailure(RuntimeError):
     """The rank processes of a run exited with an error."""
 
 
+def group_options(group: str) -> list[str]:
+    """The options of a config group: its YAML files under ``conf/`` (the typed ``*_schema`` entries of
+    Hydra's ConfigStore are not options)."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def _refuse_schema_choices(overrides: Sequence[str]) -> None:
+    """``zero=zero_schema`` would compose the bare schema (its defaults) as if it were an option: refuse it."""
+    schemas = {(group, name) for group, name in SCHEMAS if group is not None}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        group = key.lstrip("+~").lstrip("/")
+        for name in value.split(","):
+            if (group, name.strip()) in schemas:
+                raise ValueError(f"{group}={name.strip()}: `{name.strip()}` is the typed schema behind conf/{group}/, "
+                                 f"not an option. Options: {', '.join(group_options(group))}.")
+
+
 def compose_config(overrides: Sequence[str] = (), config_name: str = CONFIG_NAME) -> DictConfig:
-    """Compose ``conf/`` with Hydra's compose API (what ``train`` runs, without starting anything)."""
+    """Compose ``conf/`` with Hydra's compose API (what ``train`` runs, without starting anything).
+
+    Raises:
+        ValueError: a group choice names a schema (``zero=zero_schema``) instead of an option.
+    """
+    _refuse_schema_choices(overrides)
     register_configs()
     with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="train"):
         return compose(config_name, overrides=list(overrides))
@@ -81,6 +104,13 @@ def check_jobs(jobs: Sequence[Sequence[str]], config_name: str = CONFIG_NAME) ->
 def explain(err: BaseException) -> str:
     """A composition error's message with its cause, and the closest valid key for a misspelt one."""
     text = str(err)
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if missing and (conf_dir() / missing.group(1)).is_dir():  # a misspelt group option: one line, not the search path
+        group, name = missing.groups()
+        options = group_options(group)
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+        return (f"{group}={name}: no such option in conf/{group}/."
+                f"{f' Did you mean {group}={close[0]}?' if close else ''} Options: {', '.join(options)}.")
     if err.__cause__ is not None and str(err.__cause__) not in text:
         text += f"\n{err.__cause__}"
     match = re.search(r"Could not override '([^']+)'", text)

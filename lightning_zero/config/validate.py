@@ -35,7 +35,7 @@ from lightning_zero.config.schema import (
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
-from lightning_zero.core.offload import OffloadConfig, nvme_path_problem
+from lightning_zero.core.offload import DEFAULT_BUFFER_COUNT, DEFAULT_MAX_IN_CPU, OffloadConfig, nvme_path_problem
 
 BUILT_STAGES = (0, 1, 2, 3)
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
@@ -86,8 +86,13 @@ def _offload_problems(cfg: TrainConfig) -> list[str]:
         problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
         if problem:  # the check the ranks repeat, here before any of them starts
             out.append(problem)
-    if o.buffer_count < 1:
-        out.append(f"offload.buffer_count must be >= 1, got {o.buffer_count}.")
+    if o.buffer_count != DEFAULT_BUFFER_COUNT:  # DeepSpeed's swap-buffer pool: not built (core/offload.py)
+        out.append(f"offload.buffer_count={o.buffer_count} is not built: there is no pool of swap buffers to size "
+                   f"(offload.sub_group_size sets how much is swapped at once). Fix: drop offload.buffer_count (the "
+                   f"default is {DEFAULT_BUFFER_COUNT}).")
+    if int(o.max_in_cpu) != DEFAULT_MAX_IN_CPU:
+        out.append(f"offload.max_in_cpu={o.max_in_cpu} is not built: with offload=param_nvme every offloaded "
+                   "parameter shard is on disk. Fix: drop offload.max_in_cpu.")
     return out
 
 
