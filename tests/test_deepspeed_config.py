@@ -399,3 +399,12 @@ def test_null_sections_are_refused() -> None:
             parse_deepspeed_config({name: None})
     with pytest.raises(ValueError, match=r"`bf16.enabled` is null"):
         parse_deepspeed_config({"bf16": {"enabled": None}})
+
+
+def test_the_old_zerostrategy_from_deepspeed_config_name_warns_and_works() -> None:
+    """docs/offload.md showed ``ZeroStrategy.from_deepspeed_config``, which had vanished (AttributeError)."""
+    from lightning_zero import ZeroStrategy
+
+    with pytest.warns(DeprecationWarning, match="DeepSpeedZeroStrategy.from_deepspeed_config"):
+        strategy = ZeroStrategy.from_deepspeed_config({"zero_optimization": {"stage": 1}})
+    assert isinstance(strategy, DeepSpeedZeroStrategy) and strategy.zero_config.stage == 1
