@@ -129,3 +129,28 @@ def test_hydra_flags_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert shown.zero.stage == 1 and shown.model.preset == "gpt_tiny"
     assert compose_config(["zero=stage0"]).zero.stage == 0  # Hydra's global state was released
     assert not list(tmp_path.iterdir())
+
+
+def test_a_one_bit_adam_freeze_step_past_the_run_warns_once_before_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/onebit_adam.md's command had model.freeze_step=30 on gpt_tiny's 20 steps: it never compressed."""
+    from types import SimpleNamespace
+
+    import lightning_zero.config.launch as launch
+
+    started: list[int] = []
+
+    def fake_run_job(cfg, run_dir, overrides=()):  # the launch itself is not what this checks
+        started.append(1)
+        return SimpleNamespace(val_loss_end=1.0)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "run_job", fake_run_job)
+    onebit = ["experiment=gpt_tiny", "zero=stage0", "model.optimizer=onebit_adam"]
+    assert main(["train", *onebit, "model.freeze_step=30"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: model.freeze_step=30 >= trainer.max_steps=20: 1-bit Adam stays in its AdamW "
+                     "warm-up for the whole run and never compresses. Fix: model.freeze_step=10") == 1, err
+    assert main(["train", *onebit, "model.freeze_step=10"]) == 0  # the documented command: no warning
+    assert "freeze_step" not in capsys.readouterr().err
+    assert len(started) == 2

@@ -46,7 +46,7 @@ from lightning_zero.config.schema import (
     to_train_config,
     to_yaml,
 )
-from lightning_zero.config.validate import describe, validate_config
+from lightning_zero.config.validate import config_warnings, describe, validate_config
 
 CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory
 log = logging.getLogger("lightning_zero.train")
@@ -238,13 +238,15 @@ def train_command(argv: Sequence[str]) -> int:
     if starts_jobs:
         try:
             jobs = expand_sweep(args.overrides) if args.multirun else [list(args.overrides)]
-            check_jobs(jobs, args.config_name or CONFIG_NAME)
+            checked = check_jobs(jobs, args.config_name or CONFIG_NAME)
         except NotImplementedError as err:
             print(f"lightning-zero train: {err}", file=sys.stderr)
             return 2
         except Exception as err:  # composition errors: misspelt key, wrong type, unknown option
             print(f"lightning-zero train: error: {explain(err)}", file=sys.stderr)
             return 2
+        for line in dict.fromkeys(w for cfg in checked for w in config_warnings(cfg)):  # once, not per job
+            print(f"lightning-zero train: warning: {line}", file=sys.stderr)
     register_configs()
     task = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(_hydra_task)
     saved = sys.argv

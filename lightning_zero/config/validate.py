@@ -319,6 +319,17 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def config_warnings(cfg: TrainConfig) -> list[str]:
+    """Valid settings that will not do what they are for (printed once, before launch)."""
+    out = []
+    m, max_steps = cfg.model, cfg.trainer.max_steps
+    if m.optimizer is OptimizerName.onebit_adam and max_steps is not None and 0 < max_steps <= m.freeze_step:
+        out.append(f"model.freeze_step={m.freeze_step} >= trainer.max_steps={max_steps}: 1-bit Adam stays in its "
+                   "AdamW warm-up for the whole run and never compresses. Fix: model.freeze_step="
+                   f"{max(1, max_steps // 2)} (or more steps).")
+    return out
+
+
 def unbuilt_features(cfg: TrainConfig) -> list[str]:
     """The features ``cfg`` asks for that lightning_zero does not implement yet (empty when all are built)."""
     out = []
