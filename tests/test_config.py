@@ -302,3 +302,24 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert run_job(cfg, tmp_path / "second").global_step == 2
     with pytest.raises(ValueError, match="is not a checkpoint file or directory"):
         validate_config(compose_config(["trainer.resume_from=/nonexistent.ckpt"]))
+
+
+@pytest.mark.parametrize("option", ["optimizer_cpu", "param_cpu"])
+def test_the_cpu_offload_presets_pin_only_where_an_accelerator_is(option: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The presets said pin_memory: true, so every rank of a CPU run warned that it could not pin."""
+    import warnings
+
+    from lightning_zero.config.validate import offload_config
+
+    cpu = validate_config(compose_config(["zero=stage3", f"offload={option}"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert offload_config(cpu).pin() is False  # unpinned, and no warning
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = validate_config(compose_config(["zero=stage3", f"offload={option}", "trainer=gpu"]))
+    assert offload_config(gpu).pin_memory is True
+    assert offload_config(cpu).pin_memory is False  # the trainer is on CPU: nothing to pin for
+    forced = validate_config(compose_config(["zero=stage3", f"offload={option}", "offload.pin_memory=false",
+                                             "trainer=gpu"]))
+    assert offload_config(forced).pin_memory is False  # an explicit value is kept

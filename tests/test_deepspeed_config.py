@@ -281,7 +281,7 @@ STAGE3_OFFLOAD = {"zero_optimization": {
     "offload_param": {"device": "cpu", "pin_memory": True, "max_in_cpu": 1e9}}, "bf16": {"enabled": True}}
 STAGE3_HYDRA = ["zero=stage3", "offload=param_cpu", "precision=bf16", "zero.reduce_bucket_size=20000000",
                 "zero.prefetch_bucket_size=40000000", "zero.max_live_parameters=500000000",
-                "zero.param_persistence_threshold=10000"]
+                "zero.param_persistence_threshold=10000", "offload.pin_memory=true"]
 NVME_OFFLOAD = {"zero_optimization": {
     "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4},
     "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5}},

@@ -64,8 +64,15 @@ def offload_config(cfg: TrainConfig) -> OffloadConfig:
     """The core :class:`OffloadConfig` of ``cfg.offload`` (what a JSON's offload sections are compared with)."""
     o = cfg.offload
     return OffloadConfig(optimizer_device=o.optimizer_device.value, param_device=o.param_device.value,
-                         nvme_path=o.nvme_path, pin_memory=o.pin_memory, buffer_count=o.buffer_count,
+                         nvme_path=o.nvme_path, pin_memory=pin_memory(cfg), buffer_count=o.buffer_count,
                          max_in_cpu=int(o.max_in_cpu), sub_group_size=int(o.sub_group_size))
+
+
+def pin_memory(cfg: TrainConfig) -> bool:
+    """``offload.pin_memory``, with ``null`` resolved: pinned where the run has a CUDA accelerator."""
+    if cfg.offload.pin_memory is not None:
+        return bool(cfg.offload.pin_memory)
+    return str(cfg.trainer.accelerator) not in ("cpu",) and torch.cuda.is_available()
 
 
 def _offload_problems(cfg: TrainConfig) -> list[str]:
