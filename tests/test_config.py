@@ -323,3 +323,31 @@ def test_the_cpu_offload_presets_pin_only_where_an_accelerator_is(option: str,
     forced = validate_config(compose_config(["zero=stage3", f"offload={option}", "offload.pin_memory=false",
                                              "trainer=gpu"]))
     assert offload_config(forced).pin_memory is False  # an explicit value is kept
+
+
+def test_val_check_interval_counts_optimizer_steps_under_accumulation() -> None:
+    """It counted micro-batches: with 2 accumulation steps, val_check_interval=2 validated every optimizer step."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_zero.config.build import val_check_batches
+
+    cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.accumulate_grad_batches=2",
+                                          "trainer.val_check_interval=2"]))
+    assert val_check_batches(cfg) == 4  # Lightning counts training batches
+    fraction = validate_config(compose_config(["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=0.5"]))
+    assert val_check_batches(fraction) == 0.5  # a fraction of an epoch stays one
+
+    class Steps(pl.Callback):
+        seen: list[int] = []
+
+        def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.seen.append(trainer.global_step)
+
+    steps = Steps()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=2,
+                         val_check_interval=val_check_batches(cfg), limit_val_batches=1, num_sanity_val_steps=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[steps])
+    trainer.fit(BoringModel())
+    assert steps.seen == [2, 4, 6]  # every 2 optimizer steps, as the config says

@@ -155,10 +155,21 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
     return out
 
 
+def val_check_batches(cfg: TrainConfig) -> float | None:
+    """``trainer.val_check_interval`` as Lightning counts it: the config's whole number (> 1) counts optimizer
+    steps, Lightning's counts training batches, so it is multiplied by the accumulation (a fraction <= 1 of
+    an epoch is passed as it is)."""
+    t = cfg.trainer
+    value = t.val_check_interval
+    if value is None or value <= 1 or not float(value).is_integer():
+        return value
+    return int(value) * t.accumulate_grad_batches
+
+
 def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
     """``pl.Trainer`` arguments (strategy not included) for one rank of the run."""
     t = cfg.trainer
-    optional = {"max_epochs": t.max_epochs, "max_time": t.max_time, "val_check_interval": t.val_check_interval,
+    optional = {"max_epochs": t.max_epochs, "max_time": t.max_time, "val_check_interval": val_check_batches(cfg),
                 "limit_train_batches": t.limit_train_batches, "limit_val_batches": t.limit_val_batches,
                 "gradient_clip_val": t.gradient_clip_val}
     return {
