@@ -339,7 +339,8 @@ def test_val_check_interval_counts_optimizer_steps_under_accumulation() -> None:
     assert val_check_batches(fraction) == 0.5  # a fraction of an epoch stays one
 
     class Steps(pl.Callback):
-        seen: list[int] = []
+        def __init__(self) -> None:
+            self.seen: list[int] = []
 
         def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.seen.append(trainer.global_step)
