@@ -193,16 +193,19 @@ class FitResult:
     val_loss_start: float | None
     val_loss_end: float | None
     checkpoints: list[str]
+    resumed_at: int = 0  # the global step the fit resumed from (0: a fresh run)
 
     def summary(self) -> str:
-        """One line: steps, fit time, validation loss at start and end, and the drop."""
+        """One line: steps (those of this run when resumed), fit time, validation loss at start and end."""
 
         def fmt(x: float | None) -> str:
             return "-" if x is None else f"{x:.4f}"
 
         drop = ("" if self.val_loss_start is None or self.val_loss_end is None
                 else f" (drop {self.val_loss_start - self.val_loss_end:.3f} nats)")
-        return (f"steps={self.global_step} fit_time={self.seconds:.1f}s val_loss {fmt(self.val_loss_start)} -> "
+        steps = (f"steps={self.global_step} ({self.global_step - self.resumed_at} in this run, resumed at step "
+                 f"{self.resumed_at})" if self.resumed_at else f"steps={self.global_step}")
+        return (f"{steps} fit_time={self.seconds:.1f}s val_loss {fmt(self.val_loss_start)} -> "
                 f"{fmt(self.val_loss_end)}{drop}")
 
 
@@ -215,9 +218,18 @@ def _val_loss(metrics: list[dict[str, float]] | dict[str, Any]) -> float | None:
 
 
 class _LastValidation(Callback):
-    """The global step of the last validation inside the fit (``validate_at_end`` does not repeat it)."""
+    """The global step of the last validation inside the fit (``validate_at_end`` does not repeat it), the
+    step the fit started at, and, for a resumed fit, the start validation's line with the checkpoint's step
+    (it ran before the fit restored the step, so its own line would have said step 0)."""
 
     step = -1
+    started_at = 0
+    start_line: float | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started_at = trainer.global_step
+        if self.start_line is not None and trainer.is_global_zero:
+            print(f"step {trainer.global_step}  val_loss {self.start_line:.4f}", file=sys.stderr, flush=True)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
@@ -231,10 +243,15 @@ def _validate_at_start(trainer: pl.Trainer, module: pl.LightningModule, data: pl
     if not resume_from:
         return _val_loss(trainer.validate(module, data, verbose=False))
     loggers, trainer.loggers = trainer.loggers, []
+    printers = [c for c in trainer.callbacks if isinstance(c, LineProgress)]
+    for printer in printers:  # its line would say step 0: _LastValidation prints it once the step is restored
+        printer.disable()
     try:
         return _val_loss(trainer.validate(module, data, ckpt_path=resume_from, verbose=False))
     finally:
         trainer.loggers = loggers
+        for printer in printers:
+            printer.enable()
 
 
 def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
@@ -261,6 +278,8 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
             logger.log_hyperparams(config_hparams(cfg))
     start = _validate_at_start(trainer, module, data, cfg.trainer.resume_from) if cfg.trainer.validate_at_start \
         else None
+    if cfg.trainer.resume_from and start is not None and any(isinstance(c, LineProgress) for c in trainer.callbacks):
+        last_validation.start_line = start
     began = time.perf_counter()
     trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
     seconds = time.perf_counter() - began
@@ -270,7 +289,7 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
         end = _val_loss(dict(trainer.callback_metrics))
     ckpt_dir = run_dir / "checkpoints"
     ckpts = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
-    result = FitResult(trainer.global_step, seconds, start, end, ckpts)
+    result = FitResult(trainer.global_step, seconds, start, end, ckpts, resumed_at=last_validation.started_at)
     if trainer.local_rank == 0:  # every node's launcher reads it from its own run directory
         (run_dir / RESULT_FILE).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result
