@@ -125,6 +125,10 @@ def test_every_doc_command_uses_the_venv_form_of_the_readme() -> None:
                 command = line[2:] if kind == "console" and line.startswith("$ ") else line if kind == "bash" else ""
                 if re.match(r"(lightning-zero|python3?)\b", command) and not command.startswith("python3 -m venv"):
                     bare.append(f"{name}: {command}")
+        # an inline command with arguments (`lightning-zero train x=y`, `python some/script.py`) too
+        for match in re.finditer(r"`((?:lightning-zero|python3?) [^`]*[=/][^`]*)`", doc.read_text()):
+            if not match.group(1).startswith("python -m lightning_zero.config.worker"):  # what the launcher runs
+                bare.append(f"{name}: {match.group(1)}")
     assert not bare, "write .venv/bin/lightning-zero / .venv/bin/python, as the README does:\n" + "\n".join(bare)
 
 
