@@ -27,7 +27,7 @@ from lightning_zero.core.offload import DEFAULT_MAX_IN_CPU, OffloadConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
 from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import PipelineSpec, parse_pipeline
-from lightning_zero.deepspeed.refused import REFUSED, refusal_message, refused_keys
+from lightning_zero.deepspeed.refused import REFUSED, refusal_message, refuse_unbuilt, refused_keys
 from lightning_zero.deepspeed.schedulers import check_scheduler_params
 
 AUTO = "auto"
@@ -289,11 +289,9 @@ def _offload(z: _Section, stage: int, given: dict[str, str]) -> OffloadConfig:
         section = z.section(f"offload_{kind}")
         if section is None:
             continue
-        _refuse_unbuilt(section, "buffer_count", buffers, "there is no pool of swap buffers to size "
-                        "(sub_group_size sets how much is swapped at once)")
+        refuse_unbuilt(section.key("buffer_count"), section.get("buffer_count", int), buffers)
         if kind == "param":
-            _refuse_unbuilt(section, "max_in_cpu", DEFAULT_MAX_IN_CPU, "every parameter shard offloaded to nvme is "
-                            "on disk")
+            refuse_unbuilt(section.key("max_in_cpu"), section.get("max_in_cpu", int), DEFAULT_MAX_IN_CPU)
         device = section.get("device", str, "none")
         if device not in ("none", "cpu", "nvme"):
             raise ValueError(f"DeepSpeed config: `{section.key('device')}` must be none, cpu or nvme, got {device!r}.")
@@ -314,14 +312,6 @@ def _offload(z: _Section, stage: int, given: dict[str, str]) -> OffloadConfig:
     offload = OffloadConfig(**values)
     _check_offload(offload, stage)
     return offload
-
-
-def _refuse_unbuilt(section: _Section, key: str, default: int, why: str) -> None:
-    """DeepSpeed's default value of an offload I/O knob is accepted (nothing to do); another is refused."""
-    value = section.get(key, int)
-    if value is not None and value != default:
-        raise ValueError(f"DeepSpeed config: `{section.key(key)}`={value} is not built: {why}. Fix: remove the key "
-                         f"(or give DeepSpeed's default {default:g}).")
 
 
 def _check_offload(offload: OffloadConfig, stage: int) -> None:

@@ -111,3 +111,17 @@ def refusal_message(source: str, refused: list[tuple[str, Any, str]]) -> str:
     return (f"DeepSpeed config {source}: not built in lightning_zero, and training without it would compute or store "
             f"something else: {keys}. Fix: remove the key(s) (or set DeepSpeed's default); see "
             "docs/deepspeed_config.md.")
+
+
+_UNBUILT_WHY = {"buffer_count": "there is no pool of swap buffers to size (sub_group_size sets how much is swapped "
+                                "at once)",
+                "max_in_cpu": "every parameter shard offloaded to nvme is on disk"}
+
+
+def refuse_unbuilt(key: str, value: int | None, default: int) -> None:
+    """An offload I/O knob (``buffer_count``, ``max_in_cpu``) at DeepSpeed's default is accepted (there is
+    nothing to size); another value is refused, naming ``key`` (its dotted JSON path)."""
+    if value is not None and value != default:
+        why = _UNBUILT_WHY[key.rsplit(".", 1)[-1]]
+        raise ValueError(f"DeepSpeed config: `{key}`={value} is not built: {why}. Fix: remove the key (or give "
+                         f"DeepSpeed's default {default:g}).")
