@@ -99,6 +99,25 @@ def test_bad_configurations_stop_before_anything_starts(args: list[str], message
     assert not list(tmp_path.iterdir())  # no output directory, no process
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    (["zero=stag2"], "zero=stag2: no such option in conf/zero/. Did you mean zero=stage2? "
+                     "Options: stage0, stage1, stage2, stage3."),
+    (["zero=zero_schema"], "zero=zero_schema: `zero_schema` is the typed schema behind conf/zero/, not an option. "
+                           "Options: stage0, stage1, stage2, stage3."),
+    (["-m", "offload=none,offload_schema"], "offload=offload_schema: `offload_schema` is the typed schema"),
+])
+def test_a_bad_group_choice_is_one_line_that_lists_only_real_options(args: list[str], line: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Hydra printed 12-15 lines (its search path) and listed the ``*_schema`` entries, which trained silently."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
+    assert "_schema" not in err[0].partition("Options:")[2]
+    assert not list(tmp_path.iterdir())
+
+
 def test_hydra_flags_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
@@ -110,3 +129,28 @@ def test_hydra_flags_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert shown.zero.stage == 1 and shown.model.preset == "gpt_tiny"
     assert compose_config(["zero=stage0"]).zero.stage == 0  # Hydra's global state was released
     assert not list(tmp_path.iterdir())
+
+
+def test_a_one_bit_adam_freeze_step_past_the_run_warns_once_before_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/onebit_adam.md's command had model.freeze_step=30 on gpt_tiny's 20 steps: it never compressed."""
+    from types import SimpleNamespace
+
+    import lightning_zero.config.launch as launch
+
+    started: list[int] = []
+
+    def fake_run_job(cfg, run_dir, overrides=()):  # the launch itself is not what this checks
+        started.append(1)
+        return SimpleNamespace(val_loss_end=1.0)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "run_job", fake_run_job)
+    onebit = ["experiment=gpt_tiny", "zero=stage0", "model.optimizer=onebit_adam"]
+    assert main(["train", *onebit, "model.freeze_step=30"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: model.freeze_step=30 >= trainer.max_steps=20: 1-bit Adam stays in its AdamW "
+                     "warm-up for the whole run and never compresses. Fix: model.freeze_step=10") == 1, err
+    assert main(["train", *onebit, "model.freeze_step=10"]) == 0  # the documented command: no warning
+    assert "freeze_step" not in capsys.readouterr().err
+    assert len(started) == 2

@@ -302,3 +302,53 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert run_job(cfg, tmp_path / "second").global_step == 2
     with pytest.raises(ValueError, match="is not a checkpoint file or directory"):
         validate_config(compose_config(["trainer.resume_from=/nonexistent.ckpt"]))
+
+
+@pytest.mark.parametrize("option", ["optimizer_cpu", "param_cpu"])
+def test_the_cpu_offload_presets_pin_only_where_an_accelerator_is(option: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The presets said pin_memory: true, so every rank of a CPU run warned that it could not pin."""
+    import warnings
+
+    from lightning_zero.config.validate import offload_config
+
+    cpu = validate_config(compose_config(["zero=stage3", f"offload={option}"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert offload_config(cpu).pin() is False  # unpinned, and no warning
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = validate_config(compose_config(["zero=stage3", f"offload={option}", "trainer=gpu"]))
+    assert offload_config(gpu).pin_memory is True
+    assert offload_config(cpu).pin_memory is False  # the trainer is on CPU: nothing to pin for
+    forced = validate_config(compose_config(["zero=stage3", f"offload={option}", "offload.pin_memory=false",
+                                             "trainer=gpu"]))
+    assert offload_config(forced).pin_memory is False  # an explicit value is kept
+
+
+def test_val_check_interval_counts_optimizer_steps_under_accumulation() -> None:
+    """It counted micro-batches: with 2 accumulation steps, val_check_interval=2 validated every optimizer step."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_zero.config.build import val_check_batches
+
+    cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.accumulate_grad_batches=2",
+                                          "trainer.val_check_interval=2"]))
+    assert val_check_batches(cfg) == 4  # Lightning counts training batches
+    fraction = validate_config(compose_config(["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=0.5"]))
+    assert val_check_batches(fraction) == 0.5  # a fraction of an epoch stays one
+
+    class Steps(pl.Callback):
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.seen.append(trainer.global_step)
+
+    steps = Steps()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=2,
+                         val_check_interval=val_check_batches(cfg), limit_val_batches=1, num_sanity_val_steps=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[steps])
+    trainer.fit(BoringModel())
+    assert steps.seen == [2, 4, 6]  # every 2 optimizer steps, as the config says

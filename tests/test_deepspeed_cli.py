@@ -104,6 +104,10 @@ def test_bad_batch_triple_or_json_stops_before_anything_starts(tmp_path: Path, m
     assert "zero.stage=2 on the command line" in capsys.readouterr().err
     assert main(["train", f"deepspeed_config={strict}", "deepspeed_strict=true"]) == 2
     assert "does not support these keys and ignores them: tensorboard" in capsys.readouterr().err
+    refused = _json(tmp_path, {**DS, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zpp.json")
+    assert main(["train", f"deepspeed_config={refused}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "`zero_optimization.zero_quantized_weights`=true" in err[0] and "not built" in err[0]
     assert main(["train", f"deepspeed_config={tmp_path / 'missing.json'}"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not list(run.iterdir())  # no output directory, no process
@@ -112,7 +116,7 @@ def test_bad_batch_triple_or_json_stops_before_anything_starts(tmp_path: Path, m
 @pytest.mark.slow
 def test_train_runs_two_ranks_from_a_deepspeed_json(tmp_path: Path) -> None:
     (tmp_path / "conf").mkdir()
-    path = _json(tmp_path / "conf", DS)
+    path = _json(tmp_path / "conf", {**DS, "aio": {"block_size": 1048576}})  # a performance hint: warned once
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
     cmd = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "deepspeed_config=conf/ds.json",
            "trainer.max_steps=3", "trainer.enable_model_summary=false"]
@@ -128,6 +132,7 @@ def test_train_runs_two_ranks_from_a_deepspeed_json(tmp_path: Path) -> None:
     assert json.loads((runs[0] / "result.json").read_text())["global_step"] == 3
     # steps_per_print=1: DeepSpeed-style progress lines with the JSON's WarmupLR (log warmup over 2 steps)
     assert "[lightning-zero] step=1 lr=[0.0]" in out and "[lightning-zero] step=3 lr=[0.003]" in out, out[-3000:]
+    assert out.count("does not support these keys and ignores them: aio.") == 1, out[-4000:]  # not per rank / check
 
 
 # ---------------------------------------------------------------------------- defaults are not settings

@@ -17,7 +17,8 @@ from lightning_zero import DeepSpeedZeroStrategy, ZeroConfig
 from lightning_zero.config.build import strategy_kwargs as hydra_strategy_kwargs
 from lightning_zero.config.deepspeed import apply_deepspeed_config, deepspeed_settings, strategy_settings
 from lightning_zero.config.launch import compose_config
-from lightning_zero.config.validate import validate_config
+from lightning_zero.config.schema import to_train_config
+from lightning_zero.config.validate import invalid_combinations, validate_config
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.deepspeed import BatchSizes, parse_deepspeed_config
@@ -176,6 +177,61 @@ def test_invalid_values_are_refused_naming_the_key(config: dict, message: str) -
         parse_deepspeed_config(config)
 
 
+@pytest.mark.parametrize(("config", "key"), [
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
+     "`compression_training`="),
+    ({"data_efficiency": {"enabled": True, "data_sampling": {"enabled": True}}}, "`data_efficiency`="),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "`zero_optimization.zero_quantized_weights`"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
+     "`zero_optimization.zero_quantized_gradients`"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}},
+     "`zero_optimization.zero_hpz_partition_size`=8"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "`tensor_parallel.autotp_size`=2"),
+    ({"sequence_parallel_size": 2}, "`sequence_parallel_size`=2"),
+    ({"amp": {"enabled": True}}, "`amp.enabled`=true"),
+    ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, "`elasticity`="),
+    ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}},
+     "`zero_optimization.stage3_gather_16bit_weights_on_model_save`=true"),
+])
+def test_features_that_change_what_is_computed_are_refused_in_one_line(config: dict, key: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_deepspeed_config(config)
+    message = str(info.value)
+    assert key in message and "not built" in message and "\n" not in message, message
+    with pytest.raises(ValueError, match="not built"):  # the strategy refuses it too, before any process
+        DeepSpeedZeroStrategy.from_deepspeed_config(config)
+
+
+def test_switched_off_features_and_deepspeed_defaults_are_accepted_silently() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = parse_deepspeed_config({
+            "data_efficiency": {"enabled": False}, "compression_training": {}, "elasticity": {"enabled": False},
+            "sequence_parallel_size": 1,
+            "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
+                                  "offload_optimizer": {"device": "cpu", "buffer_count": 4},
+                                  "offload_param": {"device": "cpu", "buffer_count": 5, "max_in_cpu": 1e9}}})
+    assert ds.offload == OffloadConfig(optimizer_device="cpu", param_device="cpu")
+
+
+@pytest.mark.parametrize(("section", "key", "value"), [("offload_optimizer", "buffer_count", 8),
+                                                       ("offload_param", "buffer_count", 2),
+                                                       ("offload_param", "max_in_cpu", 2e9)])
+def test_offload_io_knobs_that_are_not_built_are_refused(section: str, key: str, value: float) -> None:
+    """``buffer_count`` / ``max_in_cpu`` were validated and then read by nothing."""
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "cpu"}}}
+    config["zero_optimization"][section][key] = value
+    refusal = rf"`zero_optimization.{section}.{key}`={int(value)} is not built.*Fix: remove"
+    with pytest.raises(ValueError, match=refusal):
+        parse_deepspeed_config(config)
+    with pytest.raises(ValueError, match=rf"offload `{key}`=.* is not built"):
+        OffloadConfig(optimizer_device="cpu", **{key: int(value)})
+    hydra = compose_config(["zero=stage3", "offload=param_cpu", f"offload.{key}={int(value)}"])
+    problems = invalid_combinations(to_train_config(hydra))
+    assert any(p.startswith(f"offload.{key}={int(value)} is not built") for p in problems), problems
+
+
 def test_files_bad_json_and_duplicate_keys(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         parse_deepspeed_config(tmp_path / "missing.json")
@@ -222,12 +278,12 @@ STAGE3_OFFLOAD = {"zero_optimization": {
     "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 2e7,
     "stage3_prefetch_bucket_size": 4e7, "stage3_max_live_parameters": 5e8, "stage3_param_persistence_threshold": 1e4,
     "offload_optimizer": {"device": "cpu", "pin_memory": True},
-    "offload_param": {"device": "cpu", "pin_memory": True, "max_in_cpu": 2e9}}, "bf16": {"enabled": True}}
+    "offload_param": {"device": "cpu", "pin_memory": True, "max_in_cpu": 1e9}}, "bf16": {"enabled": True}}
 STAGE3_HYDRA = ["zero=stage3", "offload=param_cpu", "precision=bf16", "zero.reduce_bucket_size=20000000",
                 "zero.prefetch_bucket_size=40000000", "zero.max_live_parameters=500000000",
-                "zero.param_persistence_threshold=10000", "offload.max_in_cpu=2000000000"]
+                "zero.param_persistence_threshold=10000", "offload.pin_memory=true"]
 NVME_OFFLOAD = {"zero_optimization": {
-    "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5},
+    "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4},
     "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5}},
     "fp16": {"enabled": True, "loss_scale_window": 200}}
 NVME_HYDRA = ["zero=stage3", "offload=param_nvme", "precision=fp16", "precision.loss_scale_window=200",
@@ -343,3 +399,12 @@ def test_null_sections_are_refused() -> None:
             parse_deepspeed_config({name: None})
     with pytest.raises(ValueError, match=r"`bf16.enabled` is null"):
         parse_deepspeed_config({"bf16": {"enabled": None}})
+
+
+def test_the_old_zerostrategy_from_deepspeed_config_name_warns_and_works() -> None:
+    """docs/offload.md showed ``ZeroStrategy.from_deepspeed_config``, which had vanished (AttributeError)."""
+    from lightning_zero import ZeroStrategy
+
+    with pytest.warns(DeprecationWarning, match="DeepSpeedZeroStrategy.from_deepspeed_config"):
+        strategy = ZeroStrategy.from_deepspeed_config({"zero_optimization": {"stage": 1}})
+    assert isinstance(strategy, DeepSpeedZeroStrategy) and strategy.zero_config.stage == 1

@@ -108,6 +108,53 @@ LAUNCHER_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "
                       "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"}
 
 
+# One form for the docs' commands: the README's own, `.venv/bin/lightning-zero` and `.venv/bin/python`
+# (the README never activates the venv, so a bare `lightning-zero` / `python` is "command not found").
+# Pages another branch is editing today, converted when it merges (remove them from here then).
+CONVENTION_PENDING = {"reliability.md", "monitoring.md", "sparse_attention.md"}
+
+
+def test_every_doc_command_uses_the_venv_form_of_the_readme() -> None:
+    bare = []
+    for doc in DOCS:
+        name = doc.relative_to(ROOT).as_posix()
+        if doc.name in CONVENTION_PENDING:
+            continue
+        for kind, lines in _blocks(doc.read_text()):
+            for line in lines:
+                command = line[2:] if kind == "console" and line.startswith("$ ") else line if kind == "bash" else ""
+                if re.match(r"(lightning-zero|python3?)\b", command) and not command.startswith("python3 -m venv"):
+                    bare.append(f"{name}: {command}")
+        # an inline command with arguments (`lightning-zero train x=y`, `python some/script.py`) too
+        for match in re.finditer(r"`((?:lightning-zero|python3?) [^`]*[=/][^`]*)`", doc.read_text()):
+            if not match.group(1).startswith("python -m lightning_zero.config.worker"):  # what the launcher runs
+                bare.append(f"{name}: {match.group(1)}")
+    assert not bare, "write .venv/bin/lightning-zero / .venv/bin/python, as the README does:\n" + "\n".join(bare)
+
+
+def test_every_doc_page_is_linked_from_the_readme() -> None:
+    linked = set(_LINK.findall((ROOT / "README.md").read_text()))
+    missing = [p.name for p in DOCS[1:] if f"docs/{p.name}" not in linked]
+    assert not missing, f"add them to README.md's Documentation list: {missing}"
+
+
+def test_the_readme_python_snippet_runs_and_measures_the_model_states(tmp_path: Path, monkeypatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Its `print(trainer.strategy.model_state_bytes())` once ran after fit, where it raises."""
+    from tests.models import TinyTransformer, token_loader
+
+    readme = (ROOT / "README.md").read_text()
+    snippet = re.search(r"## Use it\n+```python\n(.*?)^```", readme, re.S | re.M).group(1)
+    assert "devices=2" in snippet
+    monkeypatch.chdir(tmp_path)  # Lightning's default logger writes lightning_logs/ here
+    monkeypatch.setenv("PL_DISABLE_FORK", "1")
+    # one process (devices=2 would make Lightning re-run pytest's command line for rank 1), two steps
+    one_process = snippet.replace("devices=2", "devices=1, max_steps=2, enable_progress_bar=False")
+    exec(one_process, {"model": TinyTransformer(), "datamodule": token_loader(n=16)})
+    printed = capsys.readouterr().out
+    assert re.search(r"ModelStateBytes\(params=[1-9][\d.]*, grads=[\d.]+, optimizer=[1-9][\d.]*", printed), printed
+
+
 def test_every_doc_command_is_collected_and_the_skip_list_is_current() -> None:
     commands = {c for _, c, _ in COMMANDS}
     assert len(commands) >= 15  # the parser finds the docs' commands

@@ -73,6 +73,19 @@ def test_the_advisors_nvme_suggestion_passes_the_checks_before_launch(
     assert "'/proc' is not on a disk" in err and "Fix: --nvme-path=<a writable directory" in err
 
 
+def test_the_registered_nvme_strategy_trains_by_name_in_the_temporary_directory() -> None:
+    """``strategy="zero_stage_3_offload_nvme"`` once pointed at a hard-coded ``/local_nvme`` (refused)."""
+    model = TinyTransformer()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = make_trainer("zero_stage_3_offload_nvme", devices=1, max_steps=2)
+    strategy = trainer.strategy
+    assert isinstance(strategy, ZeroStrategy) and strategy.offload.name == "param_nvme"
+    assert strategy.offload.nvme_path == tempfile.gettempdir()
+    trainer.fit(model, token_loader(n=16))
+    assert trainer.global_step == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 # ---------------------------------------------------------------------------------------------- kernel flags
 class FlagProbe(TinyTransformer):
     """The user's AdamW (torch's default: neither fused nor foreach set); records the flags at each step."""

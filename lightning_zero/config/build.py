@@ -188,10 +188,21 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
     return out
 
 
+def val_check_batches(cfg: TrainConfig) -> float | None:
+    """``trainer.val_check_interval`` as Lightning counts it: the config's whole number (> 1) counts optimizer
+    steps, Lightning's counts training batches, so it is multiplied by the accumulation (a fraction <= 1 of
+    an epoch is passed as it is)."""
+    t = cfg.trainer
+    value = t.val_check_interval
+    if value is None or value <= 1 or not float(value).is_integer():
+        return value
+    return int(value) * t.accumulate_grad_batches
+
+
 def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
     """``pl.Trainer`` arguments (strategy not included) for one rank of the run."""
     t = cfg.trainer
-    optional = {"max_epochs": t.max_epochs, "max_time": t.max_time, "val_check_interval": t.val_check_interval,
+    optional = {"max_epochs": t.max_epochs, "max_time": t.max_time, "val_check_interval": val_check_batches(cfg),
                 "limit_train_batches": t.limit_train_batches, "limit_val_batches": t.limit_val_batches,
                 "gradient_clip_val": t.gradient_clip_val}
     return {
@@ -215,16 +226,19 @@ class FitResult:
     val_loss_start: float | None
     val_loss_end: float | None
     checkpoints: list[str]
+    resumed_at: int = 0  # the global step the fit resumed from (0: a fresh run)
 
     def summary(self) -> str:
-        """One line: steps, fit time, validation loss at start and end, and the drop."""
+        """One line: steps (those of this run when resumed), fit time, validation loss at start and end."""
 
         def fmt(x: float | None) -> str:
             return "-" if x is None else f"{x:.4f}"
 
         drop = ("" if self.val_loss_start is None or self.val_loss_end is None
                 else f" (drop {self.val_loss_start - self.val_loss_end:.3f} nats)")
-        return (f"steps={self.global_step} fit_time={self.seconds:.1f}s val_loss {fmt(self.val_loss_start)} -> "
+        steps = (f"steps={self.global_step} ({self.global_step - self.resumed_at} in this run, resumed at step "
+                 f"{self.resumed_at})" if self.resumed_at else f"steps={self.global_step}")
+        return (f"{steps} fit_time={self.seconds:.1f}s val_loss {fmt(self.val_loss_start)} -> "
                 f"{fmt(self.val_loss_end)}{drop}")
 
 
@@ -237,9 +251,18 @@ def _val_loss(metrics: list[dict[str, float]] | dict[str, Any]) -> float | None:
 
 
 class _LastValidation(Callback):
-    """The global step of the last validation inside the fit (``validate_at_end`` does not repeat it)."""
+    """The global step of the last validation inside the fit (``validate_at_end`` does not repeat it), the
+    step the fit started at, and, for a resumed fit, the start validation's line with the checkpoint's step
+    (it ran before the fit restored the step, so its own line would have said step 0)."""
 
     step = -1
+    started_at = 0
+    start_line: float | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started_at = trainer.global_step
+        if self.start_line is not None and trainer.is_global_zero:
+            print(f"step {trainer.global_step}  val_loss {self.start_line:.4f}", file=sys.stderr, flush=True)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
@@ -253,10 +276,15 @@ def _validate_at_start(trainer: pl.Trainer, module: pl.LightningModule, data: pl
     if not resume_from:
         return _val_loss(trainer.validate(module, data, verbose=False))
     loggers, trainer.loggers = trainer.loggers, []
+    printers = [c for c in trainer.callbacks if isinstance(c, LineProgress)]
+    for printer in printers:  # its line would say step 0: _LastValidation prints it once the step is restored
+        printer.disable()
     try:
         return _val_loss(trainer.validate(module, data, ckpt_path=resume_from, verbose=False))
     finally:
         trainer.loggers = loggers
+        for printer in printers:
+            printer.enable()
 
 
 def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
@@ -283,6 +311,8 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
             logger.log_hyperparams(config_hparams(cfg))
     start = _validate_at_start(trainer, module, data, cfg.trainer.resume_from) if cfg.trainer.validate_at_start \
         else None
+    if cfg.trainer.resume_from and start is not None and any(isinstance(c, LineProgress) for c in trainer.callbacks):
+        last_validation.start_line = start
     began = time.perf_counter()
     trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
     seconds = time.perf_counter() - began
@@ -292,7 +322,7 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
         end = _val_loss(dict(trainer.callback_metrics))
     ckpt_dir = run_dir / "checkpoints"
     ckpts = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
-    result = FitResult(trainer.global_step, seconds, start, end, ckpts)
+    result = FitResult(trainer.global_step, seconds, start, end, ckpts, resumed_at=last_validation.started_at)
     if trainer.local_rank == 0:  # every node's launcher reads it from its own run directory
         (run_dir / RESULT_FILE).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result

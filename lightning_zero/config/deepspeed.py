@@ -142,7 +142,8 @@ def apply_deepspeed_config(cfg: DictConfig | TrainConfig, overrides: Sequence[st
     path = OmegaConf.select(node, "deepspeed_config")
     if not path:
         return node
-    ds = parse_deepspeed_config(path, strict=bool(OmegaConf.select(node, "deepspeed_strict")))
+    # the unsupported-keys warning is rank 0's, when it builds the strategy: printed once, not per check here
+    ds = parse_deepspeed_config(path, strict=bool(OmegaConf.select(node, "deepspeed_strict")), warn=False)
     written = explicit_sources(overrides)
     explicit = {k for k, where in written.items() if where == "on the command line"}
     settings = {name: (value, f"{ds.given[name]}=true (precision {value})" if name == "precision.name"

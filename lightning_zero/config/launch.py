@@ -38,8 +38,15 @@ from lightning_zero.config.build import RESULT_FILE, FitResult, register_run_nam
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
 from lightning_zero.config.paths import CONFIG_NAME, conf_dir
-from lightning_zero.config.schema import TextDataSchema, TrainConfig, register_configs, to_train_config, to_yaml
-from lightning_zero.config.validate import describe, validate_config
+from lightning_zero.config.schema import (
+    SCHEMAS,
+    TextDataSchema,
+    TrainConfig,
+    register_configs,
+    to_train_config,
+    to_yaml,
+)
+from lightning_zero.config.validate import config_warnings, describe, validate_config
 
 CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory
 log = logging.getLogger("lightning_zero.train")
@@ -49,8 +56,31 @@ class RankFailure(RuntimeError):
     """The rank processes of a run exited with an error."""
 
 
+def group_options(group: str) -> list[str]:
+    """The options of a config group: its YAML files under ``conf/`` (the typed ``*_schema`` entries of
+    Hydra's ConfigStore are not options)."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def _refuse_schema_choices(overrides: Sequence[str]) -> None:
+    """``zero=zero_schema`` would compose the bare schema (its defaults) as if it were an option: refuse it."""
+    schemas = {(group, name) for group, name in SCHEMAS if group is not None}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        group = key.lstrip("+~").lstrip("/")
+        for name in value.split(","):
+            if (group, name.strip()) in schemas:
+                raise ValueError(f"{group}={name.strip()}: `{name.strip()}` is the typed schema behind conf/{group}/, "
+                                 f"not an option. Options: {', '.join(group_options(group))}.")
+
+
 def compose_config(overrides: Sequence[str] = (), config_name: str = CONFIG_NAME) -> DictConfig:
-    """Compose ``conf/`` with Hydra's compose API (what ``train`` runs, without starting anything)."""
+    """Compose ``conf/`` with Hydra's compose API (what ``train`` runs, without starting anything).
+
+    Raises:
+        ValueError: a group choice names a schema (``zero=zero_schema``) instead of an option.
+    """
+    _refuse_schema_choices(overrides)
     register_configs()
     with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="train"):
         return compose(config_name, overrides=list(overrides))
@@ -81,6 +111,13 @@ def check_jobs(jobs: Sequence[Sequence[str]], config_name: str = CONFIG_NAME) ->
 def explain(err: BaseException) -> str:
     """A composition error's message with its cause, and the closest valid key for a misspelt one."""
     text = str(err)
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if missing and (conf_dir() / missing.group(1)).is_dir():  # a misspelt group option: one line, not the search path
+        group, name = missing.groups()
+        options = group_options(group)
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+        return (f"{group}={name}: no such option in conf/{group}/."
+                f"{f' Did you mean {group}={close[0]}?' if close else ''} Options: {', '.join(options)}.")
     if err.__cause__ is not None and str(err.__cause__) not in text:
         text += f"\n{err.__cause__}"
     match = re.search(r"Could not override '([^']+)'", text)
@@ -202,13 +239,15 @@ def train_command(argv: Sequence[str]) -> int:
     if starts_jobs:
         try:
             jobs = expand_sweep(args.overrides) if args.multirun else [list(args.overrides)]
-            check_jobs(jobs, args.config_name or CONFIG_NAME)
+            checked = check_jobs(jobs, args.config_name or CONFIG_NAME)
         except NotImplementedError as err:
             print(f"lightning-zero train: {err}", file=sys.stderr)
             return 2
         except Exception as err:  # composition errors: misspelt key, wrong type, unknown option
             print(f"lightning-zero train: error: {explain(err)}", file=sys.stderr)
             return 2
+        for line in dict.fromkeys(w for cfg in checked for w in config_warnings(cfg)):  # once, not per job
+            print(f"lightning-zero train: warning: {line}", file=sys.stderr)
     register_configs()
     register_run_name()  # the output directories' names (conf/config.yaml)
     task = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(_hydra_task)

@@ -140,7 +140,9 @@ class OffloadSchema:
     optimizer_device: OffloadDevice = OffloadDevice.none
     param_device: OffloadDevice = OffloadDevice.none
     nvme_path: str | None = None
-    pin_memory: bool = False  # DeepSpeed's default; True needs an accelerator (else a warning)
+    # DeepSpeed's default false; true needs an accelerator (else a warning); null: pinned where trainer.accelerator
+    # is not cpu and CUDA is there (the cpu presets), so CPU runs do not warn on every rank
+    pin_memory: bool | None = False
     buffer_count: int = 4
     max_in_cpu: int = 1_000_000_000
     sub_group_size: int = 1_000_000  # elements stepped / swapped at once with nvme (docs/offload.md)

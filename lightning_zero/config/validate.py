@@ -35,7 +35,7 @@ from lightning_zero.config.schema import (
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
-from lightning_zero.core.offload import OffloadConfig, nvme_path_problem
+from lightning_zero.core.offload import DEFAULT_BUFFER_COUNT, DEFAULT_MAX_IN_CPU, OffloadConfig, nvme_path_problem
 
 BUILT_STAGES = (0, 1, 2, 3)
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
@@ -64,8 +64,15 @@ def offload_config(cfg: TrainConfig) -> OffloadConfig:
     """The core :class:`OffloadConfig` of ``cfg.offload`` (what a JSON's offload sections are compared with)."""
     o = cfg.offload
     return OffloadConfig(optimizer_device=o.optimizer_device.value, param_device=o.param_device.value,
-                         nvme_path=o.nvme_path, pin_memory=o.pin_memory, buffer_count=o.buffer_count,
+                         nvme_path=o.nvme_path, pin_memory=pin_memory(cfg), buffer_count=o.buffer_count,
                          max_in_cpu=int(o.max_in_cpu), sub_group_size=int(o.sub_group_size))
+
+
+def pin_memory(cfg: TrainConfig) -> bool:
+    """``offload.pin_memory``, with ``null`` resolved: pinned where the run has a CUDA accelerator."""
+    if cfg.offload.pin_memory is not None:
+        return bool(cfg.offload.pin_memory)
+    return str(cfg.trainer.accelerator) not in ("cpu",) and torch.cuda.is_available()
 
 
 def _offload_problems(cfg: TrainConfig) -> list[str]:
@@ -86,8 +93,13 @@ def _offload_problems(cfg: TrainConfig) -> list[str]:
         problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
         if problem:  # the check the ranks repeat, here before any of them starts
             out.append(problem)
-    if o.buffer_count < 1:
-        out.append(f"offload.buffer_count must be >= 1, got {o.buffer_count}.")
+    if o.buffer_count != DEFAULT_BUFFER_COUNT:  # DeepSpeed's swap-buffer pool: not built (core/offload.py)
+        out.append(f"offload.buffer_count={o.buffer_count} is not built: there is no pool of swap buffers to size "
+                   f"(offload.sub_group_size sets how much is swapped at once). Fix: drop offload.buffer_count (the "
+                   f"default is {DEFAULT_BUFFER_COUNT}).")
+    if int(o.max_in_cpu) != DEFAULT_MAX_IN_CPU:
+        out.append(f"offload.max_in_cpu={o.max_in_cpu} is not built: with offload=param_nvme every offloaded "
+                   "parameter shard is on disk. Fix: drop offload.max_in_cpu.")
     return out
 
 
@@ -312,6 +324,17 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
     for check in (_value_problems, _offload_problems, _precision_problems, _pipeline_problems, _model_data_problems):
         problems += check(cfg)
     return problems
+
+
+def config_warnings(cfg: TrainConfig) -> list[str]:
+    """Valid settings that will not do what they are for (printed once, before launch)."""
+    out = []
+    m, max_steps = cfg.model, cfg.trainer.max_steps
+    if m.optimizer is OptimizerName.onebit_adam and max_steps is not None and 0 < max_steps <= m.freeze_step:
+        out.append(f"model.freeze_step={m.freeze_step} >= trainer.max_steps={max_steps}: 1-bit Adam stays in its "
+                   "AdamW warm-up for the whole run and never compresses. Fix: model.freeze_step="
+                   f"{max(1, max_steps // 2)} (or more steps).")
+    return out
 
 
 def unbuilt_features(cfg: TrainConfig) -> list[str]:

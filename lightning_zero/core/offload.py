@@ -20,6 +20,10 @@ from lightning_zero.core.memory import format_bytes
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 _DEVICES = ("none", "cpu", "nvme")
+# DeepSpeed's I/O-buffer knobs: lightning_zero has no swap-buffer pool and keeps no offloaded parameters
+# in host memory under "nvme", so only these values (the defaults) are accepted; others are refused
+DEFAULT_BUFFER_COUNT = 4
+DEFAULT_MAX_IN_CPU = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,10 @@ class OffloadConfig:
             the run's swap files live in a private directory below it, removed at exit.
         pin_memory: page-locked host buffers (faster, asynchronous host-device copies). Only with an
             accelerator: without one it warns and uses ordinary memory.
-        buffer_count: I/O buffers per offloaded kind (DeepSpeed's knob; sub-groups in flight here).
-        max_in_cpu: parameter elements kept in CPU memory when parameters go to NVMe.
+        buffer_count: DeepSpeed's number of swap buffers: not built (each sub-group is read and written
+            whole), so only the default 4 is accepted; another value is refused.
+        max_in_cpu: DeepSpeed's cap on parameter elements kept in host memory with ``"nvme"``: not built
+            (every offloaded parameter shard is on disk), so only the default 1e9 is accepted.
         sub_group_size: elements of optimizer state stepped (and swapped) at once with ``"nvme"``;
             bounds the part of the state in memory (DeepSpeed's ``zero_optimization.sub_group_size``).
     """
@@ -45,16 +51,22 @@ class OffloadConfig:
     param_device: OffloadDevice = "none"
     nvme_path: str | None = None
     pin_memory: bool = False
-    buffer_count: int = 4
-    max_in_cpu: int = 1_000_000_000
+    buffer_count: int = DEFAULT_BUFFER_COUNT
+    max_in_cpu: int = DEFAULT_MAX_IN_CPU
     sub_group_size: int = 1_000_000
 
     def __post_init__(self) -> None:
         for name in ("optimizer_device", "param_device"):
             if getattr(self, name) not in _DEVICES:
                 raise ValueError(f"`{name}` must be one of {list(_DEVICES)}, got {getattr(self, name)!r}.")
-        if self.buffer_count < 1:
-            raise ValueError(f"offload `buffer_count` must be >= 1, got {self.buffer_count}.")
+        if self.buffer_count != DEFAULT_BUFFER_COUNT:
+            raise ValueError(f"offload `buffer_count`={self.buffer_count} is not built: lightning_zero has no pool of "
+                             "swap buffers to size (each sub-group is read and written whole; sub_group_size sets "
+                             f"how much). Fix: leave buffer_count at its default {DEFAULT_BUFFER_COUNT}.")
+        if self.max_in_cpu != DEFAULT_MAX_IN_CPU:
+            raise ValueError(f"offload `max_in_cpu`={self.max_in_cpu} is not built: with param_device='nvme' every "
+                             "offloaded parameter shard is on disk. Fix: leave max_in_cpu at its default "
+                             f"{DEFAULT_MAX_IN_CPU:.0e}.")
         if self.sub_group_size < 1:
             raise ValueError(f"offload `sub_group_size` must be >= 1 element, got {self.sub_group_size}.")
 

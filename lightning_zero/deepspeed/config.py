@@ -1,15 +1,12 @@
 """Read a DeepSpeed JSON config (a file or a dict) into one frozen :class:`DeepSpeedConfig`.
 
-Every key is either mapped onto lightning_zero's settings, accepted because its value is what
-lightning_zero always does (e.g. ``contiguous_gradients: true``), or collected as unsupported:
-all unsupported keys are named in one warning (an error with ``strict=True``), never dropped
-silently. A value of ``"auto"`` (Hugging Face's placeholder) counts as not set. Keys the JSON
-does not set keep lightning_zero's defaults (which differ from DeepSpeed's in places, e.g. the
-ZeRO stage is 2 and ``reduce_bucket_size`` 1e7; see ``docs/deepspeed_config.md``).
-
-``given`` names each setting the JSON sets, by the Hydra key it corresponds to (``zero.stage``,
-``offload.param_device``, ``precision.name``, ``trainer.gradient_clip_val``, ...), with the JSON
-key that set it: the precedence checks of the strategy and of ``lightning-zero train`` use it.
+Each key is mapped onto lightning_zero's settings; accepted, its value being what lightning_zero does
+anyway (``contiguous_gradients: true``); refused, asking for a feature that would change what is
+computed or stored (``deepspeed/refused.py``); or, a performance hint or monitor, named in one warning
+(an error with ``strict=True``). ``"auto"`` counts as not set. Keys the JSON does not set keep
+lightning_zero's defaults (see ``docs/deepspeed_config.md``). ``given`` names each setting the JSON
+sets by its Hydra key (``zero.stage``, ``precision.name``, ...) with the JSON key that set it: the
+precedence checks of the strategy and of ``lightning-zero train`` use it.
 """
 
 from __future__ import annotations
@@ -26,10 +23,11 @@ import torch
 from lightning_zero.core.config import ZeroConfig
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.memory import OFFLOAD_STAGES
-from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.core.offload import DEFAULT_MAX_IN_CPU, OffloadConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
 from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import PipelineSpec, parse_pipeline
+from lightning_zero.deepspeed.refused import REFUSED, refusal_message, refuse_unbuilt, refused_keys
 from lightning_zero.deepspeed.schedulers import check_scheduler_params
 
 AUTO = "auto"
@@ -188,11 +186,16 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
         warn: emit the unsupported-keys warning here (callers that warn on rank 0 only pass ``False``).
 
     Raises:
-        ValueError: invalid values or combinations (each naming the key), or unsupported keys with ``strict``.
+        ValueError: invalid values or combinations (each naming the key), a feature that is not built and would
+            change what is computed or stored (``deepspeed/refused.py``), or unsupported keys with ``strict``.
     """
     data, origin = _load(source)
+    refused = refused_keys(data)  # Note [refused, warned, accepted] in deepspeed/refused.py
+    if refused:
+        raise ValueError(refusal_message(origin, refused))
     unsupported: list[str] = []
     root = _Section(data, "", unsupported)
+    root.used.update(r.path[0] for r in REFUSED if len(r.path) == 1 and r.path[0] in data)  # present, switched off
     given: dict[str, str] = {}
     zero, offload = _zero(root, given, unsupported)
     precision, scaler, reduce_dtype, grad_accum_dtype = _precision(root, given)
@@ -281,17 +284,20 @@ def _offload(z: _Section, stage: int, given: dict[str, str]) -> OffloadConfig:
     if z.get("cpu_offload", bool):  # DeepSpeed's legacy switch for offload_optimizer.device=cpu
         values["optimizer_device"] = "cpu"
         given["offload.optimizer_device"] = z.key("cpu_offload")
-    shared = {"nvme_path": str, "pin_memory": bool, "buffer_count": int}
-    for kind, extra in (("optimizer", {}), ("param", {"max_in_cpu": int})):
+    shared = {"nvme_path": str, "pin_memory": bool}
+    for kind, buffers in (("optimizer", 4), ("param", 5)):  # DeepSpeed's default buffer_count of each section
         section = z.section(f"offload_{kind}")
         if section is None:
             continue
+        refuse_unbuilt(section.key("buffer_count"), section.get("buffer_count", int), buffers)
+        if kind == "param":
+            refuse_unbuilt(section.key("max_in_cpu"), section.get("max_in_cpu", int), DEFAULT_MAX_IN_CPU)
         device = section.get("device", str, "none")
         if device not in ("none", "cpu", "nvme"):
             raise ValueError(f"DeepSpeed config: `{section.key('device')}` must be none, cpu or nvme, got {device!r}.")
         values[f"{kind}_device"] = device
         given[f"offload.{kind}_device"] = section.key("device")
-        for key, typ in {**shared, **extra}.items():
+        for key, typ in shared.items():
             value = section.get(key, typ)
             if value is None:
                 continue
@@ -321,8 +327,6 @@ def _check_offload(offload: OffloadConfig, stage: int) -> None:
                          f"needs ZeRO {need}, got zero_optimization.stage={stage}.")
     if "nvme" in (offload.optimizer_device, offload.param_device) and not offload.nvme_path:
         raise ValueError("DeepSpeed config: offload to nvme needs `nvme_path` (a directory on a local NVMe drive).")
-    if offload.buffer_count < 1:
-        raise ValueError(f"DeepSpeed config: offload `buffer_count` must be >= 1, got {offload.buffer_count}.")
 
 
 def _precision(root: _Section, given: dict[str, str]) -> tuple[str | None, LossScalerConfig | None,

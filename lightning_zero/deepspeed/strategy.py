@@ -300,6 +300,19 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
         super().teardown()
 
 
+def _deprecated_from_deepspeed_config(cls: type, source: str | Path | Mapping[str, Any] | DeepSpeedConfig, /,
+                                      **kwargs: Any) -> DeepSpeedZeroStrategy:
+    """``ZeroStrategy.from_deepspeed_config``, the name before the method moved to ``DeepSpeedZeroStrategy``."""
+    warnings.warn("ZeroStrategy.from_deepspeed_config is deprecated and will be removed in the next release: use "
+                  "lightning_zero.DeepSpeedZeroStrategy.from_deepspeed_config (same arguments).", DeprecationWarning,
+                  stacklevel=2)
+    return DeepSpeedZeroStrategy.from_deepspeed_config(source, **kwargs)
+
+
+# the old name keeps working for a release (ZeroStrategy cannot import this module: it would be a cycle)
+ZeroStrategy.from_deepspeed_config = classmethod(_deprecated_from_deepspeed_config)  # type: ignore[attr-defined]
+
+
 def _batch_text(batch: ResolvedBatch) -> str:
     return (f"{TBS}={batch.train_batch_size} = {MICRO}={batch.micro_batch_size} x {GAS}={batch.accumulation_steps}"
             f" x {batch.world_size} data-parallel rank(s)")

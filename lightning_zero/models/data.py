@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +190,37 @@ class DeterministicShardSampler(DistributedSampler):
         self.epoch = epoch
 
 
+class ResumableLoader(DataLoader):
+    """A training DataLoader that resumes mid-epoch where its checkpoint was written.
+
+    Note [resumable loader]: Lightning saves a loader's ``state_dict()`` with every checkpoint and hands
+    it to ``load_state_dict`` before the resumed fit iterates; without them it restarts the epoch, so a
+    resumed run sees other batches than the uninterrupted one. The state is the number of batches of
+    this epoch the fit has processed, read from the trainer's progress (``batches_done``), not counted
+    here: Lightning fetches a batch ahead, so the loader itself has yielded one more. The sampler's
+    order is the same again (its epoch is restored), so skipping that many batches continues exactly.
+    """
+
+    def __init__(self, dataset: Dataset, *args: Any, batches_done: Callable[[], int] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self.batches_done = batches_done
+        self._skip = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": int(self.batches_done()) if self.batches_done is not None else 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = int(state.get("batches", 0))
+
+    def __iter__(self) -> Any:
+        iterator = super().__iter__()
+        skip, self._skip = self._skip, 0  # once: the next epochs start at their beginning
+        for _ in range(min(skip, len(self))):
+            next(iterator)
+        return iterator
+
+
 def trainer_shard(module: LightningDataModule) -> tuple[int, int]:
     """(num_replicas, rank) of the data-parallel group from the attached trainer; (1, 0) without one."""
     trainer = getattr(module, "trainer", None)
@@ -220,8 +251,14 @@ class ShardedDataModule(LightningDataModule):
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
 
+    def _batches_done(self) -> int:
+        """Batches of the current epoch the fit has processed (the training loader's resume point)."""
+        trainer = getattr(self, "trainer", None)
+        return 0 if trainer is None else int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
     def _loader(self, dataset: Dataset, sampler: DistributedSampler | None, shuffle: bool) -> DataLoader:
-        return DataLoader(
+        extra = {"batches_done": self._batches_done} if shuffle else {}  # the training loader resumes
+        return (ResumableLoader if shuffle else DataLoader)(
             dataset,
             batch_size=self.micro_batch_size,
             sampler=sampler,
@@ -229,6 +266,7 @@ class ShardedDataModule(LightningDataModule):
             num_workers=self.num_workers,
             drop_last=shuffle,
             persistent_workers=self.num_workers > 0,
+            **extra,
         )
 
     def _split_loader(self, train: bool) -> DataLoader:
