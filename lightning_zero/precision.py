@@ -9,6 +9,16 @@ Modes (Lightning's names; ``docs/precision.md`` has the table and the accuracy n
   dynamic loss scaler; an overflowing step is skipped on every rank.
 * ``"bf16-true"``: bf16 parameters, gradients and optimizer state; no master copy.
 
+Note [loading a converted module]
+    In the mixed modes the plugin keeps each parameter's pre-cast weight and gives it back at
+    ``restore_module`` (teardown). Whatever writes weights into the module after
+    ``convert_module`` (stage 3 reads ``ckpt_path`` after setup) would write only the 16-bit copy,
+    and teardown would then put the stale pre-cast weight back: the module would be evaluated with
+    the loaded weights and left with the initial ones. So every load into a converted module
+    without an engine runs inside :meth:`ZeroPrecision.whole_precision`: it loads into the module in
+    its own dtype and converts again from there. With an engine the masters take the loaded values
+    (``core/loading.py``).
+
 Gradient clipping has to see every shard, so the plugin hands clipping to the ZeRO engine (global
 norm across ranks, on unscaled fp32 master gradients in the mixed modes).
 
@@ -165,6 +175,27 @@ class ZeroPrecision(Precision):
                 p.data = original
         module.to(dtype=self._module_dtype)
         self._originals, self._module_dtype = {}, None
+
+    @contextmanager
+    def whole_precision(self, module: nn.Module) -> Generator[None, None, None]:
+        """Mixed modes, a converted module without an engine (evaluation): inside, the module has its
+        own dtype and pre-cast weights back, so that weights loaded into it (a ``ckpt_path`` read
+        after setup, ``load_full_state_dict``) keep their full precision; on exit it is converted
+        again, from the loaded values, and each tensor goes back to its device (Note [loading a
+        converted module])."""
+        if not self.mixed or self._module_dtype is None:
+            yield
+            return
+        devices = {name: t.device for name, t in (*module.named_parameters(), *module.named_buffers())}
+        self.restore_module(module)
+        try:
+            yield
+        finally:
+            self.convert_module(module)
+            with torch.no_grad():
+                for name, t in (*module.named_parameters(), *module.named_buffers()):
+                    if name in devices and t.device != devices[name]:
+                        t.data = t.data.to(devices[name])
 
     @override
     def convert_input(self, data: Any) -> Any:

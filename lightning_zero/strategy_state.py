@@ -74,7 +74,8 @@ class ZeroStateMixin:
             return
         state = open_state_dict(source)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        self.lightning_module.load_state_dict(own, strict=strict)
+        with self.precision_plugin.whole_precision(self.lightning_module):  # Note [loading a converted module]
+            self.lightning_module.load_state_dict(own, strict=strict)
 
     @property
     def gathered_peak_numel(self) -> int:
@@ -280,8 +281,10 @@ class ZeroStateMixin:
                 "exist only after the strategy's setup. Load weights after setup: Lightning does so for `ckpt_path`; "
                 "by hand, call `trainer.strategy.load_full_state_dict(...)` in `on_fit_start` / `on_test_start`."
             )
-        if not isinstance(state, LazyStateDict):
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        # before setup the module is whole (and in its original dtype): one tensor at a time
-        load_whole_module(self.lightning_module, state, strict)
+        # the module is whole; after setup (stage 3 evaluation) it may be converted to 16 bits: it takes the
+        # values in its own dtype (Note [loading a converted module] in precision.py)
+        with self.precision_plugin.whole_precision(self.lightning_module):
+            if not isinstance(state, LazyStateDict):
+                return super().load_model_state_dict(checkpoint, strict=strict)
+            load_whole_module(self.lightning_module, state, strict)  # one tensor at a time
         return None
