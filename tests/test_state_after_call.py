@@ -143,8 +143,12 @@ def test_module_after_each_call_equals_the_checkpoint(gloo_pool, checkpoints, st
     for per_rank in results:
         assert len(per_rank) == 2 * (2 if stage == 3 else 1) * len(PRECISIONS) * len(CALLS)
         assert all(r["initial"] > 0.1 for r in per_rank)  # the initial weights differ: a stale module shows
-        # exactly the checkpoint's fp32 values (not the initial ones), in the module's own dtype
-        wrong = [r for r in per_rank if r["diff"] != 0.0 or r["dtypes"] != ["torch.float32"]]
+        # exactly the checkpoint's fp32 values (not the initial ones), in the module's own dtype; a model
+        # built in configure_model under a mixed mode exists only as 16-bit shards (no fp32 copy without an
+        # optimizer): the checkpoint's values rounded to 16 bits (bf16: 2**-8 relative, weights < 1)
+        wrong = [r for r in per_rank if r["dtypes"] != ["torch.float32"] or r["diff"] > (
+            2**-8 if r["case"][1:3] == ("BuiltNet", "bf16-mixed") else
+            2**-11 if r["case"][1:3] == ("BuiltNet", "16-mixed") else 0.0)]
         assert wrong == [], wrong
 
 
