@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.optim import Optimizer
 
+from lightning_zero.core.copy_fence import CopyFence
 from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.core.param_offload import ParamOffload
 from lightning_zero.core.swap_file import SwapFile, remove_stale_run_dirs
@@ -111,6 +112,7 @@ class OptimizerOffload:
         self.pin = config.pin()
         self.counters = OffloadCounters()
         self.host_grads: dict[int, torch.Tensor] = {}
+        self.fence = CopyFence()  # pinned copies in flight (Note [asynchronous host copies] in copy_fence.py)
         self.files: dict[tuple[int, str], SwapFile] = {}
         self.directory: tempfile.TemporaryDirectory | None = None
         self._writer: ThreadPoolExecutor | None = None
@@ -159,12 +161,22 @@ class OptimizerOffload:
         if host is None or host.numel() != master.numel():
             host = self.host_grads[fi] = torch.empty(master.numel(), dtype=master.dtype, pin_memory=self.pin)
         host.copy_(grad, non_blocking=self.pin)
+        self.fence.record(("grad", fi), self.pin, grad, host)  # the CPU reads it after grads_ready()
         self.counters.grad_bytes_in += grad.numel() * grad.element_size()
         return host
 
+    def grads_ready(self) -> None:
+        """Block until every gradient copy of ``receive_grad`` has landed in host memory (before the
+        CPU unscales, measures or steps on them; Note [asynchronous host copies])."""
+        for fi in self.host_grads:
+            self.fence.wait(("grad", fi))
+
     def write_back(self, own: torch.Tensor, master: torch.Tensor, group: FlatParamGroup, lo: int) -> None:
         """Cast the stepped ``master`` into ``own``: elements ``[lo, lo + own.numel())`` of ``group``'s shard."""
+        if self.params is not None:  # an offloaded shard may still be read by its last gather's copy
+            self.params.before_write(group)
         own.copy_(master, non_blocking=self.pin)
+        self.fence.record(("master", id(group), lo), self.pin, master, own)  # the next step overwrites master
         self.counters.param_bytes_out += own.numel() * own.element_size()
         if self.params is not None:
             self.params.written(group, lo, lo + own.numel())
@@ -196,6 +208,7 @@ class OptimizerOffload:
         """Run ``step_one`` on every sub-group; with ``"nvme"``, overlap the next one's reads and the
         previous one's writes with it (Note [swap files])."""
         start = time.perf_counter()
+        self.fence.wait_all()  # the last step's write-backs have read the masters the CPU overwrites now
         for k, sg in enumerate(sub_groups):
             if self.nvme and k == 0:
                 self._prefetch(0, sg)
