@@ -84,10 +84,28 @@ class OffloadCounters:
 
     grad_bytes_in: int = 0  # gradient bytes copied into the host buffers
     param_bytes_out: int = 0  # master bytes cast / copied back into the parameter shards
-    bytes_read: int = 0  # swap-file bytes brought back in ("nvme")
-    bytes_written: int = 0  # swap-file bytes written out ("nvme")
+    bytes_read: int = 0  # bytes this process read from storage during the steps ("nvme"; Note [measured I/O])
+    bytes_written: int = 0  # bytes this process sent to storage during the steps ("nvme"; Note [measured I/O])
     steps: int = 0  # offloaded optimizer steps
     step_s: float = 0.0  # seconds inside those steps (I/O waits included)
+
+
+def process_io() -> tuple[int, int] | None:
+    """Note [measured I/O]
+        ``bytes_read`` / ``bytes_written`` are what the kernel accounted to this process (all its
+        threads: the reader and writer threads too) as read from and sent to the storage layer
+        (``read_bytes`` / ``write_bytes`` of ``/proc/self/io``) while the offloaded steps ran: pages
+        served from the page cache count nothing, pages dirtied through the swap files' mappings count
+        when dirtied. They are the disk traffic of the swap files, not the sizes of the ranges handed
+        to the I/O threads (a file system in memory, such as tmpfs, reads and writes nothing). Where
+        ``/proc/self/io`` cannot be read this returns ``None`` and the two counters stay 0.
+    """
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 # a sub-group: (flat group, first element, one past the last) ranges, at master-piece boundaries
@@ -208,6 +226,7 @@ class OptimizerOffload:
         """Run ``step_one`` on every sub-group; with ``"nvme"``, overlap the next one's reads and the
         previous one's writes with it (Note [swap files])."""
         start = time.perf_counter()
+        io_before = process_io() if self.nvme else None  # Note [measured I/O]
         self.fence.wait_all()  # the last step's write-backs have read the masters the CPU overwrites now
         for k, sg in enumerate(sub_groups):
             if self.nvme and k == 0:
@@ -215,13 +234,17 @@ class OptimizerOffload:
             if self.nvme and k + 1 < len(sub_groups):
                 self._prefetch(k + 1, sub_groups[k + 1])
             for f in self._reading.pop(k, []):
-                self.counters.bytes_read += f.result()
+                f.result()
             step_one(sg)
             if self.nvme:
                 self._release(sg)
         if self.params is not None:
             self._pending += self.params.flush(self._writer)
         self.wait()
+        io_after = process_io() if io_before is not None else None
+        if io_before is not None and io_after is not None:
+            self.counters.bytes_read += io_after[0] - io_before[0]
+            self.counters.bytes_written += io_after[1] - io_before[1]
         self.counters.steps += 1
         self.counters.step_s += time.perf_counter() - start
 
@@ -247,7 +270,7 @@ class OptimizerOffload:
         for (fi, _key), file in self.files.items():
             for gi, lo, hi in sg:
                 if gi == fi:
-                    self.counters.bytes_written += file.release(lo, hi)
+                    file.release(lo, hi)
                     assert self._writer is not None
                     self._pending.append(self._writer.submit(file.flush, lo, hi))
 
