@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
+from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.offload import OffloadConfig
 from tests.models import STAGE3_SHARDED, TinyTransformer, make_trainer, token_loader
 
@@ -49,7 +50,9 @@ class PinCheck(TinyTransformer):
 
 
 def _fit(model: TinyTransformer, stage: int, precision: str = "32-true", **kwargs: Any) -> TinyTransformer:
-    strategy = ZeroStrategy(stage=stage, precision=ZeroPrecision(precision), monitor=False,
+    # fp16: a loss scale that does not overflow at the start, so no step is skipped against the fp32 run
+    scaler = LossScalerConfig(initial_scale_power=8) if precision == "16-mixed" else None
+    strategy = ZeroStrategy(stage=stage, precision=ZeroPrecision(precision, loss_scaler=scaler), monitor=False,
                             **(STAGE3_SHARDED if stage == 3 else {}), **kwargs)
     make_trainer(strategy, devices=1, accelerator="gpu", max_steps=STEPS).fit(model, token_loader(n=48))
     return model
@@ -100,12 +103,12 @@ def test_mixed_precision_tracks_fp32_and_leaves_fp32_weights(stage: int, precisi
     # 16-bit activations: the loss within a few percent of fp32's at every step
     assert model.losses == pytest.approx(reference.losses, rel=5e-2)
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the fp32 masters came back
-    assert _max_diff(_params(model), _params(reference)) < 5e-2
+    # the same updates up to 16-bit noise: on average far below one step's size (lr 1e-2)
+    moved = torch.cat([(a - b).abs().flatten() for a, b in zip(_params(model), _params(reference))])
+    assert moved.mean().item() < 2e-3, moved.mean().item()
 
 
 def test_fp16_with_pinned_offload_equals_fp16_without() -> None:
-    from lightning_zero.core.loss_scaler import LossScalerConfig
-
     def fp16(**kwargs: Any) -> tuple[TinyTransformer, ZeroStrategy]:
         model = TinyTransformer("adamw")
         scaler = LossScalerConfig(initial_scale_power=8)  # no overflow at the start: every step is taken
