@@ -70,7 +70,9 @@ class ZeroStateMixin:
             strict: refuse missing and unexpected keys.
         """
         if self._engine is not None:
-            load_full_state_dict(self._engine, open_state_dict(source), prefix, strict)
+            state = open_state_dict(source)
+            load_full_state_dict(self._engine, state, prefix, strict)
+            self.precision_plugin.refresh_originals(self.lightning_module, state, prefix)  # frozen parameters
             return
         state = open_state_dict(source)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -272,6 +274,7 @@ class ZeroStateMixin:
         if self._engine is not None:  # after setup: into the shards
             if isinstance(state, LazyStateDict):
                 load_owned_state_dict(self._engine, state, strict)  # this rank's slices only
+                self.precision_plugin.refresh_originals(self.lightning_module, state)  # frozen parameters
             else:
                 self.load_full_state_dict(state, strict=strict)  # masters take the loaded fp32 values
             return None
