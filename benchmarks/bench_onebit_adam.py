@@ -78,9 +78,9 @@ def _ring_bytes(name: str, args: tuple[Any, ...], world: int) -> float:
 
     if name == "all_reduce":
         return 2 * (world - 1) / world * nbytes(args[0])
-    if name in ("all_gather_into_tensor", "all_gather"):
+    if name in ("all_gather_into_tensor", "all_gather_single", "all_gather"):
         return (world - 1) / world * nbytes(args[0])
-    if name in ("reduce_scatter_tensor", "all_to_all", "reduce_scatter"):
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "reduce_scatter"):
         return (world - 1) / world * nbytes(args[1])
     return (world - 1) / world * nbytes(args[0])  # broadcast
 
@@ -88,8 +88,10 @@ def _ring_bytes(name: str, args: tuple[Any, ...], world: int) -> float:
 def throttle(bytes_per_s: float) -> None:
     """Wrap this process's torch.distributed collectives so they cross a link of ``bytes_per_s``."""
     link = _Link(bytes_per_s)
-    for name in ("all_reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
-                 "all_to_all", "broadcast"):
+    for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "reduce_scatter_tensor",
+                 "reduce_scatter_single", "reduce_scatter", "all_to_all", "broadcast"):
+        if not hasattr(dist, name):  # the *_single names are torch >= 2.13's
+            continue
         original = getattr(dist, name)
 
         def wrapped(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:

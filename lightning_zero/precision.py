@@ -9,6 +9,17 @@ Modes (Lightning's names; ``docs/precision.md`` has the table and the accuracy n
   dynamic loss scaler; an overflowing step is skipped on every rank.
 * ``"bf16-true"``: bf16 parameters, gradients and optimizer state; no master copy.
 
+Note [loading a converted module]
+    In the mixed modes the plugin keeps each parameter's pre-cast weight and gives it back at
+    ``restore_module`` (teardown). Whatever writes weights into the module after
+    ``convert_module`` (stage 3 reads ``ckpt_path`` after setup) would write only the 16-bit copy,
+    and teardown would then put the stale pre-cast weight back: the module would be evaluated with
+    the loaded weights and left with the initial ones. So every load into a converted module
+    without an engine runs inside :meth:`ZeroPrecision.whole_precision`: it loads into the module in
+    its own dtype and converts again from there. With an engine the masters take the loaded values
+    (``core/loading.py``), and the pre-cast weights still kept (parameters without a master: frozen
+    ones) are replaced by the loaded values (:meth:`ZeroPrecision.refresh_originals`).
+
 Gradient clipping has to see every shard, so the plugin hands clipping to the ZeRO engine (global
 norm across ranks, on unscaled fp32 master gradients in the mixed modes).
 
@@ -22,7 +33,7 @@ Note [16-bit step order]
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
@@ -38,6 +49,7 @@ from typing_extensions import override
 from lightning_zero.core.config import DtypePolicy
 from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScaler, LossScalerConfig
+from lightning_zero.core.sharded_unit import is_released
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
 _NAMES: dict[str, PrecisionName] = {
@@ -156,15 +168,49 @@ class ZeroPrecision(Precision):
     def restore_module(self, module: nn.Module) -> None:
         """Mixed modes, after a fit / validate / test: give the module its dtype back. Trainable
         parameters already hold their fp32 master values (``ZeroEngine.detach``); the others get
-        their pre-cast weights back; buffers are cast."""
+        their pre-cast weights back, unless stage 3 left them released (the whole module then is);
+        buffers are cast."""
         if not self.mixed or self._module_dtype is None:
             return
         for p in module.parameters():
             original = self._originals.get(p)
-            if original is not None:
+            if original is not None and not is_released(p):  # a released stage-3 parameter stays released
                 p.data = original
         module.to(dtype=self._module_dtype)
         self._originals, self._module_dtype = {}, None
+
+    @contextmanager
+    def whole_precision(self, module: nn.Module) -> Generator[None, None, None]:
+        """Mixed modes, a converted module without an engine (evaluation): inside, the module has its
+        own dtype and pre-cast weights back, so that weights loaded into it (a ``ckpt_path`` read
+        after setup, ``load_full_state_dict``) keep their full precision; on exit it is converted
+        again, from the loaded values, and each tensor goes back to its device (Note [loading a
+        converted module])."""
+        if not self.mixed or self._module_dtype is None:
+            yield
+            return
+        devices = {name: t.device for name, t in (*module.named_parameters(), *module.named_buffers())}
+        self.restore_module(module)
+        try:
+            yield
+        finally:
+            self.convert_module(module)
+            with torch.no_grad():
+                for name, t in (*module.named_parameters(), *module.named_buffers()):
+                    if name in devices and t.device != devices[name]:
+                        t.data = t.data.to(devices[name])
+
+    def refresh_originals(self, module: nn.Module, state: Mapping[str, Tensor], prefix: str = "") -> None:
+        """Mixed modes, after weights were loaded into an engine: the parameters it keeps no master for
+        (frozen ones) take the loaded values as the pre-cast weights ``restore_module`` gives back
+        (Note [loading a converted module])."""
+        if not self._originals:
+            return
+        for name, p in module.named_parameters(remove_duplicate=False):
+            original = self._originals.get(p)
+            if original is not None and prefix + name in state:
+                value = state[prefix + name]
+                self._originals[p] = value.detach().to(device=original.device, dtype=original.dtype).clone()
 
     @override
     def convert_input(self, data: Any) -> Any:

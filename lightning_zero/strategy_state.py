@@ -70,11 +70,14 @@ class ZeroStateMixin:
             strict: refuse missing and unexpected keys.
         """
         if self._engine is not None:
-            load_full_state_dict(self._engine, open_state_dict(source), prefix, strict)
+            state = open_state_dict(source)
+            load_full_state_dict(self._engine, state, prefix, strict)
+            self.precision_plugin.refresh_originals(self.lightning_module, state, prefix)  # frozen parameters
             return
         state = open_state_dict(source)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        self.lightning_module.load_state_dict(own, strict=strict)
+        with self.precision_plugin.whole_precision(self.lightning_module):  # Note [loading a converted module]
+            self.lightning_module.load_state_dict(own, strict=strict)
 
     @property
     def gathered_peak_numel(self) -> int:
@@ -271,6 +274,7 @@ class ZeroStateMixin:
         if self._engine is not None:  # after setup: into the shards
             if isinstance(state, LazyStateDict):
                 load_owned_state_dict(self._engine, state, strict)  # this rank's slices only
+                self.precision_plugin.refresh_originals(self.lightning_module, state)  # frozen parameters
             else:
                 self.load_full_state_dict(state, strict=strict)  # masters take the loaded fp32 values
             return None
@@ -280,8 +284,10 @@ class ZeroStateMixin:
                 "exist only after the strategy's setup. Load weights after setup: Lightning does so for `ckpt_path`; "
                 "by hand, call `trainer.strategy.load_full_state_dict(...)` in `on_fit_start` / `on_test_start`."
             )
-        if not isinstance(state, LazyStateDict):
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        # before setup the module is whole (and in its original dtype): one tensor at a time
-        load_whole_module(self.lightning_module, state, strict)
+        # the module is whole; after setup (stage 3 evaluation) it may be converted to 16 bits: it takes the
+        # values in its own dtype (Note [loading a converted module] in precision.py)
+        with self.precision_plugin.whole_precision(self.lightning_module):
+            if not isinstance(state, LazyStateDict):
+                return super().load_model_state_dict(checkpoint, strict=strict)
+            load_whole_module(self.lightning_module, state, strict)  # one tensor at a time
         return None

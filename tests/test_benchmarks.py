@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,11 +25,8 @@ def test_bench_zero_end_to_end(tmp_path: Path) -> None:
     command = [sys.executable, str(SCRIPT), "--model", "gpt_tiny", "--micro-batch", "2", "--seq-len", "32",
                "--steps", "2", "--warmup", "1", "--repeats", "1", "--contenders", "ddp,zero0,zero1,zero2",
                "--profile", "--markdown", "--timeout", "50", "--json", str(raw_path)]  # fmt: skip
-    started = time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=110)
-    elapsed = time.monotonic() - started
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=110)  # nothing timed asserted
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    assert elapsed < 60, f"the smoke run took {elapsed:.0f} s"
     out = done.stdout
 
     # markdown tables: one row per contender in the main and the phase tables, probes for ZeRO only
@@ -50,7 +46,7 @@ def test_bench_zero_end_to_end(tmp_path: Path) -> None:
         assert len(repeats) == 1 and len(repeats[0]) == 2, name
         for rank in repeats[0]:
             assert len(rank["times"]) == 3 and all(t > 0 for t in rank["times"]), name
-            assert rank["rss"] > 0 and rank["state"]["params"] > 0, name
+            _check_peak_rss(rank, name)
 
     # the model-state accounting matches the ZeRO stages (AdamW: 2 fp32 moments per element)
     rows = {r["name"]: r for r in report.summarize(raw["runs"], warmup=1)}
@@ -73,11 +69,8 @@ def test_bench_zero_stage3_and_fsdp2(tmp_path: Path) -> None:
     command = [sys.executable, str(SCRIPT), "--model", "gpt_tiny", "--micro-batch", "2", "--seq-len", "32",
                "--steps", "1", "--warmup", "1", "--repeats", "1", "--contenders", "ddp,zero3,fsdp2",
                "--persistence-threshold", "0", "--profile", "--timeout", "25", "--json", str(raw_path)]  # fmt: skip
-    started = time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - started
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=90)  # nothing timed asserted
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    assert elapsed < 60, f"the smoke run took {elapsed:.0f} s"  # ~13 s at load 3, ~24 s at load 9 on 2 cores
     out = done.stdout
     assert "Target zero3 <= 1.30x ddp:" in out
     assert "Target zero3 no slower than fsdp2:" in out and "Target zero3 no larger than fsdp2:" in out
@@ -96,7 +89,20 @@ def test_bench_zero_stage3_and_fsdp2(tmp_path: Path) -> None:
         assert state["comm_buffers"] == 0
     numel = full["params"] / 4
     assert 0 < rows["zero3"]["gathered_peak"] <= numel
-    assert rows["fsdp2"]["gathered_peak"] == 0 and rows["zero3"]["rss"] > 0 and rows["fsdp2"]["rss"] > 0
+    assert rows["fsdp2"]["gathered_peak"] == 0
+    for name in ("zero3", "fsdp2"):
+        for rank in raw["runs"][name][0]:
+            _check_peak_rss(rank, name)
+
+
+def _check_peak_rss(rank: dict, name: str) -> None:
+    """A rank's peak RSS is the process's own (``VmHWM``, reset before the contender ran), in bytes: it holds
+    at least the model state the rank counted (parameters, gradients, optimizer state, buffers) and the
+    interpreter with torch (well over 50 MB), and is far below the machine (a unit error shows as 1024x)."""
+    state = sum(v for k, v in rank["state"].items() if k in report.STATE_KINDS)
+    assert rank["rss_source"] == "VmHWM", (name, rank["rss_source"])
+    assert rank["state"]["params"] > 0 and rank["rss"] >= max(state, 50 * 2**20), (name, rank["rss"], state)
+    assert rank["rss"] < 16 * 2**30, (name, rank["rss"])
 
 
 def test_stage3_verdicts() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,3 +27,32 @@ def test_overlap_is_the_intersection_of_two_ranges(a: list[int], b: list[int]) -
 def test_extremes_without_a_group_is_the_value_itself() -> None:
     comm = DataParallelComm()
     assert not comm.active and comm.extremes(7) == (7, 7) and comm.extremes(-3) == (-3, -3)
+
+
+def collectives_body() -> dict[str, object]:
+    """Every gather / reduce-scatter path of ``DataParallelComm`` with FutureWarnings turned into errors."""
+    import warnings
+
+    import torch
+
+    comm = DataParallelComm(collective="reduce_scatter")  # the gather / reduce-scatter path, also on gloo
+    rank = comm.rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13: all_gather_into_tensor is deprecated
+        flat = torch.zeros(4)
+        flat[2 * rank:2 * rank + 2] = torch.tensor([1.0, 2.0]) + 10 * rank
+        comm.all_gather_flat(flat, 2 * rank, 2 * rank + 2)
+        out = torch.zeros(2)
+        comm.reduce_scatter_pieces(out, [torch.full((2,), 1.0 + rank), torch.full((2,), 3.0 + rank)])
+        gathered = torch.zeros(2)
+        comm.all_gather(gathered, torch.tensor([5.0 + rank]))
+    return {"flat": flat.tolist(), "scattered": out.tolist(), "gathered": gathered.tolist()}
+
+
+@pytest.mark.distributed
+def test_gathers_and_reduce_scatters_use_torchs_current_names(gloo_pool) -> None:
+    """No ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` deprecation warning on any run."""
+    rank0, rank1 = gloo_pool.run("tests.test_core_helpers:collectives_body")
+    assert rank0["flat"] == rank1["flat"] == [1.0, 2.0, 11.0, 12.0]
+    assert rank0["scattered"] == [3.0, 3.0] and rank1["scattered"] == [7.0, 7.0]
+    assert rank0["gathered"] == rank1["gathered"] == [5.0, 6.0]

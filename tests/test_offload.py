@@ -166,12 +166,15 @@ def test_offload_counters_advance_every_step_and_files_go(offload_results: list[
         off = by_run[run]
         steps = off["steps"][1::2]  # the boundary micro-steps (accumulation 2)
         assert [s["steps"] for s in steps] == [1, 2, 3, 4, 5]
+        on_disk = _file_system(tempfile.gettempdir()) not in ("tmpfs", "ramfs")  # the swap files' directory
         for before, after in zip([dict.fromkeys(steps[0], 0), *steps], steps):
             assert after["out"] > before["out"]
             if where == "cpu" or mode not in ("32-true", "bf16-true"):
                 assert after["grad_in"] > before["grad_in"]
-            if where == "nvme":
-                assert after["read"] > before["read"] and after["written"] > before["written"]
+            if where == "nvme" and on_disk:  # real disk traffic (/proc/self/io): the state written at every
+                # step (this state is a few pages, partly left in the page cache: its reads are measured with
+                # a larger one in test_nvme_byte_counters_are_the_disk_traffic_of_the_steps)
+                assert after["written"] > before["written"] and after["read"] >= before["read"]
             if device.startswith("param_"):  # shards read at every gather, written at every step
                 assert after["shard_in"] > before["shard_in"] and after["shard_out"] > before["shard_out"]
         if device.startswith("param_"):
@@ -295,66 +298,122 @@ def test_checkpoints_saved_with_offload_resume_without_it_and_back(gloo_pool, tm
         assert by_rank == {"offload_then_none": (True, True), "none_then_offload": (True, True)}
 
 
-# ---------------------------------------------------------------------------------------------- RLIMIT_DATA
-RLIMIT_BUDGET_MB = 245  # above the run's needs with its AdamW state on disk, below them with it in memory
-
-
-def rlimit_main(mode: str, budget_mb: int, path: str) -> None:
-    """One process: a 16.8M-parameter MLP (AdamW state 134 MB) under RLIMIT_DATA = VmData + budget, 3 steps."""
+# ---------------------------------------------------------------------------------------------- resident memory
+def resident_main(mode: str, path: str) -> None:
+    """One process: a 16.8M-parameter MLP (AdamW fp32: 201 MB of master + moments when offloaded), 3 steps;
+    prints the peak resident set's increase over the steps (anonymous and mapped file pages alike).
+    ``mode``: ``"none"`` (no offload), ``"nvme"``, or ``"kept"`` (nvme whose pages are never released
+    from the process: what the measurement must catch)."""
     import json
-    import resource
 
     from lightning_zero import ZeroConfig, ZeroEngine
+    from lightning_zero.core.swap_file import SwapFile
+    from lightning_zero.testing.memory import proc_status_bytes, reset_peak_rss
 
-    def vmdata() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
-
+    if mode == "kept":
+        SwapFile.release = lambda self, lo, hi: 0  # type: ignore[method-assign]
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the kernel offload uses
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (vmdata() + (budget_mb << 20), hard))
-    out: dict[str, Any] = {}
-    try:
-        offload = OffloadConfig(optimizer_device="nvme", nvme_path=path) if mode == "nvme" else None
-        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), offload=offload)
-        x, target = torch.randn(8, 1024), torch.randn(8, 1024)
-        losses = []
-        for _ in range(3):
-            loss = torch.nn.functional.mse_loss(model(x), target)
-            loss.backward()
-            engine.finish_backward()
-            engine.prepare_step()
-            optimizer.step()
-            engine.after_step()
-            losses.append(loss.item())
-        out.update(trained=True, losses=losses)
-    except (RuntimeError, MemoryError) as err:
-        out.update(trained=False, error=str(err).splitlines()[0][:200])
-    print(json.dumps(out))
+    x, target = torch.randn(8, 1024), torch.randn(8, 1024)
+    reset_peak_rss()
+    base = proc_status_bytes("VmRSS")  # the model's parameters are in it; what the engine adds is not
+    offload = OffloadConfig(optimizer_device="nvme", nvme_path=path) if mode != "none" else None
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), offload=offload)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        engine.finish_backward()
+        engine.prepare_step()
+        optimizer.step()
+        engine.after_step()
+        losses.append(loss.item())
+    print(json.dumps({"losses": losses, "peak_increase": proc_status_bytes("VmHWM") - base,
+                      "resident_after": proc_status_bytes("VmRSS") - base}))
 
 
 @pytest.mark.slow
-def test_a_model_that_exceeds_rlimit_data_trains_with_its_optimizer_state_on_disk(tmp_path) -> None:
+def test_with_its_optimizer_state_on_disk_a_step_keeps_only_sub_groups_resident(tmp_path) -> None:
     import json
     import subprocess
     import sys
 
-    # RLIMIT_DATA counts reserved address space too: one malloc arena keeps the I/O threads from
-    # reserving 64 MB arenas each; the swap files' MAP_SHARED mappings are not counted (they are the relief)
-    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    state = 16 * (1024 * 1024 + 1024) * 4 * 3  # fp32 master + AdamW's two moments
     results = {}
-    for mode, budget in (("none", RLIMIT_BUDGET_MB), ("nvme", RLIMIT_BUDGET_MB), ("reference", 1 << 20)):
-        code = f"from tests.test_offload import rlimit_main; rlimit_main({mode!r}, {budget}, {str(tmp_path)!r})"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+    for mode in ("none", "nvme", "kept"):
+        code = f"from tests.test_offload import resident_main; resident_main({mode!r}, {str(tmp_path)!r})"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"},
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert proc.returncode == 0, proc.stderr[-3000:]
         results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results["reference"]["trained"] is True, results["reference"]  # no offload, no limit
-    assert results["none"]["trained"] is False, results["none"]  # the limit really is too small without offload
-    assert "can't allocate memory" in results["none"]["error"]
-    assert results["nvme"]["trained"] is True, results["nvme"]
-    assert results["nvme"]["losses"] == results["reference"]["losses"]  # the same training
+    assert results["nvme"]["losses"] == results["none"]["losses"] == results["kept"]["losses"]  # the same training
+    none, nvme, kept = results["none"], results["nvme"], results["kept"]
+    moments = state * 2 // 3
+    # Measured (ext4, 2 cores): none 251 MB resident after the steps (grads 67, moments 134, ...), nvme 96,
+    # kept 298; peaks 293 / 167 / 369 MB. The measurement sees mapped file pages: an offload that leaves its
+    # pages in the process ("kept") is resident by the whole state more, at the peak and after
+    assert kept["resident_after"] - nvme["resident_after"] > 0.9 * state, results
+    assert kept["peak_increase"] - nvme["peak_increase"] > 0.8 * state, results
+    # and the released state is less resident than the moments held in memory without offload
+    assert none["resident_after"] - nvme["resident_after"] > 0.9 * moments, results
+
+
+# ---------------------------------------------------------------------------------------------- measured I/O
+def _file_system(path: str) -> str:
+    """The type of the file system ``path`` is on (the longest mount point above it in /proc/mounts)."""
+    best, kind = "", ""
+    with open("/proc/mounts") as f:
+        for line in f:
+            mount, fstype = line.split()[1:3]
+            if os.path.realpath(path).startswith(mount.rstrip("/") + "/") and len(mount) > len(best):
+                best, kind = mount, fstype
+    return kind
+
+
+def _nvme_io_per_step(path: str, steps: int = 4) -> tuple[int, list[tuple[int, int]]]:
+    """A 1M-parameter MLP at stage 1 with its AdamW state in swap files: the state's bytes, and the
+    counters' (read, written) of each step."""
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1),
+                        offload=OffloadConfig(optimizer_device="nvme", nvme_path=path, sub_group_size=200_000))
+    counters, out = engine.sharded.offload.counters, []
+    x = torch.randn(8, 512)
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        engine.finish_backward()
+        engine.prepare_step()
+        before = (counters.bytes_read, counters.bytes_written)
+        optimizer.step()
+        engine.after_step()
+        out.append((counters.bytes_read - before[0], counters.bytes_written - before[1]))
+    engine.detach(keep_optimizer_state=False)
+    return 3 * 4 * sum(p.numel() for p in model.parameters()), out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="measures /proc/self/io")
+def test_nvme_byte_counters_are_the_disk_traffic_of_the_steps(tmp_path, monkeypatch) -> None:
+    if _file_system(str(tmp_path)) in ("tmpfs", "ramfs"):
+        pytest.skip("the swap files would be in memory: no disk traffic to measure")
+    state, io = _nvme_io_per_step(str(tmp_path))
+    # after the first step (its state still in the page cache) every step reads the whole state back from
+    # the disk (the writer dropped it from the page cache) and writes it out again
+    for read, written in io[1:]:
+        assert state <= read <= 1.2 * state + 2**20, (state, io)
+        assert state <= written <= 1.2 * state + 2**20, (state, io)
+    # with pages left in the page cache the disk reads nothing, and the counter says so (a count of the
+    # ranges handed to the reader would still say the whole state)
+    from lightning_zero.core.swap_file import SwapFile
+
+    monkeypatch.setattr(SwapFile, "flush", lambda self, lo, hi: os.fdatasync(self.fd))
+    state, io = _nvme_io_per_step(str(tmp_path))
+    for read, written in io[1:]:
+        assert read < 0.05 * state and written >= state, (state, io)
 
 
 # ---------------------------------------------------------------------------------------------- composition

@@ -107,8 +107,8 @@ def test_world_size_one_makes_no_collective_calls(monkeypatch) -> None:
     def forbidden(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a collective was called at world size 1")
 
-    for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-                 "new_group", "init_process_group"):
+    for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                 "reduce_scatter_tensor", "reduce_scatter_single", "new_group", "init_process_group"):
         monkeypatch.setattr(dist, name, forbidden)
     results = {}
     for stage in STAGES:

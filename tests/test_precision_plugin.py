@@ -65,7 +65,8 @@ def test_world_size_one_trains_fp16_without_collectives_and_logs_the_stats(monke
     def forbidden(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a collective was called at world size 1")
 
-    for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "new_group"):
+    for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+                 "reduce_scatter_single", "new_group"):
         monkeypatch.setattr(dist, name, forbidden)
     model = Model()
     logger = CSVLogger(str(tmp_path), name="", version="")

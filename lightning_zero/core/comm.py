@@ -30,6 +30,21 @@ from lightning_zero.core.config import Collective
 from lightning_zero.core.progress_record import RECORD
 
 
+def _all_gather_single(output: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGroup | None,
+                       async_op: bool) -> Handle | None:
+    """torch's gather into one tensor, by its current name: torch 2.13 renamed ``all_gather_into_tensor``
+    to ``all_gather_single`` and warns (FutureWarning) on every call of the old name."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, piece, group=group, async_op=async_op)
+
+
+def _reduce_scatter_single(output: torch.Tensor, whole: torch.Tensor, group: dist.ProcessGroup | None,
+                           async_op: bool) -> Handle | None:
+    """torch's reduce-scatter of one tensor, by its current name (``reduce_scatter_tensor`` before 2.13)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, whole, group=group, async_op=async_op)
+
+
 class Handle(Protocol):
     def wait(self) -> object: ...
 
@@ -164,8 +179,8 @@ class DataParallelComm:
         self.bytes_sent += sum(p.numel() * p.element_size() for i, p in enumerate(pieces) if i != self.rank)
         with self.blocking("reduce_scatter"):
             if all(p.numel() == pieces[0].numel() for p in pieces):
-                work = dist.reduce_scatter_tensor(out, torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0],
-                                                  group=self.group, async_op=async_op)
+                work = _reduce_scatter_single(out, torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0],
+                                              self.group, async_op)
             else:
                 work = dist.reduce_scatter(out, list(pieces), group=self.group, async_op=async_op)
         return self._issued(work, async_op)
@@ -190,7 +205,7 @@ class DataParallelComm:
                     work.wait()
         else:
             with self.blocking("all_gather"):
-                work = dist.all_gather_into_tensor(flat, flat[start:end], group=self.group, async_op=async_op)
+                work = _all_gather_single(flat, flat[start:end], self.group, async_op)
         return self._issued(work, async_op)
 
     def all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
@@ -209,7 +224,7 @@ class DataParallelComm:
             return
         self._count(out, self.world_size - 1)
         with self.blocking("all_gather"):
-            dist.all_gather_into_tensor(out, piece, group=self.group)
+            _all_gather_single(out, piece, self.group, async_op=False)
 
     def _global_rank(self, dp_rank: int) -> int:
         return dist.get_global_rank(self.group, dp_rank) if self.group is not None else dp_rank

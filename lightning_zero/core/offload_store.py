@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.optim import Optimizer
 
+from lightning_zero.core.copy_fence import CopyFence
 from lightning_zero.core.offload import OffloadConfig
 from lightning_zero.core.param_offload import ParamOffload
 from lightning_zero.core.swap_file import SwapFile, remove_stale_run_dirs
@@ -83,10 +84,28 @@ class OffloadCounters:
 
     grad_bytes_in: int = 0  # gradient bytes copied into the host buffers
     param_bytes_out: int = 0  # master bytes cast / copied back into the parameter shards
-    bytes_read: int = 0  # swap-file bytes brought back in ("nvme")
-    bytes_written: int = 0  # swap-file bytes written out ("nvme")
+    bytes_read: int = 0  # bytes this process read from storage during the steps ("nvme"; Note [measured I/O])
+    bytes_written: int = 0  # bytes this process sent to storage during the steps ("nvme"; Note [measured I/O])
     steps: int = 0  # offloaded optimizer steps
     step_s: float = 0.0  # seconds inside those steps (I/O waits included)
+
+
+def process_io() -> tuple[int, int] | None:
+    """Note [measured I/O]
+        ``bytes_read`` / ``bytes_written`` are what the kernel accounted to this process (all its
+        threads: the reader and writer threads too) as read from and sent to the storage layer
+        (``read_bytes`` / ``write_bytes`` of ``/proc/self/io``) while the offloaded steps ran: pages
+        served from the page cache count nothing, pages dirtied through the swap files' mappings count
+        when dirtied. They are the disk traffic of the swap files, not the sizes of the ranges handed
+        to the I/O threads (a file system in memory, such as tmpfs, reads and writes nothing). Where
+        ``/proc/self/io`` cannot be read this returns ``None`` and the two counters stay 0.
+    """
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 # a sub-group: (flat group, first element, one past the last) ranges, at master-piece boundaries
@@ -111,6 +130,7 @@ class OptimizerOffload:
         self.pin = config.pin()
         self.counters = OffloadCounters()
         self.host_grads: dict[int, torch.Tensor] = {}
+        self.fence = CopyFence()  # pinned copies in flight (Note [asynchronous host copies] in copy_fence.py)
         self.files: dict[tuple[int, str], SwapFile] = {}
         self.directory: tempfile.TemporaryDirectory | None = None
         self._writer: ThreadPoolExecutor | None = None
@@ -159,12 +179,22 @@ class OptimizerOffload:
         if host is None or host.numel() != master.numel():
             host = self.host_grads[fi] = torch.empty(master.numel(), dtype=master.dtype, pin_memory=self.pin)
         host.copy_(grad, non_blocking=self.pin)
+        self.fence.record(("grad", fi), self.pin, grad, host)  # the CPU reads it after grads_ready()
         self.counters.grad_bytes_in += grad.numel() * grad.element_size()
         return host
 
+    def grads_ready(self) -> None:
+        """Block until every gradient copy of ``receive_grad`` has landed in host memory (before the
+        CPU unscales, measures or steps on them; Note [asynchronous host copies])."""
+        for fi in self.host_grads:
+            self.fence.wait(("grad", fi))
+
     def write_back(self, own: torch.Tensor, master: torch.Tensor, group: FlatParamGroup, lo: int) -> None:
         """Cast the stepped ``master`` into ``own``: elements ``[lo, lo + own.numel())`` of ``group``'s shard."""
+        if self.params is not None:  # an offloaded shard may still be read by its last gather's copy
+            self.params.before_write(group)
         own.copy_(master, non_blocking=self.pin)
+        self.fence.record(("master", id(group), lo), self.pin, master, own)  # the next step overwrites master
         self.counters.param_bytes_out += own.numel() * own.element_size()
         if self.params is not None:
             self.params.written(group, lo, lo + own.numel())
@@ -196,19 +226,25 @@ class OptimizerOffload:
         """Run ``step_one`` on every sub-group; with ``"nvme"``, overlap the next one's reads and the
         previous one's writes with it (Note [swap files])."""
         start = time.perf_counter()
+        io_before = process_io() if self.nvme else None  # Note [measured I/O]
+        self.fence.wait_all()  # the last step's write-backs have read the masters the CPU overwrites now
         for k, sg in enumerate(sub_groups):
             if self.nvme and k == 0:
                 self._prefetch(0, sg)
             if self.nvme and k + 1 < len(sub_groups):
                 self._prefetch(k + 1, sub_groups[k + 1])
             for f in self._reading.pop(k, []):
-                self.counters.bytes_read += f.result()
+                f.result()
             step_one(sg)
             if self.nvme:
                 self._release(sg)
         if self.params is not None:
             self._pending += self.params.flush(self._writer)
         self.wait()
+        io_after = process_io() if io_before is not None else None
+        if io_before is not None and io_after is not None:
+            self.counters.bytes_read += io_after[0] - io_before[0]
+            self.counters.bytes_written += io_after[1] - io_before[1]
         self.counters.steps += 1
         self.counters.step_s += time.perf_counter() - start
 
@@ -234,7 +270,7 @@ class OptimizerOffload:
         for (fi, _key), file in self.files.items():
             for gi, lo, hi in sg:
                 if gi == fi:
-                    self.counters.bytes_written += file.release(lo, hi)
+                    file.release(lo, hi)
                     assert self._writer is not None
                     self._pending.append(self._writer.submit(file.flush, lo, hi))
 

@@ -193,6 +193,8 @@ class ShardedOptimizer:
             else:
                 for piece, g in zip(self.pieces_of[fi], grad.split(self.piece_numel)):
                     piece.grad = g
+        if self.offload is not None:  # pinned copies from the device: landed before the CPU reads them
+            self.offload.grads_ready()
 
     def master_grads(self) -> list[torch.Tensor]:
         """The gradient tensors the optimizer steps on (unscaling, norms and clipping act on these)."""
@@ -214,6 +216,8 @@ class ShardedOptimizer:
         """After parameters were changed outside the optimizer: refresh the master copies of the
         ``changed`` groups (where they are not views of the parameter shards)."""
         ids = {id(g) for g in changed}
+        if self.offload is not None:  # the last write-backs have read the masters (Note [asynchronous host copies])
+            self.offload.fence.wait_all()
         for fi, (master, fg) in enumerate(zip(self.masters, self.groups)):
             own = self._own(fi)
             if id(fg) in ids and own.data_ptr() != master.data_ptr():

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_zero.core.copy_fence import CopyFence
 from lightning_zero.core.flat_param import FlatParamGroup
 from lightning_zero.core.swap_file import SwapFile
 
@@ -67,6 +68,7 @@ class ParamOffload:
         self.nvme = device == "nvme"
         self.pin = pin and not self.nvme
         self.counters = ParamOffloadCounters()
+        self.fence = CopyFence()  # pinned shard -> device copies in flight (Note [asynchronous host copies])
         self.units = [u for u in units if not u.persistent]
         self.files: dict[int, SwapFile] = {}  # id(flat group) -> its swap file
         self.offloaded: set[int] = {id(g) for u in self.units for g in u.groups}
@@ -101,6 +103,7 @@ class ParamOffload:
         """Copy this rank's shard of ``g`` into ``dest`` (its range of the gather buffer)."""
         assert g.shard is not None
         dest.copy_(g.shard, non_blocking=self.pin)
+        self.fence.record(id(g), self.pin, g.shard, dest)  # before_write(g) waits for it
         self.counters.bytes_in += g.shard.numel() * g.shard.element_size()
         file = self.files.get(id(g))
         if file is not None:
@@ -108,6 +111,11 @@ class ParamOffload:
             for n in self._neighbours[id(g)]:
                 other = self.files[id(n)]
                 os.posix_fadvise(other.fd, 0, other.tensor.numel() * other.itemsize, os.POSIX_FADV_WILLNEED)
+
+    def before_write(self, g: FlatParamGroup) -> None:
+        """Before the CPU overwrites ``g``'s shard: the device has finished reading it (Note
+        [asynchronous host copies] in copy_fence.py)."""
+        self.fence.wait(id(g))
 
     def written(self, g: FlatParamGroup, lo: int, hi: int) -> None:
         """Elements ``[lo, hi)`` of ``g``'s shard were just written by the optimizer's write-back."""

@@ -16,9 +16,13 @@ Note [teardown gather]
     All ranks agree (one tiny collective): everything is gathered if it fits on every rank; else
     only the parameters if they fit (the optimizer state is dropped); else nothing, and the
     parameters stay released (NaN placeholders of the right shapes, Note [released parameters]).
-    Either fallback warns once, naming ``gather_on_teardown``. After a failed fit no collective
-    is safe (a rank may be gone): the parameters stay released and the warning says so, never
-    partly filled with this rank's shard and zeros elsewhere.
+    An engine without an optimizer in a 16-bit mixed mode (evaluating a model built in
+    ``configure_model``) has no fp32 master: its parameters come back as their 16-bit values, with
+    a warning that says so.
+    Either fallback warns once, naming ``gather_on_teardown``; so does ``gather_on_teardown=False``,
+    which gathers nothing (the module is left without weights, Note [released parameters]).
+    After a failed fit no collective is safe (a rank may be gone): the parameters stay released and
+    the warning says so, never partly filled with this rank's shard and zeros elsewhere.
 """
 
 from __future__ import annotations
@@ -104,9 +108,17 @@ def plan_teardown(engine: ZeroEngine, failed: bool, gather_on_teardown: bool) ->
     after a successful fit (every rank calls it). Warns once (rank 0) when it gathers less than asked."""
     if engine.runtime is None:  # stages 0-2: the parameters are whole already
         return TeardownPlan(gather_params=True, keep_optimizer_state=gather_on_teardown and not failed)
-    if not gather_on_teardown:
-        return TeardownPlan(gather_params=False, keep_optimizer_state=False)
     rank0 = engine.comm.rank == 0
+    if not gather_on_teardown:
+        if rank0:
+            warnings.warn(
+                "ZeroStrategy(gather_on_teardown=False): the stage-3 parameters are left released after this run "
+                "(they read as NaN, with their true shapes) and the optimizer state is dropped, so the module "
+                "holds no weights to save or serve. Use the checkpoints saved during fit, or leave "
+                "`gather_on_teardown` at True to get the whole model back.",
+                stacklevel=2,
+            )
+        return TeardownPlan(gather_params=False, keep_optimizer_state=False)
     if failed:
         if rank0:
             warnings.warn(
@@ -124,6 +136,15 @@ def plan_teardown(engine: ZeroEngine, failed: bool, gather_on_teardown: bool) ->
 
     short = engine.comm.ranks_with(not fits(params + optimizer))
     if not short:
+        if rank0 and engine.optimizer is None and engine.separate_master:
+            warnings.warn(
+                "ZeroStrategy: this model was built in `configure_model` and evaluated in a 16-bit mixed mode, so "
+                f"it existed only as {engine.dtypes.param_dtype} shards: its parameters come back in their own "
+                "dtype but hold those 16-bit values, rounded from the checkpoint's. For the exact weights load "
+                "them from the checkpoint (`lightning_zero.checkpoint.consolidate_checkpoint`, or the file's "
+                "`state_dict`).",
+                stacklevel=2,
+            )
         return TeardownPlan(gather_params=True, keep_optimizer_state=True)
     gather_params = not engine.comm.ranks_with(not fits(params))
     if rank0:
