@@ -125,6 +125,14 @@ def test_every_doc_command_uses_the_venv_form_of_the_readme() -> None:
                 command = line[2:] if kind == "console" and line.startswith("$ ") else line if kind == "bash" else ""
                 if re.match(r"(lightning-zero|python3?)\b", command) and not command.startswith("python3 -m venv"):
                     bare.append(f"{name}: {command}")
+        # a command in any other fence (``text``, plain): shown to be copied too
+        for lang, body in re.findall(r"^```(\w*)[ \t]*\n(.*?)^```", doc.read_text(), re.S | re.M):
+            if lang in ("console", "bash", "python"):
+                continue
+            for line in body.splitlines():
+                # at the line's start, after a `$ ` prompt, or in a second column; not a program's `name: error`
+                for match in re.finditer(r"(?:^\$ |^|\s{3,})((?:lightning-zero|python3?) (?![\w-]+:).*)", line):
+                    bare.append(f"{name}: {match.group(1).strip()}")
         # an inline command with arguments (`lightning-zero train x=y`, `python some/script.py`) too
         for match in re.finditer(r"`((?:lightning-zero|python3?) [^`]*[=/][^`]*)`", doc.read_text()):
             if not match.group(1).startswith("python -m lightning_zero.config.worker"):  # what the launcher runs
