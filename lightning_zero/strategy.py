@@ -33,6 +33,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -44,6 +45,7 @@ from lightning_zero.core.engine import ZeroEngine
 from lightning_zero.core.loss_scaler import LossScalerConfig
 from lightning_zero.core.materialize import ParamInitFn, has_meta_parameters
 from lightning_zero.core.offload import OffloadConfig, offload_from_args
+from lightning_zero.core.onebit_adam import OneBitAdam
 from lightning_zero.core.process_groups import own, reusable
 from lightning_zero.core.teardown import plan_teardown
 from lightning_zero.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
@@ -252,6 +254,8 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
             if self._pipeline is not None:
                 self._pipeline.restrict_optimizer(self.optimizers[0])
             self._engine = self._make_engine(self.optimizers[0], trainer)
+            if isinstance(opt := self.optimizers[0], OneBitAdam) and (why := opt.warmup_outlasts(trainer.max_steps)):
+                rank_zero_warn(why)
             if self._pipeline is not None:
                 self._pipeline.attach(self._engine)
             plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})

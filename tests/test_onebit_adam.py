@@ -7,11 +7,13 @@ is compared bitwise with torch's AdamW; training runs through Lightning on 2 glo
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import OneBitAdam, ZeroEngine, ZeroStrategy
@@ -283,3 +285,26 @@ def test_cli_trains_the_gpt_experiment_with_onebit_adam(tmp_path: Path) -> None:
     assert set(ratios) == {3, 6} and all(r >= 20 for r in ratios.values()), ratios
     # step 3 averages 2 warm-up steps and 1 compressed one; steps 4-6 are all compressed
     assert set(sent) >= {3, 6} and sent[6] * 10 < sent[3], sent
+
+
+def test_a_warm_up_that_outlasts_the_run_is_named_with_its_fix() -> None:
+    opt = OneBitAdam([torch.nn.Parameter(torch.zeros(2))], freeze_step=30)
+    assert "freeze_step=10" in opt.warmup_outlasts(20)  # the documented example once ran 20 steps of freeze_step=30
+    assert opt.warmup_outlasts(30) is not None
+    assert opt.warmup_outlasts(31) is None and opt.warmup_outlasts(-1) is None  # compresses, or no step limit
+
+
+def warmup_warning_body() -> dict[str, Any]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(OneBitTiny(freeze_step=10), ZeroStrategy(stage=0), 2)
+    warned = [str(w.message) for w in caught if "is ever compressed" in str(w.message)]
+    return {"rank": dist.get_rank(), "warned": warned}
+
+
+@pytest.mark.distributed
+def test_a_python_api_run_whose_warm_up_outlasts_it_warns_once(gloo_pool: Any) -> None:
+    """The Hydra path warns before launch; the Python API and DeepSpeed JSON runs warn at setup (rank 0 only)."""
+    results = sorted(gloo_pool.run("tests.test_onebit_adam:warmup_warning_body"), key=lambda r: r["rank"])
+    assert [len(r["warned"]) for r in results] == [1, 0], results
+    assert "Fix: freeze_step=1 " in results[0]["warned"][0]

@@ -183,6 +183,14 @@ class OneBitAdam(Optimizer):
         out["state"] = {**out["state"], _KEY: extra}
         return out
 
+    def warmup_outlasts(self, max_steps: int) -> str | None:
+        """Why a run of ``max_steps`` optimizer steps (-1: no limit) would never compress, or None."""
+        if max_steps is None or max_steps < 1 or max_steps > self.freeze_step:
+            return None
+        return (f"OneBitAdam(freeze_step={self.freeze_step}) with max_steps={max_steps}: the AdamW warm-up lasts the "
+                f"whole run, so nothing is ever compressed. Fix: freeze_step={max(1, max_steps // 2)} (DeepSpeed "
+                "JSON: optimizer.params.freeze_step; Hydra: model.freeze_step), or train longer.")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict["state"])
         extra = dict(state.pop(_KEY, {}))
