@@ -2,6 +2,7 @@
 ``SparseSelfAttention`` with an exact pure-torch block-sparse kernel (CPU training) and FlexAttention
 (CUDA training, inference), and the helpers that put it into a model. docs/sparse_attention.md."""
 
+from lightning_zero.sparse_attention.sparse_self_attention import SparseSelfAttention
 from lightning_zero.sparse_attention.sparsity_config import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
@@ -18,6 +19,7 @@ __all__ = [
     "DenseSparsityConfig",
     "FixedSparsityConfig",
     "LocalSlidingWindowSparsityConfig",
+    "SparseSelfAttention",
     "SparsityConfig",
     "VariableSparsityConfig",
 ]
