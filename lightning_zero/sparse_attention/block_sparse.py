@@ -30,16 +30,19 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 22  # scores of one chunk: 4M elements (16 MiB in 
 @dataclass(frozen=True)
 class RowChunk:
     """Query-block rows ``[start, stop)``: per head and row the key blocks attended (``index``,
-    padded with block 0) and which slots are real (``valid``), both ``[heads, rows, width]``."""
+    padded with block 0) and the slots whose whole block is hidden (``hidden``: padding, or a block
+    after the row when causal), both ``[heads, rows, width]``; ``diagonal``: (head, row, slot) of the
+    slots holding the row's own block, which causal attention hides above the diagonal."""
 
     start: int
     stop: int
     index: torch.Tensor
-    valid: torch.Tensor
+    hidden: torch.Tensor
+    diagonal: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
-def row_chunks(layout: torch.Tensor, block: int, batch_heads: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
-               ) -> list[RowChunk]:
+def row_chunks(layout: torch.Tensor, block: int, batch_heads: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+               causal: bool = False) -> list[RowChunk]:
     """Cut a ``(heads, blocks, blocks)`` layout into :class:`RowChunk` s (Note [chunked rows]).
     ``batch_heads`` (batch x heads) sizes the chunks' score tensors."""
     layout = layout.bool()
@@ -58,8 +61,13 @@ def row_chunks(layout: torch.Tensor, block: int, batch_heads: int, chunk_element
                 break
             stop, width = stop + 1, grown
         index = order[:, start:stop, :width]
-        valid = torch.gather(layout[:, start:stop], 2, index)
-        chunks.append(RowChunk(start, stop, torch.where(valid, index, 0), valid))
+        hidden = ~torch.gather(layout[:, start:stop], 2, index)
+        diagonal = None
+        if causal:
+            rows = torch.arange(start, stop, device=layout.device)[None, :, None]
+            hidden = hidden | (index > rows)
+            diagonal = tuple((~hidden & (index == rows)).nonzero(as_tuple=True))
+        chunks.append(RowChunk(start, stop, torch.where(hidden, 0, index), hidden, diagonal))
         start = stop
     return chunks
 
@@ -89,29 +97,31 @@ class Masks:
     causal: bool = False
 
 
-def _chunk_scores(q: torch.Tensor, kb: torch.Tensor, chunk: RowChunk, block: int, scale: float, masks: Masks,
+def _chunk_scores(q: torch.Tensor, kb: torch.Tensor, chunk: RowChunk, block: int, masks: Masks,
                   acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled, masked scores ``(b, h, rows, block, width * block)`` in ``acc`` and the gathered keys."""
+    """Masked scores ``(b, h, rows, block, width * block)`` in ``acc`` of the (pre-scaled) queries,
+    and the gathered keys."""
     b, h, rows = q.shape[0], q.shape[1], chunk.stop - chunk.start
     heads = torch.arange(h, device=q.device)[:, None, None]
     kg = kb[:, heads, chunk.index].reshape(b, h, rows, -1, q.shape[-1])  # b h r (w bk) d
     qc = q.reshape(b, h, -1, block, q.shape[-1])[:, :, chunk.start:chunk.stop]
-    s = torch.matmul(qc, kg.transpose(-1, -2)).to(acc) * scale
+    s = torch.matmul(qc, kg.transpose(-1, -2)).to(acc)
     if masks.rpe is not None:
         rpe = masks.rpe.reshape((1,) * (4 - masks.rpe.dim()) + tuple(masks.rpe.shape))
-        s = s + _gather_pairs(rpe, chunk, block, h).to(acc)
+        s += _gather_pairs(rpe, chunk, block, h).to(acc)
     if masks.key_padding is not None:
         kp = masks.key_padding.reshape(masks.key_padding.shape[0], -1, block)  # b n bk
-        s = s + kp[:, chunk.index].reshape(kp.shape[0], h, rows, 1, -1).to(acc)
+        s += kp[:, chunk.index].reshape(kp.shape[0], h, rows, 1, -1).to(acc)
     if masks.attn is not None:
-        s = s + _gather_pairs(masks.attn[None, None], chunk, block, h).to(acc)
-    slots = chunk.valid[..., None].expand(*chunk.valid.shape, block).reshape(h, rows, 1, -1)
-    if masks.causal:
-        qpos = (torch.arange(chunk.start, chunk.stop, device=q.device) * block)[:, None] + torch.arange(
-            block, device=q.device)
-        kpos = (chunk.index[..., None] * block + torch.arange(block, device=q.device)).reshape(h, rows, 1, -1)
-        slots = slots & (kpos <= qpos[None, :, :, None])
-    return s.masked_fill(~slots, float("-inf")), kg
+        s += _gather_pairs(masks.attn[None, None], chunk, block, h).to(acc)
+    s6 = s.view(b, h, rows, block, -1, block)
+    s6.masked_fill_(chunk.hidden[None, :, :, None, :, None], float("-inf"))  # broadcast: no full-size mask
+    if chunk.diagonal is not None:  # Note [exactness]: only the row's own block is cut by causality
+        hh, rr, slot = chunk.diagonal
+        own = s6[:, hh, rr, :, slot, :]  # b n bq bk, a copy
+        above = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)
+        s6[:, hh, rr, :, slot, :] = own.masked_fill(above, float("-inf"))
+    return s, kg
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -126,12 +136,13 @@ class _BlockSparseAttention(torch.autograd.Function):
         kb, vb = k.reshape(b, h, -1, block, d), v.reshape(b, h, -1, block, d)
         out = torch.empty_like(q)
         lse = torch.empty(b, h, length, dtype=acc, device=q.device)
+        qs = q * scale
         heads = torch.arange(h, device=q.device)[:, None, None]
         for chunk in chunks:
-            s, _ = _chunk_scores(q, kb, chunk, block, scale, masks, acc)
+            s, _ = _chunk_scores(qs, kb, chunk, block, masks, acc)
             rows = slice(chunk.start * block, chunk.stop * block)
             m = torch.logsumexp(s, dim=-1, keepdim=True)
-            p = torch.exp(s - m).to(q.dtype)
+            p = s.sub_(m).exp_().to(q.dtype)
             vg = vb[:, heads, chunk.index].reshape(b, h, chunk.stop - chunk.start, -1, d)
             out[:, :, rows] = torch.matmul(p, vg).reshape(b, h, -1, d)
             lse[:, :, rows] = m.reshape(b, h, -1)
@@ -154,18 +165,19 @@ class _BlockSparseAttention(torch.autograd.Function):
         dk = torch.zeros(b, h * n, block, d, dtype=grad_acc, device=q.device)
         dv = torch.zeros_like(dk)
         heads = torch.arange(h, device=q.device)[:, None, None]
+        qs = q * scale
         for chunk in chunks:
             r = chunk.stop - chunk.start
             rows = slice(chunk.start * block, chunk.stop * block)
-            s, kg = _chunk_scores(q, kb, chunk, block, scale, masks, acc)
-            p = torch.exp(s - lse[:, :, rows].reshape(b, h, r, block, 1))
+            s, kg = _chunk_scores(qs, kb, chunk, block, masks, acc)
+            p = s.sub_(lse[:, :, rows].reshape(b, h, r, block, 1)).exp_()
             vg = vb[:, heads, chunk.index].reshape(b, h, r, -1, d)
             go = grad_out[:, :, rows].reshape(b, h, r, block, d)
             dp = torch.matmul(go, vg.transpose(-1, -2)).to(acc)
-            ds = (p * (dp - delta[:, :, rows].reshape(b, h, r, block, 1)) * scale).to(q.dtype)
-            dq[:, :, rows] = torch.matmul(ds, kg).reshape(b, h, -1, d)
+            ds = dp.sub_(delta[:, :, rows].reshape(b, h, r, block, 1)).mul_(p).to(q.dtype)  # scale: below
+            dq[:, :, rows] = torch.matmul(ds, kg).reshape(b, h, -1, d).mul_(scale)
             flat = (heads * n + chunk.index).flatten()
-            qc = q[:, :, rows].reshape(b, h, r, block, d)
+            qc = qs[:, :, rows].reshape(b, h, r, block, d)
             dk.index_add_(1, flat, torch.matmul(ds.transpose(-1, -2), qc).reshape(b, -1, block, d).to(grad_acc))
             dv.index_add_(1, flat, torch.matmul(p.to(q.dtype).transpose(-1, -2), go).reshape(
                 b, -1, block, d).to(grad_acc))

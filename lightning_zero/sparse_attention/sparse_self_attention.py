@@ -88,7 +88,8 @@ class SparseSelfAttention(nn.Module):
         key = (length, batch_heads, str(device))
         if key not in self._chunks:
             layout = self.get_layout(length).to(device)
-            self._chunks[key] = row_chunks(layout, self.sparsity_config.block, batch_heads, self.chunk_elements)
+            self._chunks[key] = row_chunks(layout, self.sparsity_config.block, batch_heads, self.chunk_elements,
+                                          self.causal)
         return self._chunks[key]
 
     def _block_mask(self, length: int, device: torch.device) -> Any:
