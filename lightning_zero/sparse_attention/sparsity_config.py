@@ -66,7 +66,8 @@ class SparsityConfig:
         if seq_len % self.block:
             raise ValueError(f"sequence length {seq_len} is not a multiple of the block size {self.block}: pad it "
                              "(SparseAttentionUtils.pad_to_block_size) or choose a block that divides it")
-        return torch.zeros((self.num_heads, seq_len // self.block, seq_len // self.block), dtype=torch.int64)
+        n = seq_len // self.block  # on the CPU even under a meta-device context (a model built on meta)
+        return torch.zeros((self.num_heads, n, n), dtype=torch.int64, device="cpu")
 
     def check_and_propagate_first_head_layout(self, layout: torch.Tensor) -> torch.Tensor:
         """Copy head 0's layout to every head unless each head has its own."""
@@ -94,7 +95,7 @@ class DenseSparsityConfig(SparsityConfig):
 def _set_windows(layout: torch.Tensor, h: int, start: int, end: int, unidirectional: bool) -> None:
     """Block rows and columns ``[start, end)`` attend to each other (only to the past if unidirectional)."""
     size = end - start
-    window = torch.ones(size, size, dtype=layout.dtype)
+    window = torch.ones(size, size, dtype=layout.dtype, device=layout.device)
     block = layout[h, start:end, start:end]
     block.copy_(torch.maximum(block, torch.tril(window) if unidirectional else window))  # adds, never clears
 
@@ -218,8 +219,8 @@ def _set_sliding_window(layout: torch.Tensor, h: int, window_blocks: int, bidire
     if n < window_blocks:
         raise ValueError(f"num_sliding_window_blocks ({window_blocks}) exceeds the {n} blocks of a row")
     half = window_blocks // 2
-    rows = torch.arange(n)[:, None]
-    cols = torch.arange(n)[None, :]
+    rows = torch.arange(n, device=layout.device)[:, None]
+    cols = torch.arange(n, device=layout.device)[None, :]
     band = (cols >= rows - half) & (cols <= (rows + half if bidirectional else rows))
     layout[h][band] = 1
 
