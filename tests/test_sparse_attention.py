@@ -132,3 +132,27 @@ def test_flex_attention_forward_on_cpu_equals_the_kernel() -> None:
         kernel = module(q, k, v, key_padding_mask=kp)
     ref = dense_reference(q, k, v, module.get_layout(128), True, torch.where(kp == 0, float("-inf"), 0.0))
     assert (flex.double() - ref).abs().max() < 1e-5 and (kernel.double() - ref).abs().max() < 1e-5
+
+
+def test_hugging_face_attention_function_on_an_hf_like_module() -> None:
+    """The function HF's AttentionInterface would call (transformers is not installed here: a minimal
+    module stands in), causal, 60 tokens (padded to the block inside), with an additive 4-D mask."""
+    from lightning_zero.sparse_attention import SparseAttentionUtils
+
+    config = CONFIGS["fixed_uni"]()
+    fn = SparseAttentionUtils.hf_attention_function(config, max_position=64)
+
+    class HFLikeAttention(torch.nn.Module):
+        is_causal = True
+
+    q, k, v = (t.detach() for t in _inputs(torch.float64, length=60))
+    extra = torch.zeros(1, 1, 60, 60, dtype=torch.float64)
+    extra[..., 7] = float("-inf")  # hide key 7 from everyone else
+    extra[0, 0, 7, 7] = 0.0
+    out, weights = fn(HFLikeAttention(), q, k, v, extra, scaling=16 ** -0.5)
+    layout = config.make_layout(64)
+    ref = dense_reference(q, k, v, layout, causal=True, am=extra[0, 0])
+    assert weights is None and out.shape == (2, 60, H, 16)
+    assert (out.transpose(1, 2) - ref).abs().max() < 1e-10
+    with pytest.raises(ValueError, match="scales scores"):
+        fn(HFLikeAttention(), q, k, v, None, scaling=0.5)

@@ -24,8 +24,10 @@ def flex_available() -> bool:
 
 
 def flex_runs(q: torch.Tensor, needs_grad: bool) -> bool:
-    """Whether FlexAttention can run this call: on CUDA always, on CPU only without a backward."""
-    return flex_available() and (q.is_cuda or (q.device.type == "cpu" and not needs_grad))
+    """Whether FlexAttention can run this call: on CUDA always, on CPU only without a backward and in
+    float32 / float16 / bfloat16 (its CPU kernel has no float64)."""
+    return flex_available() and (q.is_cuda or (q.device.type == "cpu" and not needs_grad
+                                               and q.dtype != torch.float64))
 
 
 def _compiled_flex() -> Any:

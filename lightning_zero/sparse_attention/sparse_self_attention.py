@@ -134,8 +134,8 @@ class SparseSelfAttention(nn.Module):
         use_flex = self.executor == "flex" or (self.executor == "auto" and flex_runs(query, needs_grad))
         if use_flex:
             if not flex_runs(query, needs_grad):
-                raise RuntimeError("executor='flex' cannot run here: FlexAttention has no backward on CPU; use "
-                                   "executor='auto' or 'block_sparse'")
+                raise RuntimeError("executor='flex' cannot run here: FlexAttention has no backward on CPU (nor "
+                                   "float64 there); use executor='auto' or 'block_sparse'")
             self.get_layout(length)  # the length checks
             return flex_sparse_attention(query, key, value, self._block_mask(length, query.device), scale, masks)
         chunks = self._row_chunks(length, b * h, query.device)
