@@ -141,8 +141,10 @@ class _BlockSparseAttention(torch.autograd.Function):
         for chunk in chunks:
             s, _ = _chunk_scores(qs, kb, chunk, block, masks, acc)
             rows = slice(chunk.start * block, chunk.stop * block)
-            m = torch.logsumexp(s, dim=-1, keepdim=True)
-            p = s.sub_(m).exp_().to(q.dtype)
+            m = s.amax(dim=-1, keepdim=True)  # one exp pass: s becomes exp(s - m), then p
+            total = s.sub_(m).exp_().sum(dim=-1, keepdim=True)
+            p = s.div_(total).to(q.dtype)
+            m = m + total.log()
             vg = vb[:, heads, chunk.index].reshape(b, h, chunk.stop - chunk.start, -1, d)
             out[:, :, rows] = torch.matmul(p, vg).reshape(b, h, -1, d)
             lse[:, :, rows] = m.reshape(b, h, -1)
