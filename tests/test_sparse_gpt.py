@@ -136,3 +136,16 @@ def test_cli_trains_with_sparse_attention_from_hydra_and_from_a_deepspeed_json(t
     bad.mkdir()
     proc = _train(["model.attention=sparse_fixd"], bad)
     assert proc.returncode != 0 and "choose one of" in proc.stdout + proc.stderr
+
+
+def test_deepspeed_strategy_refuses_a_sparse_section_the_model_does_not_use() -> None:
+    from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
+
+    strategy = DeepSpeedZeroStrategy.from_deepspeed_config(
+        {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}, "sparse_attention": SECTION})
+    module = GPTLightningModule(replace(TINY, seq_len=64), warmup_steps=0)  # dense attention
+    loader = torch.utils.data.DataLoader([(torch.zeros(64, dtype=torch.long),) * 2] * 4, batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="has no sparse attention"):
+        trainer.fit(module, loader)
