@@ -149,3 +149,14 @@ def test_deepspeed_strategy_refuses_a_sparse_section_the_model_does_not_use() ->
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="has no sparse attention"):
         trainer.fit(module, loader)
+
+
+@pytest.mark.slow
+def test_bench_sparse_attention_runs_small() -> None:
+    """benchmarks/bench_sparse_attention.py end to end at one short length (its numbers: docs/benchmarks.md)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sparse_attention.py"
+    done = subprocess.run([sys.executable, str(script), "attention", "--lengths", "1024", "--rounds", "1",
+                           "--threads", "1"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 1024 |"))
+    assert row.count("|") == 11 and " - " not in row and "failed runs" not in done.stdout
