@@ -19,7 +19,7 @@ PACKAGE = ROOT / "lightning_zero"
 # The layers, lowest first. A module may import its own layer or a lower one; the first prefix
 # that matches a module's dotted name decides its layer (so list the more specific prefixes first).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("lightning_zero.core",)),
+    ("core", ("lightning_zero.core", "lightning_zero.sparse_attention")),
     ("glue", (
         "lightning_zero.strategy", "lightning_zero.strategy_state", "lightning_zero.precision",
         "lightning_zero.callbacks", "lightning_zero.monitoring", "lightning_zero.checkpoint",
@@ -149,12 +149,16 @@ def test_nothing_in_lightning_zero_imports_experiments() -> None:
     assert bad == []
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "core").rglob("*.py")), ids=lambda p: p.name)
+CORE_FOLDERS = ("core", "sparse_attention")  # packages at the core layer: torch + stdlib + each other
+
+
+@pytest.mark.parametrize("path", sorted(p for folder in CORE_FOLDERS for p in (PACKAGE / folder).rglob("*.py")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_core_imports_only_torch_and_the_standard_library(path: Path) -> None:
     allowed = CORE_ALLOWED | {"lightning_zero"} | CORE_KNOWN_EXCEPTIONS.get(path.name, set())
     outside = sorted(i for i in _imports(path) if i.split(".")[0] not in allowed)
-    inside = sorted(i for i in _imports(path) if i.startswith("lightning_zero.") and not i.startswith(
-        "lightning_zero.core"))
+    inside = sorted(i for i in _imports(path) if i.startswith("lightning_zero.") and not any(
+        i == f"lightning_zero.{folder}" or i.startswith(f"lightning_zero.{folder}.") for folder in CORE_FOLDERS))
     assert outside == [] and inside == []
 
 

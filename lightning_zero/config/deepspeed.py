@@ -120,6 +120,8 @@ def json_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
             out[name] = ds.gradient_clipping
         elif group == "pipeline" and ds.pipeline is not None:
             out[name] = getattr(ds.pipeline, key)
+        elif name == "model.sparse_attention":
+            out[name] = ds.sparse_attention
     return out
 
 

@@ -36,8 +36,14 @@ def gpt_config(m: GPTModelSchema) -> Any:
 
 def gpt_overrides(m: GPTModelSchema) -> dict[str, Any]:
     """The shape fields of ``m`` that are set (they replace the preset's)."""
+    from lightning_zero.sparse_attention import resolve_attention
+
     keys = ("seq_len", "n_layer", "n_head", "n_embd", "dropout", "tie_weights")
-    return {k: getattr(m, k) for k in keys if getattr(m, k) is not None}
+    out = {k: getattr(m, k) for k in keys if getattr(m, k) is not None}
+    section = resolve_attention(m.attention, m.sparse_attention)
+    if section is not None:
+        out["sparse_attention"] = section
+    return out
 
 
 def param_init_fn(cfg: TrainConfig) -> Any:

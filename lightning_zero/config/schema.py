@@ -204,6 +204,11 @@ class GPTModelSchema(ModelSchema):
     min_lr_ratio: float = 0.1
     build_in_configure_model: bool = False
     freeze_step: int = 100  # optimizer=onebit_adam: AdamW warm-up steps before the momentum is compressed
+    # dense (SDPA) or a block-sparse preset: sparse_fixed, sparse_variable, sparse_bigbird, sparse_bslongformer,
+    # sparse_local, sparse_dense (docs/sparse_attention.md)
+    attention: str = "dense"
+    # DeepSpeed `sparse_attention` keys over the preset's (a DeepSpeed JSON's section lands here)
+    sparse_attention: dict[str, Any] | None = None
 
 
 @dataclass

@@ -309,6 +309,16 @@ def import_object(path: str) -> Any:
 def invalid_combinations(cfg: TrainConfig) -> list[str]:
     """Every reason ``cfg`` cannot work, each with its fix (empty when it is valid)."""
     problems: list[str] = []
+    if isinstance(cfg.model, GPTModelSchema):
+        from lightning_zero.sparse_attention import resolve_attention
+
+        try:
+            section = resolve_attention(cfg.model.attention, cfg.model.sparse_attention)
+        except (ValueError, NotImplementedError) as err:
+            problems.append(f"model.attention / model.sparse_attention: {err}")
+        else:
+            if section is not None and preset_known(cfg.model) and gpt_config(cfg.model).dropout:
+                problems.append("sparse attention has no attention dropout: set model.dropout=0")
     try:
         zero_config(cfg)
     except ValueError as err:

@@ -74,6 +74,8 @@ class DeepSpeedConfig:
         optimizer, scheduler: the sections, validated (types known, params accepted).
         steps_per_print, wall_clock_breakdown: progress and timing lines on rank 0.
         pipeline: the ``pipeline`` section (``deepspeed/pipeline.py``; ``None``: absent).
+        sparse_attention: the ``sparse_attention`` section, checked (``None``: absent); the GPT
+            experiment's attention (docs/sparse_attention.md).
         given: Hydra-style setting name -> the JSON key that set it.
         unsupported: JSON keys (``key=value`` for unsupported values) that are ignored.
         source: the file, or ``"<dict>"``.
@@ -92,6 +94,7 @@ class DeepSpeedConfig:
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
     pipeline: PipelineSpec | None = None
+    sparse_attention: dict[str, Any] | None = None
     given: dict[str, str] = field(default_factory=dict)
     unsupported: tuple[str, ...] = ()
     source: str = "<dict>"
@@ -215,6 +218,7 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
         raise ValueError(f"DeepSpeed config: `steps_per_print` must be >= 1, got {steps_per_print}.")
     wall_clock = root.get("wall_clock_breakdown", bool, False)
     pipeline = parse_pipeline(root.section("pipeline"), given)
+    sparse_attention = _sparse_attention(root, given)
     root.noop(_NOOP_TOP)
     amp = root.section("amp")
     if amp is not None:
@@ -225,13 +229,29 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
                              reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, batch=batch,
                              gradient_clipping=clip or None, optimizer=optimizer, scheduler=scheduler,
                              steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, pipeline=pipeline,
-                             given=given,
+                             sparse_attention=sparse_attention, given=given,
                              unsupported=tuple(unsupported), source=origin)
     if config.unsupported and strict:
         raise ValueError(config.unsupported_message())
     if config.unsupported and warn:
         warnings.warn(config.unsupported_message(), UserWarning, stacklevel=2)
     return config
+
+
+def _sparse_attention(root: _Section, given: dict[str, str]) -> dict[str, Any] | None:
+    """The ``sparse_attention`` section, its mode and keys checked (lightning_zero.sparse_attention)."""
+    from lightning_zero.sparse_attention import check_section
+
+    raw = root.data.get("sparse_attention")
+    root.used.add("sparse_attention")
+    if raw is None:
+        return None
+    try:
+        section = check_section(raw)
+    except (ValueError, NotImplementedError) as err:
+        raise ValueError(f"DeepSpeed config: {err}") from err
+    given["model.sparse_attention"] = "sparse_attention"
+    return section
 
 
 def _spec(root: _Section, name: str) -> SectionSpec | None:

@@ -217,6 +217,13 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._apply_to_trainer(trainer)
         super().setup(trainer)
+        if self.deepspeed_config.sparse_attention is not None and self.deepspeed_config.pipeline is None and not any(
+                getattr(m, "sparse_attention", None) is not None for m in trainer.lightning_module.modules()):
+            raise ValueError(  # an accepted section must do something (docs/sparse_attention.md)
+                f"the DeepSpeed config {self.deepspeed_config.source} has a `sparse_attention` section, but "
+                f"{type(trainer.lightning_module).__name__} has no sparse attention: build the model with it "
+                "(GPTConfig(sparse_attention=...), or SparseAttentionUtils."
+                "replace_model_self_attention_with_sparse_self_attention), or drop the section")
 
     def _apply_to_trainer(self, trainer: pl.Trainer) -> None:
         ds, problems = self.deepspeed_config, []

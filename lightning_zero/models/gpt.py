@@ -18,6 +18,12 @@ from torch import nn
 from lightning_zero.core.materialize import ParamInitFn, default_init
 from lightning_zero.core.onebit_adam import OneBitAdam
 from lightning_zero.models.data import log_train_loss
+from lightning_zero.sparse_attention import (
+    SparseAttentionUtils,
+    SparseSelfAttention,
+    check_section,
+    make_sparsity_config,
+)
 
 
 @dataclass
@@ -32,6 +38,8 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True
+    # a DeepSpeed ``sparse_attention`` section (``mode`` + keys, docs/sparse_attention.md); None: dense SDPA
+    sparse_attention: dict[str, Any] | None = None
 
 
 # Parameter counts (tied weights, vocab 256) are listed in the comments; see tests/test_experiments.py.
@@ -61,7 +69,10 @@ def resolve_config(model: GPTConfig | str | dict[str, Any], overrides: dict[str,
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention via ``F.scaled_dot_product_attention``."""
+    """Multi-head causal self-attention via ``F.scaled_dot_product_attention``, or through block-sparse
+    ``sparse_attention`` when the config has a ``sparse_attention`` section (the attention slot of
+    ``lightning_zero/sparse_attention/utils.py``; a sequence not a multiple of the block is padded at the
+    end, which causal attention never sees, and cut back)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -72,12 +83,27 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
+        self.sparse_attention: SparseSelfAttention | None = None
+        if config.sparse_attention:
+            if config.dropout:
+                raise ValueError("sparse attention has no attention dropout: set dropout=0 with sparse_attention")
+            section = check_section(config.sparse_attention)
+            SparseAttentionUtils.replace_model_self_attention_with_sparse_self_attention(
+                self, config.seq_len, make_sparsity_config(section, config.n_head),
+                executor=section.get("executor", "auto"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if self.sparse_attention is not None:
+            pad = -t % self.sparse_attention.sparsity_config.block
+            if pad:
+                q, k, v = (F.pad(z, (0, 0, 0, pad)) for z in (q, k, v))
+            y = self.sparse_attention(q, k, v)[:, :, :t]
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
 

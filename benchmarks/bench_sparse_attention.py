@@ -1,0 +1,222 @@
+"""Block-sparse attention against dense SDPA (issue 32), three measurements, each printed as a
+markdown table for docs/benchmarks.md:
+
+* ``attention``: forward + backward time and peak RSS growth of ``SparseSelfAttention`` (a fixed,
+  unidirectional layout) against causal SDPA and against SDPA given the same layout as a mask, at
+  each length; every (length, method) runs in a fresh process (a clean ``VmHWM``), the methods
+  interleaved inside each round, the median of the rounds reported with the ratios of one round
+  set;
+* ``longest``: the longest sequence a GPT (gpt_tiny's shape) trains one step at under a fixed
+  ``RLIMIT_DATA``, sparse against dense, doubling the length until a run fails or passes the time cap;
+* ``quality``: the GPT's validation loss with local + global (fixed) sparse attention against dense
+  after the same steps on the same data.
+
+Run: python benchmarks/bench_sparse_attention.py attention --lengths 1024 2048 4096 8192 16384 --rounds 3
+     python benchmarks/bench_sparse_attention.py longest --limit-mb 512
+     python benchmarks/bench_sparse_attention.py quality --steps 150
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+from lightning_zero.sparse_attention import FixedSparsityConfig, SparseSelfAttention
+from lightning_zero.testing.memory import proc_status_bytes, reset_peak_rss
+
+HEADS, HEAD_DIM = 4, 64
+BLOCK, LOCAL = 64, 16  # fixed layout: windows of 16 blocks of 64 tokens, one global block per window
+MASKED_MAX = 4096  # SDPA with an explicit mask materialises (L, L) scores: longer ones are skipped
+
+
+def layout_config(heads: int = HEADS) -> FixedSparsityConfig:
+    return FixedSparsityConfig(heads, block=BLOCK, num_local_blocks=LOCAL, attention="unidirectional")
+
+
+def _attention_worker(method: str, length: int, threads: int) -> dict[str, float]:
+    """One timed forward + backward (after one untimed pass at 1k tokens), and the peak RSS growth."""
+    if threads:
+        torch.set_num_threads(threads)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: big frees go back to the OS
+    torch.manual_seed(0)
+    sparse = SparseSelfAttention(layout_config(), max_seq_length=length, causal=True, executor="block_sparse")
+
+    def run(n: int) -> None:
+        q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, requires_grad=True) for _ in range(3))
+        if method == "sparse":
+            out = sparse(q, k, v)
+        elif method == "sdpa_causal":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            layout = sparse.get_layout(n).bool()
+            mask = layout.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2) & torch.ones(
+                n, n, dtype=torch.bool).tril()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out.backward(torch.ones_like(out))
+
+    run(1024)
+    reset_peak_rss()
+    before = proc_status_bytes("VmRSS")
+    start = time.perf_counter()
+    run(length)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_mb": (proc_status_bytes("VmHWM") - before) / 2**20}
+
+
+def _spawn(args: list[str], timeout: float) -> dict | None:
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]}
+    return json.loads(lines[-1])
+
+
+def attention(lengths: list[int], rounds: int, threads: int) -> None:
+    methods = ("sparse", "sdpa_causal", "sdpa_masked")
+    results: dict[tuple[int, str], list[dict]] = {}
+    for _ in range(rounds):
+        for length in lengths:
+            for method in methods:
+                if method == "sdpa_masked" and length > MASKED_MAX:
+                    continue
+                results.setdefault((length, method), []).append(
+                    _spawn(["_attention", method, str(length), str(threads)], timeout=1200) or {})
+    density = {n: layout_config().make_layout(n)[0].float().mean().item() for n in lengths}
+    print(f"\nload average {os.getloadavg()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{threads or torch.get_num_threads()} thread(s) per run; heads {HEADS}, head_dim {HEAD_DIM}, batch 1, "
+          f"fp32; fixed layout block {BLOCK}, num_local_blocks {LOCAL}, unidirectional; median of {rounds} round(s)\n")
+    print("| tokens | layout density | sparse s | causal SDPA s | masked SDPA s | speed-up vs causal | "
+          "vs masked | sparse peak MB | causal SDPA peak MB | masked SDPA peak MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def med(length: int, method: str, key: str) -> float | None:
+        runs = [r[key] for r in results.get((length, method), []) if key in r]
+        return statistics.median(runs) if runs else None
+
+    def fmt(x: float | None, digits: int = 2) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    for n in lengths:
+        s, c, m = (med(n, meth, "seconds") for meth in methods)
+        ps, pc, pm = (med(n, meth, "peak_mb") for meth in methods)
+        print(f"| {n} | {density[n]:.1%} | {fmt(s)} | {fmt(c)} | {fmt(m)} | "
+              f"{fmt(c / s if s and c else None)}x | {fmt(m / s if s and m else None)}x | {fmt(ps, 0)} | "
+              f"{fmt(pc, 0)} | {fmt(pm, 0)} |")
+    errors = {k: r["error"] for k, v in results.items() for r in v if "error" in r}
+    if errors:
+        print("\nfailed runs:", errors)
+
+
+def _gpt_config(length: int, sparse: bool):
+    from lightning_zero.models.gpt import GPT_PRESETS
+
+    section = {"mode": "fixed", "block": BLOCK, "num_local_blocks": LOCAL, "attention": "unidirectional"}
+    return replace(GPT_PRESETS["gpt_tiny"], seq_len=length, sparse_attention=section if sparse else None)
+
+
+def _longest_worker(kind: str, length: int, limit_mb: int) -> dict[str, float]:
+    import resource
+
+    from lightning_zero.models.gpt import GPT
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (proc_status_bytes("VmData") + limit_mb * 2**20, hard))
+    torch.manual_seed(0)
+    model = GPT(_gpt_config(length, kind == "sparse"))
+    x = torch.randint(0, 256, (1, length + 1))
+    start = time.perf_counter()
+    logits = model(x[:, :-1])
+    F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1)).backward()
+    return {"seconds": time.perf_counter() - start}
+
+
+def longest(limit_mb: int, max_length: int, timeout: float) -> None:
+    print(f"\nload average {os.getloadavg()}; GPT gpt_tiny shape (2 layers, 4 heads, n_embd 64), batch 1, one "
+          f"training step under RLIMIT_DATA = {limit_mb} MB above the process's data size at start\n")
+    print("| attention | longest sequence trained | first failure |")
+    print("|---|---|---|")
+    best = {}
+    for kind in ("dense", "sparse"):
+        length, ok, failure = 1024, 0, "none up to the cap"
+        while length <= max_length:
+            r = _spawn(["_longest", kind, str(length), str(limit_mb)], timeout=timeout)
+            if r is None or "error" in r:
+                failure = f"{length}: {(r or {}).get('error', 'failed')}"
+                break
+            ok, length = length, length * 2
+        best[kind] = ok
+        print(f"| {kind} | {ok} | {failure} |")
+    if best.get("dense"):
+        print(f"\nsparse / dense: {best['sparse'] / best['dense']:.1f}x")
+
+
+def quality(steps: int) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_zero.models.data import TextDataModule
+    from lightning_zero.models.gpt import GPTLightningModule
+
+    print(f"\nGPT gpt_tiny shape, seq_len 256, batch 8, {steps} steps of AdamW (lr 3e-3, warmup 10), python "
+          "stdlib text, the same seed and data order; sparse: fixed, block 16, num_local_blocks 4, one global "
+          "block per window, unidirectional\n")
+    print("| attention | val loss at start | val loss after | ")
+    print("|---|---|---|")
+    section = {"mode": "fixed", "block": 16, "num_local_blocks": 4, "attention": "unidirectional"}
+    for kind in ("dense", "sparse"):
+        pl.seed_everything(0)
+        dm = TextDataModule(seq_len=256, micro_batch_size=8, max_bytes=2_000_000, deterministic_order=True)
+        config = replace(_gpt_config(256, False), sparse_attention=section if kind == "sparse" else None)
+        model = GPTLightningModule(config, lr=3e-3, warmup_steps=10)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=8,
+                             val_check_interval=steps, num_sanity_val_steps=0)
+        start = trainer.validate(model, dm, verbose=False)[0]["val_loss"]
+        trainer.fit(model, dm)
+        print(f"| {kind} | {start:.4f} | {trainer.callback_metrics['val_loss'].item():.4f} |")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # a worker process
+        worker = {"_attention": lambda a: _attention_worker(a[0], int(a[1]), int(a[2])),
+                  "_longest": lambda a: _longest_worker(a[0], int(a[1]), int(a[2]))}[sys.argv[1]]
+        print(json.dumps(worker(sys.argv[2:])))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("attention")
+    a.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    a.add_argument("--rounds", type=int, default=3)
+    a.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
+    b = sub.add_parser("longest")
+    b.add_argument("--limit-mb", type=int, default=512)
+    b.add_argument("--max-length", type=int, default=65536)
+    b.add_argument("--timeout", type=float, default=600)
+    c = sub.add_parser("quality")
+    c.add_argument("--steps", type=int, default=150)
+    args = parser.parse_args()
+    if args.what == "attention":
+        attention(args.lengths, args.rounds, args.threads)
+    elif args.what == "longest":
+        longest(args.limit_mb, args.max_length, args.timeout)
+    else:
+        quality(args.steps)
+
+
+if __name__ == "__main__":
+    main()

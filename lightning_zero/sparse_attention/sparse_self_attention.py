@@ -1,0 +1,142 @@
+"""``SparseSelfAttention``: DeepSpeed's module and forward signature over a sparsity config, running
+the block-sparse kernel or FlexAttention, whichever runs the call (Note [executor choice])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zero.sparse_attention.block_sparse import (
+    DEFAULT_CHUNK_ELEMENTS,
+    Masks,
+    RowChunk,
+    block_sparse_attention,
+    check_constant_masks,
+    row_chunks,
+)
+from lightning_zero.sparse_attention.flex import flex_runs, flex_sparse_attention, make_block_mask
+from lightning_zero.sparse_attention.sparsity_config import SparsityConfig
+
+MASK_MODES = ("add", "mul")
+EXECUTORS = ("auto", "block_sparse", "flex")
+
+# Note [executor choice]: "auto" takes FlexAttention where it runs the call (CUDA; CPU when no
+# gradient is needed, e.g. inference) and the pure-torch block-sparse kernel otherwise (CPU
+# training). Both are exact (tests/test_sparse_attention.py), so switching between them changes
+# nothing but speed. "block_sparse" and "flex" force one; "flex" refuses a CPU call that needs grad.
+
+
+def _additive(mask: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor:
+    """DeepSpeed's mask conventions as an addition: ``add`` as is, ``mul``: 0 -> -inf, else 0."""
+    if mode == "add":
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask == 0, float("-inf"))
+
+
+class SparseSelfAttention(nn.Module):
+    """Block-sparse self-attention (DeepSpeed's ``SparseSelfAttention``).
+
+    Args:
+        sparsity_config: the layout's pattern (:mod:`~lightning_zero.sparse_attention.sparsity_config`).
+        key_padding_mask_mode: ``"add"`` (added to the scores) or ``"mul"`` (0 hides the key).
+        attn_mask_mode: ``"add"`` or ``"mul"``, the same for ``attn_mask``.
+        max_seq_length: the longest sequence; the layout (``master_layout``, on the CPU) is made for it
+            and cut to each call's length.
+        causal: (ours) hide the keys after each query, also inside the layout's diagonal blocks.
+        executor: (ours) ``"auto"``, ``"block_sparse"`` or ``"flex"`` (Note [executor choice]).
+        chunk_elements: (ours) the block-sparse kernel's score elements per chunk (Note [chunked rows]).
+    """
+
+    def __init__(self, sparsity_config: SparsityConfig, key_padding_mask_mode: str = "add",
+                 attn_mask_mode: str = "mul", max_seq_length: int = 2048, causal: bool = False,
+                 executor: str = "auto", chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+        super().__init__()
+        for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
+            if mode not in MASK_MODES:
+                raise ValueError(f"{name}={mode!r}: choose 'add' or 'mul'")
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor={executor!r}: choose one of {EXECUTORS}")
+        if max_seq_length % sparsity_config.block:
+            raise ValueError(f"max_seq_length {max_seq_length} is not a multiple of the block size "
+                             f"{sparsity_config.block}")
+        self.sparsity_config = sparsity_config
+        self.key_padding_mask_mode = key_padding_mask_mode
+        self.attn_mask_mode = attn_mask_mode
+        self.max_seq_length = max_seq_length
+        self.causal = causal
+        self.executor = executor
+        self.chunk_elements = chunk_elements
+        # a plain attribute, not a buffer: made from the config (seeded), it is no state to save or shard
+        self.master_layout = sparsity_config.make_layout(max_seq_length)
+        self._chunks: dict[tuple[int, int, str], list[RowChunk]] = {}
+        self._block_masks: dict[tuple[int, str], Any] = {}
+
+    def get_layout(self, length: int) -> torch.Tensor:
+        """The layout of a ``length``-token call: the master layout's top-left corner."""
+        block = self.sparsity_config.block
+        if length % block:
+            raise ValueError(f"sequence length {length} is not a multiple of the block size {block}: pad it with "
+                             "SparseAttentionUtils.pad_to_block_size (and unpad_sequence_output after)")
+        if length > self.max_seq_length:
+            raise ValueError(f"sequence length {length} exceeds max_seq_length {self.max_seq_length}: build "
+                             "SparseSelfAttention with a larger max_seq_length")
+        n = length // block
+        return self.master_layout[:, :n, :n]
+
+    def _row_chunks(self, length: int, batch_heads: int, device: torch.device) -> list[RowChunk]:
+        key = (length, batch_heads, str(device))
+        if key not in self._chunks:
+            layout = self.get_layout(length).to(device)
+            self._chunks[key] = row_chunks(layout, self.sparsity_config.block, batch_heads, self.chunk_elements,
+                                          self.causal)
+        return self._chunks[key]
+
+    def _block_mask(self, length: int, device: torch.device) -> Any:
+        key = (length, str(device))
+        if key not in self._block_masks:
+            self._block_masks[key] = make_block_mask(self.get_layout(length), self.sparsity_config.block, length,
+                                                     self.causal, device)
+        return self._block_masks[key]
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rpe: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Attention output ``(batch, heads, L, head_dim)``. ``key`` may come transposed
+        (``(batch, heads, head_dim, L)``); ``key_padding_mask`` is ``(batch, L)`` (extra unit dims
+        squeezed), ``attn_mask`` ``(L, L)``, ``rpe`` broadcastable to ``(batch, heads, L, L)``."""
+        if query.dim() != 4:
+            raise ValueError(f"query must be (batch, heads, seq, head_dim), got shape {tuple(query.shape)}")
+        b, h, length, d = query.shape
+        if key.shape[-2] != length and key.shape[-1] == length:
+            key = key.transpose(-1, -2)
+        if query.shape != key.shape or key.shape != value.shape:
+            raise NotImplementedError(f"only self-attention is supported: query {tuple(query.shape)}, key "
+                                      f"{tuple(key.shape)}, value {tuple(value.shape)} must have one shape")
+        if h != self.sparsity_config.num_heads:
+            raise ValueError(f"query has {h} heads, the sparsity config {self.sparsity_config.num_heads}")
+        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.reshape(key_padding_mask.shape[0], -1)
+            if key_padding_mask.shape[-1] != length:
+                raise ValueError(f"key_padding_mask must be (batch, {length}), got {tuple(key_padding_mask.shape)}")
+            key_padding_mask = _additive(key_padding_mask, self.key_padding_mask_mode, acc)
+        if attn_mask is not None:
+            attn_mask = attn_mask.reshape(attn_mask.shape[-2:]) if attn_mask.dim() > 2 else attn_mask
+            if tuple(attn_mask.shape) != (length, length):
+                raise ValueError(f"attn_mask must be ({length}, {length}), got {tuple(attn_mask.shape)}")
+            attn_mask = _additive(attn_mask, self.attn_mask_mode, acc)
+        masks = Masks(key_padding_mask, attn_mask, rpe, self.causal)
+        check_constant_masks(masks)
+        scale = float(d) ** -0.5
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        use_flex = self.executor == "flex" or (self.executor == "auto" and flex_runs(query, needs_grad))
+        if use_flex:
+            if not flex_runs(query, needs_grad):
+                raise RuntimeError("executor='flex' cannot run here: FlexAttention has no backward on CPU (nor "
+                                   "float64 there); use executor='auto' or 'block_sparse'")
+            self.get_layout(length)  # the length checks
+            return flex_sparse_attention(query, key, value, self._block_mask(length, query.device), scale, masks)
+        chunks = self._row_chunks(length, b * h, query.device)
+        return block_sparse_attention(query, key, value, chunks, self.sparsity_config.block, scale, masks)
