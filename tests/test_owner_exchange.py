@@ -4,6 +4,7 @@ training run whose losses and parameters are bitwise those of the all-reduce pat
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ def test_own_parts_tile_the_bucket_in_rank_order(world_size: int) -> None:
             parts = own_parts(start, end, shard, world_size)
             nonempty = [(lo, hi) for lo, hi in parts if hi > lo]
             assert nonempty[0][0] == 0 and nonempty[-1][1] == end - start  # covers the bucket...
-            assert all(a[1] == b[0] for a, b in zip(nonempty, nonempty[1:]))  # ...without gap or overlap
+            assert all(a[1] == b[0] for a, b in pairwise(nonempty))  # ...without gap or overlap
             for q, (lo, hi) in enumerate(parts):  # and each part is inside its rank's shard
                 if hi > lo:
                     assert q * shard <= start + lo and start + hi <= (q + 1) * shard
@@ -100,9 +101,8 @@ def test_reused_buffers_accumulate_and_never_leak_stale_values() -> None:
 # ---------------------------------------------------------------------------- 2 gloo ranks
 def exchange_body(stage: int) -> dict[str, Any]:
     """Fits the same model with the all-reduce and with the owner exchange; counts exchanges."""
-    from tests.models import TinyTransformer, make_trainer, params_of, token_loader
-
     from lightning_zero import ZeroStrategy
+    from tests.models import TinyTransformer, make_trainer, params_of, token_loader
 
     calls = {"n": 0}
     original = DataParallelComm.exchange_to_owners
@@ -136,3 +136,55 @@ def test_the_exchange_equals_the_all_reduce_bitwise_at_two_ranks(gloo_pool, stag
         assert got["losses"] == ref["losses"]
         assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
     assert all(torch.equal(a, b) for a, b in zip(results[0]["auto"]["params"], results[1]["auto"]["params"]))
+
+
+# ---------------------------------------------------------------------------- the step-error agreement
+def agreement_body(stage: int) -> dict[str, Any]:
+    """A fit with accumulation; counts blocking ``ranks_with`` agreements made during training."""
+    import lightning.pytorch as pl
+
+    from lightning_zero import ZeroStrategy
+    from tests.models import TinyTransformer, make_trainer, token_loader
+
+    calls = {"blocking": 0, "deferred": 0}
+    blocking, deferred = DataParallelComm.ranks_with, DataParallelComm.ranks_with_later
+
+    def count(name: str, fn: Any) -> Any:
+        def wrapped(self: DataParallelComm, *args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(self, *args, **kwargs)
+        return wrapped
+
+    during: dict[str, int] = {}
+
+    class Snapshot(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            during.update({f"start_{k}": v for k, v in calls.items()})
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            during.update({f"end_{k}": v for k, v in calls.items()})
+
+    DataParallelComm.ranks_with = count("blocking", blocking)  # type: ignore[method-assign]
+    DataParallelComm.ranks_with_later = count("deferred", deferred)  # type: ignore[method-assign]
+    try:
+        make_trainer(ZeroStrategy(stage=stage), accumulate_grad_batches=2, max_steps=2,
+                     callbacks=[Snapshot()]).fit(TinyTransformer("adamw"), token_loader())
+    finally:
+        DataParallelComm.ranks_with, DataParallelComm.ranks_with_later = blocking, deferred  # type: ignore[method-assign]
+    return during
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_step_error_agreement_makes_no_blocking_call_per_micro_step(gloo_pool, stage: int) -> None:
+    for r in gloo_pool.run("tests.test_owner_exchange:agreement_body", stage=stage):
+        assert r["end_blocking"] == r["start_blocking"]  # no blocking agreement during training
+        assert r["end_deferred"] - r["start_deferred"] == 4  # one deferred agreement per micro-step
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_step_error_on_one_rank_raises_on_every_rank_at_any_stage(gloo_pool, stage: int) -> None:
+    results = gloo_pool.run("tests.test_strategy:bad_input_body", kind="raise_on_rank1", stage=stage)
+    assert "boom on rank 1" in results[1]["message"], results[1]
+    assert "raised on data-parallel rank(s) [1]" in results[0]["message"], results[0]

@@ -19,7 +19,7 @@ collectives (``compressed_allreduce.py``) compare on one scale.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Protocol
 
@@ -93,6 +93,7 @@ class DataParallelComm:
         self.use_owner_exchange: bool = collective == "auto" and self.backend == "gloo"
         self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
         self.bytes_sent: int = 0  # bytes this rank sent, ever, under the ring model (see the module doc)
+        self._deferred: list[DeferredFlags] = []  # agreements to settle before this rank next blocks
 
     def _count(self, tensor: torch.Tensor, hops: int) -> None:
         """Add ``hops``/N of ``tensor``'s bytes to :attr:`bytes_sent` (2(N-1) for an all-reduce, else N-1)."""
@@ -102,6 +103,7 @@ class DataParallelComm:
         """Destroy this comm's process group now and stop communicating (world size 1 from here on).
         Only for a group this comm's owner created (``owned_groups``); Note [clean exit] in
         ``core/process_groups.py``."""
+        self._deferred.clear()  # their peers are gone with the group
         group, self.group = self.group, None
         self.world_size, self.rank = 1, 0
         if group is not None and dist.is_available() and dist.is_initialized():
@@ -111,6 +113,7 @@ class DataParallelComm:
     @contextmanager
     def blocking(self) -> Iterator[None]:
         """Count the time spent in the block into :attr:`wait_seconds`."""
+        self.settle_deferred()
         start = time.perf_counter()
         try:
             yield
@@ -269,3 +272,55 @@ class DataParallelComm:
                 if received[q].numel():
                     works.append(dist.irecv(received[q], src=self._global_rank(q), group=self.group, tag=tag))
         return self._issued(_AllOf(works), async_op=True)
+
+    def ranks_with_later(self, flag: bool) -> DeferredFlags:
+        """:meth:`ranks_with` without waiting: the all-reduce is issued now and its answer read later
+        (Note [deferred agreement])."""
+        flags = torch.zeros(max(self.world_size, 1), dtype=torch.int32, device=self.device)
+        flags[self.rank] = int(flag)
+        work = None
+        if self.active:
+            self._count(flags, 2 * (self.world_size - 1))
+            work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return DeferredFlags(flags, work, self)
+
+    def defer(self, pending: DeferredFlags) -> None:
+        """Settle ``pending`` (raise its error) before this rank next blocks in a collective of this group."""
+        self._deferred.append(pending)
+
+    def settle_deferred(self) -> None:
+        """Wait for the deferred agreements and raise the first one's error (Note [deferred agreement])."""
+        while self._deferred:
+            self._deferred.pop(0).raise_if_any()
+
+
+class DeferredFlags:
+    """An issued all-reduce of one flag per rank (:meth:`DataParallelComm.ranks_with_later`).
+
+    Note [deferred agreement]
+        An agreement that must hold before a rank waits on the others (did any rank's step raise?)
+        need not cost a synchronisation of its own: the flags are all-reduced asynchronously and
+        read at the first moment this rank would block in a collective of the group anyway
+        (``DataParallelComm.blocking`` settles them first). A rank that is going to raise waits for
+        the answer itself; the others learn it before they wait on a collective the raising rank
+        never joins, so every rank raises and none hangs.
+    """
+
+    def __init__(self, flags: torch.Tensor, work: Handle | None, comm: DataParallelComm) -> None:
+        self.flags, self.work, self.comm = flags, work, comm
+        # the error raise_if_any raises when some ranks' flags are set, made from those ranks
+        self.error_for: Callable[[list[int]], BaseException] | None = None
+
+    def ranks(self) -> list[int]:
+        """The ranks whose flag is set (waits for the all-reduce; the same on every rank)."""
+        if self.work is not None:
+            work, self.work = self.work, None
+            start = time.perf_counter()
+            work.wait()
+            self.comm.wait_seconds += time.perf_counter() - start
+        return [r for r in range(self.flags.numel()) if self.flags[r].item()]
+
+    def raise_if_any(self) -> None:
+        failed = self.ranks()
+        if failed and self.error_for is not None:
+            raise self.error_for(failed)
