@@ -188,3 +188,38 @@ def test_a_step_error_on_one_rank_raises_on_every_rank_at_any_stage(gloo_pool, s
     results = gloo_pool.run("tests.test_strategy:bad_input_body", kind="raise_on_rank1", stage=stage)
     assert "boom on rank 1" in results[1]["message"], results[1]
     assert "raised on data-parallel rank(s) [1]" in results[0]["message"], results[0]
+
+
+def three_rank_body() -> dict[str, Any]:
+    """The same rank-specific gradients reduced by the exchange and by the all-reduce (core level)."""
+    import torch.distributed as dist
+
+    shards = {}
+    for collective in ("all_reduce", "auto"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(7, 9), nn.Linear(9, 5))
+        group = FlatParamGroup(list(model.parameters()), world_size=3, rank=dist.get_rank())
+        group.bind()
+        names = {p: n for n, p in model.named_parameters()}
+        reducer = GradReducer([group], DataParallelComm(None, collective), 2, 20, True, torch.float32, names)
+        for micro in range(2):  # the second micro-step adds into the shard
+            torch.manual_seed(10 * dist.get_rank() + micro)
+            model(torch.randn(4, 7)).pow(2).sum().backward()
+            reducer.finish()
+        shards[collective] = reducer.shard_grad(0).clone()
+        reducer.remove_hooks()
+    return {"all_reduce": shards["all_reduce"], "exchange": shards["auto"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_exchange_equals_the_all_reduce_within_rounding_at_three_ranks() -> None:
+    from lightning_zero.testing.pool import GlooPool
+
+    pool = GlooPool(world_size=3)
+    try:
+        for r in pool.run("tests.test_owner_exchange:three_rank_body"):
+            assert r["exchange"].abs().sum() > 0
+            torch.testing.assert_close(r["exchange"], r["all_reduce"], rtol=1e-6, atol=1e-6)
+    finally:
+        pool.close()
