@@ -285,7 +285,7 @@ class DataParallelComm:
         if not self.active:
             return DONE
         works: list[Handle] = []
-        with self.blocking():
+        with self.blocking("send/recv (gradient exchange)"):
             for q in range(self.world_size):
                 if q == self.rank:
                     continue
