@@ -206,7 +206,10 @@ def test_switched_off_features_and_deepspeed_defaults_are_accepted_silently() ->
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ds = parse_deepspeed_config({
-            "data_efficiency": {"enabled": False}, "compression_training": {}, "elasticity": {"enabled": False},
+            "data_efficiency": {"enabled": False}, "elasticity": {"enabled": False},
+            # every technique switched off (the section has no switch of its own)
+            "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False}},
+                                     "sparse_pruning": {"shared_parameters": {"enabled": False}}},
             "sequence_parallel_size": 1,
             "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
                                   "offload_optimizer": {"device": "cpu", "buffer_count": 4},

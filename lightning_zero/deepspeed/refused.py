@@ -30,6 +30,15 @@ def _section_on(value: Any) -> bool:
     return value not in (None, False, "auto")
 
 
+def _any_technique_on(value: Any) -> bool:
+    """``compression_training`` has no switch of its own: each technique's ``shared_parameters.enabled``
+    (DeepSpeed's default ``false``) turns that technique on, so the section asks for something only when
+    one of them says ``"enabled": true``."""
+    if isinstance(value, Mapping):
+        return value.get("enabled") is True or any(_any_technique_on(v) for v in value.values())
+    return False
+
+
 def _true(value: Any) -> bool:
     return value is True
 
@@ -48,7 +57,7 @@ class Refusal:
 
 
 REFUSED: tuple[Refusal, ...] = (
-    Refusal(("compression_training",), _section_on, "compression-aware training: quantized or pruned weights and "
+    Refusal(("compression_training",), _any_technique_on, "compression-aware training: quantized or pruned weights and "
                                                     "activations, layer reduction"),
     Refusal(("data_efficiency",), _section_on, "data sampling and routing: curriculum learning, random-LTD token "
                                                "dropping"),
