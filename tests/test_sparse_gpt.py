@@ -1,6 +1,7 @@
 """Sparse attention inside the GPT experiment: equal to the same GPT with dense attention masked by
 the layout (forward and gradients), in short ZeRO 0-3 fits (stage 3 with activation checkpointing),
-and from ``lightning-zero train`` with ``model.attention=sparse_fixed`` or a DeepSpeed JSON section."""
+from ``lightning-zero train`` with ``model.attention=sparse_fixed`` or a DeepSpeed JSON section, and under
+``pipeline`` (2 stages on 2 ranks) against the unsplit one-process run."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import nn
 from lightning_zero import ZeroStrategy
 from lightning_zero.models.gpt import GPT, GPTConfig, GPTLightningModule
 from lightning_zero.sparse_attention import SparseSelfAttention
+from tests.pool import GlooPool
 
 SECTION = {"mode": "fixed", "block": 8, "num_local_blocks": 2, "attention": "unidirectional"}
 TINY = GPTConfig(seq_len=60, n_layer=2, n_head=4, n_embd=32)
@@ -160,3 +162,58 @@ def test_bench_sparse_attention_runs_small() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("| 1024 |"))
     assert row.count("|") == 11 and " - " not in row and "failed runs" not in done.stdout
+
+
+# ------------------------------------------------------------------------------------------ pipeline
+PIPE_STEPS = 4
+
+
+def _pipe_module() -> GPTLightningModule:
+    torch.manual_seed(0)
+    return GPTLightningModule(replace(TINY, seq_len=64, sparse_attention=SECTION), lr=3e-3, warmup_steps=0)
+
+
+def _pipe_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = torch.randint(0, 256, (PIPE_STEPS * 4, 65), generator=torch.Generator().manual_seed(1))
+    return [(row[:-1], row[1:]) for row in data]
+
+
+def pipeline_parity_body(zero_stages: tuple[int, ...]) -> dict[int, dict[str, list[float]]]:
+    """Per ZeRO stage: this rank's losses from 2 pipeline stages on 2 ranks, and the unsplit sparse GPT's
+    losses trained in plain PyTorch on this process with the same batches (the 1-rank reference)."""
+    import torch.distributed as dist
+
+    from lightning_zero import PipelineConfig
+    from tests.models import make_trainer
+
+    reference = _pipe_module()
+    opt = reference.configure_optimizers()
+    loader = torch.utils.data.DataLoader(_pipe_batches(), batch_size=4)
+    expected = []
+    for x, y in loader:
+        opt.zero_grad()
+        loss = reference.loss((x, y))
+        loss.backward()
+        opt.step()
+        expected.append(float(loss))
+    out = {}
+    for stage in zero_stages:
+        module, losses = _pipe_module(), _Losses()
+        config = PipelineConfig(stages=2, micro_batches=2, schedule="1f1b", partition_method="uniform")
+        strategy = ZeroStrategy(stage=stage, pipeline=config, param_persistence_threshold=0)
+        make_trainer(strategy, devices=dist.get_world_size(), max_steps=PIPE_STEPS, callbacks=[losses]).fit(
+            module, torch.utils.data.DataLoader(_pipe_batches(), batch_size=4))
+        out[stage] = {"pipelined": losses.losses, "unsplit": expected}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pipelined_sparse_gpt_follows_the_unsplit_sparse_run(gloo_pool: GlooPool) -> None:
+    """2 pipeline stages on 2 ranks at ZeRO 1 and 3: the sparse GPT's losses follow the one-process run."""
+    for per_rank in gloo_pool.run("tests.test_sparse_gpt:pipeline_parity_body", zero_stages=(1, 3)):
+        for stage, run in per_rank.items():
+            pipelined, unsplit = run["pipelined"], run["unsplit"]
+            assert len(pipelined) == len(unsplit) == PIPE_STEPS and len(set(unsplit)) == PIPE_STEPS
+            worst = max(abs(a - b) / abs(b) for a, b in zip(pipelined, unsplit))
+            assert worst < 1e-5, (stage, pipelined, unsplit)
