@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from typing_extensions import override
 
@@ -80,6 +81,7 @@ class HangWatchdog(pl.Callback):
         self.stop()
         _generation[0] += 1
         RECORD.reset()
+        RECORD.device_probe = _cuda_event if dist.get_backend() == "nccl" else None  # Note [progress record]
         self.watchdog = HeartbeatWatchdog(
             _side_channel(self.timeout_s), rank, world_size, self.timeout_s, self.on_hang,
             prefix=f"lightning_zero/heartbeat/{_generation[0]}", record=RECORD,
@@ -87,6 +89,7 @@ class HangWatchdog(pl.Callback):
 
     def stop(self) -> None:
         """Stop beating and tell the other ranks this one is done (idempotent)."""
+        RECORD.device_probe = None
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
@@ -118,6 +121,13 @@ class HangWatchdog(pl.Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, *args: Any) -> None:
         self.stop()
+
+
+def _cuda_event() -> torch.cuda.Event:
+    """An event recorded on the current stream now: it completes once the collective just queued did."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class RecordedCollectives:

@@ -409,3 +409,52 @@ def test_a_killed_rank_ends_the_job_with_a_summary_and_last_resumes_exactly(gloo
     for r in results:
         assert r["step"] == 8 and len(r["resumed"]) == 4, r
         assert r["resumed"] == r["full"][4:], r  # bitwise: the resumed steps are the uninterrupted ones
+
+
+class FakeWork:
+    """A collective's handle as NCCL returns it: issued, completed later on the device."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_rank_blocked_after_an_nccl_collective_returned_counts_as_waiting_in_it() -> None:
+    # NCCL: the collective returns at once and the host blocks later (flags[r].item()), outside any block
+    clock, _, dogs, _ = _ranks()
+    works = []
+    for d in dogs:
+        d.record.device_probe = FakeWork  # what comm.blocking's exit records (a CUDA event on NCCL)
+        for _ in range(3):
+            with d.record.collective("all_gather"):
+                pass
+            d.record.pending[2].done = True
+        d.mark("training_step", 3)
+    for d in (dogs[0], dogs[2]):  # ranks 0 and 2 issue collective #4, which never completes: rank 1 skipped it
+        with d.record.collective("all_reduce (flags)"):
+            pass
+        works.append(d.record.pending[2])
+    state = parse_progress(dogs[0].record.to_text(1))
+    assert state is not None and state.inside and state.waiting_seq == 4
+    for _ in range(9):
+        assert _round(dogs, clock) == [None, None, None]
+    found = _round(dogs, clock)
+    assert all(r is not None and r.kind == "stuck" for r in found), found
+    text = found[0].text
+    assert "ranks 0, 2: waiting in the strategy's collective #4 all_reduce (flags) (issued, not completed)" in text
+    assert "Rank 1: behind, in user code ('training_step')" in found[0].text
+    works[0].done = works[1].done = True  # completed: back in user code
+    assert not parse_progress(dogs[0].record.to_text(2)).inside  # type: ignore[union-attr]
+
+
+def test_an_async_collective_s_handle_is_polled_until_it_completes() -> None:
+    record = ProgressRecord(Clock())
+    work = FakeWork()
+    record.track(record.issued("reduce_scatter"), "reduce_scatter", work)
+    state = parse_progress(record.to_text(1))
+    assert state is not None and (state.waiting_seq, state.kind) == (1, "reduce_scatter (issued, not completed)")
+    work.done = True
+    state = parse_progress(record.to_text(2))
+    assert state is not None and not state.inside and state.seq == 1
