@@ -153,6 +153,7 @@ class HeartbeatWatchdog:
         self._verdict: str | None = None
         self._verdict_changed = now
         self._aggregator_done = False
+        self._due = now + self.interval_s  # when the next threshold is crossed, as far as the last round knew
 
     def key(self, name: str) -> str:
         """The store key of ``name`` under this watchdog's prefix."""
@@ -230,6 +231,8 @@ class HeartbeatWatchdog:
         done = {r for r, text in self._seen.items() if text == DONE}
         silent = [_silent(r, now - self._changed[r], self._seen.get(r)) for r in range(self.world_size)
                   if r not in done and now - self._changed[r] >= self.timeout_s]
+        watched = [r for r in range(self.world_size) if r not in done]
+        self._due = min((self._changed[r] + self.timeout_s for r in watched), default=now + self.interval_s)
         if silent:
             return self._report("silent", silent_text(silent, self.timeout_s), silent)
         states = {r: parse_progress(self._seen.get(r, "")) for r in range(self.world_size)}
@@ -242,7 +245,11 @@ class HeartbeatWatchdog:
         ages = [s.age_s + (0.0 if r == 0 else now - self._changed[r]) for r, s in live.items() if s is not None]
         stall = min(ages)
         longest_step = max(s.step_s for s in live.values() if s is not None)
-        if stall < max(self.timeout_s, STEP_MARGIN * longest_step):
+        # Note [hang watchdog]: the ages seen here are up to one interval old and the others read the
+        # verdict up to one interval later: deciding one interval early ends the job by timeout + interval
+        threshold = max(self.timeout_s, STEP_MARGIN * longest_step) - self.interval_s
+        if stall < threshold:
+            self._due = min(self._due, now + threshold - stall)
             return None
         shown = {r: (None if r in done else states[r]) for r in range(self.world_size)}
         return self._report("stuck", stuck_text(shown, stall, self.timeout_s))
@@ -265,6 +272,7 @@ class HeartbeatWatchdog:
             if raw != self._verdict:
                 self._verdict, self._verdict_changed = raw, now
                 return None
+        self._due = self._verdict_changed + self.timeout_s
         if self._aggregator_done or now - self._verdict_changed < self.timeout_s:
             return None
         # rank 0 (the aggregator) stopped publishing: name it, and make that the verdict every rank reads
@@ -302,8 +310,14 @@ class HeartbeatWatchdog:
                 time.sleep(0.05)
                 acked = self.store.add(self.key("acks"), 0)
 
+    def next_wait_s(self) -> float:
+        """Seconds until the next round: one interval, or less when a threshold (a silence, a stall) is
+        crossed sooner, so the finder decides on time and every other rank reads it within one interval
+        (Note [hang watchdog]: the job ends within ``timeout_s`` + one interval)."""
+        return min(self.interval_s, max(0.01, self._due - self.clock()))
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self.next_wait_s()):
             try:
                 self.beat()
                 report = self.check()
