@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -69,6 +68,7 @@ class HangWatchdog(pl.Callback):
         self.on_hang = on_hang or self._exit_with
         self.watchdog: HeartbeatWatchdog | None = None
         self._step_started: float | None = None
+        self._batches = 0  # training batches ended in this fit
 
     def _exit_with(self, report: HangReport) -> None:
         print(report.message(), file=sys.stderr, flush=True)
@@ -79,6 +79,7 @@ class HangWatchdog(pl.Callback):
     def start(self, rank: int, world_size: int) -> None:
         """Start beating (every rank of the run must start one: ``ZeroStrategy.setup`` does)."""
         self.stop()
+        self._batches, self._step_started = 0, None
         _generation[0] += 1
         RECORD.reset()
         RECORD.device_probe = _cuda_event if dist.get_backend() == "nccl" else None  # Note [progress record]
@@ -95,9 +96,11 @@ class HangWatchdog(pl.Callback):
             self.watchdog = None
 
     def mark(self, phase: str, trainer: pl.Trainer, long_phase: bool = False) -> None:
-        """Record ``phase`` at the Trainer's step; every phase of step 0 is long (first-step compilation)."""
+        """Record ``phase`` at the Trainer's step. Every phase is long until a step time was measured (the
+        first steps of each fit, resumed or not: compilation, warm-up), then the stall threshold covers steps."""
         if self.watchdog is not None:
-            self.watchdog.mark(phase, trainer.global_step, long_phase or trainer.global_step == 0)
+            measured = self.watchdog.record.step_s > 0
+            self.watchdog.mark(phase, trainer.global_step, long_phase or not measured)
 
     # Lightning hook -> the phase a rank is reported in; long ones never count as stuck
     on_before_backward = _marks("backward (gradient reduction)")
@@ -109,13 +112,16 @@ class HangWatchdog(pl.Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._step_started = time.monotonic()
+        if self.watchdog is not None:
+            self._step_started = self.watchdog.clock()
         self.mark("training_step", trainer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self._step_started is not None and trainer.global_step > 1:  # the first step (compilation) is apart
-            RECORD.step_s = max(RECORD.step_s, time.monotonic() - self._step_started)
+        self._batches += 1  # of this fit (start() resets it): a resumed fit's first step compiles too
+        if self.watchdog is not None and self._step_started is not None and self._batches > 1:
+            record = self.watchdog.record
+            record.step_s = max(record.step_s, self.watchdog.clock() - self._step_started)
         self.mark("between steps (callbacks, logging, data loading)", trainer, long_phase=True)
 
     @override

@@ -497,3 +497,60 @@ def test_every_live_rank_gets_a_silence_finding_within_the_timeout_plus_one_inte
     found = _run_until_found([dogs[0], dogs[2]], clock, [0.99, 0.0, 0.5], 30.0)
     assert sorted(found) == [0, 2], found
     assert all(t - stopped <= 11.0 + 1e-9 for t in found.values()), {r: t - stopped for r, t in found.items()}
+
+
+def _callbacks(dogs: list[HeartbeatWatchdog]) -> list[Any]:
+    """The Lightning glue (HangWatchdog) of each rank, around the fake-clock watchdogs."""
+    from lightning_zero.hang_watchdog import HangWatchdog
+    hooks = []
+    for d in dogs:
+        hook = HangWatchdog(d.timeout_s, on_hang=lambda r: None)
+        hook.watchdog = d
+        hooks.append(hook)
+    return hooks
+
+
+class FakeTrainer:
+    def __init__(self, global_step: int) -> None:
+        self.global_step = global_step
+
+
+def test_the_first_step_of_a_resumed_fit_is_exempt_until_a_step_time_is_measured() -> None:
+    clock, _, dogs, _ = _ranks()
+    hooks, trainer = _callbacks(dogs), FakeTrainer(100)  # resumed from a checkpoint at step 100
+    for h in hooks:
+        h.on_train_batch_start(trainer)
+    with dogs[0].record.collective("all_gather"):  # rank 0 waits while rank 1 compiles its first step for 30 s
+        for _ in range(30):
+            assert _round(dogs, clock) == [None, None, None]
+    for step in (100, 101):  # the first step (compilation) is apart; the second is measured: 1 s
+        trainer.global_step = step
+        for h in hooks:
+            h.on_train_batch_start(trainer)
+        clock.now += 1.0
+        for h in hooks:
+            h.on_train_batch_end(trainer)
+    assert all(d.record.step_s == 1.0 for d in dogs)
+    trainer.global_step = 102
+    for h in hooks:  # measured now: a stall of rank 1 in user code is named
+        h.on_train_batch_start(trainer)
+    dogs[0].record.collective("all_reduce").__enter__()
+    found = [r for _ in range(12) for r in _round(dogs, clock)]
+    assert any(r is not None and r.kind == "stuck" for r in found)
+
+
+def test_a_slow_data_loader_between_steps_is_never_stuck() -> None:
+    clock, _, dogs, _ = _ranks()
+    hooks, trainer = _callbacks(dogs), FakeTrainer(0)
+    for step in range(3):
+        trainer.global_step = step
+        for h in hooks:
+            h.on_train_batch_start(trainer)
+        clock.now += 1.0
+        for h in hooks:
+            h.on_train_batch_end(trainer)
+    trainer.global_step = 3
+    hooks[0].on_train_batch_start(trainer)
+    dogs[0].record.collective("all_reduce").__enter__()  # rank 0 waits; rank 1's data loader takes 30 s
+    for _ in range(30):
+        assert _round(dogs, clock) == [None, None, None]
