@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +26,7 @@ from typing_extensions import override
 
 from lightning_zero.core.hang_finding import SILENT_EXIT_CODE, STUCK_EXIT_CODE
 from lightning_zero.core.heartbeat import HangReport, HeartbeatWatchdog, interval_for
-from lightning_zero.core.progress_record import RECORD
+from lightning_zero.core.progress_record import RECORD, ProgressRecord
 
 HANG_EXIT_CODE = SILENT_EXIT_CODE  # 75, EX_TEMPFAIL: the job may well succeed when restarted without the hung host
 __all__ = ["HANG_EXIT_CODE", "STUCK_EXIT_CODE", "HangWatchdog", "RecordedCollectives", "add_hang_watchdog"]
@@ -127,6 +128,19 @@ class HangWatchdog(pl.Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, *args: Any) -> None:
         self.stop()
+
+
+@contextmanager
+def long_phase(name: str, record: ProgressRecord = RECORD) -> Iterator[None]:
+    """``with lightning_zero.long_phase("sampling"):`` around legitimate work one rank does alone (sample
+    generation on rank 0, an evaluation): while inside, no rank is reported stuck (this rank is still watched
+    for silence; ``zero.timeout_s`` bounds it). The phase before it is restored on exit."""
+    phase, step, was_long = record.phase, record.step, record.long_phase
+    record.mark(name, step, long_phase=True)
+    try:
+        yield
+    finally:
+        record.mark(phase, step, was_long)
 
 
 def _cuda_event() -> torch.cuda.Event:

@@ -554,3 +554,16 @@ def test_a_slow_data_loader_between_steps_is_never_stuck() -> None:
     dogs[0].record.collective("all_reduce").__enter__()  # rank 0 waits; rank 1's data loader takes 30 s
     for _ in range(30):
         assert _round(dogs, clock) == [None, None, None]
+
+
+def test_long_phase_marks_one_rank_s_own_long_work_and_restores_the_phase_after() -> None:
+    import lightning_zero
+    clock, _, dogs, _ = _ranks()
+    _diverged(dogs)  # ranks 0, 2 wait in #4; rank 1 is in training_step
+    with lightning_zero.long_phase("sampling", record=dogs[1].record):  # rank 1 samples alone for 30 s
+        for _ in range(30):
+            assert _round(dogs, clock) == [None, None, None]
+        assert "sampling" in dogs[1].record.to_text(1)
+    assert (dogs[1].record.phase, dogs[1].record.long_phase) == ("training_step", False)
+    found = [r for _ in range(10) for r in _round(dogs, clock)]
+    assert any(r is not None and r.kind == "stuck" for r in found)
