@@ -567,3 +567,14 @@ def test_long_phase_marks_one_rank_s_own_long_work_and_restores_the_phase_after(
     assert (dogs[1].record.phase, dogs[1].record.long_phase) == ("training_step", False)
     found = [r for _ in range(10) for r in _round(dogs, clock)]
     assert any(r is not None and r.kind == "stuck" for r in found)
+
+
+def test_a_collective_nested_in_the_pipeline_schedule_s_block_leaves_the_rank_waiting_in_the_schedule() -> None:
+    record = ProgressRecord(Clock())
+    with record.collective("pipeline send/recv (schedule)"):
+        with record.collective("all_reduce"):  # the stage's data-parallel reduction, inside the schedule
+            pass
+        state = parse_progress(record.to_text(1))
+        assert state is not None and (state.waiting_seq, state.kind) == (1, "pipeline send/recv (schedule)")
+    state = parse_progress(record.to_text(2))
+    assert state is not None and not state.inside and state.seq == 2

@@ -92,13 +92,15 @@ def parse_progress(text: str) -> RankProgress | None:
 class _Inside:
     """The context of one collective (a class, not a generator: it runs on every collective)."""
 
-    __slots__ = ("kind", "record", "seq")
+    __slots__ = ("kind", "outer", "record", "seq")
 
     def __init__(self, record: ProgressRecord, kind: str, seq: int | None) -> None:
         self.record, self.kind, self.seq = record, kind, seq
+        self.outer: tuple[int, str] = (0, "")
 
     def __enter__(self) -> None:
         r = self.record
+        self.outer = (r.waiting_seq, r.waiting_kind)  # blocks nest (a collective inside the pipeline schedule)
         if self.seq is None:
             r.seq += 1
             r.kind = self.kind
@@ -109,7 +111,7 @@ class _Inside:
         r = self.record
         if r.device_probe is not None:  # the device may still run it: poll until done (Note [progress record])
             r.pending = (r.waiting_seq, r.waiting_kind, r.device_probe())
-        r.waiting_seq = 0
+        r.waiting_seq, r.waiting_kind = self.outer  # back in the enclosing block, or user code (0)
         r.changed_at = r.clock()
 
 
