@@ -149,6 +149,7 @@ class HeartbeatWatchdog:
         self._changed: dict[int, float] = {r: now for r in range(world_size)} if rank == 0 else {}
         self._present: list[int] = []
         self._round = 0
+        self._written: str | None = None  # the verdict rank 0 last published
         # other ranks: the last verdict and when it changed
         self._verdict: str | None = None
         self._verdict_changed = now
@@ -221,10 +222,16 @@ class HeartbeatWatchdog:
         self._seen[0], self._changed[0] = self.record.to_text(self._beats), now
         report = self._decide(now)
         self._round += 1
-        if report is None:
-            self.store.set(self.key("verdict"), f"{self._round}\tok")
-        else:
-            self.store.set(self.key("verdict"), f"{self._round}\t{_encode(report)}")
+        value = f"{self._round}\t{'ok' if report is None else _encode(report)}"
+        if self._written is None:  # the first verdict: nobody can have a finding yet
+            self.store.set(self.key("verdict"), value)
+        else:  # never over another rank's finding (it found rank 0 silent): that one is the job's
+            current = self.store.compare_set(self.key("verdict"), self._written, value)
+            current = current.decode() if isinstance(current, bytes) else str(current)
+            status = current.split("\t", 1)[1] if "\t" in current else ""
+            if current != value and status not in ("ok", DONE, ""):
+                return self._decode(status)
+        self._written = value
         return report
 
     def _decide(self, now: float) -> HangReport | None:
