@@ -24,8 +24,11 @@ Note [hang watchdog]
       collective, none is in a long phase, and no rank's progress changed for ``max(timeout_s,
       3 x the longest training step seen)``: the ranks are grouped by where they are, the odd ones
       named behind / ahead / in another collective / in user code (exit code 76). A rank's
-      progress age is the one it published plus the time since rank 0 first saw that beat, so
-      the finding comes ``timeout_s`` after the last change, not one beat later.
+      progress age is the one it published plus the time since rank 0 first saw that beat: up to
+      one interval short. Rank 0 therefore decides at the threshold less one interval, and every
+      thread wakes when its next threshold falls (:meth:`HeartbeatWatchdog.next_wait_s`), so the
+      other ranks read the verdict within one interval: every rank has the finding by
+      ``timeout_s`` + one interval after the last change.
 
     Long legitimate phases (setup and checkpoint loading, the first training step with its
     compilation, a checkpoint save, between steps: callbacks and the data loader) are marked
@@ -35,7 +38,8 @@ Note [hang watchdog]
 
     Rank 0 itself is watched by the others through the verdict's round counter: unchanged for
     ``timeout_s`` means rank 0 is silent; the first rank to see it swaps the verdict for its
-    finding (``compare_set``) so every rank names the same. If the store stops answering for
+    finding (``compare_set``) so every rank names the same; rank 0 also publishes with
+    ``compare_set``, so a rank 0 that wakes up adopts that finding instead of overwriting it. If the store stops answering for
     ``timeout_s`` (its host is the hung process) that is reported, naming the store. Every rank
     prints the finding, adds one to an acknowledgement counter and waits (at most two intervals)
     for the others' before exiting, so a launcher that stops the job at the first exit does not
