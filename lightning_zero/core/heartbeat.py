@@ -39,7 +39,8 @@ Note [hang watchdog]
     Rank 0 itself is watched by the others through the verdict's round counter: unchanged for
     ``timeout_s`` means rank 0 is silent; the first rank to see it swaps the verdict for its
     finding (``compare_set``) so every rank names the same; rank 0 also publishes with
-    ``compare_set``, so a rank 0 that wakes up adopts that finding instead of overwriting it. If the store stops answering for
+    ``compare_set``, so a rank 0 that wakes up adopts that finding instead of overwriting it.
+    If the store stops answering for
     ``timeout_s`` (its host is the hung process) that is reported, naming the store. Every rank
     prints the finding, adds one to an acknowledgement counter and waits (at most two intervals)
     for the others' before exiting, so a launcher that stops the job at the first exit does not
