@@ -15,6 +15,7 @@ from lightning_zero.core.onebit_adam import OneBitAdam
 from lightning_zero.dashboard import ZeroTensorBoardLogger
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.estimator import MemoryEstimate, estimate_memory
+from lightning_zero.hang_watchdog import long_phase
 from lightning_zero.monitoring import ProfilerWindow
 from lightning_zero.pipeline import PipelineConfig
 from lightning_zero.precision import ZeroPrecision
@@ -47,6 +48,7 @@ __all__ = [
     "convert_checkpoint",
     "estimate_memory",
     "gathered_parameters",
+    "long_phase",
     "model_state_formula",
 ]
 __version__ = "0.1.0"

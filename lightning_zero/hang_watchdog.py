@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_zero.core.hang_finding import SILENT_EXIT_CODE, STUCK_EXIT_CODE
 from lightning_zero.core.heartbeat import HangReport, HeartbeatWatchdog, interval_for
-from lightning_zero.core.progress_record import RECORD
+from lightning_zero.core.progress_record import RECORD, ProgressRecord
 
 HANG_EXIT_CODE = SILENT_EXIT_CODE  # 75, EX_TEMPFAIL: the job may well succeed when restarted without the hung host
 __all__ = ["HANG_EXIT_CODE", "STUCK_EXIT_CODE", "HangWatchdog", "RecordedCollectives", "add_hang_watchdog"]
@@ -68,6 +69,7 @@ class HangWatchdog(pl.Callback):
         self.on_hang = on_hang or self._exit_with
         self.watchdog: HeartbeatWatchdog | None = None
         self._step_started: float | None = None
+        self._batches = 0  # training batches ended in this fit
 
     def _exit_with(self, report: HangReport) -> None:
         print(report.message(), file=sys.stderr, flush=True)
@@ -78,8 +80,10 @@ class HangWatchdog(pl.Callback):
     def start(self, rank: int, world_size: int) -> None:
         """Start beating (every rank of the run must start one: ``ZeroStrategy.setup`` does)."""
         self.stop()
+        self._batches, self._step_started = 0, None
         _generation[0] += 1
         RECORD.reset()
+        RECORD.device_probe = _cuda_event if dist.get_backend() == "nccl" else None  # Note [progress record]
         self.watchdog = HeartbeatWatchdog(
             _side_channel(self.timeout_s), rank, world_size, self.timeout_s, self.on_hang,
             prefix=f"lightning_zero/heartbeat/{_generation[0]}", record=RECORD,
@@ -87,14 +91,17 @@ class HangWatchdog(pl.Callback):
 
     def stop(self) -> None:
         """Stop beating and tell the other ranks this one is done (idempotent)."""
+        RECORD.device_probe = None
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
 
     def mark(self, phase: str, trainer: pl.Trainer, long_phase: bool = False) -> None:
-        """Record ``phase`` at the Trainer's step; every phase of step 0 is long (first-step compilation)."""
+        """Record ``phase`` at the Trainer's step. Every phase is long until a step time was measured (the
+        first steps of each fit, resumed or not: compilation, warm-up), then the stall threshold covers steps."""
         if self.watchdog is not None:
-            self.watchdog.mark(phase, trainer.global_step, long_phase or trainer.global_step == 0)
+            measured = self.watchdog.record.step_s > 0
+            self.watchdog.mark(phase, trainer.global_step, long_phase or not measured)
 
     # Lightning hook -> the phase a rank is reported in; long ones never count as stuck
     on_before_backward = _marks("backward (gradient reduction)")
@@ -106,18 +113,41 @@ class HangWatchdog(pl.Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._step_started = time.monotonic()
+        if self.watchdog is not None:
+            self._step_started = self.watchdog.clock()
         self.mark("training_step", trainer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self._step_started is not None and trainer.global_step > 1:  # the first step (compilation) is apart
-            RECORD.step_s = max(RECORD.step_s, time.monotonic() - self._step_started)
+        self._batches += 1  # of this fit (start() resets it): a resumed fit's first step compiles too
+        if self.watchdog is not None and self._step_started is not None and self._batches > 1:
+            record = self.watchdog.record
+            record.step_s = max(record.step_s, self.watchdog.clock() - self._step_started)
         self.mark("between steps (callbacks, logging, data loading)", trainer, long_phase=True)
 
     @override
     def on_exception(self, trainer: pl.Trainer, *args: Any) -> None:
         self.stop()
+
+
+@contextmanager
+def long_phase(name: str, record: ProgressRecord = RECORD) -> Iterator[None]:
+    """``with lightning_zero.long_phase("sampling"):`` around legitimate work one rank does alone (sample
+    generation on rank 0, an evaluation): while inside, no rank is reported stuck (this rank is still watched
+    for silence; ``zero.timeout_s`` bounds it). The phase before it is restored on exit."""
+    phase, step, was_long = record.phase, record.step, record.long_phase
+    record.mark(name, step, long_phase=True)
+    try:
+        yield
+    finally:
+        record.mark(phase, step, was_long)
+
+
+def _cuda_event() -> torch.cuda.Event:
+    """An event recorded on the current stream now: it completes once the collective just queued did."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class RecordedCollectives:

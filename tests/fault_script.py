@@ -10,7 +10,8 @@ data is split by rank exactly as in the test pool), then fits TinyTransformer un
 - ``diverge``: rank 1 calls an extra ``all_reduce`` from ``training_step`` at step 3 that rank 0 never
   calls (every rank must name rank 1 and the collectives each side waits in, then exit).
 
-``HANG_TIMEOUT_S`` sets ``hang_timeout_s``; the collective timeout is 120 s, far above it.
+``HANG_TIMEOUT_S`` sets ``hang_timeout_s`` (unset: the library's default); the collective timeout is 120 s,
+far above it.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ class Diverging(TinyTransformer):
 
 def main(mode: str, root: str) -> None:
     dist.init_process_group("gloo")
-    strategy = ZeroStrategy(stage=2, timeout_s=120, hang_timeout_s=float(os.environ.get("HANG_TIMEOUT_S", "45")))
+    # no HANG_TIMEOUT_S: the library's default hang_timeout_s (what the SIGSTOP test checks)
+    hang = {"hang_timeout_s": float(os.environ["HANG_TIMEOUT_S"])} if "HANG_TIMEOUT_S" in os.environ else {}
+    strategy = ZeroStrategy(stage=2, timeout_s=120, **hang)
     steps = {"stop": 200, "kill": 8, "slowsave": 4, "diverge": 200}[mode]
     callbacks = [Fault(mode)] + ([_saver(root, every=2, save_last=True)] if mode in ("kill", "slowsave") else [])
     model = Diverging("adamw") if mode == "diverge" else TinyTransformer("adamw")

@@ -71,6 +71,9 @@ class _AllOf:
         self.works = []
         return True
 
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
 
 class _Timed:
     """The handle of an asynchronous collective whose ``wait()`` counts into ``comm.wait_seconds``."""
@@ -78,6 +81,7 @@ class _Timed:
     def __init__(self, work: Handle, comm: DataParallelComm) -> None:
         self.work, self.comm = work, comm
         self.seq, self.kind = RECORD.seq, RECORD.kind  # the collective just issued (Note [progress record])
+        RECORD.track(self.seq, self.kind, work)
 
     def wait(self) -> object:
         with self.comm.blocking(), RECORD.waiting(self.seq, self.kind):

@@ -24,8 +24,11 @@ Note [hang watchdog]
       collective, none is in a long phase, and no rank's progress changed for ``max(timeout_s,
       3 x the longest training step seen)``: the ranks are grouped by where they are, the odd ones
       named behind / ahead / in another collective / in user code (exit code 76). A rank's
-      progress age is the one it published plus the time since rank 0 first saw that beat, so
-      the finding comes ``timeout_s`` after the last change, not one beat later.
+      progress age is the one it published plus the time since rank 0 first saw that beat: up to
+      one interval short. Rank 0 therefore decides at the threshold less one interval, and every
+      thread wakes when its next threshold falls (:meth:`HeartbeatWatchdog.next_wait_s`), so the
+      other ranks read the verdict within one interval: every rank has the finding by
+      ``timeout_s`` + one interval after the last change.
 
     Long legitimate phases (setup and checkpoint loading, the first training step with its
     compilation, a checkpoint save, between steps: callbacks and the data loader) are marked
@@ -35,7 +38,9 @@ Note [hang watchdog]
 
     Rank 0 itself is watched by the others through the verdict's round counter: unchanged for
     ``timeout_s`` means rank 0 is silent; the first rank to see it swaps the verdict for its
-    finding (``compare_set``) so every rank names the same. If the store stops answering for
+    finding (``compare_set``) so every rank names the same; rank 0 also publishes with
+    ``compare_set``, so a rank 0 that wakes up adopts that finding instead of overwriting it.
+    If the store stops answering for
     ``timeout_s`` (its host is the hung process) that is reported, naming the store. Every rank
     prints the finding, adds one to an acknowledgement counter and waits (at most two intervals)
     for the others' before exiting, so a launcher that stops the job at the first exit does not
@@ -149,10 +154,12 @@ class HeartbeatWatchdog:
         self._changed: dict[int, float] = {r: now for r in range(world_size)} if rank == 0 else {}
         self._present: list[int] = []
         self._round = 0
+        self._written: str | None = None  # the verdict rank 0 last published
         # other ranks: the last verdict and when it changed
         self._verdict: str | None = None
         self._verdict_changed = now
         self._aggregator_done = False
+        self._due = now + self.interval_s  # when the next threshold is crossed, as far as the last round knew
 
     def key(self, name: str) -> str:
         """The store key of ``name`` under this watchdog's prefix."""
@@ -220,16 +227,24 @@ class HeartbeatWatchdog:
         self._seen[0], self._changed[0] = self.record.to_text(self._beats), now
         report = self._decide(now)
         self._round += 1
-        if report is None:
-            self.store.set(self.key("verdict"), f"{self._round}\tok")
-        else:
-            self.store.set(self.key("verdict"), f"{self._round}\t{_encode(report)}")
+        value = f"{self._round}\t{'ok' if report is None else _encode(report)}"
+        if self._written is None:  # the first verdict: nobody can have a finding yet
+            self.store.set(self.key("verdict"), value)
+        else:  # never over another rank's finding (it found rank 0 silent): that one is the job's
+            current = self.store.compare_set(self.key("verdict"), self._written, value)
+            current = current.decode() if isinstance(current, bytes) else str(current)
+            status = current.split("\t", 1)[1] if "\t" in current else ""
+            if current != value and status not in ("ok", DONE, ""):
+                return self._decode(status)
+        self._written = value
         return report
 
     def _decide(self, now: float) -> HangReport | None:
         done = {r for r, text in self._seen.items() if text == DONE}
         silent = [_silent(r, now - self._changed[r], self._seen.get(r)) for r in range(self.world_size)
                   if r not in done and now - self._changed[r] >= self.timeout_s]
+        watched = [r for r in range(self.world_size) if r not in done]
+        self._due = min((self._changed[r] + self.timeout_s for r in watched), default=now + self.interval_s)
         if silent:
             return self._report("silent", silent_text(silent, self.timeout_s), silent)
         states = {r: parse_progress(self._seen.get(r, "")) for r in range(self.world_size)}
@@ -242,7 +257,11 @@ class HeartbeatWatchdog:
         ages = [s.age_s + (0.0 if r == 0 else now - self._changed[r]) for r, s in live.items() if s is not None]
         stall = min(ages)
         longest_step = max(s.step_s for s in live.values() if s is not None)
-        if stall < max(self.timeout_s, STEP_MARGIN * longest_step):
+        # Note [hang watchdog]: the ages seen here are up to one interval old and the others read the
+        # verdict up to one interval later: deciding one interval early ends the job by timeout + interval
+        threshold = max(self.timeout_s, STEP_MARGIN * longest_step) - self.interval_s
+        if stall < threshold:
+            self._due = min(self._due, now + threshold - stall)
             return None
         shown = {r: (None if r in done else states[r]) for r in range(self.world_size)}
         return self._report("stuck", stuck_text(shown, stall, self.timeout_s))
@@ -265,6 +284,7 @@ class HeartbeatWatchdog:
             if raw != self._verdict:
                 self._verdict, self._verdict_changed = raw, now
                 return None
+        self._due = self._verdict_changed + self.timeout_s
         if self._aggregator_done or now - self._verdict_changed < self.timeout_s:
             return None
         # rank 0 (the aggregator) stopped publishing: name it, and make that the verdict every rank reads
@@ -302,8 +322,14 @@ class HeartbeatWatchdog:
                 time.sleep(0.05)
                 acked = self.store.add(self.key("acks"), 0)
 
+    def next_wait_s(self) -> float:
+        """Seconds until the next round: one interval, or less when a threshold (a silence, a stall) is
+        crossed sooner, so the finder decides on time and every other rank reads it within one interval
+        (Note [hang watchdog]: the job ends within ``timeout_s`` + one interval)."""
+        return min(self.interval_s, max(0.01, self._due - self.clock()))
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self.next_wait_s()):
             try:
                 self.beat()
                 report = self.check()

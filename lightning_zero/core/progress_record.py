@@ -14,6 +14,16 @@ Note [progress record]
     read (a field from before, one from after a change) is harmless: the next beat corrects it,
     and the watchdog needs ``hang_timeout_s`` of unchanged progress before it says anything.
 
+    NCCL (and any backend whose collectives run asynchronously to the host) returns from a
+    collective as soon as it is queued: the host blocks later, at a ``.item()`` or a copy to the
+    CPU, outside any recorded block. The record therefore also holds the last collective issued
+    (:attr:`ProgressRecord.pending`: its number, kind and something to poll, a work handle's
+    ``is_completed()`` or a CUDA event recorded after it, see :attr:`ProgressRecord.device_probe`);
+    the heartbeat thread polls it, and a rank whose last issued collective has not completed is
+    published as waiting in it, on NCCL as on gloo. Collectives of one process group complete in
+    the order issued, so the last one incomplete means the rank waits in it or in an earlier one of
+    that group; one attribute write (and, on NCCL, one CUDA event) per collective.
+
     One record per process (:data:`RECORD`): a process trains one model at a time, and every rank
     resets it when its watchdog starts, so the numbers agree across ranks.
 """
@@ -24,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 _SEP = "\t"
 
@@ -81,13 +92,15 @@ def parse_progress(text: str) -> RankProgress | None:
 class _Inside:
     """The context of one collective (a class, not a generator: it runs on every collective)."""
 
-    __slots__ = ("kind", "record", "seq")
+    __slots__ = ("kind", "outer", "record", "seq")
 
     def __init__(self, record: ProgressRecord, kind: str, seq: int | None) -> None:
         self.record, self.kind, self.seq = record, kind, seq
+        self.outer: tuple[int, str] = (0, "")
 
     def __enter__(self) -> None:
         r = self.record
+        self.outer = (r.waiting_seq, r.waiting_kind)  # blocks nest (a collective inside the pipeline schedule)
         if self.seq is None:
             r.seq += 1
             r.kind = self.kind
@@ -96,8 +109,19 @@ class _Inside:
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
         r = self.record
-        r.waiting_seq = 0
+        if r.device_probe is not None:  # the device may still run it: poll until done (Note [progress record])
+            r.pending = (r.waiting_seq, r.waiting_kind, r.device_probe())
+        r.waiting_seq, r.waiting_kind = self.outer  # back in the enclosing block, or user code (0)
         r.changed_at = r.clock()
+
+
+def _completed(probe: Any) -> bool:
+    """Whether a work handle (``is_completed``) or a CUDA event (``query``) finished; a probe that
+    cannot say (its process group is gone) counts as finished."""
+    try:
+        return bool(probe.is_completed() if hasattr(probe, "is_completed") else probe.query())
+    except Exception:
+        return True
 
 
 class ProgressRecord:
@@ -109,6 +133,9 @@ class ProgressRecord:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
+        # NCCL: a probe of the device's progress made after each blocking collective (a recorded CUDA
+        # event); None where collectives block the host (gloo)
+        self.device_probe: Callable[[], Any] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -117,7 +144,26 @@ class ProgressRecord:
         self.waiting_seq, self.waiting_kind = 0, ""  # the one the rank waits in now (0: none)
         self.step, self.phase, self.long_phase = 0, "setup", True
         self.step_s = 0.0  # the longest training step seen (after the first)
+        self.pending: tuple[int, str, Any] | None = None  # the last collective issued: seq, kind, probe
+        self._published_wait: tuple[int, str] = (0, "")  # heartbeat thread only: the wait it last published
+        self._published_changed_at: float | None = None  # heartbeat thread only: changed_at at the last beat
+        self._wait_changed = self.clock()
         self.changed_at = self.clock()
+
+    def track(self, seq: int, kind: str, work: Any) -> None:
+        """Collective ``seq`` was issued asynchronously with handle ``work`` (``is_completed()``): until it
+        completes this rank counts as waiting in it when outside a recorded block."""
+        self.pending = (seq, kind, work)
+
+    def current_wait(self) -> tuple[int, str]:
+        """``(seq, kind)`` of the collective this rank waits in: the recorded block it is in, else the last
+        issued collective not yet completed (polled); ``(0, kind of the last)`` in user code."""
+        if self.waiting_seq:
+            return self.waiting_seq, self.waiting_kind
+        pending = self.pending
+        if pending is not None and pending[0] and not _completed(pending[2]):
+            return pending[0], f"{pending[1]} (issued, not completed)"
+        return 0, self.kind
 
     def collective(self, kind: str) -> _Inside:
         """``with record.collective("all_reduce"):`` around a blocking strategy collective (numbers it)."""
@@ -142,9 +188,17 @@ class ProgressRecord:
 
     def to_text(self, beats: int) -> str:
         """The beat's text: counter, progress fields and their age (parsed by :func:`parse_progress`)."""
-        kind = self.waiting_kind if self.waiting_seq else self.kind
-        fields = (beats, self.seq, self.waiting_seq, kind, self.step, self.phase.replace(_SEP, " "),
-                  int(self.long_phase), f"{self.step_s:.3f}", f"{max(0.0, self.clock() - self.changed_at):.3f}")
+        waiting_seq, kind = self.current_wait()
+        now = self.clock()
+        if (waiting_seq, kind) != self._published_wait:
+            # a change the main thread made is dated by changed_at; one only the device made (a pending
+            # collective completed) happened since the last beat: date it now
+            device_only = self.changed_at == self._published_changed_at
+            self._published_wait, self._wait_changed = (waiting_seq, kind), now if device_only else self.changed_at
+        self._published_changed_at = self.changed_at
+        age = now - max(self.changed_at, self._wait_changed)
+        fields = (beats, self.seq, waiting_seq, kind.replace(_SEP, " "), self.step, self.phase.replace(_SEP, " "),
+                  int(self.long_phase), f"{self.step_s:.3f}", f"{max(0.0, age):.3f}")
         return _SEP.join(str(f) for f in fields)
 
 
