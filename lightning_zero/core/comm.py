@@ -312,7 +312,6 @@ class DataParallelComm:
         pending = DeferredFlags(flags, work, self)
         if work is not None:  # numbered now, on every rank alike; its wait is recorded in ranks()
             pending.seq = RECORD.issued(_AGREEMENT)
-            RECORD.track(pending.seq, _AGREEMENT, work)
         return pending
 
     def defer(self, pending: DeferredFlags) -> None:
