@@ -289,7 +289,7 @@ class DataParallelComm:
         if not self.active:
             return DONE
         works: list[Handle] = []
-        with self.blocking("send/recv (gradient exchange)"):
+        with self.blocking():
             for q in range(self.world_size):
                 if q == self.rank:
                     continue
