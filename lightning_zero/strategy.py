@@ -78,8 +78,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         loss_scaler: fp16 loss-scaler policy when ``precision="16-mixed"`` is given as a string.
         check_step_errors: after every ``training_step`` the ranks agree on whether any of them
             raised, so an error in one rank's step is raised on every rank instead of leaving the
-            others waiting in a collective (one tiny asynchronous all-reduce per micro-step, read when
-            the rank next waits on a collective: Note [deferred agreement] in core/comm.py).
+            others waiting in a collective (one tiny all-reduce per micro-step).
         param_init_fn: stage 3 with ``configure_model``: ``fn(module, name)`` initialises a
             module's own parameters, which were built on the meta device (default: the module's
             ``reset_parameters()``). See docs/large_models.md.

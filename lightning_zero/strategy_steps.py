@@ -19,13 +19,6 @@ from lightning_zero.checkpoint.rng import restore_rng
 from lightning_zero.uneven import JoinedEvalLoader
 
 
-def _step_failed(ranks: list[int]) -> RuntimeError:
-    return RuntimeError(
-        f"training_step raised on data-parallel rank(s) {ranks}; stopping this rank too. "
-        "The traceback of the failing rank(s) says why."
-    )
-
-
 class StepDispatchMixin:
     """Mixin of :class:`~lightning_zero.ZeroStrategy` (before ``DDPStrategy`` in its bases): the steps."""
 
@@ -73,45 +66,20 @@ class StepDispatchMixin:
             self._pending_rng = None
         if not self.check_step_errors or self._comm is None or not self._comm.active:
             return self._training_step(*args, **kwargs)
-        self._comm.settle_deferred()  # the previous micro-step's agreement, if nothing waited since
         error: BaseException | None = None
         try:
             output = self._training_step(*args, **kwargs)
         except Exception as exc:
             error = exc
-        # Note [deferred agreement] in core/comm.py: no synchronisation of its own per micro-step
-        agreement = self._comm.ranks_with_later(error is not None)
-        agreement.error_for = _step_failed
+        failed = self._comm.ranks_with(error is not None)
         if error is not None:
-            agreement.ranks()  # the others learn of it before they wait on this rank
             raise error
-        self._comm.defer(agreement)
+        if failed:
+            raise RuntimeError(
+                f"training_step raised on data-parallel rank(s) {failed}; stopping this rank too. "
+                "The traceback of the failing rank(s) says why."
+            )
         return output
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self._settle_step_errors()
-        super().barrier(*args, **kwargs)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        self._settle_step_errors()
-        return super().broadcast(obj, src)
-
-    @override
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
-        self._settle_step_errors()
-        return super().reduce(*args, **kwargs)
-
-    @override
-    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        self._settle_step_errors()
-        return super().all_gather(*args, **kwargs)
-
-    def _settle_step_errors(self) -> None:
-        """Lightning's own collectives (logging with ``sync_dist``, barriers) settle the step agreement first."""
-        if self._comm is not None:
-            self._comm.settle_deferred()
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None or self._engine is None:

@@ -82,7 +82,6 @@ for _s in (0, 1, 2):
     register(f"zero{_s}", "lightning", f"ZeroStrategy(stage={_s}), buckets of --bucket-size")(_zero(_s))
 for _s in (1, 2):  # diagnostic variants, not run by default
     for _suffix, _options in (("nocheck", {"check_step_errors": False}), ("rs", {"collective": "reduce_scatter"}),
-                              ("ar", {"collective": "all_reduce"}),  # stage 2: before the owner exchange
                               ("defaults", {"reduce_bucket_size": ZeroConfig().reduce_bucket_size})):  # fmt: skip
         register(f"zero{_s}_{_suffix}", "lightning", f"zero{_s} with {_options}")(_zero(_s, **_options))
 register("pp2_1f1b", "lightning", "ZeroStrategy(stage=1) over 2 pipeline stages (1F1B, 4 micro-batches): one "
@@ -108,7 +107,6 @@ def _zero3(cls: type[ZeroStrategy] = ZeroStrategy, **options: Any) -> Callable[[
 
 register("zero3", "lightning", "ZeroStrategy(stage=3), buckets and prefetch of --bucket-size")(_zero3())
 for _suffix, _options in (("nocheck", {"check_step_errors": False}), ("rs", {"collective": "reduce_scatter"}),
-                          ("ar", {"collective": "all_reduce"}),  # the gradient all-reduce before the owner exchange
                           ("noprefetch", {"prefetch_bucket_size": 1}), ("persist0", {"param_persistence_threshold": 0}),
                           ("defaults", {"prefetch_bucket_size": ZeroConfig().prefetch_bucket_size})):  # fmt: skip
     register(f"zero3_{_suffix}", "lightning", f"zero3 with {_options}")(_zero3(**_options))

@@ -19,7 +19,7 @@ collectives (``compressed_allreduce.py``) compare on one scale.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Protocol
 
@@ -110,11 +110,8 @@ class DataParallelComm:
         )
         # gloo's all-reduce is faster than its reduce-scatter + all-gather (docs/benchmarks.md).
         self.use_all_reduce: bool = collective == "all_reduce" or (collective == "auto" and self.backend == "gloo")
-        # stages 2-3 on gloo, "auto": gradients go to their owners point to point (exchange_to_owners)
-        self.use_owner_exchange: bool = collective == "auto" and self.backend == "gloo"
         self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
         self.bytes_sent: int = 0  # bytes this rank sent, ever, under the ring model (see the module doc)
-        self._deferred: list[DeferredFlags] = []  # agreements to settle before this rank next blocks
 
     def _count(self, tensor: torch.Tensor, hops: int) -> None:
         """Add ``hops``/N of ``tensor``'s bytes to :attr:`bytes_sent` (2(N-1) for an all-reduce, else N-1)."""
@@ -124,7 +121,6 @@ class DataParallelComm:
         """Destroy this comm's process group now and stop communicating (world size 1 from here on).
         Only for a group this comm's owner created (``owned_groups``); Note [clean exit] in
         ``core/process_groups.py``."""
-        self._deferred.clear()  # their peers are gone with the group
         group, self.group = self.group, None
         self.world_size, self.rank = 1, 0
         if group is not None and dist.is_available() and dist.is_initialized():
@@ -134,9 +130,7 @@ class DataParallelComm:
     @contextmanager
     def blocking(self, kind: str = "") -> Iterator[None]:
         """Count the time spent in the block into :attr:`wait_seconds`; ``kind``: the block issues that
-        collective, recorded for the hang watchdog (Note [progress record] in core/progress_record.py).
-        A deferred step-error agreement is settled first (Note [deferred agreement])."""
-        self.settle_deferred()
+        collective, recorded for the hang watchdog (Note [progress record] in core/progress_record.py)."""
         start = time.perf_counter()
         try:
             if kind:
@@ -276,86 +270,3 @@ class DataParallelComm:
         largest, smallest = self.extremes(value)
         if largest != smallest:
             raise ValueError(f"{what} differs between data-parallel ranks. {fix}")
-
-    def exchange_to_owners(
-        self, pieces: Sequence[torch.Tensor], received: Sequence[torch.Tensor], tag: int = 0
-    ) -> Handle:
-        """Point-to-point half of a reduce-scatter (asynchronous): ``pieces[q]`` goes to rank q and
-        rank q's piece for this rank arrives in ``received[q]``, for every other rank q (the entries
-        at this rank's index are not touched). Empty pieces are skipped on both sides, so every rank
-        must pass pieces of the sizes its peers expect. The caller adds the received pieces up
-        (``grad_reducer.py``: in rank order, so the sum is deterministic). Sends (N-1)/N of a
-        whole buffer, half of what an all-reduce sends under the ring model."""
-        if not self.active:
-            return DONE
-        works: list[Handle] = []
-        with self.blocking():
-            for q in range(self.world_size):
-                if q == self.rank:
-                    continue
-                if pieces[q].numel():
-                    self.bytes_sent += pieces[q].numel() * pieces[q].element_size()
-                    works.append(dist.isend(pieces[q], dst=self._global_rank(q), group=self.group, tag=tag))
-                if received[q].numel():
-                    works.append(dist.irecv(received[q], src=self._global_rank(q), group=self.group, tag=tag))
-        return self._issued(_AllOf(works), async_op=True)
-
-    def ranks_with_later(self, flag: bool) -> DeferredFlags:
-        """:meth:`ranks_with` without waiting: the all-reduce is issued now and its answer read later
-        (Note [deferred agreement])."""
-        flags = torch.zeros(max(self.world_size, 1), dtype=torch.int32, device=self.device)
-        flags[self.rank] = int(flag)
-        work = None
-        if self.active:
-            self._count(flags, 2 * (self.world_size - 1))
-            work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        pending = DeferredFlags(flags, work, self)
-        if work is not None:  # numbered now, on every rank alike; its wait is recorded in ranks()
-            pending.seq = RECORD.issued(_AGREEMENT)
-        return pending
-
-    def defer(self, pending: DeferredFlags) -> None:
-        """Settle ``pending`` (raise its error) before this rank next blocks in a collective of this group."""
-        self._deferred.append(pending)
-
-    def settle_deferred(self) -> None:
-        """Wait for the deferred agreements and raise the first one's error (Note [deferred agreement])."""
-        while self._deferred:
-            self._deferred.pop(0).raise_if_any()
-
-
-_AGREEMENT = "all_reduce (step-error agreement)"
-
-
-class DeferredFlags:
-    """An issued all-reduce of one flag per rank (:meth:`DataParallelComm.ranks_with_later`).
-
-    Note [deferred agreement]
-        An agreement that must hold before a rank waits on the others (did any rank's step raise?)
-        need not cost a synchronisation of its own: the flags are all-reduced asynchronously and
-        read at the first moment this rank would block in a collective of the group anyway
-        (``DataParallelComm.blocking`` settles them first). A rank that is going to raise waits for
-        the answer itself; the others learn it before they wait on a collective the raising rank
-        never joins, so every rank raises and none hangs.
-    """
-
-    def __init__(self, flags: torch.Tensor, work: Handle | None, comm: DataParallelComm) -> None:
-        self.flags, self.work, self.comm = flags, work, comm
-        self.seq = 0  # the progress record's number of the all-reduce (Note [progress record])
-        # the error raise_if_any raises when some ranks' flags are set, made from those ranks
-        self.error_for: Callable[[list[int]], BaseException] | None = None
-
-    def ranks(self) -> list[int]:
-        """The ranks whose flag is set (waits for the all-reduce; the same on every rank)."""
-        if self.work is not None:
-            work, self.work = self.work, None
-            start = time.perf_counter()
-            with RECORD.waiting(self.seq, _AGREEMENT):
-                work.wait()
-            self.comm.wait_seconds += time.perf_counter() - start
-        return [r for r in range(self.flags.numel()) if self.flags[r].item()]
-
-    def raise_if_any(self) -> None:
-        failed = self.ranks()
-        if failed and self.error_for is not None:
-            raise self.error_for(failed)

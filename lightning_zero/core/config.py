@@ -24,10 +24,8 @@ class ZeroConfig:
             ``"all_reduce"`` all-reduces gradient buckets and gathers parameters with one
             broadcast per owning rank. ``"auto"`` takes ``all_reduce`` on gloo (measured
             1.4-2x faster there, see docs/benchmarks.md)
-            and ``reduce_scatter`` elsewhere; at stages 2-3 on gloo ``"auto"`` reduces gradients
-            by an exchange to the owning ranks instead (half the all-reduce's bytes; Note [owner
-            exchange] in ``core/grad_reducer.py``). Memory bounds are the same: the whole gradient
-            is never kept beyond one bucket.
+            and ``reduce_scatter`` elsewhere. Memory bounds are the same: the whole gradient is
+            never kept beyond one bucket.
         timeout_s: seconds any collective of the strategy may wait before raising.
         hang_timeout_s: seconds without a heartbeat (a silent rank), or without progress of any rank
             while all are alive (ranks in different collectives), after which every rank prints the

@@ -9,29 +9,8 @@ Communication plan, per optimizer step of A micro-steps on N data-parallel ranks
   keeps only its own shard's part.
 * stages 2 and 3: on every micro-step the hook copies the gradient into a staging buffer of its bucket
   (no rank keeps a whole gradient); a full bucket is reduced asynchronously and this rank's part
-  is added into its gradient shard. On gloo with ``collective="auto"`` the reduction is an
-  exchange to the owners (Note [owner exchange]); otherwise a reduce-scatter, or an all-reduce of
-  the bucket with ``collective="all_reduce"``. At most two buckets are in flight; staging and
-  receive buffers are taken from a pool and given back, so no step allocates them anew
-  (Note [reused buffers]).
-
-Note [owner exchange]
-    Rank r owns elements ``shard_range(r)`` of each flat group. For a bucket, every rank sends
-    rank q the bucket's part inside q's shard (an ``isend``) and receives from every peer the
-    part inside its own shard (an ``irecv``): (N-1)/N of the bucket leaves each rank, half an
-    all-reduce's bytes. The owner adds the N parts in rank order 0..N-1, so the sum is the same
-    whichever rank finished first; at 2 ranks it is ``a + b``, bitwise what gloo's all-reduce
-    gives, and at more ranks it differs from the all-reduce only by fp32 rounding order.
-
-Note [reused buffers]
-    Staging buffers are written, not zero-filled: the first gradient of a parameter in a backward
-    is copied in, later ones added, and the slots nobody reported (and the padding) are zeroed at
-    launch. The gradient shard is allocated once with ``torch.empty`` and never zero-filled:
-    ``zero()`` only forgets which buckets have written their part since, the first reduction of
-    a bucket writes its part and later ones add into it, and a part no bucket wrote is zeroed
-    when the shard is read (``shard_grad``). The pooled buffers stay allocated between steps
-    (``pooled_bytes``; at most the in-flight buckets' worth, see docs/tuning.md) and are not
-    counted in ``live_buffers`` while idle.
+  is added into its gradient shard, then the staging buffer is dropped. At most two staging
+  buffers are in flight, which bounds the extra memory by two buckets.
 
 Note [fixed launch order]
     Buckets are launched in one order computed from the module's parameter order, the same on
@@ -66,29 +45,6 @@ class _InFlight:
     source: torch.Tensor  # the reduced bucket (staging buffer, view of the flat gradient, or a cast copy)
     output: torch.Tensor | None  # reduce-scatter output (this rank's part), else None
     home: torch.Tensor | None = None  # flat-gradient slice that ``source`` is a cast copy of (stages 0-1)
-    received: list[torch.Tensor] | None = None  # owner exchange: the peers' parts (own index: the sum)
-    pooled: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None  # (pool, buffer) to give back at retirement
-
-
-def sum_in_rank_order(own: torch.Tensor, received: list[torch.Tensor], rank: int, out: torch.Tensor) -> torch.Tensor:
-    """``out`` = the parts of ranks 0..N-1 added in that order, ``own`` standing for ``received[rank]``
-    (Note [owner exchange]). ``out`` has ``own``'s dtype and overlaps no part but ``received[rank]``."""
-    terms = [own if q == rank else t for q, t in enumerate(received)]
-    if len(terms) == 1:
-        return out.copy_(own)
-    torch.add(terms[0], terms[1], out=out)
-    for t in terms[2:]:
-        out.add_(t)
-    return out
-
-
-def own_parts(bucket_start: int, bucket_end: int, shard_numel: int, world_size: int) -> list[tuple[int, int]]:
-    """Per rank q, the ``[lo, hi)`` (bucket-relative) of the bucket inside q's shard; empty: ``lo == hi``."""
-    parts = []
-    for q in range(world_size):
-        lo, hi = overlap(bucket_start, bucket_end, q * shard_numel, (q + 1) * shard_numel)
-        parts.append((lo - bucket_start, hi - bucket_start) if hi > lo else (0, 0))
-    return parts
 
 
 class GradReducer:
@@ -146,15 +102,6 @@ class GradReducer:
         self._pending: list[int] = []  # parameters still to report, per bucket
         self._reported: set[nn.Parameter] = set()
         self._staging: dict[int, torch.Tensor] = {}  # bucket order -> staging buffer (stage 2)
-        self._exchange = stage >= 2 and comm.use_owner_exchange and comm.world_size > 1
-        self._staging_numel = max((b.end - b.start for b in self.buckets), default=0)
-        self._recv_numel = comm.world_size * max(
-            (hi - lo for b in self.buckets
-             for lo, hi in [own_parts(b.start, b.end, groups[b.group_index].shard_numel, comm.world_size)[comm.rank]]),
-            default=0)
-        self._free_staging: list[torch.Tensor] = []  # Note [reused buffers]
-        self._free_recv: list[torch.Tensor] = []
-        self._written: set[int] = set()  # buckets whose part of the gradient shard is written since zero()
         self._launched: list[bool] = []
         self._next_launch = 0
         self._in_flight: deque[_InFlight] = deque()
@@ -199,7 +146,8 @@ class GradReducer:
             return flat[slot.offset : slot.offset + slot.numel]
         staging = self._staging.get(bucket.order)
         if staging is None:
-            staging = self._take(self._free_staging, self._staging_numel, bucket)[: bucket.end - bucket.start]
+            staging = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype,
+                                  device=self.groups[bucket.group_index].device)
             self._staging[bucket.order] = staging
         lo = slot.offset - bucket.start
         return staging[lo : lo + slot.numel]
@@ -224,10 +172,7 @@ class GradReducer:
         self._dirty = True
         dest = self._destination(bucket, slot_index)
         if grad.data_ptr() != dest.data_ptr():  # else autograd accumulated into our view in place
-            if self.stage >= 2 and param not in self._reported:  # a pooled staging buffer is not zeroed
-                dest.copy_(grad.reshape(-1))
-            else:
-                dest.add_(grad.reshape(-1))
+            dest.add_(grad.reshape(-1))
         if param not in self._reported:
             self._reported.add(param)
             self._pending[order] -= 1
@@ -255,28 +200,14 @@ class GradReducer:
         else:
             source = self._staging.pop(bucket.order, None)
             if source is None:  # no parameter of the bucket got a gradient on this rank
-                source = self._take(self._free_staging, self._staging_numel, bucket)[: bucket.end - bucket.start]
-                source.zero_()
-            else:
-                self._zero_unreported(bucket, source)
+                source = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype, device=g.device)
         if self.comm.world_size > 1:
             source.mul_(1.0 / self.comm.world_size)
         home = None
         if source.dtype != self.grad_dtype:  # accumulated in another dtype: reduce a cast copy
             home, source = source, source.to(self.grad_dtype)
         output = None
-        received = pooled = None
-        if self.stage >= 2:
-            assert source._base is not None  # a view of a pooled staging buffer
-            pooled = [(self._free_staging, source._base)]
-        if self._exchange:
-            parts = own_parts(bucket.start, bucket.end, g.shard_numel, self.comm.world_size)
-            recv = self._take(self._free_recv, self._recv_numel, bucket)
-            pooled.append((self._free_recv, recv))
-            size = parts[self.comm.rank][1] - parts[self.comm.rank][0]
-            received = [recv[q * size : (q + 1) * size] for q in range(self.comm.world_size)]
-            handle = self.comm.exchange_to_owners([source[lo:hi] for lo, hi in parts], received, tag=bucket.order)
-        elif self.stage == 0 or self.comm.use_all_reduce:
+        if self.stage == 0 or self.comm.use_all_reduce:
             handle = self.comm.all_reduce_sum(source, async_op=True)
         else:
             pieces = [self._clip_to(source, bucket, g.shard_range(r)) for r in range(self.comm.world_size)]
@@ -284,24 +215,7 @@ class GradReducer:
             handle = self.comm.reduce_scatter_pieces(output, pieces, async_op=True)
         while len(self._in_flight) >= self.max_in_flight:
             self._retire(self._in_flight.popleft())
-        self._in_flight.append(_InFlight(bucket, handle, source, output, home, received, pooled))
-
-    def _take(self, pool: list[torch.Tensor], numel: int, bucket: Bucket) -> torch.Tensor:
-        """A pooled buffer of ``numel`` elements (allocated, uninitialised, when the pool is empty)."""
-        if pool:
-            return pool.pop()
-        return torch.empty(numel, dtype=self.grad_dtype, device=self.groups[bucket.group_index].device)
-
-    def _zero_unreported(self, bucket: Bucket, staging: torch.Tensor) -> None:
-        """Zero the staging slots of parameters that reported no gradient, and the padding."""
-        g = self.groups[bucket.group_index]
-        covered = bucket.start
-        for s in bucket.slots:
-            slot = g.slots[s]
-            if slot.param not in self._reported:
-                staging[slot.offset - bucket.start : slot.offset - bucket.start + slot.numel].zero_()
-            covered = max(covered, slot.offset + slot.numel)
-        staging[covered - bucket.start :].zero_()
+        self._in_flight.append(_InFlight(bucket, handle, source, output, home))
 
     @staticmethod
     def _clip_to(source: torch.Tensor, bucket: Bucket, rng: tuple[int, int]) -> torch.Tensor:
@@ -310,13 +224,6 @@ class GradReducer:
 
     def _retire(self, item: _InFlight) -> None:
         item.handle.wait()
-        try:
-            self._reduce_into_shard(item)
-        finally:
-            for pool, buffer in item.pooled or ():
-                pool.append(buffer)
-
-    def _reduce_into_shard(self, item: _InFlight) -> None:
         if item.home is not None and item.output is None:
             item.home.copy_(item.source)
         if self.stage == 0:
@@ -332,20 +239,8 @@ class GradReducer:
         if self.stage == 1:
             if item.output is not None:
                 self.flat_grads[b.group_index][lo:hi].copy_(reduced)
-            return
-        target = self._grad_shard(b.group_index)[lo - own_start : hi - own_start]
-        first = b.order not in self._written
-        self._written.add(b.order)
-        if item.received is not None:
-            scratch = item.received[self.comm.rank]
-            direct = first and target.dtype == reduced.dtype
-            reduced = sum_in_rank_order(reduced, item.received, self.comm.rank, target if direct else scratch)
-            if direct:
-                return
-        if first:
-            target.copy_(reduced)
         else:
-            target.add_(reduced)
+            self._grad_shard(b.group_index)[lo - own_start : hi - own_start].add_(reduced)
 
     def finish(self) -> None:
         """End of a backward: launch what is left in the fixed order and wait for all of it."""
@@ -361,7 +256,6 @@ class GradReducer:
     def shard_grad(self, group_index: int) -> torch.Tensor:
         """This rank's reduced gradient shard of a group (stages 1-2)."""
         if self.stage >= 2:
-            self._zero_unwritten(group_index)
             return self._grad_shard(group_index)
         start, end = self.groups[group_index].shard_range()
         return self.flat_grads[group_index][start:end]
@@ -380,27 +274,15 @@ class GradReducer:
         shard = self.grad_shards[group_index]
         if shard is None:
             g = self.groups[group_index]
-            shard = self.grad_shards[group_index] = torch.empty(g.shard_numel, dtype=self.accum_dtype, device=g.device)
+            shard = self.grad_shards[group_index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
         return shard
-
-    def _zero_unwritten(self, group_index: int) -> None:
-        """Zero the parts of a group's gradient shard that no reduction wrote since ``zero()``."""
-        own_start, own_end = self.groups[group_index].shard_range()
-        for b in self.buckets:
-            if b.group_index != group_index or b.order in self._written:
-                continue
-            lo, hi = overlap(b.start, b.end, own_start, own_end)
-            if hi > lo:
-                self._grad_shard(group_index)[lo - own_start : hi - own_start].zero_()
-            self._written.add(b.order)
 
     def zero(self) -> None:
         if not self._dirty:
             return
-        for t in self.flat_grads:
+        for t in (*self.flat_grads, *self.grad_shards):
             if t is not None:
                 t.zero_()
-        self._written.clear()  # the shards are overwritten by the next reduction (Note [reused buffers])
         self._dirty = False
 
     def live_buffers(self) -> list[torch.Tensor]:
@@ -410,9 +292,4 @@ class GradReducer:
             out.append(item.source)
             if item.output is not None:
                 out.append(item.output)
-            out.extend(buffer for _, buffer in item.pooled or () if buffer is not item.source._base)
         return out
-
-    def pooled_bytes(self) -> int:
-        """Bytes of idle pooled staging and receive buffers, kept for the next backward (Note [reused buffers])."""
-        return sum(t.numel() * t.element_size() for t in (*self._free_staging, *self._free_recv))
