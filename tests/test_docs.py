@@ -36,6 +36,10 @@ SKIP: dict[str, str] = {
         "200 steps on 2 ranks (minutes on 2 cores); the same script runs here as `mixed_precision.py 16-mixed`",
     "lightning-zero train deepspeed_config=seed_bf16.json trainer.devices=3":
         "a JSON file the reader writes from the page's example; the same conflict is tested in test_deepspeed_cli.py",
+    "lightning-zero train experiment=gpt_tiny model.attention=sparse_fixed":
+        "the same run is tests/test_sparse_gpt.py's CLI test (the suite's time: one 2-rank run each)",
+    "lightning-zero train experiment=gpt_tiny model.attention=sparse_bigbird":
+        "another preset of the same path; tests/test_sparse_gpt.py's CLI test trains bigbird from a JSON section",
 }
 # benchmark commands take minutes each (their numbers in docs/benchmarks.md are measured runs)
 SKIP_PREFIXES = {
