@@ -11,7 +11,7 @@ Three parts, each printing a markdown table (docs/benchmarks.md holds a run's ou
   (what offload uses), torch's foreach, and DeepSpeed's ``DeepSpeedCPUAdam`` when DeepSpeed can be
   imported (an optional peer, never a dependency: run this script with an interpreter that has it).
 * ``disk``: raw sequential write (+ fsync) and cold read of a file, beside the swap files' write-out
-  and cold read-in of the same bytes (Note [swap files] in core/offload_store.py), interleaved.
+  and cold read-in of the same bytes (Note [swap files] in core/offload/store.py), interleaved.
 
     python benchmarks/bench_offload.py memory --model gpt_125m --rounds 3
     python benchmarks/bench_offload.py memory --model gpt_125m --stage 3 --modes none,param_nvme
@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_zero.core.offload import OffloadConfig
-from lightning_zero.core.offload_store import return_freed_memory
-from lightning_zero.core.swap_file import SwapFile
+from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.offload.store import return_freed_memory
+from lightning_zero.core.offload.swap_file import SwapFile
 
 MODES = ("none", "cpu", "nvme")
 
@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, mode: str
     import torch.distributed as dist
 
     from lightning_zero import ZeroConfig, ZeroEngine
-    from lightning_zero.core.comm import DataParallelComm
+    from lightning_zero.core.comm.data_parallel import DataParallelComm
     from lightning_zero.models.gpt import GPT, resolve_config
 
     torch.set_num_threads(1)

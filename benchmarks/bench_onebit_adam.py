@@ -41,8 +41,8 @@ from experiments.data import TokenChunkDataset, load_corpus, split_corpus
 from experiments.gpt import GPT, GPT_PRESETS, param_groups
 
 from lightning_zero import OneBitAdam, ZeroEngine
-from lightning_zero.core.comm import DataParallelComm
-from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.zero.config import ZeroConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -273,7 +273,7 @@ def write_pages(args: argparse.Namespace, results: dict[str, Any], cells: list[C
 def advisor_section(rows: list[dict[str, Any]], cell: Cell, img: Path, write: bool) -> list[str]:
     """The estimator (which the advisor walks) against the measured model state, and the advisor's pick for a
     device budget just above each measured stage."""
-    from lightning_zero.advisor import advise
+    from lightning_zero.estimator.advisor import advise
 
     n, by = parameters(cell.entries[0].config), {r["name"]: r for r in rows}
     expected = _formula(rows, n, cell.world_size)

@@ -2,24 +2,24 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.advisor import Advice, advise
-from lightning_zero.callbacks import ZeroStatsMonitor
 from lightning_zero.checkpoint import CheckpointError, consolidate_checkpoint, convert_checkpoint
-from lightning_zero.core.config import DtypePolicy, ZeroConfig
-from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.gathered import gathered_parameters
-from lightning_zero.core.loss_scaler import LossScaler, LossScalerConfig
-from lightning_zero.core.memory import ModelStateBytes, model_state_formula
-from lightning_zero.core.offload import OffloadConfig
-from lightning_zero.core.onebit_adam import OneBitAdam
-from lightning_zero.dashboard import ZeroTensorBoardLogger
+from lightning_zero.core.comm.onebit_adam import OneBitAdam
+from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.precision.loss_scaler import LossScaler, LossScalerConfig
+from lightning_zero.core.stage3.gathered import gathered_parameters
+from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.memory import ModelStateBytes, model_state_formula
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.estimator import MemoryEstimate, estimate_memory
-from lightning_zero.hang_watchdog import long_phase
-from lightning_zero.monitoring import ProfilerWindow
+from lightning_zero.estimator.advisor import Advice, advise
+from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.lightning.strategy import ZeroStrategy
+from lightning_zero.observability.callbacks import ZeroStatsMonitor
+from lightning_zero.observability.dashboard import ZeroTensorBoardLogger
+from lightning_zero.observability.monitoring import ProfilerWindow
 from lightning_zero.pipeline import PipelineConfig
-from lightning_zero.precision import ZeroPrecision
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.reliability.hang_watchdog import long_phase
 
 if "zero_stage_0" not in StrategyRegistry:
     ZeroStrategy.register_strategies(StrategyRegistry)
@@ -57,7 +57,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """Former names, with a warning that says the new one."""
     if name == "DynamicLossScaler":
-        from lightning_zero.core import loss_scaler
+        from lightning_zero.core.precision import loss_scaler
 
         return loss_scaler.__getattr__(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

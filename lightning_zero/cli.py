@@ -14,7 +14,6 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_zero.advisor import advise
 from lightning_zero.estimator import (
     OFFLOADS,
     PRECISIONS,
@@ -24,6 +23,7 @@ from lightning_zero.estimator import (
     parse_count,
     parse_size,
 )
+from lightning_zero.estimator.advisor import advise
 
 
 @dataclass(frozen=True)

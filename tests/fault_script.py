@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.core.progress_record import parse_progress
+from lightning_zero.core.reliability.progress_record import parse_progress
 from tests.models import TinyTransformer
 from tests.test_checkpoints import _fit, _saver
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero.core.materialize import parameters_on_meta
+from lightning_zero.core.stage3.materialize import parameters_on_meta
 from lightning_zero.pipeline.build import materialize_whole
 from tests.models import RankSampler
 

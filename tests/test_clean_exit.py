@@ -1,4 +1,4 @@
-"""Clean exits (Note [clean exit] in lightning_zero/core/process_groups.py): a strategy keeps one
+"""Clean exits (Note [clean exit] in lightning_zero/core/comm/process_groups.py): a strategy keeps one
 data-parallel group over several fits, and closing it really ends the group's gloo threads (so nothing
 of it is left to be destroyed during interpreter finalization, where it could abort the process)."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.core.process_groups import _owned
+from lightning_zero.core.comm.process_groups import _owned
 from tests.models import TinyTransformer, make_trainer, token_loader
 
 

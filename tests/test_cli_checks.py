@@ -13,7 +13,7 @@ from lightning_zero.cli import main
 from lightning_zero.config.build import fit
 from lightning_zero.config.launch import compose_config
 from lightning_zero.config.validate import count_model_parameters, validate_config
-from lightning_zero.core.own_bytes import own_bytes
+from lightning_zero.lightning.own_bytes import own_bytes
 
 
 @pytest.mark.parametrize(("args", "lines"), [
@@ -84,7 +84,7 @@ def test_every_file_written_for_a_user_holds_the_parameter_bytes_only(tmp_path: 
 def test_progress_is_on_by_default_lines_off_a_terminal_and_off_by_option(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_zero.config.build import trainer_kwargs
-    from lightning_zero.progress import LineProgress
+    from lightning_zero.observability.progress import LineProgress
 
     def progress(overrides: list[str], tty: bool) -> tuple[bool, list[type]]:
         monkeypatch.setattr("sys.stdout.isatty", lambda: tty)

@@ -280,7 +280,7 @@ def test_core_imports_only_torch_and_the_standard_library() -> None:
     core = Path(__file__).resolve().parents[1] / "lightning_zero" / "core"
     allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
     bad = []
-    for path in sorted(core.glob("*.py")):
+    for path in sorted(core.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -291,7 +291,7 @@ def test_core_imports_only_torch_and_the_standard_library() -> None:
             bad += [f"{path.name}:{node.lineno} {name}" for name in names
                     if name.split(".")[0] not in allowed and not name.startswith("lightning_zero.core")]
     assert not bad, bad
-    assert len(list(core.glob("*.py"))) > 10  # the walk saw the package
+    assert len(list(core.rglob("*.py"))) > 10  # the walk saw the package
 
 
 def test_a_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:

@@ -79,7 +79,7 @@ def test_a_sigkilled_rank_gets_the_estimators_host_memory_figure_and_the_setting
 
 
 def test_a_rank_stopped_by_the_hang_watchdog_is_summarised_as_such(tmp_path: Path) -> None:
-    from lightning_zero.core.hang_finding import SILENT_EXIT_CODE, STUCK_EXIT_CODE
+    from lightning_zero.core.reliability.hang_finding import SILENT_EXIT_CODE, STUCK_EXIT_CODE
 
     console = RankConsole(tmp_path / "train.log", echo=lambda text: None)
     for line in _report(_failure(0, 0, STUCK_EXIT_CODE, "To enable traceback see: ..."), []).splitlines():

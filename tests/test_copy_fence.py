@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
-from lightning_zero.core import engine_step
-from lightning_zero.core.copy_fence import CopyFence
-from lightning_zero.core.offload import OffloadConfig
-from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.offload.copy_fence import CopyFence
+from lightning_zero.core.zero import engine_step
+from lightning_zero.core.zero.optimizer import ShardedOptimizer
 
 
 class FakeEvent:
@@ -111,7 +111,7 @@ def test_offloaded_gradients_land_before_the_cpu_reads_them_and_masters_are_read
 
 
 def test_an_offloaded_parameter_shard_is_read_by_the_device_before_the_optimizer_overwrites_it(fake_events) -> None:
-    from lightning_zero.core.param_offload import ParamOffload
+    from lightning_zero.core.offload.param_offload import ParamOffload
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))

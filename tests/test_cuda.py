@@ -1,6 +1,6 @@
 """ZeroStrategy on one CUDA device (skipped without a GPU): stages 0-3 train alike, offload with pinned
 host memory (whose non-blocking copies are ordered by CUDA events, Note [asynchronous host copies] in
-core/copy_fence.py) equals the same stage without offload, and fp16 / bf16 mixed precision track fp32.
+core/offload/copy_fence.py) equals the same stage without offload, and fp16 / bf16 mixed precision track fp32.
 
 Every run trains a tiny transformer for 6 steps on ``cuda:0`` with ``devices=1`` (no process group).
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
-from lightning_zero.core.loss_scaler import LossScalerConfig
-from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from tests.models import STAGE3_SHARDED, TinyTransformer, make_trainer, token_loader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

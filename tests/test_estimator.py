@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zero.advisor import PREFERENCE, advise, format_bytes, needs_of
 from lightning_zero.cli import main
-from lightning_zero.core.config import ZeroConfig
-from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.memory import model_state_formula, offloaded_model_state
+from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.memory import model_state_formula, offloaded_model_state
 from lightning_zero.estimator import (
     PRESETS,
     activation_memory,
@@ -29,6 +28,7 @@ from lightning_zero.estimator import (
     parse_size,
     resolve_model,
 )
+from lightning_zero.estimator.advisor import PREFERENCE, advise, format_bytes, needs_of
 
 PAPER = {0: 120e9, 1: 31.40625e9, 2: 16.640625e9, 3: 1.875e9}  # ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12
 PAPER_TEXT = {0: "120 GB", 1: "31.4 GB", 2: "16.6 GB", 3: "1.88 GB"}

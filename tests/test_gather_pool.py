@@ -1,4 +1,4 @@
-"""Stage 3's gather memory (core/gather_pool.py): released memory is reused by the next gather of the same size,
+"""Stage 3's gather memory (core/stage3/gather_pool.py): released memory is reused by the next gather of the same size,
 never more than the most ever gathered is kept, and at one rank a gather moves the shard's memory instead of
 copying it (Note [one rank]); the values seen through the parameters are the shard's either way."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_zero.core.comm import DataParallelComm
-from lightning_zero.core.flat_param import FlatParamGroup
-from lightning_zero.core.gather_pool import GatherPool
-from lightning_zero.core.sharded_unit import ShardedUnit, UnitState
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.stage3.gather_pool import GatherPool
+from lightning_zero.core.stage3.sharded_unit import ShardedUnit, UnitState
+from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 
 def test_released_memory_is_reused_and_bounded_by_the_most_ever_gathered() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from lightning_zero.core.heartbeat import HeartbeatWatchdog
-from lightning_zero.core.progress_record import ProgressRecord, parse_progress
+from lightning_zero.core.reliability.heartbeat import HeartbeatWatchdog
+from lightning_zero.core.reliability.progress_record import ProgressRecord, parse_progress
 from tests.test_hang_watchdog import Clock, _diverged, _ranks, _round
 
 
@@ -103,7 +103,7 @@ def test_every_live_rank_gets_a_silence_finding_within_the_timeout_plus_one_inte
 
 def _callbacks(dogs: list[HeartbeatWatchdog]) -> list[Any]:
     """The Lightning glue (HangWatchdog) of each rank, around the fake-clock watchdogs."""
-    from lightning_zero.hang_watchdog import HangWatchdog
+    from lightning_zero.reliability.hang_watchdog import HangWatchdog
     hooks = []
     for d in dogs:
         hook = HangWatchdog(d.timeout_s, on_hang=lambda r: None)

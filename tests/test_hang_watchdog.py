@@ -1,4 +1,4 @@
-"""The hang watchdog (lightning_zero/core/heartbeat.py, hang_watchdog.py): its logic in one process on an
+"""The hang watchdog (lightning_zero/core/reliability/heartbeat.py, hang_watchdog.py): its logic in one process on an
 in-memory store with a fake clock, and fault injection on real rank processes: a SIGSTOPped rank is named
 by every other rank within 60 s at the default settings; a collective called on one rank only is named,
 with the collectives each side waits in, by every rank; a rank 0 busy in a long checkpoint save does not trip
@@ -20,9 +20,9 @@ import pytest
 import torch.distributed as dist
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.core.heartbeat import HangReport, HeartbeatWatchdog
-from lightning_zero.core.progress_record import ProgressRecord, parse_progress
-from lightning_zero.hang_watchdog import HANG_EXIT_CODE, STUCK_EXIT_CODE
+from lightning_zero.core.reliability.heartbeat import HangReport, HeartbeatWatchdog
+from lightning_zero.core.reliability.progress_record import ProgressRecord, parse_progress
+from lightning_zero.reliability.hang_watchdog import HANG_EXIT_CODE, STUCK_EXIT_CODE
 from tests.models import TinyTransformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -363,7 +363,7 @@ def test_a_save_of_three_hang_timeouts_on_rank_0_while_rank_1_waits_in_a_barrier
 
 
 def numbering_body() -> dict[str, Any]:
-    from lightning_zero.core.progress_record import RECORD
+    from lightning_zero.core.reliability.progress_record import RECORD
     from tests.test_checkpoints import _fit
 
     kinds: set[str] = set()

@@ -21,15 +21,12 @@ PACKAGE = ROOT / "lightning_zero"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("lightning_zero.core", "lightning_zero.sparse_attention")),
     ("glue", (
-        "lightning_zero.strategy", "lightning_zero.strategy_state", "lightning_zero.precision",
-        "lightning_zero.callbacks", "lightning_zero.monitoring", "lightning_zero.checkpoint",
-        "lightning_zero.deepspeed", "lightning_zero.uneven", "lightning_zero.models", "lightning_zero.pipeline",
-        "lightning_zero.sharded_build", "lightning_zero.state_files", "lightning_zero.dashboard",
-        "lightning_zero.progress", "lightning_zero.hang_watchdog", "lightning_zero.nonfinite_guard",
-        "lightning_zero.setup_agreement", "lightning_zero.strategy_steps",
+        "lightning_zero.lightning", "lightning_zero.observability", "lightning_zero.reliability",
+        "lightning_zero.checkpoint", "lightning_zero.deepspeed", "lightning_zero.models", "lightning_zero.pipeline",
     )),
     ("tools", (
-        "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator", "lightning_zero.advisor",
+        "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator",
+        "lightning_zero.advisor",  # a former path, kept for a release
         "lightning_zero.testing", "lightning_zero.__main__",
     )),
 )
@@ -127,9 +124,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_helpers_see_function_level_imports_and_skip_type_checking(tmp_path: Path) -> None:
     src = tmp_path / "probe.py"
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import lightning\n"
-                   "def f():\n    from lightning_zero.strategy import ZeroStrategy\n    from . import units\n")
+                   "def f():\n    from lightning_zero.lightning.strategy import ZeroStrategy\n"
+                   "    from . import units\n")
     found = _imports(src, "lightning_zero.core.probe")
-    assert {"lightning_zero.strategy", "lightning_zero.core.units"} <= found and "lightning" not in found
+    assert {"lightning_zero.lightning.strategy",
+            "lightning_zero.core.units"} <= found and "lightning" not in found
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

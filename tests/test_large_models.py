@@ -206,7 +206,7 @@ class MixedBlock(nn.Module):
 
 class MixedLM(pl.LightningModule):
     """Embeddings, blocks, a final norm and a head, built in configure_model so that stage 3
-    constructs it unit by unit (Note [split owners] in core/materialize.py)."""
+    constructs it unit by unit (Note [split owners] in core/stage3/materialize.py)."""
 
     def __init__(self, dim: int = 160, blocks: int = 2, vocab: int = 700) -> None:
         super().__init__()
@@ -283,7 +283,7 @@ def teardown_body(room: int | None, fail: bool = False) -> dict[str, Any]:
     real figure); returns what the module holds afterwards and the warnings."""
     import warnings
 
-    from lightning_zero.core import teardown
+    from lightning_zero.core.stage3 import teardown
 
     real = teardown.available_bytes
     if room is not None:

@@ -172,7 +172,7 @@ def _released(units: list[tuple[str, int, int]]) -> bool:
 
 
 def test_only_parameters_go_to_the_meta_device() -> None:
-    from lightning_zero.core.materialize import parameters_on_meta
+    from lightning_zero.core.stage3.materialize import parameters_on_meta
 
     shared = nn.Parameter(torch.ones(3))
     with parameters_on_meta():

@@ -21,8 +21,8 @@ import warnings
 import pytest
 import torch
 
-from lightning_zero.core.comm import DataParallelComm
-from lightning_zero.core.loss_scaler import (
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.precision.loss_scaler import (
     LossScaler,
     LossScalerConfig,
     MinLossScaleError,
@@ -236,7 +236,7 @@ def test_overflow_detection_without_a_process_group() -> None:
 
 def test_the_former_name_dynamic_loss_scaler_still_works_and_says_the_new_one() -> None:
     import lightning_zero
-    from lightning_zero.core import loss_scaler
+    from lightning_zero.core.precision import loss_scaler
 
     for module in (lightning_zero, loss_scaler):
         with pytest.warns(DeprecationWarning, match="import LossScaler"):

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_zero import LossScalerConfig, ProfilerWindow, ZeroPrecision, ZeroStatsMonitor, ZeroStrategy
-from lightning_zero.monitoring import MEMORY_KEYS, TIME_KEYS, batch_counts, peak_memory_bytes
+from lightning_zero.observability.monitoring import MEMORY_KEYS, TIME_KEYS, batch_counts, peak_memory_bytes
 from tests.models import make_trainer
 from tests.test_precision import Model, pattern_loader
 
@@ -313,10 +313,10 @@ def test_a_pipelined_run_logs_one_training_loss_and_no_unmeasured_step_split(glo
 def test_the_cli_model_summary_has_no_column_of_unmeasured_flops(tmp_path: Path) -> None:
     import logging
 
-    from lightning_zero.callbacks import ZeroModelSummary
     from lightning_zero.config.build import build_callbacks
     from lightning_zero.config.launch import compose_config
     from lightning_zero.config.validate import validate_config
+    from lightning_zero.observability.callbacks import ZeroModelSummary
 
     cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.devices=1"]))
     summaries = [c for c in build_callbacks(cfg, tmp_path) if isinstance(c, ModelSummary)]

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
-from lightning_zero.core.loss_scaler import LossScalerConfig
-from lightning_zero.core.offload import OffloadConfig
+from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from tests.models import (
     STAGE3_SHARDED,
     TinyTransformer,
@@ -117,7 +117,7 @@ def _fit(strategy: ZeroStrategy) -> dict[str, Any]:
 
 
 def parity_body(runs: list[tuple[int, str, str]]) -> dict[tuple[int, str, str], dict[str, Any]]:
-    from lightning_zero.core import optimizer as zero_optimizer
+    from lightning_zero.core.zero import optimizer as zero_optimizer
 
     default, zero_optimizer.MASTER_PIECE_NUMEL = zero_optimizer.MASTER_PIECE_NUMEL, PIECE
     out: dict[tuple[int, str, str], dict[str, Any]] = {}
@@ -204,7 +204,7 @@ def test_a_file_in_place_of_the_directory_and_a_full_disk_are_refused(tmp_path, 
     not_a_dir.write_text("")
     with pytest.raises(ValueError, match="does not exist or is not a directory"):
         OffloadConfig(optimizer_device="nvme", nvme_path=str(not_a_dir)).check_path()
-    monkeypatch.setattr("lightning_zero.core.offload.os.access", lambda path, mode: False)
+    monkeypatch.setattr("lightning_zero.core.offload.config.os.access", lambda path, mode: False)
     with pytest.raises(ValueError, match="is not writable"):
         OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)).check_path()
 
@@ -215,7 +215,7 @@ def test_the_engine_refuses_a_disk_without_room_for_the_estimated_state(tmp_path
     from lightning_zero import ZeroConfig, ZeroEngine
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("lightning_zero.core.offload.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
+    monkeypatch.setattr("lightning_zero.core.offload.config.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
     model = torch.nn.Linear(100, 100)
     with pytest.raises(ValueError, match=r"has 1 kB free but the offloaded state needs 162 kB. Fix: nvme_path=<"):
         ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2),
@@ -224,7 +224,7 @@ def test_the_engine_refuses_a_disk_without_room_for_the_estimated_state(tmp_path
 
 
 def test_pin_memory_without_an_accelerator_warns_and_stays_unpinned() -> None:
-    from lightning_zero.core.offload_store import OptimizerOffload
+    from lightning_zero.core.offload.store import OptimizerOffload
 
     if torch.cuda.is_available():
         pytest.skip("an accelerator is present: pinning is used")
@@ -249,8 +249,8 @@ def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
 
     script = (
         "import os, sys, torch\n"
-        "from lightning_zero.core.offload import OffloadConfig\n"
-        "from lightning_zero.core.offload_store import OptimizerOffload\n"
+        "from lightning_zero.core.offload.config import OffloadConfig\n"
+        "from lightning_zero.core.offload.store import OptimizerOffload\n"
         f"store = OptimizerOffload(OffloadConfig(optimizer_device='nvme', nvme_path={str(tmp_path)!r}))\n"
         "master = store.new_master(0, 1 << 20, torch.float32)\n"
         "master.fill_(3.0)\n"
@@ -307,7 +307,7 @@ def resident_main(mode: str, path: str) -> None:
     import json
 
     from lightning_zero import ZeroConfig, ZeroEngine
-    from lightning_zero.core.swap_file import SwapFile
+    from lightning_zero.core.offload.swap_file import SwapFile
     from lightning_zero.testing.memory import proc_status_bytes, reset_peak_rss
 
     if mode == "kept":
@@ -408,7 +408,7 @@ def test_nvme_byte_counters_are_the_disk_traffic_of_the_steps(tmp_path, monkeypa
         assert state <= written <= 1.2 * state + 2**20, (state, io)
     # with pages left in the page cache the disk reads nothing, and the counter says so (a count of the
     # ranges handed to the reader would still say the whole state)
-    from lightning_zero.core.swap_file import SwapFile
+    from lightning_zero.core.offload.swap_file import SwapFile
 
     monkeypatch.setattr(SwapFile, "flush", lambda self, lo, hi: os.fdatasync(self.fd))
     state, io = _nvme_io_per_step(str(tmp_path))

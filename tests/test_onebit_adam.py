@@ -17,10 +17,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import OneBitAdam, ZeroEngine, ZeroStrategy
-from lightning_zero.core.comm import DataParallelComm
-from lightning_zero.core.compressed_allreduce import CompressedAllReduce, padded_numel
-from lightning_zero.core.compression import ErrorFeedback, compress, pack_signs, unpack_signs
-from lightning_zero.core.config import ZeroConfig
+from lightning_zero.core.comm.compressed_allreduce import CompressedAllReduce, padded_numel
+from lightning_zero.core.comm.compression import ErrorFeedback, compress, pack_signs, unpack_signs
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.zero.config import ZeroConfig
 from tests.models import TinyTransformer, make_trainer, params_of, token_loader
 from tests.pool import GlooPool
 

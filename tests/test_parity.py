@@ -26,7 +26,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "sgd_accum_clip": dict(optimizer="sgd", accumulate=2, clip=0.05),
     # manual optimization: manual_backward, clip_gradients and step in training_step
     "manual_sgd_clip": dict(optimizer="sgd", accumulate=1, clip=None, manual=True),
-    # master shards stepped as many small pieces (Note [master pieces] in core/optimizer.py)
+    # master shards stepped as many small pieces (Note [master pieces] in core/zero/optimizer.py)
     "adamw_pieces": dict(optimizer="adamw", accumulate=2, clip=0.05, piece_numel=16),
 }
 
@@ -48,7 +48,7 @@ def _fit(strategy: Any, optimizer: str, accumulate: int, clip: float | None, man
 
 def parity_body(scenario: str, collective: str = "auto") -> dict[str, Any]:
     """Runs DDP and every stage on this rank; returns their losses, parameters and norms."""
-    from lightning_zero.core import optimizer as zero_optimizer
+    from lightning_zero.core.zero import optimizer as zero_optimizer
 
     kw = dict(SCENARIOS[scenario])
     piece_numel = kw.pop("piece_numel", zero_optimizer.MASTER_PIECE_NUMEL)

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_zero.core.config import DtypePolicy, ZeroConfig
-from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.flat_param import FlatParamGroup
-from lightning_zero.core.optimizer import trainable_groups
+from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.flat_param import FlatParamGroup
+from lightning_zero.core.zero.optimizer import trainable_groups
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 shapes = st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=3).map(tuple), min_size=1, max_size=7)

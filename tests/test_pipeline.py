@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lightning_zero import PipelineConfig, ZeroStrategy
-from lightning_zero.core.sharded_unit import UnitState
+from lightning_zero.core.stage3.sharded_unit import UnitState
 from lightning_zero.pipeline.model import plan_split
 from lightning_zero.pipeline.partition import layer_weights, partition
 from tests.models import make_trainer
@@ -71,7 +71,7 @@ def test_protocol_and_ties_are_found_before_any_process_group() -> None:
 def test_a_gpt_built_on_meta_gets_its_own_initialisation() -> None:
     """The pipelined GPT experiment builds in configure_model on the meta device; each stage initialises
     its layers with GPT's initialisation (not reset_parameters: N(0, 1) embeddings tied to the head)."""
-    from lightning_zero.core.materialize import parameters_on_meta
+    from lightning_zero.core.stage3.materialize import parameters_on_meta
     from lightning_zero.models.gpt import GPTLightningModule, gpt_param_init
     from lightning_zero.pipeline.build import materialize_whole
 
@@ -330,7 +330,7 @@ def overflow_body(zero_stages: list[int]) -> dict[int, dict[str, Any]]:
 
 def _overflow_fit(zero_stage: int) -> list[tuple[float, int, bool]]:
     from lightning_zero import ZeroPrecision
-    from lightning_zero.core.loss_scaler import LossScalerConfig
+    from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 
     model, now = PipeLM("sgd"), {"step": -1}
     target = model.blocks[0].fc.weight  # layer 1 of 5: stage 0 under the uniform split [0, 2, 5]

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroPrecision, ZeroStrategy, model_state_formula
-from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from tests.models import VOCAB, RankSampler, TinyTransformer, make_trainer, rank_and_world
 
 STAGES = (0, 1, 2, 3)
@@ -204,7 +204,7 @@ def test_mixed_precision_trains_like_fp32(parity_results, stage: int, mode: str,
 def stale_master_body(stage: int) -> dict[str, list[float]]:
     """bf16-mixed whose fp32 master is overwritten with the bf16 parameters before every step (a
     master "not updated" by its own fp32 history), against fp32."""
-    from lightning_zero.core.optimizer import ShardedOptimizer
+    from lightning_zero.core.zero.optimizer import ShardedOptimizer
 
     original = ShardedOptimizer.set_grads
 
@@ -334,7 +334,7 @@ class _RestoredState(pl.Callback):
         names = {p: n for n, p in pl_module.named_parameters()}
         self.masters = {names[p]: t.clone() for p, t in strategy.engine.full_master_params().items()}
         # gathered on every rank (a collective): each rank's restored shards are checked, not only rank 0's
-        from lightning_zero.core.optimizer_state import full_optimizer_state
+        from lightning_zero.core.zero.optimizer_state import full_optimizer_state
 
         self.optimizer = copy.deepcopy(full_optimizer_state(strategy.engine.sharded, strategy.engine.comm))
         self.scaler = strategy.precision_plugin.scaler.state_dict()

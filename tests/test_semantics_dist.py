@@ -52,7 +52,7 @@ def save_two_body(path: str) -> dict[str, Any]:
 
 class _Restored(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_zero.core.optimizer_state import full_optimizer_state
+        from lightning_zero.core.zero.optimizer_state import full_optimizer_state
 
         engine = trainer.strategy.engine
         names = {p: n for n, p in pl_module.named_parameters()}

@@ -1,7 +1,7 @@
 """Soak: 50 consecutive short 2-rank launches through ``lightning-zero train`` (one Hydra multirun, each job
 its own torchrun launch of 2 ranks: tiny MLP, 1 step, no logger, no checkpoint, no validation) end with
 zero abnormal exits: no rank aborts at interpreter exit (Note [clean exit] in
-lightning_zero/core/process_groups.py), no failed job."""
+lightning_zero/core/comm/process_groups.py), no failed job."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.core.stage3 import Agreement
+from lightning_zero.core.stage3.runtime import Agreement
 from tests.models import StackedLM, make_trainer, params_of, token_loader
 
 

@@ -16,8 +16,8 @@ from benchmarks.harness.deepspeed_loop import deepspeed_loop
 from benchmarks.harness.fsdp2 import FSDP2Strategy
 from benchmarks.harness.training import plain_loop, zero_redundancy_loop
 from lightning_zero import PipelineConfig, ZeroStrategy
-from lightning_zero.core.config import ZeroConfig
-from lightning_zero.core.stage3 import Agreement
+from lightning_zero.core.stage3.runtime import Agreement
+from lightning_zero.core.zero.config import ZeroConfig
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def _stage3_as(agreement: Agreement = Agreement.WHILE_RECORDING, pool: bool = Tr
     agreement (``Stage3Runtime.agreement``: ``ALWAYS`` is the behaviour before it was limited to recording,
     ``OFF`` a diagnostic under which ranks that ran different units would exchange the wrong buffers), the
     pool of gathered memory (``ShardedUnit.pool``, Note [gather buffer pool]) and the one-rank lending of the
-    shard's memory (``ShardedUnit.lend``, Note [one rank]); core/stage3.py, core/gather_pool.py."""
+    shard's memory (``ShardedUnit.lend``, Note [one rank]); core/stage3/runtime.py, core/stage3/gather_pool.py."""
 
     class _Zero3Variant(ZeroStrategy):
         def setup(self, trainer: pl.Trainer) -> None:

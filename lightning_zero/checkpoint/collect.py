@@ -20,7 +20,7 @@ from lightning_zero.checkpoint.plain import to_plain
 from lightning_zero.checkpoint.rng import capture_rng
 
 if TYPE_CHECKING:
-    from lightning_zero.core.engine import ZeroEngine
+    from lightning_zero.core.zero.engine import ZeroEngine
 
 Tensors = dict[str, "torch.Tensor | list[torch.Tensor]"]
 
@@ -119,7 +119,7 @@ def _collect_shards(
     engine: ZeroEngine, rank: int, world_size: int, with_optimizer: bool, tensors: Tensors, meta: dict[str, Any],
     layout: StageLayout | None,
 ) -> None:
-    from lightning_zero.core.optimizer import original_index
+    from lightning_zero.core.zero.optimizer import original_index
 
     sharded = engine.sharded
     separate = engine.separate_master

@@ -12,7 +12,7 @@ import torch
 from lightning_zero.checkpoint.layout import parse_dtype
 from lightning_zero.checkpoint.reader import ShardedCheckpoint, materialize_optimizer_state
 from lightning_zero.checkpoint.tensor_file import Entry, write_file
-from lightning_zero.core.own_bytes import own_bytes
+from lightning_zero.lightning.own_bytes import own_bytes
 
 
 def consolidate_checkpoint(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -28,11 +28,11 @@ from lightning_zero.checkpoint.reader import (
     ShardedCheckpoint,
     materialize_optimizer_state,
 )
-from lightning_zero.core.flat_param import overlap
+from lightning_zero.core.zero.flat_param import overlap
 
 if TYPE_CHECKING:
-    from lightning_zero.core.engine import ZeroEngine
-    from lightning_zero.core.flat_param import FlatParamGroup
+    from lightning_zero.core.zero.engine import ZeroEngine
+    from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 RefOf = Callable[[nn.Parameter], "Mapping[str, Any] | None"]
 
@@ -127,12 +127,12 @@ def load_owned_optimizer_state(engine: ZeroEngine, state: Mapping[str, Any]) -> 
         engine: the attached engine (stage >= 1).
         state: one of ``ShardedCheckpoint(path).optimizer_states()``.
     """
-    from lightning_zero.core.optimizer import SCALAR_STATE_KEYS, original_index
+    from lightning_zero.core.zero.optimizer import SCALAR_STATE_KEYS, original_index
 
     sharded = engine.sharded
     lazy = state["state"]
     if sharded.whole:  # stage 0: the optimizer state is whole on every rank anyway
-        from lightning_zero.core.optimizer_state import load_full_optimizer_state
+        from lightning_zero.core.zero.optimizer_state import load_full_optimizer_state
 
         load_full_optimizer_state(sharded, materialize_optimizer_state(state))
         return

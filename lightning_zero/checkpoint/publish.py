@@ -18,7 +18,7 @@ from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.checkpoint.tensor_file import save_tensors
 
 if TYPE_CHECKING:
-    from lightning_zero.core.engine import ZeroEngine
+    from lightning_zero.core.zero.engine import ZeroEngine
 
 # Fault injection for tests: called with (rank, temporary directory) after this rank wrote its
 # files and before the ranks agree; whatever it raises is that rank's write error.

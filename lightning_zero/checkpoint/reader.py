@@ -19,7 +19,7 @@ import torch
 from lightning_zero.checkpoint.layout import EXTRA, FORMAT_NAME, FORMAT_VERSION, METADATA, parse_dtype, rank_file
 from lightning_zero.checkpoint.plain import CheckpointError, from_plain
 from lightning_zero.checkpoint.tensor_file import TensorFile
-from lightning_zero.core.flat_param import overlap
+from lightning_zero.core.zero.flat_param import overlap
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:

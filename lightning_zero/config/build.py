@@ -22,7 +22,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import OmegaConf
 
-from lightning_zero.callbacks import ZeroModelSummary
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
@@ -32,14 +31,15 @@ from lightning_zero.config.schema import (
     to_yaml,
 )
 from lightning_zero.config.validate import import_object, offload_config, zero_config
-from lightning_zero.core.loss_scaler import LossScalerConfig
-from lightning_zero.dashboard import ZeroTensorBoardLogger
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
-from lightning_zero.monitoring import ProfilerWindow, log_hyperparams
+from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.lightning.strategy import ZeroStrategy
+from lightning_zero.observability.callbacks import ZeroModelSummary
+from lightning_zero.observability.dashboard import ZeroTensorBoardLogger
+from lightning_zero.observability.monitoring import ProfilerWindow, log_hyperparams
+from lightning_zero.observability.progress import LineProgress
 from lightning_zero.pipeline import PipelineConfig
-from lightning_zero.precision import ZeroPrecision
-from lightning_zero.progress import LineProgress
-from lightning_zero.strategy import ZeroStrategy
 
 RESULT_FILE = "result.json"
 
@@ -171,8 +171,9 @@ def build_logger(cfg: TrainConfig, run_dir: Path) -> Logger | bool:
 
 def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
     """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled, Lightning's model summary
-    without unmeasured FLOPs (:class:`~lightning_zero.callbacks.ZeroModelSummary`), and the progress lines
-    of :class:`~lightning_zero.progress.LineProgress` when stdout is not a terminal (on one, Lightning's bar)
+    without unmeasured FLOPs (:class:`~lightning_zero.observability.callbacks.ZeroModelSummary`), and the progress lines
+    of :class:`~lightning_zero.observability.progress.LineProgress` when stdout is not a terminal
+    (on one, Lightning's bar)
     unless ``trainer.enable_progress_bar=false`` (the strategy adds the :class:`~lightning_zero.ZeroStatsMonitor`
     itself, ``logger.monitor``)."""
     ck = cfg.trainer.checkpoint

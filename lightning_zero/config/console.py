@@ -107,7 +107,8 @@ class RankConsole:
         return min(failures, key=rank_key)[1]
 
 
-# the hang watchdog's exit codes (core/hang_finding.py; literal: the launcher does not import torch for them)
+# the hang watchdog's exit codes (core/reliability/hang_finding.py;
+# literal: the launcher does not import torch for them)
 _HANG_EXITS = {75: "a rank or the store stopped answering",
                76: "every rank alive, no progress: their collectives differ"}
 _LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT")  # what torchrun sends the surviving ranks when one fails
@@ -155,14 +156,14 @@ def failure_summary(failed: RankExit | None, devices: int, run_dir: Path, advice
 
 
 def oom_advice(cfg: TrainConfig) -> str | None:
-    """The estimator's suggestion (:func:`~lightning_zero.advisor.advise`) of a configuration of ``cfg``'s
+    """The estimator's suggestion (:func:`~lightning_zero.estimator.advisor.advise`) of a configuration of ``cfg``'s
     model that fits this machine: per-rank memory is the GPU's, or on CPU the host memory over the ranks."""
     import os
 
     import torch
 
-    from lightning_zero.advisor import advise
     from lightning_zero.config.validate import count_model_parameters, gpt_config
+    from lightning_zero.estimator.advisor import advise
 
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     t = cfg.trainer
@@ -206,7 +207,7 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
     import torch
 
     from lightning_zero.config.validate import count_model_parameters
-    from lightning_zero.core.memory import OFFLOAD_STAGES
+    from lightning_zero.core.zero.memory import OFFLOAD_STAGES
     from lightning_zero.estimator import estimate_memory, format_bytes
 
     t = cfg.trainer

@@ -24,10 +24,10 @@ from typing import Any, get_args, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from lightning_zero.core import config as core_config
-from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.zero import config as core_config
 from lightning_zero.models.mlp import TeacherDataModule
-from lightning_zero.monitoring import ProfilerWindow
+from lightning_zero.observability.monitoring import ProfilerWindow
 
 
 def _choices(name: str, values: Iterable[str], doc: str) -> Any:
@@ -151,7 +151,7 @@ class OffloadSchema:
 PrecisionSchema = _mirror(
     "PrecisionSchema",
     """``precision/``: the mode, DeepSpeed's fp16 loss-scaler knobs (the fields of
-    :class:`~lightning_zero.core.loss_scaler.LossScalerConfig`; ``loss_scale=0`` means dynamic) and the
+    :class:`~lightning_zero.core.precision.loss_scaler.LossScalerConfig`; ``loss_scale=0`` means dynamic) and the
     gradient dtypes (``reduce_dtype``: DeepSpeed's ``communication_data_type``; ``grad_accum_dtype``:
     ``data_types.grad_accum_dtype``; ``null`` = the compute dtype).""",
     ("name", PrecisionName, PrecisionName.fp32),

@@ -32,10 +32,15 @@ from lightning_zero.config.schema import (
     TrainConfig,
     to_train_config,
 )
-from lightning_zero.core.config import ZeroConfig
-from lightning_zero.core.loss_scaler import LossScalerConfig
-from lightning_zero.core.memory import OFFLOAD_STAGES
-from lightning_zero.core.offload import DEFAULT_BUFFER_COUNT, DEFAULT_MAX_IN_CPU, OffloadConfig, nvme_path_problem
+from lightning_zero.core.offload.config import (
+    DEFAULT_BUFFER_COUNT,
+    DEFAULT_MAX_IN_CPU,
+    OffloadConfig,
+    nvme_path_problem,
+)
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.zero.memory import OFFLOAD_STAGES
 
 BUILT_STAGES = (0, 1, 2, 3)
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
@@ -93,7 +98,7 @@ def _offload_problems(cfg: TrainConfig) -> list[str]:
         problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
         if problem:  # the check the ranks repeat, here before any of them starts
             out.append(problem)
-    if o.buffer_count != DEFAULT_BUFFER_COUNT:  # DeepSpeed's swap-buffer pool: not built (core/offload.py)
+    if o.buffer_count != DEFAULT_BUFFER_COUNT:  # DeepSpeed's swap-buffer pool: not built (core/offload/config.py)
         out.append(f"offload.buffer_count={o.buffer_count} is not built: there is no pool of swap buffers to size "
                    f"(offload.sub_group_size sets how much is swapped at once). Fix: drop offload.buffer_count (the "
                    f"default is {DEFAULT_BUFFER_COUNT}).")

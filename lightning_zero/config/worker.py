@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from lightning_zero.config.build import fit
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
-from lightning_zero.core.process_groups import close_all
+from lightning_zero.core.comm.process_groups import close_all
 
 
 @record  # torchrun's failure summary then shows this rank's traceback
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fit(cfg, path.parent)
     finally:
         # the process groups (the strategy's too) die now, not during interpreter finalization:
-        # Note [clean exit] in lightning_zero/core/process_groups.py
+        # Note [clean exit] in lightning_zero/core/comm/process_groups.py
         close_all()
     return 0
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from lightning_zero.core.config import ZeroConfig
-from lightning_zero.core.loss_scaler import LossScalerConfig
-from lightning_zero.core.memory import OFFLOAD_STAGES
-from lightning_zero.core.offload import DEFAULT_MAX_IN_CPU, OffloadConfig
+from lightning_zero.core.offload.config import DEFAULT_MAX_IN_CPU, OffloadConfig
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.zero.memory import OFFLOAD_STAGES
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
 from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import PipelineSpec, parse_pipeline

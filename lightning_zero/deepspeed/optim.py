@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.core.onebit_adam import OneBitAdam
+from lightning_zero.core.comm.onebit_adam import OneBitAdam
 
 _DEEPSPEED_ONLY = ("zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "lion", "cpuadam",
                    "fusedadam", "deepspeedcpuadam")

@@ -46,16 +46,16 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_zero.core.config import ZeroConfig
-from lightning_zero.core.loss_scaler import LossScalerConfig
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, ResolvedBatch
 from lightning_zero.deepspeed.config import DeepSpeedConfig, parse_deepspeed_config
 from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import merged_pipeline, pipeline_for_batch
 from lightning_zero.deepspeed.report import DeepSpeedReport
 from lightning_zero.deepspeed.schedulers import NEEDS_TOTAL_STEPS, build_scheduler
-from lightning_zero.precision import ZeroPrecision
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.lightning.strategy import ZeroStrategy
 
 OptimizerSource = Literal["auto", "config"]
 

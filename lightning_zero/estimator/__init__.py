@@ -3,7 +3,7 @@
 One file per job: :mod:`.options` (precisions, offloads), :mod:`.model_spec` (what is known about the
 model), :mod:`.cluster`, :mod:`.activations`, :mod:`.deepspeed_figures` (DeepSpeed's formulas),
 :mod:`.estimate` (the result types and :func:`estimate_memory`), :mod:`.sizes` (size text) and
-:mod:`.report` (the printed tables). The stage advisor is :mod:`lightning_zero.advisor`.
+:mod:`.report` (the printed tables). The stage advisor is :mod:`lightning_zero.estimator.advisor`.
 """
 
 from lightning_zero.estimator.activations import Activations, activation_memory

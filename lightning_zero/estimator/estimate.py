@@ -1,11 +1,11 @@
 """The estimate itself: per-rank device, CPU and NVMe bytes of ZeRO stages 0-3, with and without offload.
 
-Model states come from :func:`lightning_zero.core.memory.model_state_formula` (the ZeRO paper's
+Model states come from :func:`lightning_zero.core.zero.memory.model_state_formula` (the ZeRO paper's
 2Ψ + 2Ψ + KΨ, partitioned by stage) and its offload split
-:func:`~lightning_zero.core.memory.offloaded_model_state` -- the same functions the strategy's
+:func:`~lightning_zero.core.zero.memory.offloaded_model_state` -- the same functions the strategy's
 measured memory is tested against. Activations follow Korthikanti et al. (2022), see
 :func:`activation_memory`. DeepSpeed's own estimator figures are reproduced beside ours by
-:func:`deepspeed_figures`. The stage advisor lives in :mod:`lightning_zero.advisor`, the text reports in
+:func:`deepspeed_figures`. The stage advisor lives in :mod:`lightning_zero.estimator.advisor`, the text reports in
 :mod:`lightning_zero.estimator.report`.
 """
 
@@ -16,7 +16,7 @@ from typing import TypedDict
 
 from torch import nn
 
-from lightning_zero.core.memory import OFFLOAD_STAGES, ModelStateBytes, offloaded_model_state
+from lightning_zero.core.zero.memory import OFFLOAD_STAGES, ModelStateBytes, offloaded_model_state
 from lightning_zero.estimator.activations import Activations, activation_memory
 from lightning_zero.estimator.cluster import Cluster, make_cluster
 from lightning_zero.estimator.deepspeed_figures import DeepSpeedFigures, deepspeed_figures
@@ -123,7 +123,7 @@ class MemoryEstimate:
 
 class EstimateOptions(TypedDict, total=False):
     """The keyword arguments of :func:`estimate_memory` (less ``offload``): what is estimated, on how
-    many ranks, in which precision; :func:`lightning_zero.advisor.advise` takes them as ``**options``."""
+    many ranks, in which precision; :func:`lightning_zero.estimator.advisor.advise` takes them as ``**options``."""
 
     model: str | nn.Module | None
     world_size: int | None

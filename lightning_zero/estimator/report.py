@@ -9,8 +9,8 @@ from lightning_zero.estimator.options import PRECISIONS
 from lightning_zero.estimator.sizes import format_bytes, format_count
 
 if TYPE_CHECKING:
-    from lightning_zero.advisor import Advice
     from lightning_zero.estimator.activations import Activations
+    from lightning_zero.estimator.advisor import Advice
     from lightning_zero.estimator.cluster import Cluster
     from lightning_zero.estimator.estimate import MemoryEstimate
     from lightning_zero.estimator.model_spec import ModelSpec

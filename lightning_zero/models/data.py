@@ -348,7 +348,7 @@ def log_train_loss(module: Any, loss: torch.Tensor, batch_size: int) -> None:
     """``self.log("train_loss", ...)`` of the experiment modules: into ``callback_metrics`` always; into the
     loggers and the progress bar only when no ``ZeroStatsMonitor`` runs, since that one logs the training
     loss already (its mean over ranks, ``train/loss``), and one loss per dashboard is enough."""
-    from lightning_zero.callbacks import ZeroStatsMonitor
+    from lightning_zero.observability.callbacks import ZeroStatsMonitor
 
     trainer = module._trainer
     monitored = trainer is not None and any(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks)

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_zero.core.materialize import ParamInitFn, default_init
-from lightning_zero.core.onebit_adam import OneBitAdam
+from lightning_zero.core.comm.onebit_adam import OneBitAdam
+from lightning_zero.core.stage3.materialize import ParamInitFn, default_init
 from lightning_zero.models.data import log_train_loss
 from lightning_zero.sparse_attention import (
     SparseAttentionUtils,

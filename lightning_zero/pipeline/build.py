@@ -2,13 +2,13 @@
 
 Note [local construction]
     Under a pipeline the strategy's ``model_sharded_context`` puts every parameter built in
-    ``configure_model`` on the meta device (at any ZeRO stage: ``core/materialize.py``'s
+    ``configure_model`` on the meta device (at any ZeRO stage: ``core/stage3/materialize.py``'s
     ``parameters_on_meta``), so no rank ever holds the whole model. At setup
     :func:`prepare_meta_module` swaps the meta parameters for storage-less stand-ins (ties kept), the
     split (``model.split_module``) turns the other stages' into placeholders, and
     :func:`materialize_local` gives this rank's parameters storage and initialises them: each module
     owning one of them runs ``param_init_fn`` (default ``reset_parameters``) under the RNG seeded
-    from ``(base seed, module name)`` (``core/materialize.py``'s ``initialize_modules``). The values
+    from ``(base seed, module name)`` (``core/stage3/materialize.py``'s ``initialize_modules``). The values
     therefore do not depend on the stage layout: a parameter two stages share (a tied embedding) gets
     the same values on both, and they equal what the whole module built the same way gets
     (:func:`materialize_whole`, the tests' reference). A parameter initialised before keeps its
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_zero.core.materialize import (
+from lightning_zero.core.stage3.materialize import (
     ParamInitFn,
     has_meta_parameters,
     initialize_modules,

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from lightning_zero.checkpoint.collect import StageLayout
 from lightning_zero.checkpoint.plain import CheckpointError
-from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.optimizer_state import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.pipeline.mesh import PipelineGroups
 from lightning_zero.pipeline.model import LocalModel
 

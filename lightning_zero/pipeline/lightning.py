@@ -19,11 +19,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_zero.callbacks import ZeroStatsMonitor
-from lightning_zero.core.comm import DataParallelComm
-from lightning_zero.core.engine import ZeroEngine
-from lightning_zero.core.loading import load_full_state_dict
-from lightning_zero.core.materialize import ParamInitFn
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.stage3.loading import load_full_state_dict
+from lightning_zero.core.stage3.materialize import ParamInitFn
+from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.observability.callbacks import ZeroStatsMonitor
 from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
 from lightning_zero.pipeline.config import PipelineConfig, short_last_batch
@@ -253,7 +253,7 @@ class StrategyPipeline:
 
     def backward(self, engine: ZeroEngine) -> None:
         """Where Lightning calls backward: sum tied gradients over stages, then reduce once over the
-        data-parallel group (Note [deferred reduction] in core/engine.py); with
+        data-parallel group (Note [deferred reduction] in core/zero/engine.py); with
         ``reduce_per_micro_batch`` everything was reduced during the schedule."""
         if self.config.reduce_per_micro_batch:
             engine.reducer.deferred = False

@@ -1,7 +1,7 @@
 """Running one batch through the pipeline: PyTorch's schedules over this rank's chunks.
 
 Training (``train_step``): the ZeRO engine's reduction is deferred for the whole schedule
-(Note [deferred reduction] in ``core/engine.py``): every micro-batch's backward accumulates into
+(Note [deferred reduction] in ``core/zero/engine.py``): every micro-batch's backward accumulates into
 the local parameters' ``.grad``; then tied parameters' gradients are summed across the stages
 sharing them and the engine reduces once over the data-parallel group.
 
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from lightning_zero.core.flat_param import overlap
-from lightning_zero.core.progress_record import RECORD
+from lightning_zero.core.reliability.progress_record import RECORD
+from lightning_zero.core.zero.flat_param import overlap
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.mesh import PipelineGroups
 from lightning_zero.pipeline.model import LocalModel

@@ -1,0 +1,272 @@
+"""Collectives over one explicit data-parallel group.
+
+Every method works without a process group (world size 1): then nothing is communicated, so the
+core is unit-tested in one process. The data-parallel group is always passed explicitly and never
+assumed to be the world (pipeline stages will make it a sub-group).
+
+Exposed communication: :attr:`DataParallelComm.wait_seconds` adds up the host time spent blocked in
+this group's collectives (blocking calls, and ``wait()`` on the handles of asynchronous ones). On a
+CPU backend (gloo) that is the time the rank could not compute because of communication; with NCCL
+``wait()`` only orders CUDA streams, so the counter says nothing there (docs/monitoring.md).
+
+Traffic: :attr:`DataParallelComm.bytes_sent` adds up the bytes this rank sends, counted as the
+bandwidth-optimal (ring) algorithms send them: an all-reduce of B bytes sends 2(N-1)/N·B, a
+reduce-scatter, all-gather or all-to-all (N-1)/N of its whole buffer, a broadcast (N-1)/N·B on
+average. It is a model of the wire, the same for every collective, so that stages and compressed
+collectives (``compressed_allreduce.py``) compare on one scale.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero.core.reliability.progress_record import RECORD
+from lightning_zero.core.zero.config import Collective
+
+
+def _all_gather_single(output: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGroup | None,
+                       async_op: bool) -> Handle | None:
+    """torch's gather into one tensor, by its current name: torch 2.13 renamed ``all_gather_into_tensor``
+    to ``all_gather_single`` and warns (FutureWarning) on every call of the old name."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, piece, group=group, async_op=async_op)
+
+
+def _reduce_scatter_single(output: torch.Tensor, whole: torch.Tensor, group: dist.ProcessGroup | None,
+                           async_op: bool) -> Handle | None:
+    """torch's reduce-scatter of one tensor, by its current name (``reduce_scatter_tensor`` before 2.13)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, whole, group=group, async_op=async_op)
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """The handle of a collective that had nothing to do."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE: Handle = _Done()
+
+
+class _AllOf:
+    """One handle for several in-flight collectives."""
+
+    def __init__(self, works: list[Handle]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+class _Timed:
+    """The handle of an asynchronous collective whose ``wait()`` counts into ``comm.wait_seconds``."""
+
+    def __init__(self, work: Handle, comm: DataParallelComm) -> None:
+        self.work, self.comm = work, comm
+        self.seq, self.kind = RECORD.seq, RECORD.kind  # the collective just issued (Note [progress record])
+        RECORD.track(self.seq, self.kind, work)
+
+    def wait(self) -> object:
+        with self.comm.blocking(), RECORD.waiting(self.seq, self.kind):
+            return self.work.wait()
+
+
+class DataParallelComm:
+    """The data-parallel group and the collectives the ZeRO core needs.
+
+    Args:
+        group: the data-parallel process group (``None``: the default group when one is
+            initialised, otherwise a single rank with no communication).
+        collective: see :class:`~lightning_zero.core.zero.config.ZeroConfig`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, collective: Collective = "auto") -> None:
+        self.group = group
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world_size: int = dist.get_world_size(group) if initialized else 1  # ranks in the DP group
+        self.rank: int = dist.get_rank(group) if initialized else 0  # this rank's index in the DP group
+        backend = dist.get_backend(group) if initialized else "none"
+        self.backend: str = str(backend)
+        # where small control tensors (flags, norms) live: NCCL only talks to the GPU
+        self.device: torch.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        )
+        # gloo's all-reduce is faster than its reduce-scatter + all-gather (docs/benchmarks.md).
+        self.use_all_reduce: bool = collective == "all_reduce" or (collective == "auto" and self.backend == "gloo")
+        self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
+        self.bytes_sent: int = 0  # bytes this rank sent, ever, under the ring model (see the module doc)
+
+    def _count(self, tensor: torch.Tensor, hops: int) -> None:
+        """Add ``hops``/N of ``tensor``'s bytes to :attr:`bytes_sent` (2(N-1) for an all-reduce, else N-1)."""
+        self.bytes_sent += tensor.numel() * tensor.element_size() * hops // self.world_size
+
+    def close(self) -> None:
+        """Destroy this comm's process group now and stop communicating (world size 1 from here on).
+        Only for a group this comm's owner created (``owned_groups``); Note [clean exit] in
+        ``core/comm/process_groups.py``."""
+        group, self.group = self.group, None
+        self.world_size, self.rank = 1, 0
+        if group is not None and dist.is_available() and dist.is_initialized():
+            with suppress(ValueError):  # already destroyed (e.g. destroy_process_group() of everything)
+                dist.destroy_process_group(group)
+
+    @contextmanager
+    def blocking(self, kind: str = "") -> Iterator[None]:
+        """Count the time spent in the block into :attr:`wait_seconds`; ``kind``: the block issues that
+        collective, recorded for the hang watchdog (Note [progress record] in core/reliability/progress_record.py)."""
+        start = time.perf_counter()
+        try:
+            if kind:
+                with RECORD.collective(kind):
+                    yield
+            else:
+                yield
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def _issued(self, work: Handle | None, async_op: bool) -> Handle:
+        return _Timed(work, self) if async_op and work is not None else DONE
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anyone to talk to."""
+        return self.world_size > 1
+
+    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
+        if not self.active:
+            return DONE
+        self._count(tensor, 2 * (self.world_size - 1))
+        with self.blocking("all_reduce"):
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return self._issued(work, async_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Element-wise maximum over the ranks, in place (blocking)."""
+        if self.active:
+            self._count(tensor, 2 * (self.world_size - 1))
+            with self.blocking("all_reduce (max)"):
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+
+    def extremes(self, value: int) -> tuple[int, int]:
+        """``(largest, smallest)`` of ``value`` over the ranks: one all-reduce MAX of ``[v, -v]``.
+
+        The same on every rank, so ``largest != smallest`` tells every rank at once that the ranks disagree.
+        """
+        both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        self.all_reduce_max(both)
+        return int(both[0].item()), -int(both[1].item())
+
+    def reduce_scatter_pieces(
+        self, out: torch.Tensor, pieces: Sequence[torch.Tensor], async_op: bool = False
+    ) -> Handle:
+        """Sum ``pieces[r]`` over ranks into rank r's ``out``; pieces may differ in size."""
+        if not self.active:
+            out.copy_(pieces[0])
+            return DONE
+        self.bytes_sent += sum(p.numel() * p.element_size() for i, p in enumerate(pieces) if i != self.rank)
+        with self.blocking("reduce_scatter"):
+            if all(p.numel() == pieces[0].numel() for p in pieces):
+                work = _reduce_scatter_single(out, torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0],
+                                              self.group, async_op)
+            else:
+                work = dist.reduce_scatter(out, list(pieces), group=self.group, async_op=async_op)
+        return self._issued(work, async_op)
+
+    def all_gather_flat(self, flat: torch.Tensor, start: int, end: int, async_op: bool = False) -> Handle:
+        """Make ``flat`` whole on every rank from each rank's ``flat[start:end]`` (equal shards)."""
+        if not self.active:
+            return DONE
+        self._count(flat, self.world_size - 1)
+        if self.use_all_reduce:
+            # gloo: one broadcast per owner is measured ~1.8x faster than all_gather_into_tensor
+            # (docs/benchmarks.md); the broadcasts run concurrently and are waited on together.
+            size = end - start
+            with self.blocking("all_gather"):
+                works = [
+                    dist.broadcast(flat[r * size : (r + 1) * size], src=self._global_rank(r), group=self.group,
+                                   async_op=True)
+                    for r in range(self.world_size)
+                ]
+                work: Handle | None = _AllOf(works)
+                if not async_op:
+                    work.wait()
+        else:
+            with self.blocking("all_gather"):
+                work = _all_gather_single(flat, flat[start:end], self.group, async_op)
+        return self._issued(work, async_op)
+
+    def all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        """Rank r's ``inputs[q]`` arrives in rank q's ``outputs[r]`` (equal-size pieces; blocking)."""
+        if not self.active:
+            outputs[0].copy_(inputs[0])
+            return
+        self.bytes_sent += sum(t.numel() * t.element_size() for i, t in enumerate(inputs) if i != self.rank)
+        with self.blocking("all_to_all"):
+            dist.all_to_all(outputs, inputs, group=self.group)
+
+    def all_gather(self, out: torch.Tensor, piece: torch.Tensor) -> None:
+        """``out`` (N pieces end to end) gets every rank's ``piece``, in rank order (blocking)."""
+        if not self.active:
+            out.copy_(piece.reshape(out.shape))
+            return
+        self._count(out, self.world_size - 1)
+        with self.blocking("all_gather"):
+            _all_gather_single(out, piece, self.group, async_op=False)
+
+    def _global_rank(self, dp_rank: int) -> int:
+        return dist.get_global_rank(self.group, dp_rank) if self.group is not None else dp_rank
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
+        if self.active:
+            self._count(tensor, self.world_size - 1)
+            with self.blocking("broadcast"):
+                dist.broadcast(tensor, src=self._global_rank(src_rank), group=self.group)
+
+    def broadcast_text(self, text: str | None, src_rank: int = 0) -> str:
+        """``src_rank``'s string on every rank (as UTF-8 bytes in tensors: a length, then the bytes)."""
+        if not self.active:
+            return text or ""
+        data = (text or "").encode() if self.rank == src_rank else b""
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self.broadcast(length, src_rank)
+        buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == src_rank:
+            buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.broadcast(buffer, src_rank)
+        return bytes(buffer.cpu().tolist()).decode()
+
+    def ranks_with(self, flag: bool) -> list[int]:
+        """All-gather one boolean per rank; returns the DP ranks where it is true (same on all)."""
+        if not self.active:
+            return [0] if flag else []
+        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        flags[self.rank] = int(flag)
+        self._count(flags, 2 * (self.world_size - 1))
+        with self.blocking("all_reduce (flags)"):
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
+        return [r for r in range(self.world_size) if flags[r].item()]
+
+    def raise_unless_same(self, value: int, what: str, fix: str) -> None:
+        """Raise the same error on every rank when ``value`` differs between ranks."""
+        if not self.active:
+            return
+        largest, smallest = self.extremes(value)
+        if largest != smallest:
+            raise ValueError(f"{what} differs between data-parallel ranks. {fix}")

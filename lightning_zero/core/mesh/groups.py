@@ -1,0 +1,91 @@
+"""The process groups of the device mesh, created once, and this rank's view of them.
+
+Every rank creates every group of each requested axis set in the same order (``dist.new_group`` is
+collective over the world) and keeps the one it belongs to. Without an initialised process group
+(one process: unit tests, a single-device run) the mesh has world size 1 and no groups, and every
+collective its users issue becomes a local no-op through ``DataParallelComm(group=None)``.
+"""
+
+from __future__ import annotations
+
+from contextlib import suppress
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lightning_zero.core.mesh.dims import ORDER, Axis, ParallelDims
+
+AxisSet = tuple[Axis, ...]
+
+
+def _key(axes: AxisSet) -> AxisSet:
+    return tuple(a for a in ORDER if a in axes)
+
+
+class ProcessMesh:
+    """This rank's place in the mesh and its process groups, one per requested axis set.
+
+    Args:
+        dims: the dimension sizes (checked).
+        rank: this rank's global rank.
+        axis_sets: the groups to create, e.g. ``[(Axis.DATA,), (Axis.DATA, Axis.SEQUENCE)]``; each is
+            created only when it spans more than one rank or when ``dims`` spans several ranks (a one-rank
+            group is still a real group then: ``None`` means the whole world to ``DataParallelComm``).
+        timeout_s: the groups' collective timeout.
+
+    Raises:
+        ValueError: the world size does not match the initialised process group's.
+    """
+
+    def __init__(self, dims: ParallelDims, rank: int, axis_sets: list[AxisSet], timeout_s: float = 1800.0) -> None:
+        self.dims = dims
+        self.rank = rank
+        self.coordinates = dims.coordinates(rank)
+        self._groups: dict[AxisSet, dist.ProcessGroup | None] = {}
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and dist.get_world_size() != dims.world_size:
+            raise ValueError(f"the mesh was sized for {dims.world_size} ranks but the process group has "
+                             f"{dist.get_world_size()}: build ParallelDims from the launched world size")
+        timeout = timedelta(seconds=timeout_s)
+        for axes in dict.fromkeys(_key(a) for a in axis_sets):  # unique, in the caller's order
+            mine = None
+            if distributed and dims.world_size > 1:
+                for ranks in dims.all_groups(axes):
+                    group = dist.new_group(ranks, timeout=timeout)
+                    if rank in ranks:
+                        mine = group
+            self._groups[axes] = mine
+
+    @classmethod
+    def single(cls, dims: ParallelDims | None = None) -> ProcessMesh:
+        """The one-process mesh (no groups): for unit tests and single-device runs."""
+        return cls(dims or ParallelDims(1), 0, [])
+
+    def group(self, *axes: Axis) -> dist.ProcessGroup | None:
+        """The group of this rank along ``axes`` (created at construction; ``None`` in one process).
+
+        Raises:
+            KeyError: that axis set was not requested at construction (name it in ``axis_sets``).
+        """
+        key = _key(axes)
+        if key not in self._groups:
+            if self.dims.world_size == 1:
+                return None
+            raise KeyError(f"no process group along {[a.value for a in key]} was created: add it to axis_sets")
+        return self._groups[key]
+
+    def index(self, axis: Axis) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self.coordinates[axis]
+
+    def ranks(self, *axes: Axis) -> list[int]:
+        """The global ranks of this rank's group along ``axes``."""
+        return self.dims.group_ranks(self.rank, _key(axes))
+
+    def close(self) -> None:
+        """Destroy the groups this mesh created (Note [clean exit] in core/comm/process_groups.py)."""
+        groups, self._groups = self._groups, {}
+        for group in groups.values():
+            if group is not None and dist.is_available() and dist.is_initialized():
+                with suppress(ValueError):  # already destroyed
+                    dist.destroy_process_group(group)

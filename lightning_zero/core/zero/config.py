@@ -1,0 +1,146 @@
+"""Policies of the ZeRO core: small frozen dataclasses, one per axis (see ``docs/design.md``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+
+Collective = Literal["auto", "all_reduce", "reduce_scatter"]
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """What is partitioned and how it is communicated.
+
+    Args:
+        stage: 0 (data parallel), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
+        reduce_bucket_size: elements per gradient bucket; a bucket is reduced as soon as every
+            parameter in it has its gradient (with ``overlap_comm``).
+        overlap_comm: launch bucket reductions asynchronously during backward. When false,
+            every bucket is reduced after backward, in one go.
+        collective: ``"reduce_scatter"`` reduce-scatters gradients and all-gathers parameters;
+            ``"all_reduce"`` all-reduces gradient buckets and gathers parameters with one
+            broadcast per owning rank. ``"auto"`` takes ``all_reduce`` on gloo (measured
+            1.4-2x faster there, see docs/benchmarks.md)
+            and ``reduce_scatter`` elsewhere. Memory bounds are the same: the whole gradient is
+            never kept beyond one bucket.
+        timeout_s: seconds any collective of the strategy may wait before raising.
+        hang_timeout_s: seconds without a heartbeat (a silent rank), or without progress of any rank
+            while all are alive (ranks in different collectives), after which every rank prints the
+            same finding and exits, code 75 or 76 (Note [hang watchdog] in ``core/reliability/heartbeat.py``);
+            ``0`` disables the watchdog. Long phases (a checkpoint save, the first step) never trip it.
+        nonfinite: ``"off"``, ``"skip"`` or ``"raise"``: what a ``nan`` / ``inf`` reduced gradient does
+            in fp32 / bf16 (Note [non-finite policy] in ``core/precision/nonfinite.py``; fp16 keeps its loss scaler).
+        prefetch_bucket_size: stage 3: elements gathered ahead of the running unit.
+        max_live_parameters: stage 3: elements gathered at once, at most.
+        param_persistence_threshold: stage 3: parameters with fewer elements stay gathered.
+        activation_checkpointing: recompute each unit's activations in backward instead of keeping
+            them (any stage; the units are stage 3's, see ``unit_classes``).
+        unit_classes: stage 3: module classes whose instances are gathered as one unit; empty:
+            the children of every ``nn.ModuleList`` (Note [units] in ``core/stage3/units.py``).
+        elementwise_optimizers: extra optimizer classes to accept for stage >= 1 (their update
+            must be element-wise: it may not mix elements of one tensor, e.g. no matrix norms).
+    """
+
+    stage: int = 2
+    reduce_bucket_size: int = 10_000_000
+    overlap_comm: bool = True
+    collective: Collective = "auto"
+    timeout_s: float = 300.0
+    hang_timeout_s: float = 45.0
+    nonfinite: str = "off"
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    elementwise_optimizers: tuple[type, ...] = field(default=())
+    unit_classes: tuple[type, ...] = field(default=())
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}.")
+        for name in ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"`{name}` must be a positive number of elements, got {getattr(self, name)!r}.")
+        if self.param_persistence_threshold < 0:
+            raise ValueError("`param_persistence_threshold` must be >= 0 (0 shards every parameter).")
+        if self.collective not in ("auto", "all_reduce", "reduce_scatter"):
+            raise ValueError(
+                f"`collective` must be 'auto', 'all_reduce' or 'reduce_scatter', got {self.collective!r}."
+            )
+        for cls in self.unit_classes:
+            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+                raise ValueError(f"`unit_classes` must hold nn.Module subclasses, got {cls!r}.")
+        if not self.timeout_s > 0:
+            raise ValueError(f"`timeout_s` must be positive seconds, got {self.timeout_s!r}.")
+        if not self.hang_timeout_s >= 0:
+            raise ValueError(f"`hang_timeout_s` must be >= 0 seconds (0 disables the watchdog), got "
+                             f"{self.hang_timeout_s!r}.")
+        if self.nonfinite not in ("off", "skip", "raise"):
+            raise ValueError(f"`nonfinite` must be 'off', 'skip' or 'raise', got {self.nonfinite!r}.")
+
+    @classmethod
+    def from_kwargs(cls, stage: int, kwargs: dict[str, Any]) -> ZeroConfig:
+        """Build from keyword arguments, naming the valid keys when one is unknown."""
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise TypeError(f"Unknown ZeRO option(s) {unknown}. Valid options: {sorted(valid - {'stage'})}.")
+        return cls(stage=stage, **kwargs)
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """Dtypes of the flat buffers (see Note [flat shard layout] in ``flat_param.py``).
+
+    Args:
+        param_dtype: dtype of the module's parameters and of forward / backward.
+        reduce_dtype: dtype gradients are reduced in (``None``: ``param_dtype``).
+        master_dtype: dtype of the optimizer's master shard. When equal to ``param_dtype`` the
+            master shard is a view of the parameter buffer, never a second copy.
+        accum_dtype: dtype the reduced gradients are kept and accumulated in across micro-steps
+            (DeepSpeed's ``grad_accum_dtype``; ``None``: the reduce dtype).
+
+    Note [gradient dtypes]
+        Autograd produces gradients in ``param_dtype``; they are added into buffers of
+        ``grad_accum_dtype`` and reduced in ``grad_dtype`` (a bucket is cast for the collective
+        when the two differ). The optimizer sees them in ``master_dtype``: when that differs from
+        ``grad_accum_dtype`` (mixed precision) the master's gradient is a transient copy made by
+        ``ZeroEngine.prepare_step`` and freed by the step.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype = torch.float32
+    accum_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "master_dtype", "accum_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(f"`{name}` must be a floating dtype (torch.float32, torch.float16 or "
+                                 f"torch.bfloat16), got {value!r}.")
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in."""
+        return self.reduce_dtype or self.param_dtype
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype:
+        """The dtype the reduced gradient buffers (whole or shard) are kept in."""
+        return self.accum_dtype or self.grad_dtype
+
+    @property
+    def master_is_param_view(self) -> bool:
+        return self.master_dtype == self.param_dtype
+
+    @property
+    def master_grad_is_view(self) -> bool:
+        """Whether the optimizer can step on the reduced gradient buffers without a cast copy."""
+        return self.master_dtype == self.grad_accum_dtype

@@ -1,0 +1,198 @@
+"""The optimizer step's gradient preparation for :class:`~lightning_zero.core.zero.engine.ZeroEngine`.
+
+Once per optimizer step, after the last backward: the gradients the optimizer steps on are cast
+into the master dtype, unscaled, measured (one global norm over every shard and pipeline stage),
+checked for overflow with one agreement across ranks, and clipped by norm or value. The state of
+the step (``_prepared``, ``step_skipped``, ``_norm``, ``last_grad_norm``) lives on the engine
+(Note [step preparation] in engine.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.precision.loss_scaler import any_rank, local_sum_of_squares, non_finite
+from lightning_zero.core.precision.nonfinite import first_nonfinite_parameter
+from lightning_zero.core.zero.engine_fields import EngineFields
+from lightning_zero.core.zero.flat_param import FlatParamGroup
+
+
+class StepPreparation(EngineFields):
+    """Mixin of :class:`~lightning_zero.core.zero.engine.ZeroEngine`: prepare, measure and clip the step's gradients."""
+
+    # besides EngineFields (engine_fields.py), set by ZeroEngine.__init__:
+    model_parallel: DataParallelComm | None
+    norm_excess: Callable[[list[torch.Tensor], list[FlatParamGroup], float], float] | None
+    _prepared: bool
+    step_skipped: bool
+    _norm: torch.Tensor | None
+    last_grad_norm: float | None
+    _grads_local: bool
+    _cast_grads: list[torch.Tensor] | None
+    master_grad_is_view: bool  # a property of ZeroEngine: no cast and no offload between reducer and optimizer
+
+    def _grads_to_scale(self) -> list[torch.Tensor]:
+        """The gradients the optimizer steps on (unscaling and clipping act on these)."""
+        if self._cast_grads is not None:
+            return self._cast_grads
+        if self.sharded is not None and not self.master_grad_is_view:
+            return self.sharded.master_grads()
+        return self._all_reduced_grads()
+
+    def _grads_for_norm(self) -> list[torch.Tensor]:
+        """This rank's share of the gradients; summed over ranks at stage >= 1 they are all of them.
+        (An offload's uncast copies hold the same values: the norm is taken as without offload.)"""
+        if self.sharded is not None and not self.dtypes.master_grad_is_view:
+            return self.sharded.master_grads()
+        return self.reducer.local_grads()
+
+    @torch.no_grad()
+    def prepare_step(self, loss_scale: float = 1.0, check_overflow: bool = False) -> bool:
+        """Get the optimizer's gradients ready, once per step: cast into the master dtype (a
+        transient copy with a separate master), divide by ``loss_scale``, measure the global norm
+        (:attr:`last_grad_norm`) and, with ``check_overflow``, agree across ranks whether any
+        rank's gradients hold inf / nan. Returns whether the step must be skipped (then the
+        master gradients are dropped and :meth:`after_step` leaves the parameters alone).
+        """
+        if self._prepared:
+            return self.step_skipped
+        if self.sharded is not None and not self.master_grad_is_view:
+            self.sharded.set_grads(self._reduced_for_masters())
+        elif not self.dtypes.master_grad_is_view:  # stage 0, the params are the master: cast for them
+            self._cast_grads = self._param_dtype_grads()
+        self._prepared = True
+        if loss_scale != 1.0:
+            for t in self._grads_to_scale():
+                t.mul_(1.0 / loss_scale)
+        sumsq = torch.tensor([local_sum_of_squares(self._grads_for_norm()) - self._norm_excess(2.0)],
+                             dtype=torch.float32, device=self.comm.device)
+        if check_overflow and self._any_rank(non_finite(float(sumsq))):
+            self.skip_step()
+            self.last_grad_norm = math.inf
+            return True
+        if self._norm_is_partial:
+            self.comm.all_reduce_sum(sumsq)
+            if self._grads_local:
+                sumsq /= self.comm.world_size  # Note [norm of local gradients]
+        if self.model_parallel is not None:
+            self.model_parallel.all_reduce_sum(sumsq)
+        self._norm = sumsq.sqrt().reshape(())
+        self.last_grad_norm = float(self._norm)
+        return False
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any data-parallel rank, or any rank of the other pipeline stages."""
+        flag = any_rank(flag, self.comm)
+        return any_rank(flag, self.model_parallel) if self.model_parallel is not None else flag
+
+    def _norm_excess(self, norm_type: float) -> float:
+        return self.norm_excess(self._grads_for_norm(), self.groups, norm_type) if self.norm_excess else 0.0
+
+    def _param_dtype_grads(self) -> list[torch.Tensor]:
+        """The reduced whole gradients cast into the params' dtype, as the params' ``.grad`` views."""
+        out = []
+        for g, flat in zip(self.groups, self.reducer.flat_grads):
+            if flat is not None:
+                cast = flat.to(g.dtype)
+                for s, view in zip(g.slots, g.views(cast)):
+                    s.param.grad = view
+                out.append(cast)
+        return out
+
+    @torch.no_grad()
+    def first_nonfinite_gradient(self) -> str | None:
+        """After the last backward of a step: the name of the first parameter (module order) whose reduced
+        gradient holds ``nan`` / ``inf`` on any rank, or ``None`` (a collective; Note [non-finite policy])."""
+        grads: list[tuple[torch.Tensor, int] | None] = []
+        for i, g in enumerate(self.groups):
+            if self.config.stage == 0:
+                flat = self.reducer.flat_grads[i]
+                grads.append(None if flat is None else (flat, 0))
+            else:
+                grads.append((self.reducer.shard_grad(i), g.shard_range()[0]))
+        order = list(self.names)
+        first = first_nonfinite_parameter(self.groups, grads, order, self.comm)
+        return None if first is None else self.names[order[first]]
+
+    def skip_step(self) -> None:
+        """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
+        self._prepared = True
+        self.step_skipped = True
+        if self.sharded is not None:
+            self.sharded.clear_grads()
+        for p in self.names:  # an optimizer stepping the parameters themselves skips those without .grad
+            p.grad = None
+
+    def _require_prepared(self, what: str) -> None:
+        if not self.master_grad_is_view and not self._prepared:
+            raise RuntimeError(
+                f"{what} needs the master gradients: call `engine.prepare_step(loss_scale)` after the last "
+                "backward of the step (the precision plugin does this under ZeroStrategy)."
+            )
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over all shards (every rank gets the same value)."""
+        self._require_prepared("The gradient norm")
+        local = [t.float() for t in self._grads_for_norm() if t.numel()]
+        if norm_type == math.inf:
+            value = torch.stack([t.abs().max() for t in local]).max() if local else torch.zeros(())
+            if self._norm_is_partial:
+                self.comm_max(value)
+            if self.model_parallel is not None:
+                self.model_parallel.all_reduce_max(value)
+            return value
+        parts = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in local]) if local else torch.zeros(1)
+        total = parts.pow(norm_type).sum() - self._norm_excess(norm_type)
+        if self._norm_is_partial and self.comm.active:
+            self.comm.all_reduce_sum(total)
+            if self._grads_local:
+                total /= self.comm.world_size  # Note [norm of local gradients]
+        if self.model_parallel is not None:
+            self.model_parallel.all_reduce_sum(total)
+        return total.pow(1.0 / norm_type)
+
+    @property
+    def _norm_is_partial(self) -> bool:
+        """Whether this rank's gradients are only part of the norm (shards, or unreduced local gradients).
+
+        Note [norm of local gradients]
+            When the optimizer reduces the gradients itself (1-bit Adam after its warm-up), each
+            rank holds its own local gradient. Clipping then measures the root mean square of the
+            ranks' local norms, sqrt(mean_r ||g_r||^2): one scalar all-reduce, the same value on
+            every rank (so every rank clips by the same factor), and never below the norm of the
+            averaged gradient, so clipping is at least as strict as before the freeze.
+        """
+        return self.config.stage >= 1 or self._grads_local
+
+    def comm_max(self, value: torch.Tensor) -> None:
+        self.comm.all_reduce_max(value)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the optimizer's gradients so their global norm is at most ``max_norm`` (a no-op on a
+        skipped step, whose norm stays ``inf``)."""
+        if self.step_skipped:  # every rank agreed on the skip: no collective here on any of them
+            return torch.tensor(math.inf)
+        cached = self._norm if self._prepared and norm_type == 2.0 else None
+        total = cached if cached is not None else self.grad_norm(norm_type)
+        self.last_grad_norm = float(total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for t in self._grads_to_scale():
+            t.mul_(coef.to(device=t.device, dtype=t.dtype))
+        return total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        self._require_prepared("Clipping")
+        for t in self._grads_to_scale():
+            t.clamp_(-clip_value, clip_value)
+
+    def _all_reduced_grads(self) -> list[torch.Tensor]:
+        if self.reducer.whole_grads_valid():
+            return [g for g in self.reducer.flat_grads if g is not None]
+        return self.reducer.local_grads()

@@ -1,0 +1,161 @@
+"""Whole-model views of a :class:`~lightning_zero.core.zero.engine.ZeroEngine` and undoing it.
+
+What a user or a checkpoint needs whole: the master values, a full state dict (stage 3 gathers unit
+by unit), parameters gathered for reading or editing (``gathered_parameters``), and ``detach``,
+which gives the module back its own parameters and the optimizer its original param groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from lightning_zero.core.stage3 import gathered
+from lightning_zero.core.stage3.sharded_unit import UnitState
+from lightning_zero.core.stage3.units import plan_units
+from lightning_zero.core.zero.engine_fields import EngineFields
+from lightning_zero.core.zero.optimizer_state import full_optimizer_state
+
+
+class WholeModelViews(EngineFields):
+    """Mixin of :class:`~lightning_zero.core.zero.engine.ZeroEngine`: whole views of the sharded model, and detach."""
+
+    # besides EngineFields (engine_fields.py), set by ZeroEngine.__init__:
+    _undo_checkpointing: Callable[[], None] | None
+    _user_zero_grad: Callable[..., None]
+
+    def detach(self, keep_optimizer_state: bool = True, gather_params: bool = True) -> None:
+        """Undo the binding: hooks removed, parameters own their storage, optimizer restored.
+
+        Args:
+            keep_optimizer_state: gather the sharded optimizer state (a collective: every rank
+                must call this together) and load it into the restored optimizer, so that it can
+                be saved or stepped after fit; else the shard state is dropped (after an error).
+            gather_params: stage 3: give the module its whole parameters back (a collective).
+                ``False`` leaves them released (NaN placeholders of the right shapes, Note
+                [released parameters]) and drops the optimizer state: for models that do not fit
+                on one rank, and after an error (no collective). ``plan_teardown`` in
+                ``core/stage3/teardown.py`` decides both flags for the strategy (Note [teardown gather]).
+        """
+        self.reducer.remove_hooks()
+        gathered.unregister(self)
+        if self._undo_checkpointing is not None:
+            self._undo_checkpointing()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
+        if self.runtime is not None and not gather_params:
+            self.runtime.remove_hooks()
+            self.runtime.release_all()
+            for unit in self.units:
+                unit.park_on_cpu()
+            if self.sharded is not None:
+                self.sharded.restore()
+            for p in self.names:
+                p.grad = None
+            return
+        if self.runtime is not None:  # the parameters come back whole (a collective)
+            self.runtime.remove_hooks()
+            self.runtime.gather_all()
+        full, masters = None, None
+        if self.sharded is not None:
+            if self.separate_master and (keep_optimizer_state or self.sharded.whole):
+                masters = self.sharded.full_masters(self.comm)
+            full = full_optimizer_state(self.sharded, self.comm) if keep_optimizer_state else None
+            self.sharded.restore()
+        for g in self.all_groups:
+            g.unbind()
+            g.shard = None
+        if self.separate_master:
+            # The master holds the trained values: the parameters take its dtype and values back
+            # (after an error at stage >= 1 only the 16-bit values are at hand). The caller casts
+            # the rest of the module (frozen parameters, buffers); the precision plugin does.
+            with torch.no_grad():
+                for gi, g in enumerate(self.groups):
+                    views = g.views(masters[gi]) if masters is not None else [None] * len(g.slots)
+                    for s, v in zip(g.slots, views):
+                        s.param.data = v.clone() if v is not None else s.param.data.to(self.dtypes.master_dtype)
+        if full is not None:
+            self.optimizer.load_state_dict(full)
+        for p in self.names:
+            p.grad = None
+
+    @property
+    def separate_master(self) -> bool:
+        """Whether the optimizer steps a master copy in another dtype than the parameters."""
+        return not self.dtypes.master_is_param_view
+
+    @torch.no_grad()
+    def full_master_params(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each trainable parameter's master value, whole (a collective for stage >= 1: every rank
+        calls it). Without a separate master these are the parameters themselves."""
+        if (self.sharded is None or not self.separate_master) and self.runtime is not None:
+            full = self.full_state_dict()  # stage 3: the parameters are released placeholders; gather
+            return {s.param: full[self.names[s.param]] for g in self.groups for s in g.slots}
+        if self.sharded is None or not self.separate_master:
+            return {s.param: s.param.detach() for g in self.groups for s in g.slots}
+        out = {}
+        for g, full in zip(self.groups, self.sharded.full_masters(self.comm)):
+            out.update({s.param: v for s, v in zip(g.slots, g.views(full))})
+        return out
+
+    def _unit_modules(self) -> list[nn.Module]:
+        if self.runtime is not None:
+            return [m for mods in self.runtime.unit_modules for m in mods]
+        plans = plan_units(self.module, self.names, self.config.unit_classes)
+        modules = [m for plan in plans for m in plan.modules]
+        if not modules:
+            raise ValueError(
+                f"activation_checkpointing found no unit in {type(self.module).__name__}: it checkpoints the "
+                "children of nn.ModuleLists, or the modules of `unit_classes`. Name the block class in `unit_classes`."
+            )
+        return modules
+
+    @contextmanager
+    def gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[None]:
+        """See :func:`lightning_zero.gathered_parameters` (every rank must call it together)."""
+        wanted = set(params)
+        groups = [g for g in self.all_groups if any(s.param in wanted for s in g.slots)]
+        in_groups = {s.param for g in groups for s in g.slots}
+        loose = [p for p in params if p not in in_groups]  # stages 0-2: frozen parameters, kept whole
+        opened = [u for u in self.units if u.state is UnitState.SHARDED and any(g in u.groups for g in groups)]
+        if self.runtime is not None:
+            for unit in opened:
+                self.runtime.gather_one(unit)
+            for unit in opened:
+                unit.wait()
+        try:
+            yield  # an exception in the block skips the scatter but still releases the units
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    for g in groups:
+                        self.comm.broadcast(g.flat, modifier_rank)
+                        if g.shard is not None:
+                            start, end = g.shard_range()
+                            g.shard.copy_(g.flat[start:end])
+                    for p in loose:
+                        self.comm.broadcast(p.data, modifier_rank)
+                    if self.sharded is not None:
+                        self.sharded.write_masters_from_params(groups)
+        finally:
+            if self.runtime is not None:
+                for unit in opened:
+                    self.runtime.release_one(unit)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with whole tensors (stage 3 gathers; a collective)."""
+        if self.runtime is None:
+            return self.module.state_dict()
+        self.runtime.gather_all()
+        try:
+            return {k: v.clone() for k, v in self.module.state_dict().items()}
+        finally:
+            self.runtime.release_all()
+
+    def end_forward_only(self) -> None:
+        """After an evaluation step under stage 3: free the units it gathered."""
+        if self.runtime is not None:
+            self.runtime.end_forward_only()

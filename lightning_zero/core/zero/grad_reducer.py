@@ -1,0 +1,295 @@
+"""Gradient reduction in buckets, overlapped with backward.
+
+Communication plan, per optimizer step of A micro-steps on N data-parallel ranks:
+
+* stages 0 and 1: a post-accumulate-grad hook adds each parameter's gradient into the whole
+  flat gradient buffer of its group (so micro-steps accumulate locally, with no traffic). On the
+  last micro-step (``sync`` true) a bucket is scaled by 1/N and all-reduced as soon as its last
+  parameter reported; with ``collective="reduce_scatter"`` stage 1 reduce-scatters it instead and
+  keeps only its own shard's part.
+* stages 2 and 3: on every micro-step the hook copies the gradient into a staging buffer of its bucket
+  (no rank keeps a whole gradient); a full bucket is reduced asynchronously and this rank's part
+  is added into its gradient shard, then the staging buffer is dropped. At most two staging
+  buffers are in flight, which bounds the extra memory by two buckets.
+
+Note [fixed launch order]
+    Buckets are launched in one order computed from the module's parameter order, the same on
+    every rank; a bucket that is complete early waits for its predecessors. Ranks whose autograd
+    graphs differ (a branch taken on one rank only, unused parameters) therefore still issue the
+    same collectives in the same order; unfinished buckets are launched, zero-filled where no
+    gradient came, by :meth:`GradReducer.finish`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_zero.core.comm.data_parallel import DataParallelComm, Handle
+from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
+
+
+class BackwardState(enum.Enum):
+    IDLE = "idle"  # no backward since the last finish()
+    RUNNING = "running"  # gradients are arriving
+
+
+@dataclass
+class _InFlight:
+    bucket: Bucket
+    handle: Handle
+    source: torch.Tensor  # the reduced bucket (staging buffer, view of the flat gradient, or a cast copy)
+    output: torch.Tensor | None  # reduce-scatter output (this rank's part), else None
+    home: torch.Tensor | None = None  # flat-gradient slice that ``source`` is a cast copy of (stages 0-1)
+
+
+class GradReducer:
+    """Owns the gradient buffers and the per-parameter hooks of every stage.
+
+    Args:
+        groups: the flat groups (one per optimizer param group).
+        comm: the data-parallel collectives.
+        stage: ZeRO stage (0-3; stage 3 reduces like stage 2).
+        bucket_numel: target elements per bucket.
+        overlap: launch buckets from the hooks (else all at :meth:`finish`).
+        grad_dtype: dtype gradients are reduced in.
+        names: parameter -> qualified name, in module order (bucket order, error messages).
+        accum_dtype: dtype the whole gradients (stages 0-1) and gradient shards (stage 2) are kept
+            and accumulated in (``None``: ``grad_dtype``); see Note [gradient dtypes] in config.py.
+    """
+
+    def __init__(
+        self,
+        groups: list[FlatParamGroup],
+        comm: DataParallelComm,
+        stage: int,
+        bucket_numel: int,
+        overlap: bool,
+        grad_dtype: torch.dtype,
+        names: dict[nn.Parameter, str],
+        accum_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.groups = groups
+        self.comm = comm
+        self.stage = stage
+        self.overlap = overlap
+        self.grad_dtype = grad_dtype
+        self.accum_dtype = accum_dtype or grad_dtype
+        self.names = names
+        self.sync: bool = True  # False inside block_backward_sync: stages 0-1 only accumulate locally
+        self.deferred: bool = False  # pipelines: no reduction until reduce_deferred() (stages 2-3: kept in .grad)
+        self.state = BackwardState.IDLE
+        self._dirty = False  # whether any gradient buffer may be non-zero (zero() is a no-op otherwise)
+        self.max_in_flight = 2 if stage >= 2 else 1 << 30
+        # whole gradients of the accumulation window (stages 0-1), one per group, padded layout
+        self.flat_grads: list[torch.Tensor | None] = [None] * len(groups)
+        # this rank's reduced gradient shard (stages 2-3), one per group; allocated by the first
+        # backward that reduces into it (_grad_shard), so setup holds no gradient memory
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(groups)
+        for i, g in enumerate(groups):
+            if stage < 2:
+                self.flat_grads[i] = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
+        self.buckets = self._plan_buckets(bucket_numel)
+        # parameter -> (bucket order, slot index)
+        self._where: dict[nn.Parameter, tuple[int, int]] = {}
+        for b in self.buckets:
+            for s in b.slots:
+                self._where[groups[b.group_index].slots[s].param] = (b.order, s)
+        self._pending: list[int] = []  # parameters still to report, per bucket
+        self._reported: set[nn.Parameter] = set()
+        self._staging: dict[int, torch.Tensor] = {}  # bucket order -> staging buffer (stage 2)
+        self._launched: list[bool] = []
+        self._next_launch = 0
+        self._in_flight: deque[_InFlight] = deque()
+        self._reset_backward()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
+        ]
+
+    # ---------------------------------------------------------------- setup
+    def _plan_buckets(self, bucket_numel: int) -> list[Bucket]:
+        position = {p: i for i, p in enumerate(self.names)}  # module order
+        raw = []
+        for gi, g in enumerate(self.groups):
+            for start, end, slots, first in g.make_buckets(bucket_numel):
+                raw.append((position[g.slots[first].param], gi, start, end, slots))
+        # A bucket is complete when its first-registered parameter reports, which backward
+        # reaches last: launch first the bucket whose first parameter comes latest in the module.
+        raw.sort(key=lambda r: -r[0])
+        return [Bucket(gi, start, end, slots, order) for order, (_, gi, start, end, slots) in enumerate(raw)]
+
+    def _reset_backward(self) -> None:
+        self._pending = [len(b.slots) for b in self.buckets]
+        self._reported.clear()
+        self._launched = [False] * len(self.buckets)
+        self._next_launch = 0
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @property
+    def communicating(self) -> bool:
+        """Whether this backward reduces (stage 2 always; stages 0-1 on the boundary)."""
+        return self.stage >= 2 or self.sync
+
+    # ---------------------------------------------------------------- backward
+    def _destination(self, bucket: Bucket, slot_index: int) -> torch.Tensor:
+        slot = self.groups[bucket.group_index].slots[slot_index]
+        if self.stage < 2:
+            flat = self.flat_grads[bucket.group_index]
+            return flat[slot.offset : slot.offset + slot.numel]
+        staging = self._staging.get(bucket.order)
+        if staging is None:
+            staging = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype,
+                                  device=self.groups[bucket.group_index].device)
+            self._staging[bucket.order] = staging
+        lo = slot.offset - bucket.start
+        return staging[lo : lo + slot.numel]
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.deferred and self.stage >= 2:  # autograd accumulates into param.grad (Note [deferred reduction])
+            return
+        self.state = BackwardState.RUNNING
+        order, slot_index = self._where[param]
+        bucket = self.buckets[order]
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        if self._launched[order] and self.communicating:
+            raise RuntimeError(
+                f"The gradient of {self.names.get(param, '?')!r} arrived after its bucket was reduced. "
+                "This happens when one backward reaches a parameter twice (reentrant activation "
+                "checkpointing): use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+            )
+        self._dirty = True
+        dest = self._destination(bucket, slot_index)
+        if grad.data_ptr() != dest.data_ptr():  # else autograd accumulated into our view in place
+            dest.add_(grad.reshape(-1))
+        if param not in self._reported:
+            self._reported.add(param)
+            self._pending[order] -= 1
+        if self.overlap and self.communicating and not self.deferred:  # stages 0-1 deferred: accumulate only
+            self._launch_ready(force=False)
+
+    def reduce_deferred(self) -> None:
+        """End a deferred window: hand every accumulated ``.grad`` to the buckets, in backward order
+        (stages 0-1 accumulated into their whole buffers already; ``finish`` reduces them)."""
+        self.deferred = False
+        for param in reversed(list(self._where)):
+            if param.grad is not None:
+                self._on_grad_ready(param)
+
+    def _launch_ready(self, force: bool) -> None:
+        while self._next_launch < len(self.buckets) and (force or self._pending[self._next_launch] == 0):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._launched[bucket.order] = True
+        g = self.groups[bucket.group_index]
+        if self.stage < 2:
+            source = self.flat_grads[bucket.group_index][bucket.start : bucket.end]
+        else:
+            source = self._staging.pop(bucket.order, None)
+            if source is None:  # no parameter of the bucket got a gradient on this rank
+                source = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype, device=g.device)
+        if self.comm.world_size > 1:
+            source.mul_(1.0 / self.comm.world_size)
+        home = None
+        if source.dtype != self.grad_dtype:  # accumulated in another dtype: reduce a cast copy
+            home, source = source, source.to(self.grad_dtype)
+        output = None
+        if self.stage == 0 or self.comm.use_all_reduce:
+            handle = self.comm.all_reduce_sum(source, async_op=True)
+        else:
+            pieces = [self._clip_to(source, bucket, g.shard_range(r)) for r in range(self.comm.world_size)]
+            output = torch.empty_like(pieces[self.comm.rank])
+            handle = self.comm.reduce_scatter_pieces(output, pieces, async_op=True)
+        while len(self._in_flight) >= self.max_in_flight:
+            self._retire(self._in_flight.popleft())
+        self._in_flight.append(_InFlight(bucket, handle, source, output, home))
+
+    @staticmethod
+    def _clip_to(source: torch.Tensor, bucket: Bucket, rng: tuple[int, int]) -> torch.Tensor:
+        lo, hi = overlap(bucket.start, bucket.end, *rng)
+        return source[lo - bucket.start : max(hi, lo) - bucket.start]
+
+    def _retire(self, item: _InFlight) -> None:
+        item.handle.wait()
+        if item.home is not None and item.output is None:
+            item.home.copy_(item.source)
+        if self.stage == 0:
+            return
+        b = item.bucket
+        g = self.groups[b.group_index]
+        own_start, own_end = g.shard_range()
+        lo, hi = overlap(b.start, b.end, own_start, own_end)
+        if hi <= lo:
+            return
+        reduced = item.source[lo - b.start : hi - b.start] if item.output is None else item.output
+        self._dirty = True
+        if self.stage == 1:
+            if item.output is not None:
+                self.flat_grads[b.group_index][lo:hi].copy_(reduced)
+        else:
+            self._grad_shard(b.group_index)[lo - own_start : hi - own_start].add_(reduced)
+
+    def finish(self) -> None:
+        """End of a backward: launch what is left in the fixed order and wait for all of it."""
+        if self.communicating:
+            self._launch_ready(force=True)
+            while self._in_flight:
+                self._retire(self._in_flight.popleft())
+            self._staging.clear()
+        self._reset_backward()
+        self.state = BackwardState.IDLE
+
+    # ---------------------------------------------------------------- views for the step
+    def shard_grad(self, group_index: int) -> torch.Tensor:
+        """This rank's reduced gradient shard of a group (stages 1-2)."""
+        if self.stage >= 2:
+            return self._grad_shard(group_index)
+        start, end = self.groups[group_index].shard_range()
+        return self.flat_grads[group_index][start:end]
+
+    def whole_grads_valid(self) -> bool:
+        """Whether the whole flat gradients hold the reduced values everywhere."""
+        return self.stage == 0 or (self.stage == 1 and self.comm.use_all_reduce)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The reduced gradient elements this rank is responsible for (norms, clipping)."""
+        if self.stage == 0:
+            return [g for g in self.flat_grads if g is not None]
+        return [self.shard_grad(i) for i in range(len(self.groups))]
+
+    def _grad_shard(self, group_index: int) -> torch.Tensor:
+        shard = self.grad_shards[group_index]
+        if shard is None:
+            g = self.groups[group_index]
+            shard = self.grad_shards[group_index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
+        return shard
+
+    def zero(self) -> None:
+        if not self._dirty:
+            return
+        for t in (*self.flat_grads, *self.grad_shards):
+            if t is not None:
+                t.zero_()
+        self._dirty = False
+
+    def live_buffers(self) -> list[torch.Tensor]:
+        """Staging buffers and reduce-scatter outputs alive right now."""
+        out = list(self._staging.values())
+        for item in self._in_flight:
+            out.append(item.source)
+            if item.output is not None:
+                out.append(item.output)
+        return out

@@ -1,0 +1,227 @@
+"""Stage advisor: the fastest ZeRO configuration that fits the given hardware.
+
+The advisor walks :data:`PREFERENCE` (fastest first), estimates each configuration with
+:func:`lightning_zero.estimator.estimate_config` and takes the first whose device, CPU and NVMe
+needs fit the memory given, less ``headroom``. Every memory need is linear in the parameter
+count Ψ for a fixed architecture, so the largest model each configuration holds is found in
+closed form from two evaluations.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import tempfile
+from dataclasses import dataclass, replace
+
+from typing_extensions import Unpack
+
+from lightning_zero.core.offload.config import nvme_path_problem
+from lightning_zero.estimator import (
+    PRECISIONS,
+    Activations,
+    Cluster,
+    ConfigEstimate,
+    EstimateOptions,
+    ModelSpec,
+    estimate_config,
+    estimate_memory,
+    format_bytes,
+    format_count,
+    parse_size,
+)
+from lightning_zero.estimator.report import render_advice
+
+__all__ = ["PREFERENCE", "Advice", "Candidate", "Hardware", "Shortfall", "advise", "format_bytes", "format_count",
+           "needs_of", "render_advice"]
+
+# Fastest first: less partitioning means less communication; offload adds PCIe traffic and a CPU
+# optimizer step; NVMe is slower than CPU memory.
+PREFERENCE: tuple[tuple[int, str], ...] = (
+    (0, "none"),
+    (1, "none"),
+    (2, "none"),
+    (2, "optimizer_cpu"),
+    (3, "none"),
+    (3, "optimizer_cpu"),
+    (3, "param_cpu"),
+    (3, "optimizer_nvme"),
+    (3, "param_nvme"),
+)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Memory available for training.
+
+    Args:
+        device_memory: bytes of accelerator memory per rank.
+        cpu_memory: bytes of host memory per node.
+        nvme: bytes of NVMe per node (0: none).
+        headroom: fraction of each memory kept free for buffers, fragmentation, the CUDA context,
+            the OS and whatever the estimate leaves out (activations when the shape is unknown).
+    """
+
+    device_memory: float
+    cpu_memory: float
+    nvme: float = 0.0
+    headroom: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"headroom is a fraction in [0, 1), e.g. 0.1 for 10%; got {self.headroom!r}.")
+
+    def usable(self, memory: str) -> float:
+        """Bytes usable of ``memory`` (``"device"``, ``"CPU"`` or ``"NVMe"``) after the headroom."""
+        total = {"device": self.device_memory, "CPU": self.cpu_memory, "NVMe": self.nvme}[memory]
+        return total * (1.0 - self.headroom)
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """One memory a configuration does not fit in."""
+
+    memory: str
+    needed: float
+    usable: float
+
+    @property
+    def missing(self) -> float:
+        return self.needed - self.usable
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of the preference list, checked against the hardware."""
+
+    estimate: ConfigEstimate
+    needs: tuple[tuple[str, float], ...]  # (memory, bytes): device per rank, CPU and NVMe per node
+    shortfalls: tuple[Shortfall, ...]
+    max_params: float  # largest Ψ this configuration holds on the hardware (inf: no limit)
+
+    @property
+    def fits(self) -> bool:
+        return not self.shortfalls
+
+    def overrides(self, precision: str, nvme_path: str | None = None) -> str:
+        """Hydra overrides selecting this configuration, e.g. ``zero=stage2 offload=none precision=bf16``.
+
+        Args:
+            precision: the precision's user spelling (a key of :data:`PRECISIONS`).
+            nvme_path: the directory for swap files, added as ``offload.nvme_path=...`` to an ``"nvme"``
+                offload (default: the system's temporary directory).
+        """
+        e = self.estimate
+        out = f"zero=stage{e.stage} offload={e.offload} precision={PRECISIONS[precision][1]}"
+        if e.target == "nvme":
+            out += f" offload.nvme_path={shlex.quote(nvme_path or tempfile.gettempdir())}"
+        return out
+
+
+def needs_of(c: ConfigEstimate, checkpointing: bool) -> tuple[tuple[str, float], ...]:
+    """Device bytes per rank, CPU and NVMe bytes per node of one configuration."""
+    return (
+        ("device", c.device_total(checkpointing)),
+        ("CPU", c.cpu_bytes * c.ranks_per_node),
+        ("NVMe", c.nvme_bytes * c.ranks_per_node),
+    )
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Result of :func:`advise`; ``choice`` is ``None`` when nothing fits."""
+
+    model: ModelSpec
+    cluster: Cluster
+    hardware: Hardware
+    precision: str
+    checkpointing: bool
+    activations: Activations | None
+    candidates: tuple[Candidate, ...]
+    optimizer_state_per_param: int = 8
+    nvme_path: str | None = None  # where "nvme" offload puts its swap files (None: the temporary directory)
+
+    @property
+    def choice(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.fits), None)
+
+    @property
+    def overrides(self) -> str | None:
+        return None if self.choice is None else self.choice.overrides(self.precision, self.nvme_path)
+
+    def nvme_path_problem(self) -> str | None:
+        """Why the recommended ``"nvme"`` configuration's ``nvme_path`` cannot hold its state on this machine
+        (:func:`~lightning_zero.core.offload.config.nvme_path_problem`: exists, writable, the node's NVMe need free),
+        or ``None`` (also when the choice does not use NVMe)."""
+        choice = self.choice
+        if choice is None or choice.estimate.target != "nvme":
+            return None
+        path = self.nvme_path or tempfile.gettempdir()
+        return nvme_path_problem(path, dict(choice.needs)["NVMe"], "--nvme-path")
+
+    def table(self, units: str = "GB") -> str:
+        return render_advice(self, units)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _max_params(stage: int, offload: str, spec: ModelSpec, cluster: Cluster, precision: str,
+                acts: Activations | None, osp: int, hw: Hardware, checkpointing: bool) -> float:
+    """Largest Ψ that fits: needs are affine in Ψ (same architecture, activations and largest layer)."""
+    probe = 1e9
+    at = [dict(needs_of(estimate_config(stage, offload, replace(spec, num_params=x), cluster, precision, acts, osp),
+                        checkpointing)) for x in (0.0, probe)]
+    best = math.inf
+    for memory, fixed in at[0].items():
+        slope = (at[1][memory] - fixed) / probe
+        room = hw.usable(memory) - fixed
+        if room < 0:
+            return 0.0
+        if slope > 0:
+            best = min(best, room / slope)
+    return best
+
+
+def advise(
+    num_params: float | str | None = None,
+    *,
+    device_memory: float | str,
+    cpu_memory: float | str = 0.0,
+    nvme: float | str = 0.0,
+    headroom: float = 0.1,
+    activation_checkpointing: bool = False,
+    nvme_path: str | None = None,
+    **options: Unpack[EstimateOptions],
+) -> Advice:
+    """The fastest configuration of :data:`PREFERENCE` that fits, with why each faster one does not.
+
+    Args:
+        num_params: Ψ (number or text like ``"7.5B"``); or give ``model``.
+        device_memory: accelerator memory per rank, bytes or text (``"80GB"``, ``"80GiB"``).
+        cpu_memory: host memory per node.
+        nvme: NVMe capacity per node (0: none, NVMe options never fit).
+        headroom: fraction of each memory left free (see :class:`Hardware`).
+        activation_checkpointing: count checkpointed activations instead of full ones (only
+            when the transformer shape is known).
+        nvme_path: the directory an ``"nvme"`` choice's overrides name for its swap files (default: the
+            system's temporary directory); :meth:`Advice.nvme_path_problem` checks it.
+        options: the model, the cluster and the precision, as for
+            :func:`lightning_zero.estimator.estimate_memory` (``model``, ``world_size``, ``num_nodes``,
+            ``gpus_per_node``, ``precision``, ``micro_batch``, ``seq_len``, ``layers``, ``hidden``,
+            ``heads``, ``flash_attention``, ``largest_layer_params``, ``optimizer_state_per_param``:
+            :class:`~lightning_zero.estimator.EstimateOptions`).
+    """
+    hw = Hardware(parse_size(device_memory), parse_size(cpu_memory), parse_size(nvme), float(headroom))
+    base = estimate_memory(num_params, offload="all", **options)
+    precision, osp = base.precision, base.optimizer_state_per_param
+    candidates = []
+    for stage, offload in PREFERENCE:
+        c = base.config(stage, offload)
+        needs = needs_of(c, activation_checkpointing)
+        short = tuple(Shortfall(m, need, hw.usable(m)) for m, need in needs if need > hw.usable(m))
+        biggest = _max_params(stage, offload, base.model, base.cluster, precision, base.activations, osp, hw,
+                              activation_checkpointing)
+        candidates.append(Candidate(c, needs, short, biggest))
+    return Advice(base.model, base.cluster, hw, precision, activation_checkpointing, base.activations,
+                  tuple(candidates), osp, nvme_path)

@@ -1,0 +1,407 @@
+"""``ZeroStrategy``: DeepSpeed-style ZeRO as a Lightning strategy, on plain torch.distributed.
+
+The strategy is thin glue: process groups and launchers come from Lightning's DDP machinery, and
+all partitioning lives in :mod:`lightning_zero.core`, which the strategy drives:
+
+    setup            -> ZeroEngine(module, optimizer)       flat buffers, hooks, broadcast
+    block_backward_sync (non-boundary micro-steps) -> engine.no_sync()
+    backward         -> loss.backward(); engine.finish_backward()
+    clip (precision plugin) -> engine.clip_grad_norm_()     global norm over shards
+    optimizer_step   -> [engine.prepare_step()] optimizer.step(); engine.after_step()
+                                                            all-gather of updated shards
+    teardown         -> engine.detach()                     params own their storage again
+
+16-bit modes (``lightning_zero.lightning.precision``): the plugin casts the module before the engine is
+built, hands the engine its dtypes and the pre-cast weights (the fp32 masters start from them)
+and, for fp16, scales the loss and skips overflowing steps; the strategy then keeps step-interval
+LR schedulers from advancing (Note [skipped steps and schedulers]).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.comm.onebit_adam import OneBitAdam
+from lightning_zero.core.comm.process_groups import own, reusable
+from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters
+from lightning_zero.core.stage3.teardown import plan_teardown
+from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.sharded_build import ShardedBuildMixin
+from lightning_zero.lightning.state import ZeroStateMixin
+from lightning_zero.lightning.steps import StepDispatchMixin
+from lightning_zero.lightning.uneven import check_training_batches
+from lightning_zero.observability.callbacks import add_monitor
+from lightning_zero.observability.monitoring import ProfilerWindow
+from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.pipeline.lightning import StrategyPipeline
+from lightning_zero.reliability.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
+from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
+from lightning_zero.reliability.setup_agreement import setup_settings
+
+log = logging.getLogger(__name__)
+
+
+class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStrategy):
+    """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
+
+    Args:
+        stage: 0 (DDP-like), 1 (optimizer state and fp32 master partitioned), 2 (+ gradients),
+            3 (+ parameters, gathered per unit just in time).
+        config: a full :class:`~lightning_zero.core.zero.config.ZeroConfig`; overrides ``stage`` and
+            ``zero_options`` when given.
+        precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or a
+            :class:`~lightning_zero.ZeroPrecision`; wins over the Trainer's ``precision``. Without
+            it ``Trainer(precision=...)`` is converted (on CPU Lightning turns ``"16-mixed"``
+            into ``"bf16-mixed"`` before the strategy sees it: pass fp16 here to keep it).
+        loss_scaler: fp16 loss-scaler policy when ``precision="16-mixed"`` is given as a string.
+        check_step_errors: after every ``training_step`` the ranks agree on whether any of them
+            raised, so an error in one rank's step is raised on every rank instead of leaving the
+            others waiting in a collective (one tiny all-reduce per micro-step).
+        param_init_fn: stage 3 with ``configure_model``: ``fn(module, name)`` initialises a
+            module's own parameters, which were built on the meta device (default: the module's
+            ``reset_parameters()``). See docs/large_models.md.
+        gather_on_teardown: stage 3: after fit, give the module its whole parameters (and the
+            optimizer its whole state) back, as for other stages, when that fits in the memory
+            every rank can still allocate (else less, with one warning; Note [teardown gather] in
+            core/stage3/teardown.py). ``False`` leaves them released: save checkpoints during fit instead.
+        checkpoint_format: ``"sharded"``: ``trainer.save_checkpoint(path)`` / ``ModelCheckpoint``
+            write a directory in which every rank writes its own shards, published atomically
+            (docs/checkpoints.md); ``"consolidated"``: Lightning's single file, gathered on rank 0;
+            ``"auto"`` (default): sharded at stage >= 1, consolidated at stage 0 (every rank holds
+            everything there). Both formats are read whatever this says.
+        monitor: when fitting, add a :class:`~lightning_zero.ZeroStatsMonitor` (loss, lr, gradient
+            norm, loss scale, throughput, step-time split, memory per rank; docs/monitoring.md) to the
+            Trainer's callbacks unless it already has one. ``False``: don't.
+        profiler: a :class:`~lightning_zero.observability.monitoring.ProfilerWindow` (``True``: the default window)
+            for the monitor this strategy adds: ``torch.profiler`` with memory profiling over a window
+            of optimizer steps, traces in ``<log dir>/profiler``.
+        pipeline: a :class:`~lightning_zero.PipelineConfig`: split the module into pipeline stages
+            (it must follow the pipeline protocol, docs/pipeline.md); ZeRO then partitions each
+            stage over its data-parallel group (world size / stages ranks).
+        offload_optimizer: ``"cpu"`` or ``"nvme"`` (stages 1-3): this rank's master shard and optimizer
+            state in host memory or in swap files under ``nvme_path`` (docs/offload.md).
+        offload_param: ``"cpu"`` or ``"nvme"`` (stage 3): parameter shards too.
+        nvme_path: an existing, writable directory for ``"nvme"``.
+        offload: a full :class:`~lightning_zero.OffloadConfig` instead of the three shortcuts.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
+        **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
+            ``collective``, ``timeout_s``, ``elementwise_optimizers``, ...).
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        *,
+        config: ZeroConfig | None = None,
+        precision: str | ZeroPrecision | None = None,
+        loss_scaler: LossScalerConfig | None = None,
+        check_step_errors: bool = True,
+        param_init_fn: ParamInitFn | None = None,
+        gather_on_teardown: bool = True,
+        checkpoint_format: str = "auto",
+        monitor: bool = True,
+        profiler: ProfilerWindow | bool | None = None,
+        pipeline: PipelineConfig | None = None,
+        offload_optimizer: str | None = None,
+        offload_param: str | None = None,
+        nvme_path: str | None = None,
+        offload: OffloadConfig | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: str = "popen",
+        **zero_options: Any,
+    ) -> None:
+        self.zero_config: ZeroConfig = config or ZeroConfig.from_kwargs(stage, zero_options)
+        self.offload: OffloadConfig = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
+        self.offload.check(self.zero_config.stage)  # bad input refused before any process starts
+        self.offload.check_path()
+        if isinstance(precision, ZeroPrecision):
+            if loss_scaler is not None:
+                raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
+            precision_plugin = precision
+        elif precision is not None:
+            precision_plugin = ZeroPrecision(precision, loss_scaler=loss_scaler)
+        elif loss_scaler is not None:
+            raise ValueError("`loss_scaler` needs precision='16-mixed' on the strategy.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=self.zero_config.timeout_s),
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self.check_step_errors = check_step_errors
+        self.param_init_fn = param_init_fn
+        self.gather_on_teardown = gather_on_teardown
+        if checkpoint_format not in ("auto", "sharded", "consolidated"):
+            raise ValueError(
+                f"checkpoint_format must be 'auto', 'sharded' or 'consolidated', got {checkpoint_format!r}."
+            )
+        self.checkpoint_format = checkpoint_format
+        self._pending_rng: dict[str, Any] | None = None  # RNG states of a loaded sharded checkpoint
+        if profiler and not monitor:
+            raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
+        self.monitor = monitor
+        self.profiler: ProfilerWindow | None = ProfilerWindow() if profiler is True else (profiler or None)
+        self._fixed_precision = precision_plugin is not None
+        self._engine: ZeroEngine | None = None  # set in setup() when fitting (or evaluating a sharded build)
+        self._built_sharded = False  # this run's model was built in configure_model (stage 3), until teardown
+        self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
+        self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
+        self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
+        self._pipeline: StrategyPipeline | None = None  # this rank's stage (setup, when pipelined)
+        self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/reliability/heartbeat.py)
+        self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)
+        self.resolved_config: dict[str, Any] | None = None  # compared across ranks at setup (the CLI sets it)
+
+    @property
+    def nonfinite_skipped_steps(self) -> int:
+        """Optimizer steps of the last fit skipped for nan / inf gradients (``nonfinite="skip"``)."""
+        return self._nonfinite.skipped
+
+    # ------------------------------------------------------------------ plugins
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> ZeroPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, ZeroPrecision) else to_zero_precision(plugin)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if getattr(self, "_fixed_precision", False) and plugin is not None and not isinstance(plugin, ZeroPrecision):
+            return  # the strategy's own precision wins over the Trainer's default
+        self._precision_plugin = to_zero_precision(plugin) if plugin is not None else None
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        if self.num_nodes * self.num_processes == 1 and not dist.is_initialized():
+            # one rank: no process group at all, so nothing is ever communicated
+            assert self.accelerator is not None
+            self.accelerator.setup_device(self.root_device)
+            self.set_world_ranks()
+            return
+        super().setup_environment()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if self._pipeline is not None:  # batches that do not split into micro-batches: refused before any step
+            self._pipeline.check_train_loader(trainer)
+        if self._comm is not None:  # uneven training batches would hang a rank: refuse on every rank
+            steps = trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps > 0 else float("inf")
+            check_training_batches(trainer.num_training_batches, self._comm, steps)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if self.pipeline_config is not None:  # split: other stages' weights become storage-less placeholders
+            self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
+                                              self.zero_config.timeout_s, self.param_init_fn,
+                                              torch.initial_seed() % 2**63)
+        elif has_meta_parameters(self.model):
+            self._prepare_meta_model()
+        if self._pipeline is None:
+            self.model_to_device()
+        self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
+        if self._pipeline is not None:  # the data-parallel group of this rank's pipeline stage
+            self._comm = own(DataParallelComm(self._pipeline.groups.dp, self.zero_config.collective))
+        elif not reusable(self._comm):  # one group per strategy: Note [clean exit] in core/comm/process_groups.py
+            self._comm = own(DataParallelComm(self._make_dp_group(), self.zero_config.collective))
+        plugin = self.precision_plugin
+        if trainer.state.fn == TrainerFn.FITTING:
+            add_monitor(trainer, self.monitor, self.profiler)
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise NotImplementedError(
+                    f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
+                    "parameter sets in param groups of one optimizer."
+                )
+            if self._pipeline is not None:
+                self._pipeline.restrict_optimizer(self.optimizers[0])
+            self._engine = self._make_engine(self.optimizers[0], trainer)
+            if isinstance(opt := self.optimizers[0], OneBitAdam) and (why := opt.warmup_outlasts(trainer.max_steps)):
+                rank_zero_warn(why)
+            if self._pipeline is not None:
+                self._pipeline.attach(self._engine)
+            plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
+            plugin.engine = self._engine
+            if plugin.scaler is not None:
+                self._guard_lr_schedulers()
+        elif self._pipeline is not None:
+            self._pipeline.broadcast_local(self._comm)
+        elif self._built_sharded:
+            # evaluating a model built in configure_model: it exists only as shards, so stage 3
+            # shards it here too (no optimizer) and gathers one unit at a time in every forward
+            self._engine = self._make_engine(None, trainer)
+        else:
+            self._broadcast_module_states()
+        self.setup_precision_plugin()
+
+    def _make_engine(self, optimizer: Optimizer | None, trainer: pl.Trainer) -> ZeroEngine:
+        plugin, module = self.precision_plugin, self.lightning_module
+        return ZeroEngine(
+            self._pipeline.local.module if self._pipeline is not None else module, optimizer, self.zero_config,
+            self._comm,
+            dtypes=plugin.dtype_policy(module), master_init=plugin.master_init() if optimizer is not None else None,
+            param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
+            setup_settings=setup_settings(self, trainer), offload=self.offload,
+        )
+
+    def _make_dp_group(self) -> dist.ProcessGroup | None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return dist.new_group(timeout=timedelta(seconds=self.zero_config.timeout_s))  # the strategy's timeout
+
+    @torch.no_grad()
+    def _broadcast_module_states(self) -> None:
+        assert self._comm is not None and self.lightning_module is not None
+        for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers()):
+            self._comm.broadcast(t.data)
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # never wrapped: the engine's hooks do what DDP's wrapper would
+
+    # ------------------------------------------------------------------ training (steps: strategy_steps.py)
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._engine is None:
+            yield
+            return
+        with self._engine.no_sync():
+            yield
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None and self._engine is not None:
+            self._pipeline.backward(self._engine)  # the schedule ran the backwards in training_step
+            return closure_loss
+        if self._engine is not None:
+            self._engine.before_backward()
+        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._engine is not None:
+            self._engine.finish_backward()
+        return loss
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        engine = self._engine
+        if engine is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def checked_closure() -> Any:
+            result = closure()
+            engine.before_step()
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            self._nonfinite.check(engine, trainer, fp16=self.precision_plugin.scaler is not None)
+            return result
+
+        output = self.precision_plugin.optimizer_step(optimizer, model=model or self.lightning_module,
+                                                      closure=checked_closure, **kwargs)
+        engine.after_step()
+        return output
+
+    @override
+    def teardown(self) -> None:
+        self._pending_rng = None
+        if self._hang is not None:
+            self._hang.stop()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
+        try:
+            self._teardown(failed)
+        except Exception as err:
+            if not failed:
+                raise
+            # the run already failed: its error, which Lightning re-raises next, is the one to see
+            log.warning(f"ZeroStrategy.teardown after the error also failed: {err!r}")
+        finally:
+            self._built_sharded = False
+
+    def _teardown(self, failed: bool) -> None:
+        whole_state = None  # a pipeline's optimizer state of every stage, to save after fit
+        if self._engine is not None:
+            # after an error another rank may be gone: no collective, the shard state is dropped
+            if self._engine.optimizer is not None:
+                self._last_runtime = self._engine.runtime
+            plan = plan_teardown(self._engine, failed, self.gather_on_teardown)  # Note [teardown gather]
+            if self._pipeline is not None and not failed:
+                whole_state = self._pipeline.whole_optimizer_state(self._engine, plan.keep_optimizer_state)
+            self._engine.detach(keep_optimizer_state=plan.keep_optimizer_state, gather_params=plan.gather_params)
+            self._engine = None
+            self.precision_plugin.engine = None
+        if self._pipeline is not None:  # the unsplit module (and, after fit, optimizer) on every rank again
+            refusal = self._pipeline.teardown(self.optimizers, whole_state, failed, self.gather_on_teardown)
+            self._after_fit_refusal = refusal if self._pipeline.checkpoint is not None else self._after_fit_refusal
+            self._pipeline = None
+        module = self.lightning_module
+        if module is not None:
+            module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
+            self.precision_plugin.restore_module(module)
+        with self._unmoved_if_unmaterialized():
+            super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage in (0, 1, 2, 3):
+            for suffix, method in (("", "popen"), ("_spawn", "spawn")):
+                strategy_registry.register(
+                    f"zero_stage_{stage}{suffix}",
+                    cls,
+                    description=f"ZeRO stage {stage} (lightning_zero), start_method={method!r}",
+                    stage=stage,
+                    start_method=method,
+                )
+        for name, stage, kwargs in (
+            ("zero_stage_2_offload", 2, {"offload_optimizer": "cpu"}),
+            ("zero_stage_3_offload", 3, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
+            # the system's temporary space: the engine checks its free room and swaps in a run-private
+            # directory below it, removed at exit (docs/offload.md); pass nvme_path= for a local NVMe drive
+            ("zero_stage_3_offload_nvme", 3, {"offload_optimizer": "nvme", "offload_param": "nvme",
+                                              "nvme_path": tempfile.gettempdir()}),
+        ):
+            strategy_registry.register(name, cls, description=f"ZeRO stage {stage} with {kwargs} (lightning_zero)",
+                                       stage=stage, **kwargs)

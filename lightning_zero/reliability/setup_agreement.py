@@ -1,0 +1,27 @@
+"""The settings ``ZeroStrategy`` asks the ranks to agree on at setup, besides the model itself
+(compared by one hash before the first collective: Note [setup agreement] in core/reliability/agreement.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+PER_NODE = frozenset({"trainer.node_rank", "trainer.rdzv_endpoint"})  # config keys that differ between nodes
+
+
+def setup_settings(strategy: Any, trainer: pl.Trainer) -> dict[str, str]:
+    """What must agree across ranks besides the model (Note [setup agreement] in core/reliability/agreement.py):
+    the ZeRO config, precision, the Trainer's step settings and the resolved config the CLI ran."""
+    out = {f"zero.{k}": repr(v) for k, v in vars(strategy.zero_config).items()}
+    out["precision"] = str(strategy.precision_plugin.precision)
+    for key in ("accumulate_grad_batches", "gradient_clip_val", "max_steps", "max_epochs"):
+        out[f"trainer.{key}"] = repr(getattr(trainer, key, None))
+    out.update({f"config.{k}": v for k, v in _flat(strategy.resolved_config or {}).items() if k not in PER_NODE})
+    return out
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, str]:
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): repr(node)}
+    return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
