@@ -39,12 +39,14 @@ def _train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> sub
     return subprocess.run(_command(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False)
 
 
-# imported by every process of the fp32 run (PYTHONPATH); in a rank (RANK set) it writes exit-RANK from its last
-# atexit handler and finalized-RANK when the interpreter's finalization clears this module
+# imported by every process of the fp32 run (PYTHONPATH); in a rank (RANK set) and in `python -m lightning_zero`
+# it writes exit-<rank or cli> from its last atexit handler, finalized-<...> when the interpreter's finalization
+# clears this module (torchrun's agent is left alone)
 EXIT_PROBE = """
-import atexit, os
-if os.environ.get("RANK"):
-    _where = os.path.join(os.environ["EXIT_PROBE_DIR"], "{}-" + os.environ["RANK"])
+import atexit, os, sys
+_who = os.environ.get("RANK") or ("cli" if sys.orig_argv[1:3] == ["-m", "lightning_zero"] else None)
+if _who:
+    _where = os.path.join(os.environ["EXIT_PROBE_DIR"], "{}-" + _who)
     atexit.register(lambda: open(_where.format("exit"), "w").close())  # registered first: runs last
 
     class _Finalized:
@@ -134,10 +136,10 @@ def _experiment(acc: EventAccumulator) -> plugin_data_pb2.Experiment:
 
 
 @pytest.mark.slow
-def test_each_rank_runs_its_exit_handlers_then_skips_the_interpreter_s_teardown(runs) -> None:
+def test_ranks_and_cli_run_their_exit_handlers_then_skip_the_interpreter_s_teardown(runs) -> None:
     probe = runs["fp32"][0].parent / "exit_probe"
-    assert sorted(p.name for p in probe.glob("exit-*")) == ["exit-0", "exit-1"]  # every atexit handler ran
-    assert not list(probe.glob("finalized-*"))  # no module teardown: ~2 s per rank (Note [rank exit])
+    assert sorted(p.name for p in probe.glob("exit-*")) == ["exit-0", "exit-1", "exit-cli"]  # every handler ran
+    assert not list(probe.glob("finalized-*"))  # no module teardown: ~2 s per rank, ~1 s the CLI (Note [rank exit])
 
 
 @pytest.mark.slow

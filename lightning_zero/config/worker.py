@@ -7,14 +7,16 @@ is read from the YAML file, and everything is written next to it. It also works 
 ``torchrun`` / ``srun`` launch of the same command, e.g. on several nodes.
 
 Note [rank exit]
-    A rank that finished its fit leaves through :func:`exit_after_handlers`: the ``atexit`` handlers
-    run (``close_all`` of Note [clean exit] in core/process_groups.py, ``logging``'s flush, every
-    library's own), stdout and stderr are flushed, then ``os._exit``. What is skipped is the
-    interpreter's finalization: tearing down ~3,000 modules of torch and Lightning and ~400,000
-    objects, about 2 s of CPU per rank (measured: 2.2 s between the last ``atexit`` handler and the
-    process's exit, half the teardown of a 2-rank launch), which writes nothing: the Trainer closed
-    its loggers and every file the run writes is closed when ``fit`` returns. A rank that raises
-    leaves the usual way (``@record`` writes torchrun's error file, the traceback is printed).
+    A rank that finished its fit leaves through :func:`exit_after_handlers`: the threads that are not
+    daemons are joined (as at any exit), the ``atexit`` handlers run (``close_all`` of Note [clean
+    exit] in core/process_groups.py, ``logging``'s flush, every library's own), stdout and stderr are
+    flushed, then ``os._exit``. What is skipped is the interpreter's finalization: tearing down ~3,000
+    modules of torch and Lightning and ~400,000 objects, about 2 s of CPU per rank (measured: 2.2 s
+    between the last ``atexit`` handler and the process's exit, half the teardown of a 2-rank launch),
+    which writes nothing: the Trainer closed its loggers and every file the run writes is closed when
+    ``fit`` returns. A rank that raises leaves the usual way (``@record`` writes torchrun's error
+    file, the traceback is printed). ``python -m lightning_zero`` (the launching process) ends the
+    same way: 1-1.5 s per command.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import atexit
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -55,8 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def exit_after_handlers(code: int) -> NoReturn:
-    """Run the ``atexit`` handlers, flush stdout and stderr, and end the process with ``code`` without
-    the interpreter's finalization (Note [rank exit])."""
+    """Join the non-daemon threads, run the ``atexit`` handlers, flush stdout and stderr, and end the
+    process with ``code`` without the interpreter's finalization (Note [rank exit])."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken pipe: nothing left to flush to
