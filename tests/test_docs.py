@@ -5,6 +5,11 @@ link resolves; and no file refers to a path outside the repository.
 
 Short settings: ``lightning-zero train`` commands get :data:`SHORT` appended (a couple of steps on a slice
 of the data) unless ``LIGHTNING_ZERO_DOCS_FULL=1``, which runs every command exactly as written.
+
+A ``lightning-zero`` command that starts no process (:func:`_starts_no_process`: the estimator, the advisor,
+``train --help`` / ``--cfg``, a ``train`` refused with exit code 2) runs through ``lightning_zero.cli.main`` in
+the test's process: the same parser and checks, without ~6 s of a fresh interpreter importing torch and
+Lightning per command. Every other command runs in its own process.
 """
 
 from __future__ import annotations
@@ -106,6 +111,17 @@ def _runnable(command: str) -> list[str]:
     return args
 
 
+def _starts_no_process(command: str, code: int) -> bool:
+    """Whether ``command`` is a ``lightning-zero`` command that starts no training process: ``estimate``,
+    ``advise``, ``train --help`` / ``--cfg``, or a ``train`` the docs show refused (exit code 2: stopped
+    before any process starts, the CLI's contract)."""
+    args = shlex.split(command)
+    if args[0] != "lightning-zero" or len(args) < 2:
+        return False
+    return args[1] in ("estimate", "advise") or (args[1] == "train" and (code == 2 or bool(
+        {"--help", "-h", "--cfg"} & set(args))))
+
+
 COMMANDS = doc_commands()
 # what a launcher sets for the ranks it starts (Lightning writes some into os.environ even for one rank)
 LAUNCHER_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK",
@@ -175,13 +191,22 @@ def test_every_doc_command_is_collected_and_the_skip_list_is_current() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("doc", "command", "code"), COMMANDS, ids=[f"{d}:{c[:60]}" for d, c, _ in COMMANDS])
-def test_doc_command_runs(doc: str, command: str, code: int, tmp_path: Path) -> None:
+def test_doc_command_runs(doc: str, command: str, code: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                          capsys: pytest.CaptureFixture[str]) -> None:
     reason = SKIP.get(command) or next((r for p, r in SKIP_PREFIXES.items() if command.startswith(p)), None)
     if reason:
         pytest.skip(reason)
     for entry in ROOT.iterdir():  # the repository's files, but outputs/ and multirun/ land in tmp_path
         if not entry.name.startswith(".") and entry.name not in ("outputs", "multirun"):
             (tmp_path / entry.name).symlink_to(entry)
+    if _starts_no_process(command, code):  # in this process (the module docstring says why)
+        from lightning_zero.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        got = main(_runnable(command)[3:])  # after `python -m lightning_zero`
+        out = capsys.readouterr()
+        assert got == code, f"{doc}: {command}\n{(out.out + out.err)[-3000:]}"
+        return
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}  # the command launches its own ranks
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(_runnable(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
