@@ -41,6 +41,12 @@ SKIP: dict[str, str] = {
         "200 steps on 2 ranks (minutes on 2 cores); the same script runs here as `mixed_precision.py 16-mixed`",
     "lightning-zero train deepspeed_config=seed_bf16.json trainer.devices=3":
         "a JSON file the reader writes from the page's example; the same conflict is tested in test_deepspeed_cli.py",
+    "lightning-zero train experiment=gpt_tiny":
+        "the same run (with 3 steps) is tests/test_cli.py's two-rank run (the suite's time: one 2-rank run each)",
+    "lightning-zero train experiment=gpt_tiny zero=stage1 trainer.devices=2 trainer.max_steps=3":
+        "the same run is the first job of tests/test_cli.py's multirun over zero=stage1,stage2 (2 ranks, 3 steps)",
+    "lightning-zero train -m experiment=gpt_tiny zero=stage1,stage2":
+        "the same multirun (with 3 steps) is tests/test_cli.py's, through the console script (two 2-rank runs)",
     "lightning-zero train experiment=gpt_tiny model.attention=sparse_fixed":
         "the same run is tests/test_sparse_gpt.py's CLI test (the suite's time: one 2-rank run each)",
     "lightning-zero train experiment=gpt_tiny model.attention=sparse_bigbird":
