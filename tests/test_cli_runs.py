@@ -3,7 +3,8 @@ captured through a pipe, as CI or ``| tee`` would): progress lines, no noise on 
 it in ``train.log``, the TensorBoard dashboard of an fp32 and an fp16 run (one run per training run, the
 loss and the vital signs first, memory in MiB, a layout of existing tags, hparams that tell the runs apart
 against a few metrics, monotone steps), run directories named by their choices, a resume whose start
-value is the checkpoint's, and the summary of a rank killed by SIGKILL."""
+value is the checkpoint's, the summary of a rank killed by SIGKILL, and ranks that end right after their exit
+handlers (Note [rank exit] in lightning_zero/config/worker.py)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,34 @@ def _command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "lightning_zero", "train", *args]
 
 
-def _train(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_command(args), cwd=cwd, capture_output=True, text=True, timeout=240, check=False)
+def _train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_command(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False)
+
+
+# imported by every process of the fp32 run (PYTHONPATH); in a rank (RANK set) and in `python -m lightning_zero`
+# it writes exit-<rank or cli> from its last atexit handler, finalized-<...> when the interpreter's finalization
+# clears this module (torchrun's agent is left alone)
+EXIT_PROBE = """
+import atexit, os, sys
+_who = os.environ.get("RANK") or ("cli" if sys.orig_argv[1:3] == ["-m", "lightning_zero"] else None)
+if _who:
+    _where = os.path.join(os.environ["EXIT_PROBE_DIR"], "{}-" + _who)
+    atexit.register(lambda: open(_where.format("exit"), "w").close())  # registered first: runs last
+
+    class _Finalized:
+        def __del__(self, _open=os.open, _close=os.close, _path=_where.format("finalized")):
+            _close(_open(_path, os.O_CREAT | os.O_WRONLY))
+
+    _finalized = _Finalized()
+"""
+
+
+def _probed_env(root: Path) -> dict[str, str]:
+    probe = root / "exit_probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(EXIT_PROBE)
+    path = os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "EXIT_PROBE_DIR": str(probe)}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +71,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subp
     out = {}
     for name, extra in (("fp32", [f"hydra.run.dir={root / 'fp32'}"]), ("fp16", ["precision=fp16"])):
         (root / name).mkdir()
-        done = _train([*TINY, *extra], root / name)  # fp16: in the default output directory
+        env = _probed_env(root) if name == "fp32" else None
+        done = _train([*TINY, *extra], root / name, env)  # fp16: in the default output directory
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
         out[name] = (root / name if name == "fp32" else next((root / name).glob("outputs/*/*")), done)
     return out
@@ -105,6 +133,13 @@ def _steps_in_write_order(run_dir: Path) -> dict[str, list[int]]:
 def _experiment(acc: EventAccumulator) -> plugin_data_pb2.Experiment:
     meta = acc.SummaryMetadata("_hparams_/experiment")  # the HParams tab's columns
     return plugin_data_pb2.HParamsPluginData.FromString(meta.plugin_data.content).experiment
+
+
+@pytest.mark.slow
+def test_ranks_and_cli_run_their_exit_handlers_then_skip_the_interpreter_s_teardown(runs) -> None:
+    probe = runs["fp32"][0].parent / "exit_probe"
+    assert sorted(p.name for p in probe.glob("exit-*")) == ["exit-0", "exit-1", "exit-cli"]  # every handler ran
+    assert not list(probe.glob("finalized-*"))  # no module teardown: ~2 s per rank, ~1 s the CLI (Note [rank exit])
 
 
 @pytest.mark.slow

@@ -142,18 +142,24 @@ def _train(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.Complet
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def test_group_defaults_yield_but_written_values_conflict_before_any_rank(tmp_path: Path) -> None:
+def test_group_defaults_yield_but_written_values_conflict_before_any_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The precision group's default (fp32) is no setting; precision=bf16 on the command line and
-    micro_batch_size in experiment/gpt_tiny.yaml are: exit 2, one message naming both places, no run."""
+    micro_batch_size in experiment/gpt_tiny.yaml are: exit 2, one message naming both places, no run.
+    (The command runs through ``cli.main`` in this process: it starts nothing, so a fresh interpreter
+    would add only its start-up.)"""
     seed = _json(tmp_path, SEED_FP16, "fp16.json")
     cfg = _merged(["experiment=gpt_tiny", f"deepspeed_config={seed}"])
     assert cfg.precision.name.value == "fp16"  # the default fp32 yielded
-    done = _train(tmp_path, "experiment=gpt_tiny", "deepspeed_config=fp16.json", "precision=bf16", timeout=120)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "precision.name='bf16' on the command line, but the DeepSpeed config" in done.stderr
-    assert "gives fp16.enabled=true (precision fp16)" in done.stderr
-    assert " object at 0x" not in done.stderr + done.stdout
-    assert "Traceback" not in done.stderr and "launching" not in done.stderr + done.stdout
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "experiment=gpt_tiny", "deepspeed_config=fp16.json", "precision=bf16"])
+    out = capsys.readouterr()
+    assert code == 2, out.err[-3000:]
+    assert "precision.name='bf16' on the command line, but the DeepSpeed config" in out.err
+    assert "gives fp16.enabled=true (precision fp16)" in out.err
+    assert " object at 0x" not in out.err + out.out
+    assert "Traceback" not in out.err and "launching" not in out.err + out.out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp16.json"]  # no output directory: nothing started
     batch = _json(tmp_path, {"train_batch_size": 32, "gradient_accumulation_steps": 4}, "batch.json")
     with pytest.raises(ValueError, match=r"data.micro_batch_size=8 in experiment/gpt_tiny.yaml, but the DeepSpeed "
                                          r"config .*batch.json gives train_micro_batch_size_per_gpu=4"):

@@ -5,6 +5,11 @@ link resolves; and no file refers to a path outside the repository.
 
 Short settings: ``lightning-zero train`` commands get :data:`SHORT` appended (a couple of steps on a slice
 of the data) unless ``LIGHTNING_ZERO_DOCS_FULL=1``, which runs every command exactly as written.
+
+A ``lightning-zero`` command that starts no process (:func:`_starts_no_process`: the estimator, the advisor,
+``train --help`` / ``--cfg``, a ``train`` refused with exit code 2) runs through ``lightning_zero.cli.main`` in
+the test's process: the same parser and checks, without ~6 s of a fresh interpreter importing torch and
+Lightning per command. Every other command runs in its own process.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ SKIP: dict[str, str] = {
         "200 steps on 2 ranks (minutes on 2 cores); the same script runs here as `mixed_precision.py 16-mixed`",
     "lightning-zero train deepspeed_config=seed_bf16.json trainer.devices=3":
         "a JSON file the reader writes from the page's example; the same conflict is tested in test_deepspeed_cli.py",
+    "lightning-zero train experiment=gpt_tiny":
+        "the same run (with 3 steps) is tests/test_cli.py's two-rank run (the suite's time: one 2-rank run each)",
+    "lightning-zero train experiment=gpt_tiny zero=stage1 trainer.devices=2 trainer.max_steps=3":
+        "the same run is the first job of tests/test_cli.py's multirun over zero=stage1,stage2 (2 ranks, 3 steps)",
+    "lightning-zero train -m experiment=gpt_tiny zero=stage1,stage2":
+        "the same multirun (with 3 steps) is tests/test_cli.py's, through the console script (two 2-rank runs)",
     "lightning-zero train experiment=gpt_tiny model.attention=sparse_fixed":
         "the same run is tests/test_sparse_gpt.py's CLI test (the suite's time: one 2-rank run each)",
     "lightning-zero train experiment=gpt_tiny model.attention=sparse_bigbird":
@@ -104,6 +115,17 @@ def _runnable(command: str) -> list[str]:
     elif args[0] in ("python", "python3"):
         args[0] = sys.executable
     return args
+
+
+def _starts_no_process(command: str, code: int) -> bool:
+    """Whether ``command`` is a ``lightning-zero`` command that starts no training process: ``estimate``,
+    ``advise``, ``train --help`` / ``--cfg``, or a ``train`` the docs show refused (exit code 2: stopped
+    before any process starts, the CLI's contract)."""
+    args = shlex.split(command)
+    if args[0] != "lightning-zero" or len(args) < 2:
+        return False
+    return args[1] in ("estimate", "advise") or (args[1] == "train" and (code == 2 or bool(
+        {"--help", "-h", "--cfg"} & set(args))))
 
 
 COMMANDS = doc_commands()
@@ -175,13 +197,22 @@ def test_every_doc_command_is_collected_and_the_skip_list_is_current() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("doc", "command", "code"), COMMANDS, ids=[f"{d}:{c[:60]}" for d, c, _ in COMMANDS])
-def test_doc_command_runs(doc: str, command: str, code: int, tmp_path: Path) -> None:
+def test_doc_command_runs(doc: str, command: str, code: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                          capsys: pytest.CaptureFixture[str]) -> None:
     reason = SKIP.get(command) or next((r for p, r in SKIP_PREFIXES.items() if command.startswith(p)), None)
     if reason:
         pytest.skip(reason)
     for entry in ROOT.iterdir():  # the repository's files, but outputs/ and multirun/ land in tmp_path
         if not entry.name.startswith(".") and entry.name not in ("outputs", "multirun"):
             (tmp_path / entry.name).symlink_to(entry)
+    if _starts_no_process(command, code):  # in this process (the module docstring says why)
+        from lightning_zero.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        got = main(_runnable(command)[3:])  # after `python -m lightning_zero`
+        out = capsys.readouterr()
+        assert got == code, f"{doc}: {command}\n{(out.out + out.err)[-3000:]}"
+        return
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}  # the command launches its own ranks
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(_runnable(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,

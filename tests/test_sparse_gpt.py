@@ -118,7 +118,8 @@ def _val_losses(cwd: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_cli_trains_with_sparse_attention_from_hydra_and_from_a_deepspeed_json(tmp_path: Path) -> None:
+def test_cli_trains_with_sparse_attention_from_hydra_and_from_a_deepspeed_json(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     hydra = tmp_path / "hydra"
     hydra.mkdir()
     proc = _train(["model.attention=sparse_fixed"], hydra)
@@ -136,8 +137,13 @@ def test_cli_trains_with_sparse_attention_from_hydra_and_from_a_deepspeed_json(t
     assert "mode: bigbird" in next(ds.rglob("config.yaml")).read_text()
     bad = tmp_path / "bad"
     bad.mkdir()
-    proc = _train(["model.attention=sparse_fixd"], bad)
-    assert proc.returncode != 0 and "choose one of" in proc.stdout + proc.stderr
+    monkeypatch.chdir(bad)  # a refused command starts nothing: cli.main in this process, not a fresh interpreter
+    from lightning_zero.cli import main
+
+    code = main(["train", "experiment=gpt_tiny", "trainer=cpu1", "model.attention=sparse_fixd"])
+    out = capsys.readouterr()
+    assert code == 2 and "choose one of" in out.out + out.err, out.err[-3000:]
+    assert not list(bad.iterdir())  # no output directory
 
 
 def test_deepspeed_strategy_refuses_a_sparse_section_the_model_does_not_use() -> None:

@@ -5,13 +5,30 @@ sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``, so Ligh
 group instead of re-launching ``sys.argv``). It never touches Hydra: the composed, resolved config
 is read from the YAML file, and everything is written next to it. It also works under any other
 ``torchrun`` / ``srun`` launch of the same command, e.g. on several nodes.
+
+Note [rank exit]
+    A rank that finished its fit leaves through :func:`exit_after_handlers`: the threads that are not
+    daemons are joined (as at any exit), the ``atexit`` handlers run (``close_all``, Note [clean
+    exit], which destroys the process groups; ``logging``'s flush, every library's own), stdout and stderr are
+    flushed, then ``os._exit``. What is skipped is the interpreter's finalization: tearing down ~3,000
+    modules of torch and Lightning and ~400,000 objects, about 2 s of CPU per rank (measured: 2.2 s
+    between the last ``atexit`` handler and the process's exit, half the teardown of a 2-rank launch),
+    which writes nothing: the Trainer closed its loggers and every file the run writes is closed when
+    ``fit`` returns. A rank that raises leaves the usual way (``@record`` writes torchrun's error
+    file, the traceback is printed). ``python -m lightning_zero`` (the launching process) ends the
+    same way: 1-1.5 s per command.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -40,5 +57,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def exit_after_handlers(code: int) -> NoReturn:
+    """Join the non-daemon threads, run the ``atexit`` handlers, flush stdout and stderr, and end the
+    process with ``code`` without the interpreter's finalization (Note [rank exit])."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken pipe: nothing left to flush to
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_handlers(main())
