@@ -153,7 +153,7 @@ def test_references_are_found_in_every_form() -> None:
             "strategy = DeepSpeedZeroStrategy.from_deepspeed_config(path)\n```\n"
             "```console\n[lightning_zero.train][INFO] - not code\n```\n"
             "Inline: `from lightning_zero.sparse_attention import FixedSparsityConfig`,"
-            " `_target_: lightning_zero.models.gpt.GPT`, a path `lightning_zero/core/zero.py` is no name.\n"
+            " `_target_: lightning_zero.models.gpt.GPT`, a path `lightning_zero/core/zero/engine.py` is no name.\n"
             "```bash\npython -c 'from lightning_zero import DeepSpeedZeroStrategy'\n```\n")
     refs = [r.name for code in code_of(text) for r in references_in(code, "t.md")]
     assert sorted(set(refs)) == sorted({
