@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_zero.checkpoint.layout import FORMAT_NAME, FORMAT_VERSION, MODEL_KEYS, dtype_name, rank_file
+from lightning_zero.checkpoint.layout import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MODEL_KEYS,
+    FlatGroupRecord,
+    ParamPlace,
+    ShardPlace,
+    dtype_name,
+    rank_file,
+)
 from lightning_zero.checkpoint.plain import to_plain
 from lightning_zero.checkpoint.rng import capture_rng
 
@@ -150,14 +159,15 @@ def _collect_shards(
                     scalars[key] = {"file": file_of(0), "key": f"g{gi}.scalar.{key}"}
                 else:
                     scalars[key] = {"value": to_plain(value, {}, f"optimizer state {key!r}")}
-        meta["groups"].append({
-            "padded_numel": g.padded_numel,
-            "shards": [[file_of(r), *g.shard_range(r)] for r in range(dp_size)],
-            "dtype": dtype_name(g.dtype),
-            "master": has_master,
-            "optimizer_group": g.optimizer_group,
-            "params": [{"name": name_of(s.param), "offset": s.offset, "shape": list(s.shape)} for s in g.slots],
-        })
+        record = FlatGroupRecord(
+            padded_numel=g.padded_numel,
+            shards=tuple(ShardPlace(file_of(r), *g.shard_range(r)) for r in range(dp_size)),
+            dtype=dtype_name(g.dtype),
+            master=has_master,
+            optimizer_group=g.optimizer_group,
+            params=tuple(ParamPlace(name_of(s.param), s.offset, tuple(s.shape)) for s in g.slots),
+        )
+        meta["groups"].append(record.to_json())  # Note [metadata records] in layout.py
         for s in g.slots:
             if layout is not None and not layout.owns(s.param):
                 continue  # a tied parameter: the first stage holding it is referred to

@@ -16,7 +16,15 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint.layout import EXTRA, FORMAT_NAME, FORMAT_VERSION, METADATA, parse_dtype, rank_file
+from lightning_zero.checkpoint.layout import (
+    EXTRA,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA,
+    FlatGroupRecord,
+    parse_dtype,
+    rank_file,
+)
 from lightning_zero.checkpoint.plain import CheckpointError, from_plain
 from lightning_zero.checkpoint.tensor_file import TensorFile
 from lightning_zero.core.zero.flat_param import overlap
@@ -62,6 +70,7 @@ class ShardedCheckpoint:
                 "(`lightning-zero convert`)."
             )
         self.meta = meta
+        self.groups = [FlatGroupRecord.from_json(g, i) for i, g in enumerate(meta.get("groups", []))]
         files = list(meta.get("files", []))
         expected = {METADATA, EXTRA, *files}
         present = {p.name for p in directory.iterdir()}
@@ -113,7 +122,7 @@ class ShardedCheckpoint:
         if "file" in ref:
             return self._file_with(ref["file"], ref["key"]).dtype(ref["key"])
         key = f"g{ref['flat']}.{ref['kind']}"
-        rank = self.meta["groups"][ref["flat"]]["shards"][0][0]
+        rank = self.groups[ref["flat"]].shards[0].file
         return self._file_with(rank, key, "shard").dtype(key)
 
     def ref_shape(self, ref: Mapping[str, Any]) -> list[int]:
@@ -137,10 +146,11 @@ class ShardedCheckpoint:
             out = torch.empty(end - start, dtype=self.ref_dtype(ref))
         lo, hi = offset + start, offset + end  # in the flat group's coordinates
         covered = 0
-        for rank, s0, s1 in self.meta["groups"][gi]["shards"]:
-            a, b = overlap(lo, hi, s0, s1)
+        for shard in self.groups[gi].shards:
+            a, b = overlap(lo, hi, shard.start, shard.end)
             if b > a:
-                self._file_with(rank, key, "shard").read(key, a - s0, b - s0, out[a - lo : b - lo])
+                self._file_with(shard.file, key, "shard").read(key, a - shard.start, b - shard.start,
+                                                               out[a - lo : b - lo])
                 covered += b - a
         if covered != hi - lo:
             raise CheckpointError(f"The shards of flat group {gi} do not cover elements [{lo}, {hi}).")

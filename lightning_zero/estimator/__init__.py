@@ -3,7 +3,7 @@
 One file per job: :mod:`.options` (precisions, offloads), :mod:`.model_spec` (what is known about the
 model), :mod:`.cluster`, :mod:`.activations`, :mod:`.deepspeed_figures` (DeepSpeed's formulas),
 :mod:`.estimate` (the result types and :func:`estimate_memory`), :mod:`.sizes` (size text) and
-:mod:`.report` (the printed tables). The stage advisor is :mod:`lightning_zero.estimator.advisor`.
+:mod:`.report` (the text pieces the printed tables share). The stage advisor is :mod:`lightning_zero.estimator.advisor`.
 """
 
 from lightning_zero.estimator.activations import Activations, activation_memory
@@ -15,10 +15,10 @@ from lightning_zero.estimator.estimate import (
     MemoryEstimate,
     estimate_config,
     estimate_memory,
+    render_estimate,
 )
 from lightning_zero.estimator.model_spec import PRESETS, ModelSpec, resolve_model, spec_of_module
 from lightning_zero.estimator.options import OFFLOADS, PRECISIONS, formula_precision
-from lightning_zero.estimator.report import render_estimate
 from lightning_zero.estimator.sizes import format_bytes, format_count, parse_count, parse_size
 
 __all__ = [

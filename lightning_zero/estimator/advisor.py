@@ -30,7 +30,7 @@ from lightning_zero.estimator import (
     format_count,
     parse_size,
 )
-from lightning_zero.estimator.report import render_advice
+from lightning_zero.estimator.report import activation_line, describe, grid, wrap
 
 __all__ = ["PREFERENCE", "Advice", "Candidate", "Hardware", "Shortfall", "advise", "format_bytes", "format_count",
            "needs_of", "render_advice"]
@@ -225,3 +225,40 @@ def advise(
         candidates.append(Candidate(c, needs, short, biggest))
     return Advice(base.model, base.cluster, hw, precision, activation_checkpointing, base.activations,
                   tuple(candidates), osp, nvme_path)
+
+
+def render_advice(adv: Advice, units: str = "GB") -> str:
+    """The text ``lightning-zero advise`` prints."""
+    hw = adv.hardware
+    f = lambda n: "-" if n == 0 else format_bytes(n, units)  # noqa: E731
+    lines = describe(adv.model, adv.cluster, adv.precision, adv.optimizer_state_per_param)
+    lines += [
+        f"Hardware: device {f(hw.device_memory)}/rank, CPU {f(hw.cpu_memory)}/node, NVMe {f(hw.nvme)}/node; "
+        f"headroom {hw.headroom:.0%} of each kept free.",
+        wrap(activation_line(adv.activations, units)),
+    ]
+    if adv.activations is not None:
+        lines.append(f"Activation checkpointing is assumed {'on' if adv.checkpointing else 'off'} for the fit.")
+    rows = [["#", "configuration", "device/rank", "cpu/node", "nvme/node", "fits", "largest model"]]
+    for i, c in enumerate(adv.candidates, 1):
+        need = dict(c.needs)
+        rows.append([str(i), c.estimate.label, f(need["device"]), f(need["CPU"]), f(need["NVMe"]),
+                     "yes" if c.fits else "no", format_count(c.max_params)])
+    lines += ["", *grid(rows), ""]
+    choice = adv.choice
+    faster = adv.candidates if choice is None else adv.candidates[: adv.candidates.index(choice)]
+    if choice is None:
+        lines.append("Nothing fits. Add ranks or memory, shorten sequences / micro-batch, or enable checkpointing.")
+    else:
+        lines += [f"Recommended: {choice.estimate.label}",
+                  f"Hydra overrides: {adv.overrides}"]
+    if faster:
+        lines.append("Why not the faster options:" if choice else "Why each option does not fit:")
+    for c in faster:
+        why = "; ".join(
+            f"{s.memory} memory short by {f(s.missing)} (needs {f(s.needed)}, {f(s.usable)} usable)"
+            for s in c.shortfalls
+        )
+        lines.append(f"  {c.estimate.label}: {why}")
+    lines.append("largest model: parameters each configuration holds on this hardware (same architecture).")
+    return "\n".join(lines)

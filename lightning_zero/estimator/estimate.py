@@ -5,8 +5,8 @@ Model states come from :func:`lightning_zero.core.zero.memory.model_state_formul
 :func:`~lightning_zero.core.zero.memory.offloaded_model_state` -- the same functions the strategy's
 measured memory is tested against. Activations follow Korthikanti et al. (2022), see
 :func:`activation_memory`. DeepSpeed's own estimator figures are reproduced beside ours by
-:func:`deepspeed_figures`. The stage advisor lives in :mod:`lightning_zero.estimator.advisor`, the text reports in
-:mod:`lightning_zero.estimator.report`.
+:func:`deepspeed_figures`. The stage advisor lives in :mod:`lightning_zero.estimator.advisor`; the
+pieces of text this estimate's table shares with the advisor's are in :mod:`lightning_zero.estimator.report`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from lightning_zero.estimator.activations import Activations, activation_memory
 from lightning_zero.estimator.cluster import Cluster, make_cluster
 from lightning_zero.estimator.deepspeed_figures import DeepSpeedFigures, deepspeed_figures
 from lightning_zero.estimator.model_spec import ModelSpec, resolve_model
-from lightning_zero.estimator.options import OFFLOADS, formula_precision
-from lightning_zero.estimator.report import render_estimate
-from lightning_zero.estimator.sizes import parse_count
+from lightning_zero.estimator.options import OFFLOADS, PRECISIONS, formula_precision
+from lightning_zero.estimator.report import activation_line, describe, grid, wrap
+from lightning_zero.estimator.sizes import format_bytes, format_count, parse_count
 
 
 @dataclass(frozen=True)
@@ -200,3 +200,47 @@ def estimate_memory(
         if stage in OFFLOAD_STAGES[off] and (offload == "all" or off in ("none", offload))
     )
     return MemoryEstimate(spec, cluster, precision, optimizer_state_per_param, acts, configs)
+
+
+def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
+    """The text ``lightning-zero estimate`` prints."""
+    f = lambda n: "-" if n == 0 else format_bytes(n, units)  # noqa: E731
+    acts = est.activations is not None
+    head = ["stage", "offload", "device", "params", "grads", "optim", "cpu", "nvme", "cpu/node", "nvme/node"]
+    head += ["+act", "+act(ckpt)"] if acts else []
+    head += ["|", "DeepSpeed's: device", "cpu/node"]
+    rows = [head]
+    for c in est.configs:
+        d = c.on_device
+        row = [str(c.stage), c.offload, f(c.device_bytes), f(d.params), f(d.grads), f(d.optimizer), f(c.cpu_bytes),
+               f(c.nvme_bytes), f(c.cpu_bytes * c.ranks_per_node), f(c.nvme_bytes * c.ranks_per_node)]
+        row += [f(c.device_total(False)), f(c.device_total(True))] if acts else []
+        ds = c.deepspeed
+        ds_cells = ["-", "-"] if ds is None else [format_bytes(ds.device, units), format_bytes(ds.cpu_per_node, units)]
+        row += ["|", *ds_cells]
+        rows.append(row)
+    unit_note = "GB = 10^9 bytes" if units == "GB" else "GiB = 2^30 bytes"
+    big = est.model.largest_layer_params
+    lines = describe(est.model, est.cluster, est.precision, est.optimizer_state_per_param)
+    lines += [
+        "",
+        f"Per-rank memory (ZeRO paper model states; {unit_note}). device = params + grads + optim kept on the",
+        "device" + (f" + stage 3's gathered largest layer ({format_count(big)} params, 16-bit params+grads)"
+                    if big else " (stage 3's gathered layer not included: largest layer unknown)") + ".",
+        "",
+        *grid(rows),
+        "",
+        "Offload: optimizer_* moves master + optimizer state + an fp32 gradient partition to CPU/NVMe (stages 2-3",
+        "keep no gradient on the device); param_* moves the parameter shard too (stage 3). cpu/nvme are per rank.",
+        activation_line(est.activations, units),
+    ]
+    if PRECISIONS[est.precision][0] == "mixed":
+        lines.append(
+            "DeepSpeed's: figures of DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (zero_init=True, "
+            "additional_buffer_factor=1.5, largest layer "
+            + (f"{format_count(big)} params" if big else "unknown: 0 assumed, give --largest-layer or --model")
+            + "); cpu per node; '-': DeepSpeed has no estimator for that row."
+        )
+    else:
+        lines.append("DeepSpeed's: its estimators assume mixed precision, so they are not shown for " + est.precision)
+    return "\n".join(lines[:-2] + [wrap(line) for line in lines[-2:]])

@@ -5,33 +5,41 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_zero.core.zero.engine import ZeroEngine
+
+class ParameterOwner(Protocol):
+    """What ``gathered_parameters`` needs of the engine that partitions a parameter (``ZeroEngine``):
+    its parameters, and a block that makes some of them whole (declared here, below the engine, so
+    that this module does not import the engine that imports it)."""
+
+    @property
+    def names(self) -> Mapping[torch.nn.Parameter, str]: ...
+
+    def gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> AbstractContextManager[None]: ...
 
 # attribute set on each parameter while an engine partitions it: a weak reference to the engine
 # (a WeakKeyDictionary keyed by tensors crashed the interpreter at teardown in our tests)
 _ATTR = "_lightning_zero_engine"
 
 
-def register(engine: ZeroEngine) -> None:
+def register(engine: ParameterOwner) -> None:
     ref = weakref.ref(engine)
     for p in engine.names:
         setattr(p, _ATTR, ref)
 
 
-def unregister(engine: ZeroEngine) -> None:
+def unregister(engine: ParameterOwner) -> None:
     for p in engine.names:
         if getattr(p, _ATTR, lambda: None)() is engine:
             delattr(p, _ATTR)
 
 
-def _owner(p: torch.Tensor) -> ZeroEngine | None:
+def _owner(p: torch.Tensor) -> ParameterOwner | None:
     ref = getattr(p, _ATTR, None)
     return ref() if ref is not None else None
 

@@ -19,7 +19,7 @@ Note [version counter]
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -29,8 +29,15 @@ from lightning_zero.core.stage3.gather_pool import GatherPool, lend, take_back
 from lightning_zero.core.stage3.units import PERSISTENT
 from lightning_zero.core.zero.flat_param import FlatParamGroup
 
-if TYPE_CHECKING:
-    from lightning_zero.core.offload.param_offload import ParamOffload
+
+class ShardReader(Protocol):
+    """Where an offloaded unit's shards live (``core/offload/param_offload.py``'s ``ParamOffload``:
+    host buffers or swap files): gathering asks it for the shard instead of reading ``g.shard``.
+    Declared here, below the offload that implements it, so neither module imports the other back."""
+
+    def read(self, g: FlatParamGroup, dest: torch.Tensor) -> None:
+        """Copy this rank's shard of ``g`` into ``dest`` (its range of the gather buffer)."""
+        ...
 
 
 class UnitState(enum.Enum):
@@ -58,7 +65,7 @@ class ShardedUnit:
         self.has_frozen: bool = any(g.optimizer_group < 0 for g in groups)
         self.state = UnitState.GATHERED  # bound whole at setup, sharded by shard()
         self._handles: list[Handle] = []
-        self.shard_io: ParamOffload | None = None  # offload_param: reads the shards (Note [parameter offload])
+        self.shard_io: ShardReader | None = None  # offload_param: reads the shards (Note [parameter offload])
         self.pool: GatherPool | None = None  # Note [gather buffer pool]; set by the runtime
         self._lent: dict[int, torch.Tensor] = {}  # Note [one rank]: group index -> the shard whose memory is lent
         self.lend: bool = True  # Note [one rank]; False copies instead (benchmarks/ measures the difference)
