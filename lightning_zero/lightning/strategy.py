@@ -41,6 +41,7 @@ from typing_extensions import override
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.comm.process_groups import own, reusable
+from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters
@@ -107,6 +108,8 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         offload: a full :class:`~lightning_zero.OffloadConfig` instead of the three shortcuts.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
+        resolved_config: settings that must agree on every rank (the CLI's resolved config), compared
+            across ranks at setup before the first collective (Note [setup agreement]).
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
             ``collective``, ``timeout_s``, ``elementwise_optimizers``, ...).
     """
@@ -138,6 +141,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: str = "popen",
+        resolved_config: dict[str, Any] | None = None,
         **zero_options: Any,
     ) -> None:
         self.zero_config: ZeroConfig = config or ZeroConfig.from_kwargs(stage, zero_options)
@@ -179,12 +183,13 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         self._engine: ZeroEngine | None = None  # set in setup() when fitting (or evaluating a sharded build)
         self._built_sharded = False  # this run's model was built in configure_model (stage 3), until teardown
         self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
-        self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
+        self._mesh: ProcessMesh | None = None  # the process groups, one set per strategy (Note [clean exit])
+        self._comm: DataParallelComm | None = None  # ZeRO's group of the mesh and its collectives
         self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
         self._pipeline: StrategyPipeline | None = None  # this rank's stage (setup, when pipelined)
         self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/reliability/heartbeat.py)
         self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)
-        self.resolved_config: dict[str, Any] | None = None  # compared across ranks at setup (the CLI sets it)
+        self.resolved_config: dict[str, Any] | None = resolved_config  # compared across ranks at setup
 
     @property
     def nonfinite_skipped_steps(self) -> int:
@@ -228,9 +233,10 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        mesh = self._process_mesh()
         self.model = self.precision_plugin.convert_module(self.model)
         if self.pipeline_config is not None:  # split: other stages' weights become storage-less placeholders
-            self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
+            self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device, mesh,
                                               self.zero_config.timeout_s, self.param_init_fn,
                                               torch.initial_seed() % 2**63)
         elif has_meta_parameters(self.model):
@@ -238,10 +244,6 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         if self._pipeline is None:
             self.model_to_device()
         self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
-        if self._pipeline is not None:  # the data-parallel group of this rank's pipeline stage
-            self._comm = own(DataParallelComm(self._pipeline.groups.dp, self.zero_config.collective))
-        elif not reusable(self._comm):  # one group per strategy: Note [clean exit] in core/comm/process_groups.py
-            self._comm = own(DataParallelComm(self._make_dp_group(), self.zero_config.collective))
         plugin = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
             add_monitor(trainer, self.monitor, self.profiler)
@@ -253,13 +255,12 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
                 )
             if self._pipeline is not None:
                 self._pipeline.restrict_optimizer(self.optimizers[0])
+                self._pipeline.check_engine(self.zero_config)
             self._engine = self._make_engine(self.optimizers[0], trainer)
             if isinstance(opt := self.optimizers[0], OneBitAdam) and (why := opt.warmup_outlasts(trainer.max_steps)):
                 rank_zero_warn(why)
-            if self._pipeline is not None:
-                self._pipeline.attach(self._engine)
             plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
-            plugin.engine = self._engine
+            plugin.bind_engine(self._engine)
             if plugin.scaler is not None:
                 self._guard_lr_schedulers()
         elif self._pipeline is not None:
@@ -280,12 +281,30 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
             dtypes=plugin.dtype_policy(module), master_init=plugin.master_init() if optimizer is not None else None,
             param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
             setup_settings=setup_settings(self, trainer), offload=self.offload,
+            coupling=self._pipeline.stage_coupling(self.zero_config) if self._pipeline is not None else None,
         )
 
-    def _make_dp_group(self) -> dist.ProcessGroup | None:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        return dist.new_group(timeout=timedelta(seconds=self.zero_config.timeout_s))  # the strategy's timeout
+    def _parallel_dims(self) -> ParallelDims:
+        """The sizes of the parallel dimensions, the one place they are chosen (tensor and sequence
+        parallel add theirs here)."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self.pipeline_config is None:
+            return ParallelDims(world)
+        self.pipeline_config.data_parallel_size(world)  # its error names the pipeline's fix
+        return ParallelDims(world, pipeline=self.pipeline_config.stages)
+
+    def _process_mesh(self) -> ProcessMesh:
+        """The strategy's mesh and ZeRO's comm over it: built at the first setup and reused by the next ones
+        while their groups live (one group set per strategy, closed at exit: Note [clean exit] in
+        core/comm/process_groups.py)."""
+        dims = self._parallel_dims()
+        if self._mesh is not None and self._mesh.dims == dims and reusable(self._comm):
+            return self._mesh
+        axis_sets = [dims.zero_axes] + ([(Axis.PIPELINE,)] if dims.pipeline_enabled else [])
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._mesh = own(ProcessMesh(dims, rank, axis_sets, self.zero_config.timeout_s))  # the strategy's timeout
+        self._comm = own(DataParallelComm(self._mesh.group(*dims.zero_axes), self.zero_config.collective))
+        return self._mesh
 
     @torch.no_grad()
     def _broadcast_module_states(self) -> None:
@@ -371,7 +390,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
                 whole_state = self._pipeline.whole_optimizer_state(self._engine, plan.keep_optimizer_state)
             self._engine.detach(keep_optimizer_state=plan.keep_optimizer_state, gather_params=plan.gather_params)
             self._engine = None
-            self.precision_plugin.engine = None
+            self.precision_plugin.bind_engine(None)
         if self._pipeline is not None:  # the unsplit module (and, after fit, optimizer) on every rank again
             refusal = self._pipeline.teardown(self.optimizers, whole_state, failed, self.gather_on_teardown)
             self._after_fit_refusal = refusal if self._pipeline.checkpoint is not None else self._after_fit_refusal
