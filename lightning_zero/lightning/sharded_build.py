@@ -1,5 +1,5 @@
 """Lightning glue for stage-3 models built in ``configure_model``: their parameters go to the meta
-device as they are registered, are sharded unit by unit at the strategy's setup (for fit and for
+device as they are registered, are sharded unit by unit at the strategy's setup (``compose.py``) (for fit and for
 test / validate / predict), and a ``ckpt_path`` is read after setup, into the shards. A mixin of
 :class:`~lightning_zero.ZeroStrategy`; the mechanism is ``core/stage3/materialize.py`` and ``core/stage3/runtime.py``.
 """
@@ -12,11 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero.core.stage3.materialize import (
-    has_unmaterialized_tensors,
-    parameters_on_meta,
-    replace_meta_parameters,
-)
+from lightning_zero.core.stage3.materialize import has_unmaterialized_tensors, parameters_on_meta
 from lightning_zero.core.zero.config import ZeroConfig
 
 
@@ -44,17 +40,6 @@ class ShardedBuildMixin:
             return
         with parameters_on_meta():
             yield
-
-    def _prepare_meta_model(self) -> None:
-        """Parameters built on the meta device: give them storage-less CPU/GPU stand-ins that
-        stage 3 initialises (or fills from a checkpoint) one unit at a time."""
-        if self.zero_config.stage != 3:
-            raise NotImplementedError(
-                "The model has parameters on the meta device. lightning_zero initialises meta-built models only "
-                "with ZeRO stage 3 (unit by unit, sharded). Use stage=3, or build the model with real tensors."
-            )
-        replace_meta_parameters(self.model, self.root_device)
-        self._built_sharded = True
 
     @contextmanager
     def _unmoved_if_unmaterialized(self) -> Generator[None, None, None]:

@@ -44,10 +44,11 @@ from lightning_zero.core.comm.process_groups import own, reusable
 from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters
+from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.teardown import plan_teardown
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.lightning.compose import ParallelPlan, apply_parallelisms
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.sharded_build import ShardedBuildMixin
 from lightning_zero.lightning.state import ZeroStateMixin
@@ -234,55 +235,35 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         mesh = self._process_mesh()
-        self.model = self.precision_plugin.convert_module(self.model)
-        if self.pipeline_config is not None:  # split: other stages' weights become storage-less placeholders
-            self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device, mesh,
-                                              self.zero_config.timeout_s, self.param_init_fn,
-                                              torch.initial_seed() % 2**63)
-        elif has_meta_parameters(self.model):
-            self._prepare_meta_model()
-        if self._pipeline is None:
-            self.model_to_device()
         self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
-        plugin = self.precision_plugin
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             add_monitor(trainer, self.monitor, self.profiler)
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise NotImplementedError(
-                    f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
-                    "parameter sets in param groups of one optimizer."
-                )
-            if self._pipeline is not None:
-                self._pipeline.restrict_optimizer(self.optimizers[0])
-                self._pipeline.check_engine(self.zero_config)
-            self._engine = self._make_engine(self.optimizers[0], trainer)
+        assert self._comm is not None
+        composed = apply_parallelisms(
+            self.lightning_module, mesh, self._comm,
+            ParallelPlan(self.zero_config, self.offload, self.pipeline_config, self.param_init_fn),
+            self.precision_plugin, self.root_device, (lambda: self._the_optimizer(trainer)) if fitting else None,
+            setup_settings(self, trainer),
+        )
+        self._pipeline, self._engine = composed.pipeline, composed.engine
+        self._built_sharded = self._built_sharded or composed.built_sharded
+        if fitting:
             if isinstance(opt := self.optimizers[0], OneBitAdam) and (why := opt.warmup_outlasts(trainer.max_steps)):
                 rank_zero_warn(why)
-            plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
-            plugin.bind_engine(self._engine)
-            if plugin.scaler is not None:
+            if self.precision_plugin.scaler is not None:
                 self._guard_lr_schedulers()
-        elif self._pipeline is not None:
-            self._pipeline.broadcast_local(self._comm)
-        elif self._built_sharded:
-            # evaluating a model built in configure_model: it exists only as shards, so stage 3
-            # shards it here too (no optimizer) and gathers one unit at a time in every forward
-            self._engine = self._make_engine(None, trainer)
-        else:
-            self._broadcast_module_states()
         self.setup_precision_plugin()
 
-    def _make_engine(self, optimizer: Optimizer | None, trainer: pl.Trainer) -> ZeroEngine:
-        plugin, module = self.precision_plugin, self.lightning_module
-        return ZeroEngine(
-            self._pipeline.local.module if self._pipeline is not None else module, optimizer, self.zero_config,
-            self._comm,
-            dtypes=plugin.dtype_policy(module), master_init=plugin.master_init() if optimizer is not None else None,
-            param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
-            setup_settings=setup_settings(self, trainer), offload=self.offload,
-            coupling=self._pipeline.stage_coupling(self.zero_config) if self._pipeline is not None else None,
-        )
+    def _the_optimizer(self, trainer: pl.Trainer) -> Optimizer:
+        """Lightning's ``configure_optimizers``, refused unless it makes exactly one optimizer."""
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise NotImplementedError(
+                f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
+                "parameter sets in param groups of one optimizer."
+            )
+        return self.optimizers[0]
 
     def _parallel_dims(self) -> ParallelDims:
         """The sizes of the parallel dimensions, the one place they are chosen (tensor and sequence
@@ -305,12 +286,6 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         self._mesh = own(ProcessMesh(dims, rank, axis_sets, self.zero_config.timeout_s))  # the strategy's timeout
         self._comm = own(DataParallelComm(self._mesh.group(*dims.zero_axes), self.zero_config.collective))
         return self._mesh
-
-    @torch.no_grad()
-    def _broadcast_module_states(self) -> None:
-        assert self._comm is not None and self.lightning_module is not None
-        for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers()):
-            self._comm.broadcast(t.data)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
