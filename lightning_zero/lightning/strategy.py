@@ -20,8 +20,9 @@ LR schedulers from advancing (Note [skipped steps and schedulers]).
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -45,14 +46,16 @@ from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
+from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.teardown import plan_teardown
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.lightning.compose import ParallelPlan, apply_parallelisms
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.lightning.sharded_build import ShardedBuildMixin
-from lightning_zero.lightning.state import ZeroStateMixin
-from lightning_zero.lightning.steps import StepDispatchMixin
+from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
+from lightning_zero.lightning.state import StrategyCheckpointing
+from lightning_zero.lightning.steps import StepDispatch
 from lightning_zero.lightning.uneven import check_training_batches
 from lightning_zero.observability.callbacks import add_monitor
 from lightning_zero.observability.monitoring import ProfilerWindow
@@ -65,7 +68,7 @@ from lightning_zero.reliability.setup_agreement import setup_settings
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStrategy):
+class ZeroStrategy(RecordedCollectives, DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -175,7 +178,6 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
                 f"checkpoint_format must be 'auto', 'sharded' or 'consolidated', got {checkpoint_format!r}."
             )
         self.checkpoint_format = checkpoint_format
-        self._pending_rng: dict[str, Any] | None = None  # RNG states of a loaded sharded checkpoint
         if profiler and not monitor:
             raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
         self.monitor = monitor
@@ -183,7 +185,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         self._fixed_precision = precision_plugin is not None
         self._engine: ZeroEngine | None = None  # set in setup() when fitting (or evaluating a sharded build)
         self._built_sharded = False  # this run's model was built in configure_model (stage 3), until teardown
-        self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
+        self._last_runtime: Stage3Runtime | None = None  # the stage-3 runtime of the last fit (its peak counters)
         self._mesh: ProcessMesh | None = None  # the process groups, one set per strategy (Note [clean exit])
         self._comm: DataParallelComm | None = None  # ZeRO's group of the mesh and its collectives
         self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
@@ -191,6 +193,96 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/reliability/heartbeat.py)
         self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)
         self.resolved_config: dict[str, Any] | None = resolved_config  # compared across ranks at setup
+        self._steps = StepDispatch(self)  # how each Lightning step runs (steps.py)
+        self._checkpointing = StrategyCheckpointing(self)  # state dicts and checkpoint files (state.py)
+        self._after_fit_refusal: tuple[str, bool] | None = None  # a pipelined fit's teardown: why a save is incomplete
+
+    # ------------------------------------------------------------------ state (its part: state.py)
+    @property
+    def engine(self) -> ZeroEngine | None:
+        """The ZeRO engine driving the current fit, or, for a stage-3 model built in
+        ``configure_model``, the current test / validate / predict run (``None`` otherwise)."""
+        return self._engine
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``comm_buffers``, counted from the
+        tensors that exist (each storage once), not from a formula."""
+        return self._checkpointing.model_state_bytes()
+
+    def load_full_state_dict(
+        self, source: str | os.PathLike | Mapping[str, Tensor], prefix: str = "", strict: bool = True
+    ) -> None:
+        """Load whole (unsharded) weights, e.g. a Hugging Face ``.safetensors`` file, into the model (on every
+        rank, after setup; stage 3 streams them unit by unit into the shards): see
+        :meth:`~lightning_zero.lightning.state.StrategyCheckpointing.load_full_state_dict`."""
+        self._checkpointing.load_full_state_dict(source, prefix, strict)
+
+    @property
+    def gathered_peak_numel(self) -> int:
+        """Stage 3: the most parameter elements ever gathered at once on this rank (0 for other stages)."""
+        return self._checkpointing.gathered_peak_numel
+
+    @property
+    def gathered_bound_numel(self) -> int:
+        """Stage 3: the bound on :attr:`gathered_peak_numel` (``prefetch_bucket_size``, ``max_live_parameters``)."""
+        return self._checkpointing.gathered_bound_numel
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (``None`` in the other modes)."""
+        return self.precision_plugin.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed (checkpointed)."""
+        return self.precision_plugin.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (overflow on some rank)."""
+        return self.precision_plugin.last_step_skipped
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm (unscaled) of the last step that measured it."""
+        return self._checkpointing.last_grad_norm
+
+    def step_stats(self) -> dict[str, float]:
+        """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known (the monitor's names)."""
+        return self._checkpointing.step_stats()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._checkpointing.lightning_module_state_dict(super().lightning_module_state_dict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self._checkpointing.optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._checkpointing.load_optimizer_state_dict(checkpoint, super().load_optimizer_state_dict)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self._checkpointing.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._checkpointing.remove_checkpoint(filepath, super().remove_checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self._checkpointing.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self._checkpointing.restore_checkpoint_after_setup
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._checkpointing.load_model_state_dict(checkpoint, strict, super().load_model_state_dict)
 
     @property
     def nonfinite_skipped_steps(self) -> int:
@@ -252,7 +344,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
             if isinstance(opt := self.optimizers[0], OneBitAdam) and (why := opt.warmup_outlasts(trainer.max_steps)):
                 rank_zero_warn(why)
             if self.precision_plugin.scaler is not None:
-                self._guard_lr_schedulers()
+                self._steps.guard_lr_schedulers()
         self.setup_precision_plugin()
 
     def _the_optimizer(self, trainer: pl.Trainer) -> Optimizer:
@@ -287,11 +379,44 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         self._comm = own(DataParallelComm(self._mesh.group(*dims.zero_axes), self.zero_config.collective))
         return self._mesh
 
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3 or a pipeline: parameters built in ``configure_model`` go to the meta device (sharded_build.py)."""
+        with sharded_build_context(self.zero_config, self.pipeline_config):
+            yield
+
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # never wrapped: the engine's hooks do what DDP's wrapper would
 
-    # ------------------------------------------------------------------ training (steps: strategy_steps.py)
+    # ------------------------------------------------------------------ steps (their part: steps.py)
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.training_step(super().training_step, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.evaluation_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.evaluation_step(super().predict_step, *args, **kwargs)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._steps.sampler_kwargs() or super().distributed_sampler_kwargs
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return self._steps.process_dataloader(dataloader)
+
+    # ------------------------------------------------------------------ training
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -339,7 +464,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
 
     @override
     def teardown(self) -> None:
-        self._pending_rng = None
+        self._steps.resume_rng(None)
         if self._hang is not None:
             self._hang.stop()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -374,8 +499,14 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         if module is not None:
             module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
             self.precision_plugin.restore_module(module)
-        with self._unmoved_if_unmaterialized():
+        if not hidden_from_teardown(module):
             super().teardown()
+            return
+        self._lightning_module = None  # Lightning's teardown moves the module: nothing of it exists to move
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     @classmethod
     @override
