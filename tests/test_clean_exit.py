@@ -1,6 +1,7 @@
 """Clean exits (Note [clean exit] in lightning_zero/core/comm/process_groups.py): a strategy keeps one
-data-parallel group over several fits, and closing it really ends the group's gloo threads (so nothing
-of it is left to be destroyed during interpreter finalization, where it could abort the process)."""
+process mesh (and its data-parallel group) over several fits, and closing what was registered really
+ends the group's gloo threads (so nothing of it is left to be destroyed during interpreter
+finalization, where it could abort the process)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def group_threads_body() -> dict[str, Any]:
     trainer.fit_loop.epoch_loop.max_steps = 2
     trainer.fit(model, token_loader())
     after_fits = _threads() - base
-    registered = strategy._comm in _owned
-    strategy._comm.close()
+    registered = strategy._comm in _owned and strategy._mesh in _owned
+    for holder in (strategy._comm, strategy._mesh):  # what close_all closes at exit
+        holder.close()
     after_close = _threads() - base
     return {"per_group": per_group, "after_probe": after_probe, "after_fits": after_fits,
             "after_close": after_close, "registered": registered}

@@ -58,6 +58,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "pipeline": pipeline_config(cfg),
         "offload": offload_config(cfg),
         "param_init_fn": param_init_fn(cfg),
+        "resolved_config": config_hparams(cfg),  # compared across ranks at setup (Note [setup agreement])
     }
 
 
@@ -302,7 +303,6 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     last_validation = _LastValidation()
     kwargs["callbacks"] = [*kwargs["callbacks"], last_validation]
     strategy = build_strategy(cfg)
-    strategy.resolved_config = config_hparams(cfg)  # compared across ranks at setup (Note [setup agreement])
     trainer = pl.Trainer(strategy=strategy, **kwargs)
     log_hyperparams(trainer, run_hparams(cfg))  # first: TensorBoard's HPARAMS tab shows the first it finds
     for logger in trainer.loggers:

@@ -153,11 +153,11 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
     scheduler settings (built by :meth:`from_deepspeed_config`)."""
 
     def __init__(self, *args: Any, deepspeed_config: DeepSpeedConfig, optimizer_source: OptimizerSource = "auto",
-                 **kwargs: Any) -> None:
+                 pipeline_from_json: bool = False, **kwargs: Any) -> None:
         self.deepspeed_config = deepspeed_config
         self.optimizer_source = optimizer_source
         self.resolved_batch: ResolvedBatch | None = None  # set in setup(), when the world size is known
-        self.pipeline_from_json = False  # the JSON's pipeline section made the pipeline (it takes the JSON's GAS)
+        self.pipeline_from_json = pipeline_from_json  # the JSON's pipeline section made the pipeline (it takes its GAS)
         self._trainer_precision: str | None = None  # what Trainer(precision=...) asked for
         self._patched: pl.LightningModule | None = None
         super().__init__(*args, **kwargs)
@@ -191,9 +191,8 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
             ds = parse_deepspeed_config(source, strict=strict, warn=False)
             if ds.unsupported:
                 rank_zero_warn(ds.unsupported_message())
-        strategy = cls(deepspeed_config=ds, optimizer_source=optimizer_source, **strategy_kwargs(ds, overrides))
-        strategy.pipeline_from_json = overrides.get("pipeline") is None
-        return strategy
+        return cls(deepspeed_config=ds, optimizer_source=optimizer_source,
+                   pipeline_from_json=overrides.get("pipeline") is None, **strategy_kwargs(ds, overrides))
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZeroPrecision:

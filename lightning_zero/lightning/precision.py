@@ -115,12 +115,17 @@ class ZeroPrecision(Precision):
         self.scaler: LossScaler | None = (
             LossScaler(loss_scaler or LossScalerConfig()) if name == "16-mixed" else None
         )
-        self.engine: ZeroEngine | None = None  # set by the strategy when fitting
+        self.engine: ZeroEngine | None = None  # the fit's engine (bind_engine: the strategy, when fitting)
         self.last_step_skipped = False  # the last optimizer step overflowed and was skipped
         # weights as they were before convert_module, per parameter (mixed modes): the masters start
         # from them, and parameters the engine does not own get them back at restore_module
         self._originals: dict[nn.Parameter, Tensor] = {}
         self._module_dtype: torch.dtype | None = None
+
+    def bind_engine(self, engine: ZeroEngine | None) -> None:
+        """The engine this plugin steps, clips and unscales through (the strategy's, while fitting; ``None``
+        after)."""
+        self.engine = engine
 
     # ------------------------------------------------------------------ dtypes
     @property

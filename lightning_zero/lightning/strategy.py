@@ -20,8 +20,9 @@ LR schedulers from advancing (Note [skipped steps and schedulers]).
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -41,16 +42,20 @@ from typing_extensions import override
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.comm.process_groups import own, reusable
+from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters
+from lightning_zero.core.stage3.materialize import ParamInitFn
+from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.teardown import plan_teardown
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.memory import ModelStateBytes
+from lightning_zero.lightning.compose import ParallelPlan, apply_parallelisms
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.lightning.sharded_build import ShardedBuildMixin
-from lightning_zero.lightning.state import ZeroStateMixin
-from lightning_zero.lightning.steps import StepDispatchMixin
+from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
+from lightning_zero.lightning.state import StrategyCheckpointing
+from lightning_zero.lightning.steps import StepDispatch
 from lightning_zero.lightning.uneven import check_training_batches
 from lightning_zero.observability.callbacks import add_monitor
 from lightning_zero.observability.monitoring import ProfilerWindow
@@ -63,7 +68,7 @@ from lightning_zero.reliability.setup_agreement import setup_settings
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStrategy):
+class ZeroStrategy(RecordedCollectives, DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -107,6 +112,8 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         offload: a full :class:`~lightning_zero.OffloadConfig` instead of the three shortcuts.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
+        resolved_config: settings that must agree on every rank (the CLI's resolved config), compared
+            across ranks at setup before the first collective (Note [setup agreement]).
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
             ``collective``, ``timeout_s``, ``elementwise_optimizers``, ...).
     """
@@ -138,6 +145,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: str = "popen",
+        resolved_config: dict[str, Any] | None = None,
         **zero_options: Any,
     ) -> None:
         self.zero_config: ZeroConfig = config or ZeroConfig.from_kwargs(stage, zero_options)
@@ -170,7 +178,6 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
                 f"checkpoint_format must be 'auto', 'sharded' or 'consolidated', got {checkpoint_format!r}."
             )
         self.checkpoint_format = checkpoint_format
-        self._pending_rng: dict[str, Any] | None = None  # RNG states of a loaded sharded checkpoint
         if profiler and not monitor:
             raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
         self.monitor = monitor
@@ -178,13 +185,104 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         self._fixed_precision = precision_plugin is not None
         self._engine: ZeroEngine | None = None  # set in setup() when fitting (or evaluating a sharded build)
         self._built_sharded = False  # this run's model was built in configure_model (stage 3), until teardown
-        self._last_runtime: Any = None  # the stage-3 runtime of the last fit (its peak counters)
-        self._comm: DataParallelComm | None = None  # data-parallel group and its collectives
+        self._last_runtime: Stage3Runtime | None = None  # the stage-3 runtime of the last fit (its peak counters)
+        self._mesh: ProcessMesh | None = None  # the process groups, one set per strategy (Note [clean exit])
+        self._comm: DataParallelComm | None = None  # ZeRO's group of the mesh and its collectives
         self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
         self._pipeline: StrategyPipeline | None = None  # this rank's stage (setup, when pipelined)
         self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/reliability/heartbeat.py)
         self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)
-        self.resolved_config: dict[str, Any] | None = None  # compared across ranks at setup (the CLI sets it)
+        self.resolved_config: dict[str, Any] | None = resolved_config  # compared across ranks at setup
+        self._steps = StepDispatch(self)  # how each Lightning step runs (steps.py)
+        self._checkpointing = StrategyCheckpointing(self)  # state dicts and checkpoint files (state.py)
+        self._after_fit_refusal: tuple[str, bool] | None = None  # a pipelined fit's teardown: why a save is incomplete
+
+    # ------------------------------------------------------------------ state (its part: state.py)
+    @property
+    def engine(self) -> ZeroEngine | None:
+        """The ZeRO engine driving the current fit, or, for a stage-3 model built in
+        ``configure_model``, the current test / validate / predict run (``None`` otherwise)."""
+        return self._engine
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``comm_buffers``, counted from the
+        tensors that exist (each storage once), not from a formula."""
+        return self._checkpointing.model_state_bytes()
+
+    def load_full_state_dict(
+        self, source: str | os.PathLike | Mapping[str, Tensor], prefix: str = "", strict: bool = True
+    ) -> None:
+        """Load whole (unsharded) weights, e.g. a Hugging Face ``.safetensors`` file, into the model (on every
+        rank, after setup; stage 3 streams them unit by unit into the shards): see
+        :meth:`~lightning_zero.lightning.state.StrategyCheckpointing.load_full_state_dict`."""
+        self._checkpointing.load_full_state_dict(source, prefix, strict)
+
+    @property
+    def gathered_peak_numel(self) -> int:
+        """Stage 3: the most parameter elements ever gathered at once on this rank (0 for other stages)."""
+        return self._checkpointing.gathered_peak_numel
+
+    @property
+    def gathered_bound_numel(self) -> int:
+        """Stage 3: the bound on :attr:`gathered_peak_numel` (``prefetch_bucket_size``, ``max_live_parameters``)."""
+        return self._checkpointing.gathered_bound_numel
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (``None`` in the other modes)."""
+        return self.precision_plugin.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed (checkpointed)."""
+        return self.precision_plugin.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (overflow on some rank)."""
+        return self.precision_plugin.last_step_skipped
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm (unscaled) of the last step that measured it."""
+        return self._checkpointing.last_grad_norm
+
+    def step_stats(self) -> dict[str, float]:
+        """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known (the monitor's names)."""
+        return self._checkpointing.step_stats()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._checkpointing.lightning_module_state_dict(super().lightning_module_state_dict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self._checkpointing.optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._checkpointing.load_optimizer_state_dict(checkpoint, super().load_optimizer_state_dict)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self._checkpointing.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._checkpointing.remove_checkpoint(filepath, super().remove_checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self._checkpointing.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self._checkpointing.restore_checkpoint_after_setup
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._checkpointing.load_model_state_dict(checkpoint, strict, super().load_model_state_dict)
 
     @property
     def nonfinite_skipped_steps(self) -> int:
@@ -228,76 +326,97 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        if self.pipeline_config is not None:  # split: other stages' weights become storage-less placeholders
-            self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
-                                              self.zero_config.timeout_s, self.param_init_fn,
-                                              torch.initial_seed() % 2**63)
-        elif has_meta_parameters(self.model):
-            self._prepare_meta_model()
-        if self._pipeline is None:
-            self.model_to_device()
+        mesh = self._process_mesh()
         self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
-        if self._pipeline is not None:  # the data-parallel group of this rank's pipeline stage
-            self._comm = own(DataParallelComm(self._pipeline.groups.dp, self.zero_config.collective))
-        elif not reusable(self._comm):  # one group per strategy: Note [clean exit] in core/comm/process_groups.py
-            self._comm = own(DataParallelComm(self._make_dp_group(), self.zero_config.collective))
-        plugin = self.precision_plugin
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             add_monitor(trainer, self.monitor, self.profiler)
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise NotImplementedError(
-                    f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
-                    "parameter sets in param groups of one optimizer."
-                )
-            if self._pipeline is not None:
-                self._pipeline.restrict_optimizer(self.optimizers[0])
-            self._engine = self._make_engine(self.optimizers[0], trainer)
+        assert self._comm is not None
+        composed = apply_parallelisms(
+            self.lightning_module, mesh, self._comm,
+            ParallelPlan(self.zero_config, self.offload, self.pipeline_config, self.param_init_fn),
+            self.precision_plugin, self.root_device, (lambda: self._the_optimizer(trainer)) if fitting else None,
+            setup_settings(self, trainer),
+        )
+        self._pipeline, self._engine = composed.pipeline, composed.engine
+        self._built_sharded = self._built_sharded or composed.built_sharded
+        if fitting:
             if isinstance(opt := self.optimizers[0], OneBitAdam) and (why := opt.warmup_outlasts(trainer.max_steps)):
                 rank_zero_warn(why)
-            if self._pipeline is not None:
-                self._pipeline.attach(self._engine)
-            plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
-            plugin.engine = self._engine
-            if plugin.scaler is not None:
-                self._guard_lr_schedulers()
-        elif self._pipeline is not None:
-            self._pipeline.broadcast_local(self._comm)
-        elif self._built_sharded:
-            # evaluating a model built in configure_model: it exists only as shards, so stage 3
-            # shards it here too (no optimizer) and gathers one unit at a time in every forward
-            self._engine = self._make_engine(None, trainer)
-        else:
-            self._broadcast_module_states()
+            if self.precision_plugin.scaler is not None:
+                self._steps.guard_lr_schedulers()
         self.setup_precision_plugin()
 
-    def _make_engine(self, optimizer: Optimizer | None, trainer: pl.Trainer) -> ZeroEngine:
-        plugin, module = self.precision_plugin, self.lightning_module
-        return ZeroEngine(
-            self._pipeline.local.module if self._pipeline is not None else module, optimizer, self.zero_config,
-            self._comm,
-            dtypes=plugin.dtype_policy(module), master_init=plugin.master_init() if optimizer is not None else None,
-            param_init_fn=self.param_init_fn, init_seed=torch.initial_seed() % 2**63,
-            setup_settings=setup_settings(self, trainer), offload=self.offload,
-        )
+    def _the_optimizer(self, trainer: pl.Trainer) -> Optimizer:
+        """Lightning's ``configure_optimizers``, refused unless it makes exactly one optimizer."""
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise NotImplementedError(
+                f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
+                "parameter sets in param groups of one optimizer."
+            )
+        return self.optimizers[0]
 
-    def _make_dp_group(self) -> dist.ProcessGroup | None:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        return dist.new_group(timeout=timedelta(seconds=self.zero_config.timeout_s))  # the strategy's timeout
+    def _parallel_dims(self) -> ParallelDims:
+        """The sizes of the parallel dimensions, the one place they are chosen (tensor and sequence
+        parallel add theirs here)."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self.pipeline_config is None:
+            return ParallelDims(world)
+        self.pipeline_config.data_parallel_size(world)  # its error names the pipeline's fix
+        return ParallelDims(world, pipeline=self.pipeline_config.stages)
 
-    @torch.no_grad()
-    def _broadcast_module_states(self) -> None:
-        assert self._comm is not None and self.lightning_module is not None
-        for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers()):
-            self._comm.broadcast(t.data)
+    def _process_mesh(self) -> ProcessMesh:
+        """The strategy's mesh and ZeRO's comm over it: built at the first setup and reused by the next ones
+        while their groups live (one group set per strategy, closed at exit: Note [clean exit] in
+        core/comm/process_groups.py)."""
+        dims = self._parallel_dims()
+        if self._mesh is not None and self._mesh.dims == dims and reusable(self._comm):
+            return self._mesh
+        axis_sets = [dims.zero_axes] + ([(Axis.PIPELINE,)] if dims.pipeline_enabled else [])
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._mesh = own(ProcessMesh(dims, rank, axis_sets, self.zero_config.timeout_s))  # the strategy's timeout
+        self._comm = own(DataParallelComm(self._mesh.group(*dims.zero_axes), self.zero_config.collective))
+        return self._mesh
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3 or a pipeline: parameters built in ``configure_model`` go to the meta device (sharded_build.py)."""
+        with sharded_build_context(self.zero_config, self.pipeline_config):
+            yield
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # never wrapped: the engine's hooks do what DDP's wrapper would
 
-    # ------------------------------------------------------------------ training (steps: strategy_steps.py)
+    # ------------------------------------------------------------------ steps (their part: steps.py)
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.training_step(super().training_step, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.evaluation_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.evaluation_step(super().predict_step, *args, **kwargs)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._steps.sampler_kwargs() or super().distributed_sampler_kwargs
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return self._steps.process_dataloader(dataloader)
+
+    # ------------------------------------------------------------------ training
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -345,7 +464,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
 
     @override
     def teardown(self) -> None:
-        self._pending_rng = None
+        self._steps.resume_rng(None)
         if self._hang is not None:
             self._hang.stop()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -371,7 +490,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
                 whole_state = self._pipeline.whole_optimizer_state(self._engine, plan.keep_optimizer_state)
             self._engine.detach(keep_optimizer_state=plan.keep_optimizer_state, gather_params=plan.gather_params)
             self._engine = None
-            self.precision_plugin.engine = None
+            self.precision_plugin.bind_engine(None)
         if self._pipeline is not None:  # the unsplit module (and, after fit, optimizer) on every rank again
             refusal = self._pipeline.teardown(self.optimizers, whole_state, failed, self.gather_on_teardown)
             self._after_fit_refusal = refusal if self._pipeline.checkpoint is not None else self._after_fit_refusal
@@ -380,8 +499,14 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         if module is not None:
             module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
             self.precision_plugin.restore_module(module)
-        with self._unmoved_if_unmaterialized():
+        if not hidden_from_teardown(module):
             super().teardown()
+            return
+        self._lightning_module = None  # Lightning's teardown moves the module: nothing of it exists to move
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     @classmethod
     @override

@@ -1,7 +1,8 @@
 """Lightning glue of pipelines: what ``ZeroStrategy`` calls when it has a ``PipelineConfig``.
 
-``ZeroStrategy.setup`` builds a :class:`StrategyPipeline` (the 2D groups, this rank's chunks, the
-schedules); the engine then partitions only the local chunks over the stage's data-parallel group.
+``ZeroStrategy.setup`` builds a :class:`StrategyPipeline` (its groups from the strategy's process mesh,
+this rank's chunks, the schedules); the engine then partitions only the local chunks over the stage's
+data-parallel group, and takes :meth:`StrategyPipeline.stage_coupling` in its constructor.
 ``training_step`` / evaluation steps run the schedules instead of the module's step methods and log
 ``<stage>_loss`` (or call the module's ``on_pipeline_loss(stage, loss, batch)`` when it has one); while a
 ``ZeroStatsMonitor`` runs, ``train_loss`` goes to ``callback_metrics`` only (the monitor logs the loss).
@@ -20,14 +21,17 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.comm.process_groups import own
+from lightning_zero.core.mesh import ProcessMesh
 from lightning_zero.core.stage3.loading import load_full_state_dict
 from lightning_zero.core.stage3.materialize import ParamInitFn
-from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.zero.engine import StageCoupling, ZeroEngine
 from lightning_zero.observability.callbacks import ZeroStatsMonitor
 from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
 from lightning_zero.pipeline.config import PipelineConfig, short_last_batch
-from lightning_zero.pipeline.mesh import PipelineGroups, PipelineMesh, make_groups
+from lightning_zero.pipeline.mesh import PipelineGroups, PipelineMesh, pipeline_groups
 from lightning_zero.pipeline.model import LocalModel, plan_split, reassemble, split_batch, split_module
 from lightning_zero.pipeline.runner import PipelineRunner
 
@@ -39,24 +43,26 @@ class StrategyPipeline:
         config: the pipeline policy.
         module: the LightningModule (split in place: the other stages' weights become placeholders).
         device: this rank's device.
-        timeout_s: timeout of the pipeline's process groups.
+        mesh: the strategy's process mesh (pipeline x data), with its ZeRO and pipeline groups.
+        timeout_s: timeout of the groups of tied parameters (the mesh's timeout).
         init_fn: ``param_init_fn`` of a module built on the meta device (``configure_model``): only
             this rank's layers are materialised (Note [local construction] in ``pipeline/build.py``).
         init_seed: the base seed of that initialisation (rank 0's is used everywhere).
     """
 
     def __init__(self, config: PipelineConfig, module: pl.LightningModule, device: torch.device,
-                 timeout_s: float, init_fn: ParamInitFn | None = None, init_seed: int = 0) -> None:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
+                 mesh: ProcessMesh, timeout_s: float, init_fn: ParamInitFn | None = None, init_seed: int = 0) -> None:
+        if mesh.dims.pipeline != config.stages:
+            raise ValueError(f"the process mesh has {mesh.dims.pipeline} pipeline stages, the PipelineConfig "
+                             f"{config.stages}: build the mesh from ParallelDims(world, pipeline=config.stages)")
         self.config = config
-        self.mesh = PipelineMesh(config.stages, config.data_parallel_size(world), rank)
+        self.mesh = PipelineMesh.of(mesh)
         if config.stages > 1 and not dist.is_initialized():
             raise RuntimeError("A pipeline with stages > 1 needs one process per stage: devices x num_nodes >= stages.")
         self.built_on_meta = prepare_meta_module(module, torch.device("cpu"))  # configure_model: nothing real yet
         _, _, tie_sets = plan_split(module, config)  # the protocol and the layer count are checked here
         self.tie_sets = tie_sets
-        self.groups: PipelineGroups = make_groups(self.mesh, timeout_s, tie_sets)
+        self.groups: PipelineGroups = own(pipeline_groups(mesh, tie_sets, timeout_s))  # ties: closed at exit
         self.local: LocalModel = split_module(module, config, self.mesh.stage, config.activation_checkpoint_interval)
         if self.built_on_meta:
             seed = torch.tensor([init_seed], dtype=torch.int64)
@@ -105,20 +111,22 @@ class StrategyPipeline:
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p in local]
 
-    def attach(self, engine: ZeroEngine) -> None:
-        """Combine the engine's norms and overflow checks over the pipeline's stages (and refuse, on every
-        rank, a per-micro-batch reduction that cannot run here)."""
-        if self.config.reduce_per_micro_batch and engine.config.stage < 2:
-            raise ValueError(f"PipelineConfig(reduce_per_micro_batch=True) with ZeRO stage {engine.config.stage}: it "
+    def check_engine(self, config: ZeroConfig) -> None:
+        """Before the engine is built, on every rank: refuse a per-micro-batch reduction that cannot run here."""
+        if self.config.reduce_per_micro_batch and config.stage < 2:
+            raise ValueError(f"PipelineConfig(reduce_per_micro_batch=True) with ZeRO stage {config.stage}: it "
                              "saves memory only at stages 2-3 (stages 0-1 keep the whole gradient buffer anyway). "
                              "Fix: ZeRO stage 2 or 3, or reduce_per_micro_batch=False.")
         if self.config.reduce_per_micro_batch and self.tie_sets:
             raise ValueError("PipelineConfig(reduce_per_micro_batch=True) with parameters tied across pipeline stages "
                              f"(stages {self.tie_sets}): their gradients are summed over the stages once per step. "
                              "Fix: untie them (e.g. GPT tie_weights=False), or reduce_per_micro_batch=False.")
-        if self.config.stages > 1:
-            engine.model_parallel = DataParallelComm(self.groups.pp, engine.config.collective)
-        engine.norm_excess = self.runner.tied_norm_excess
+
+    def stage_coupling(self, config: ZeroConfig) -> StageCoupling:
+        """What the engine of this stage takes in its constructor: the pipeline group over which it combines
+        gradient norms and overflow checks, and the norm share of tied parameters another stage counts."""
+        model_parallel = DataParallelComm(self.groups.pp, config.collective) if self.config.stages > 1 else None
+        return StageCoupling(model_parallel, self.runner.tied_norm_excess)
 
     @torch.no_grad()
     def broadcast_local(self, comm: DataParallelComm) -> None:

@@ -14,44 +14,59 @@ Note [clean exit]
     tensor at that moment is a race, hence the rare abort. (pytorch/pytorch#190489 describes the same
     crash for a default group that is never destroyed.)
 
-    Fix: the strategy keeps one data-parallel group per strategy (not one per setup) and registers
-    its ``DataParallelComm`` here; an ``atexit`` hook, which runs before finalization starts, closes
-    every registered comm (destroys the group and drops the last reference, so the C++ object and its
-    threads go away right there) and destroys the default group if it is still initialised.
+    Fix: the strategy keeps one process mesh per strategy (not one per setup: ``ProcessMesh`` in
+    ``core/mesh/groups.py``, reused by every setup) and registers it here, with the
+    ``DataParallelComm`` over its ZeRO group; an ``atexit`` hook, which runs before finalization
+    starts, closes everything registered (destroys the groups and drops the last references, so the
+    C++ objects and their threads go away right there) and destroys the default group if it is still
+    initialised. Every holder of a group the strategy created is registered: a group stays alive as
+    long as any one of them refers to it.
 """
 
 from __future__ import annotations
 
 import atexit
 import weakref
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 
-_owned: weakref.WeakSet[DataParallelComm] = weakref.WeakSet()
+
+class GroupHolder(Protocol):
+    """Something that refers to process groups and can destroy them and drop them (``close()``)."""
+
+    def close(self) -> None: ...
 
 
-def own(comm: DataParallelComm) -> DataParallelComm:
-    """Register ``comm`` (whose group its caller created) to be closed at exit; returns it."""
-    _owned.add(comm)
-    return comm
+Holder = TypeVar("Holder", bound=GroupHolder)
+
+_owned: weakref.WeakSet[GroupHolder] = weakref.WeakSet()
+
+
+def own(holder: Holder) -> Holder:
+    """Register ``holder`` (a ``DataParallelComm``, a ``ProcessMesh``, ... over groups its caller
+    created) to be closed at exit; returns it."""
+    _owned.add(holder)
+    return holder
 
 
 def reusable(comm: DataParallelComm | None) -> bool:
-    """Whether ``comm``'s group is still live and spans the whole world (a new setup may reuse it)."""
+    """Whether ``comm``'s group is still live (a new setup of the same mesh may reuse it)."""
     if comm is None or comm.group is None or not (dist.is_available() and dist.is_initialized()):
         return False
     try:
-        return dist.get_world_size(comm.group) == dist.get_world_size()
+        dist.get_world_size(comm.group)
     except (ValueError, RuntimeError):  # destroyed meanwhile
         return False
+    return True
 
 
 def close_all() -> None:
-    """Close every registered comm, then destroy the default group (run by ``atexit``)."""
-    for comm in list(_owned):
-        comm.close()
+    """Close every registered holder, then destroy the default group (run by ``atexit``)."""
+    for holder in list(_owned):
+        holder.close()
     _owned.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

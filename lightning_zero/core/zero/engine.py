@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -49,6 +50,23 @@ from lightning_zero.core.zero.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.zero.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
 from lightning_zero.core.zero.optimizer_state import broadcast_master_init
 
+NormExcess = Callable[[list[torch.Tensor], list[FlatParamGroup], float], float]
+
+
+@dataclass(frozen=True)
+class StageCoupling:
+    """How a pipeline stage's engine combines its step with the other stages' (Note [deferred reduction]).
+
+    Args:
+        model_parallel: the ranks holding the other pipeline stages, over which gradient norms and the
+            overflow decision are combined (``None``: no other stage).
+        norm_excess: ``fn(grads, groups, norm_type)``: the norm share to leave out (tied parameters
+            another stage counts).
+    """
+
+    model_parallel: DataParallelComm | None = None
+    norm_excess: NormExcess | None = None
+
 
 class ZeroEngine(WholeModelViews, StepPreparation):
     """Partitions ``module``'s training state over the data-parallel ranks of ``comm``.
@@ -69,6 +87,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         setup_settings: settings that must agree across ranks (the resolved config), compared with the
             parameter names / shapes / dtypes before the first collective (``core/reliability/agreement.py``).
         offload: where the optimizer shards live (docs/offload.md); default: with the parameters.
+        coupling: a pipeline stage's engine: how its step combines with the other stages' (default: none).
     """
 
     def __init__(
@@ -83,6 +102,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         init_seed: int = 0,
         setup_settings: Mapping[str, str] | None = None,
         offload: OffloadConfig | None = None,
+        coupling: StageCoupling | None = None,
     ) -> None:
         self.offload_config = offload or OffloadConfig()
         self.offload_config.check(config.stage)
@@ -168,8 +188,9 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         # Pipelines (Note [deferred reduction]): the ranks holding the other pipeline stages, over which
         # gradient norms and the overflow decision are combined, and the norm share to leave out
         # (``fn(grads, groups, norm_type)``: tied parameters another stage counts).
-        self.model_parallel: DataParallelComm | None = None
-        self.norm_excess: Callable[[list[torch.Tensor], list[FlatParamGroup], float], float] | None = None
+        coupling = coupling or StageCoupling()
+        self.model_parallel: DataParallelComm | None = coupling.model_parallel
+        self.norm_excess: NormExcess | None = coupling.norm_excess
         # stage 0 without a separate master, gradients accumulated in another dtype than the params:
         # prepare_step casts them into these param-dtype buffers, which the params' .grad views
         self._cast_grads: list[torch.Tensor] | None = None

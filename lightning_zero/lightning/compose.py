@@ -1,0 +1,140 @@
+"""The one composition function: every parallelism and wrapper applied to the module, in a fixed order.
+
+``ZeroStrategy.setup`` builds the process mesh, then calls :func:`apply_parallelisms`; each step
+below states why it comes where it does (as torchtitan's ``parallelize_*`` functions do). The slots of
+tensor parallel (``tensor_parallel/``) and sequence parallel (``sequence_parallel/``) are named where
+they go, between the pipeline split and ZeRO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from torch.optim import Optimizer
+
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.mesh import ProcessMesh
+from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
+from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.pipeline.lightning import StrategyPipeline
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What the strategy applies: the ZeRO and offload policies, the pipeline (``None``: no split), and how
+    parameters built on the meta device are initialised (``param_init_fn``; the base seed is
+    ``torch.initial_seed()`` where each step initialises, rank 0's everywhere)."""
+
+    zero: ZeroConfig
+    offload: OffloadConfig
+    pipeline: PipelineConfig | None = None
+    param_init_fn: ParamInitFn | None = None
+
+
+@dataclass(frozen=True)
+class Composed:
+    """What :func:`apply_parallelisms` made: this rank's pipeline stage (``None`` unpipelined), the ZeRO engine
+    (``None`` when neither fitting nor evaluating a model built sharded), and whether the model was built on
+    the meta device for stage 3 (``built_sharded``: it exists only as shards until teardown)."""
+
+    pipeline: StrategyPipeline | None
+    engine: ZeroEngine | None
+    built_sharded: bool
+
+
+def apply_parallelisms(
+    module: pl.LightningModule,
+    mesh: ProcessMesh,
+    comm: DataParallelComm,
+    plan: ParallelPlan,
+    precision: ZeroPrecision,
+    device: torch.device,
+    make_optimizer: Callable[[], Optimizer] | None,
+    setup_settings: Mapping[str, str],
+) -> Composed:
+    """Apply precision, the pipeline split, ZeRO (with stage 3 and offload) and the precision wiring to
+    ``module``, in that order (the comment beside each step says why).
+
+    Args:
+        module: the LightningModule, converted and split in place.
+        mesh: the strategy's process mesh (its groups are made once per strategy).
+        comm: ZeRO's collectives over ``mesh.group(*mesh.dims.zero_axes)``.
+        plan: what to apply.
+        precision: the strategy's precision plugin.
+        device: this rank's device.
+        make_optimizer: fitting: makes the one optimizer (Lightning's ``configure_optimizers``); ``None`` when
+            evaluating.
+        setup_settings: settings that must agree on every rank (checked with the model's structure).
+    """
+    # 1. Precision first: every later step takes the dtype the parameters have (the pipeline's placeholders,
+    #    ZeRO's flat buffers); the plugin keeps the pre-cast weights the fp32 masters start from.
+    precision.convert_module(module)  # in place
+    # 2. The pipeline split: which layers this rank holds decides what every later step sees (the other
+    #    stages' weights become storage-less placeholders; a meta-built model materialises only its layers).
+    pipeline = None
+    if plan.pipeline is not None:
+        pipeline = StrategyPipeline(plan.pipeline, module, device, mesh, plan.zero.timeout_s, plan.param_init_fn,
+                                    torch.initial_seed() % 2**63)
+    # (Tensor parallel goes here: after the split, so it rewrites only this stage's layers, over
+    #  mesh.group(Axis.TENSOR); before ZeRO, because it changes parameter shapes and ZeRO flattens the shapes
+    #  it finds.)
+    # (Sequence parallel goes here: it wraps each attention with the all-to-alls over
+    #  mesh.group(Axis.SEQUENCE), after tensor parallel (whose heads it splits) and before ZeRO applies
+    #  activation checkpointing to stage 3's units, so the recomputed forward runs the wrapper too.)
+    # 3. A model built on the meta device (configure_model under stage 3): storage-less stand-ins that ZeRO
+    #    initialises one unit at a time; before the device move, which would refuse meta tensors.
+    built_sharded = pipeline is None and has_meta_parameters(module)
+    if built_sharded:
+        if plan.zero.stage != 3:
+            raise NotImplementedError(
+                "The model has parameters on the meta device. lightning_zero initialises meta-built models only "
+                "with ZeRO stage 3 (unit by unit, sharded). Use stage=3, or build the model with real tensors."
+            )
+        replace_meta_parameters(module, device)
+    # 4. The device move, after the split (a pipeline moves only its stage's layers itself) and before the
+    #    optimizer and ZeRO, which keep references to the parameters where they then are.
+    if pipeline is None:
+        module.to(device)
+    # 5. The optimizer, once the parameters have their final dtype and device; a pipeline stage keeps only its
+    #    own parameters in it and refuses what cannot run there before the engine exists.
+    optimizer = make_optimizer() if make_optimizer is not None else None
+    if pipeline is not None and optimizer is not None:
+        pipeline.restrict_optimizer(optimizer)
+        pipeline.check_engine(plan.zero)
+    # 6. ZeRO last: it flattens and shards what the rank holds after every rewrite above (stage 3 per unit,
+    #    then activation checkpointing of the units), offloads the shards, and couples a pipeline stage's
+    #    norms and overflow checks over the pipeline group. Outside fit it is needed only for a model that
+    #    exists as shards; else the ranks start from rank 0's weights.
+    engine = None
+    if optimizer is not None or built_sharded:
+        engine = ZeroEngine(
+            pipeline.local.module if pipeline is not None else module, optimizer, plan.zero, comm,
+            dtypes=precision.dtype_policy(module),
+            master_init=precision.master_init() if optimizer is not None else None,
+            param_init_fn=plan.param_init_fn, init_seed=torch.initial_seed() % 2**63, setup_settings=setup_settings,
+            offload=plan.offload,
+            coupling=pipeline.stage_coupling(plan.zero) if pipeline is not None else None,
+        )
+    elif pipeline is not None:
+        pipeline.broadcast_local(comm)
+    else:
+        _broadcast_module_states(module, comm)
+    # 7. The precision plugin steps, clips and unscales through the engine; the pre-cast weights of the
+    #    parameters the engine now holds masters of are no longer needed.
+    if optimizer is not None and engine is not None:
+        precision.release_originals({s.param for g in engine.groups for s in g.slots})
+        precision.bind_engine(engine)
+    return Composed(pipeline, engine, built_sharded)
+
+
+@torch.no_grad()
+def _broadcast_module_states(module: torch.nn.Module, comm: DataParallelComm) -> None:
+    for t in (*module.parameters(), *module.buffers()):
+        comm.broadcast(t.data)
