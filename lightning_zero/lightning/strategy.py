@@ -59,11 +59,14 @@ from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.reliability.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
+from lightning_zero.tensor_parallel.config import TensorParallelConfig
+from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, TensorParallelMixin, refuse_combinations
 
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin, DDPStrategy):
+class ZeroStrategy(TensorParallelMixin, RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepDispatchMixin,
+                   DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -105,6 +108,9 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         offload_param: ``"cpu"`` or ``"nvme"`` (stage 3): parameter shards too.
         nvme_path: an existing, writable directory for ``"nvme"``.
         offload: a full :class:`~lightning_zero.OffloadConfig` instead of the three shortcuts.
+        tensor_parallel: ranks per tensor-parallel group (an int) or a
+            :class:`~lightning_zero.TensorParallelConfig` (size, plan): split the planned layers across adjacent
+            ranks; ZeRO then partitions over the data dimension only (docs/tensor_parallel.md).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -131,6 +137,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         offload_param: str | None = None,
         nvme_path: str | None = None,
         offload: OffloadConfig | None = None,
+        tensor_parallel: int | TensorParallelConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -144,6 +151,10 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         self.offload: OffloadConfig = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
         self.offload.check(self.zero_config.stage)  # bad input refused before any process starts
         self.offload.check_path()
+        self.tensor_parallel = TensorParallelConfig.coerce(tensor_parallel)
+        refuse_combinations(self.tensor_parallel, pipeline=pipeline is not None and pipeline.stages > 1,
+                            offload=self.offload.enabled)
+        self._tp: StrategyTensorParallel | None = None  # the mesh and applied plan (setup, when tensor parallel)
         if isinstance(precision, ZeroPrecision):
             if loss_scaler is not None:
                 raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
@@ -228,6 +239,10 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        # tensor parallel first: it changes parameter shapes, so before the cast keeps fp32 masters and before
+        # ZeRO flattens (Note [TP composition order]; a pipeline split would come before it, not built yet)
+        self._setup_tensor_parallel(self.lightning_module, self.world_size, self.global_rank,
+                                    self.zero_config.timeout_s)
         self.model = self.precision_plugin.convert_module(self.model)
         if self.pipeline_config is not None:  # split: other stages' weights become storage-less placeholders
             self._pipeline = StrategyPipeline(self.pipeline_config, self.lightning_module, self.root_device,
@@ -240,6 +255,8 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
         if self._pipeline is not None:  # the data-parallel group of this rank's pipeline stage
             self._comm = own(DataParallelComm(self._pipeline.groups.dp, self.zero_config.collective))
+        elif self._tp is not None:  # the data axis only: ZeRO never partitions over tensor (ParallelDims.zero_axes)
+            self._comm = self._tp.comms(self.zero_config.collective)
         elif not reusable(self._comm):  # one group per strategy: Note [clean exit] in core/comm/process_groups.py
             self._comm = own(DataParallelComm(self._make_dp_group(), self.zero_config.collective))
         plugin = self.precision_plugin
@@ -258,6 +275,8 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
                 rank_zero_warn(why)
             if self._pipeline is not None:
                 self._pipeline.attach(self._engine)
+            if self._tp is not None:  # the norm over tensor x data, overflow agreed over all ranks
+                self._tp.attach(self._engine)
             plugin.release_originals({s.param for g in self._engine.groups for s in g.slots})
             plugin.engine = self._engine
             if plugin.scaler is not None:
