@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -105,17 +106,46 @@ class _Recorded(GPTLightningModule):
         return loss
 
 
+class _Llama(pl.LightningModule):
+    """A Hugging Face Llama built from a config (no download), GQA (4 heads, 2 KV heads), untied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=CONFIG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONFIG.seq_len)
+        self.model = LlamaForCausalLM(config)
+        self.losses: list[float] = []
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+MODELS = {"gpt": _Recorded, "llama": _Llama}
+
+
 def _loader(seed: int, n: int = STEPS * ACCUMULATE * BATCH * 2) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, CONFIG.vocab_size, (n, CONFIG.seq_len + 1), generator=g)
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH, shuffle=False)
 
 
-def _reference(data_ranks: int) -> dict[str, list]:
+def _reference(data_ranks: int, model: str = "gpt") -> dict[str, list]:
     """Plain PyTorch on the whole model: batches of ``data_ranks`` x BATCH samples (what ``data_ranks`` data
     replicas see together), AdamW, norm clipping and accumulation as Lightning runs them."""
     torch.manual_seed(0)
-    module = _Recorded()
+    module = MODELS[model]()
     opt = module.configure_optimizers()
     losses, norms = [], []
     # the batches Lightning's DistributedSampler gives each data rank (it shuffles the training data, seeded)
@@ -134,18 +164,18 @@ def _reference(data_ranks: int) -> dict[str, list]:
     return {"losses": losses, "norms": norms}
 
 
-def _fit(stage: int, tp: int) -> dict[str, Any]:
+def _fit(stage: int, tp: int, model: str = "gpt") -> dict[str, Any]:
     import torch.distributed as dist
 
     norms: list[float] = []
 
-    class Norms(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
+    class Norms(pl.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if (batch_idx + 1) % ACCUMULATE == 0:  # after the optimizer step: the norm it clipped by
                 norms.append(float(trainer.strategy.engine.last_grad_norm))
 
     torch.manual_seed(0)
-    module = _Recorded()
+    module = MODELS[model]()
     strategy = ZeroStrategy(stage=stage, tensor_parallel=tp, param_persistence_threshold=0, reduce_bucket_size=500)
     trainer = make_trainer(strategy, devices=dist.get_world_size(), max_steps=STEPS, gradient_clip_val=CLIP,
                            accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=True, callbacks=[Norms()])
@@ -155,15 +185,15 @@ def _fit(stage: int, tp: int) -> dict[str, Any]:
             "data_rank": dist.get_rank() // tp, "split": list(strategy._tp.split) if strategy._tp else []}
 
 
-def parity_body(stages: list[int], tp: int) -> dict[int, dict[str, Any]]:
+def parity_body(stages: list[int], tp: int, model: str = "gpt") -> dict[int, dict[str, Any]]:
     """Each ZeRO stage's TP run on this rank, with the worst relative differences to the plain reference."""
     import torch.distributed as dist
 
     data_ranks = dist.get_world_size() // tp
-    ref = _reference(data_ranks)
+    ref = _reference(data_ranks, model)
     out = {}
     for stage in stages:
-        run = _fit(stage, tp)
+        run = _fit(stage, tp, model)
         ref_losses = [step[run["data_rank"]] for step in ref["losses"]]
         out[stage] = {
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref_losses, strict=True)),
@@ -194,3 +224,28 @@ def test_tp2_on_two_ranks_follows_the_unsplit_model(gloo_pool: GlooPool) -> None
     assert shapes["model.blocks.0.mlp.proj.weight"] == (CONFIG.n_embd, 2 * CONFIG.n_embd)
     assert shapes["model.ln_f.weight"] == (CONFIG.n_embd,)
     assert "model.lm_head.weight" not in shapes  # still tied to the (split) embedding
+
+
+@pytest.mark.slow
+def test_tp2_by_data2_follows_two_data_parallel_ranks_at_every_zero_stage() -> None:
+    """4 processes, TP groups {0, 1} and {2, 3}: each data replica's losses and the global norms match the
+    whole model fed by 2 data-parallel ranks, at ZeRO 0-3 (ZeRO partitions over the data axis only)."""
+    pool = GlooPool(world_size=4)
+    try:
+        results = pool.run("tests.test_tensor_parallel:parity_body", stages=[0, 1, 2, 3], tp=2, _timeout_s=900)
+    finally:
+        pool.close()
+    _check(results, [0, 1, 2, 3])
+
+
+@pytest.mark.distributed
+def test_a_hugging_face_llama_trains_with_its_own_tp_plan_and_follows_the_unsplit_run(gloo_pool: GlooPool) -> None:
+    """LlamaForCausalLM as a submodule: its ``_tp_plan`` (HF's vocabulary: colwise q/k/v/gate/up, rowwise o/down,
+    embedding_rowwise, colwise_gather_output head) is found and prefixed; 4 heads and 2 KV heads split in two."""
+    pytest.importorskip("transformers")
+    results = gloo_pool.run("tests.test_tensor_parallel:parity_body", stages=[1], tp=2, model="llama")
+    _check(results, [1])
+    split = results[0][1]["split"]
+    assert {"model.model.embed_tokens", "model.lm_head", "model.model.layers.1.mlp.down_proj"} <= set(split)
+    shapes = results[0][1]["shapes"]
+    assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == (2 * 8 // 2, 32)  # 1 of 2 KV heads of dim 8

@@ -53,14 +53,16 @@ def hf_plan(root: nn.Module) -> dict[str, Any] | None:
     submodule's name (outer models first; a key an outer model names wins), or ``None`` when there is none."""
     plan: dict[str, Any] = {}
     for prefix, module in root.named_modules():
+        if not hasattr(module, "base_model_prefix"):  # an HF model (PreTrainedModel), not a layer sharing its config
+            continue
         own = dict(getattr(module, "_tp_plan", None) or {})
         config = getattr(module, "config", None)
         base = getattr(config, "base_model_tp_plan", None) if config is not None else None
         base_prefix = getattr(module, "base_model_prefix", "")
         if base and base_prefix and hasattr(module, base_prefix):
             own.update({f"{base_prefix}.{k}": v for k, v in base.items() if f"{base_prefix}.{k}" not in own})
-        elif base and not own:
-            own = dict(base)
+        elif base:  # the base model itself
+            own.update({k: v for k, v in base.items() if k not in own})
         for key, style in own.items():
             plan.setdefault(f"{prefix}.{key}" if prefix else key, style)
     return plan or None
