@@ -85,6 +85,7 @@ class StrategyTensorParallel:
         self.dp_comm: DataParallelComm | None = None
         self.tp_comm: DataParallelComm | None = None
         self.split: list[str] = []
+        self._module: nn.Module | None = None  # the module split (a later fit of the same run keeps it)
 
     def comms(self, collective: Any) -> DataParallelComm:
         """The data-parallel comm for ZeRO (the data axis only), created once; closed at exit."""
@@ -94,7 +95,10 @@ class StrategyTensorParallel:
         return self.dp_comm
 
     def apply(self, module: nn.Module) -> None:
-        """Refuse what cannot be split, then replace the planned modules by their slices (Note [slice after build])."""
+        """Refuse what cannot be split, then replace the planned modules by their slices (Note [slice after build]).
+        The module this strategy split already (``validate`` then ``fit``) stays as it is."""
+        if self.split and module is self._module:
+            return
         if any(isinstance(m, TP_LAYERS) for m in module.modules()):
             raise ValueError(f"{type(module).__name__} is already split by tensor parallelism (a previous fit with "
                              "tensor_parallel): build a fresh module for another fit")
@@ -105,6 +109,7 @@ class StrategyTensorParallel:
         check_heads(module, self.config.size)
         plan, source = find_plan(module, self.config.plan)
         self.split = apply_plan(module, resolve_plan(module, plan, source), self.tp)
+        self._module = module
 
     def attach(self, engine: Any) -> None:
         """The engine's norm and overflow agreement over tensor x data (Note [norm over tensor x data])."""
