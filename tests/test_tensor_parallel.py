@@ -249,3 +249,33 @@ def test_a_hugging_face_llama_trains_with_its_own_tp_plan_and_follows_the_unspli
     assert {"model.model.embed_tokens", "model.lm_head", "model.model.layers.1.mlp.down_proj"} <= set(split)
     shapes = results[0][1]["shapes"]
     assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == (2 * 8 // 2, 32)  # 1 of 2 KV heads of dim 8
+
+
+def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() -> None:
+    from omegaconf import OmegaConf
+
+    from lightning_zero.config.build import strategy_kwargs
+    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.parallel_checks import tensor_parallel_problems
+    from lightning_zero.config.validate import validate_config
+
+    ok = ["experiment=gpt_tiny", "tensor_parallel=tp2", "trainer.devices=2", "trainer.checkpoint.enabled=false"]
+    assert strategy_kwargs(validate_config(compose_config(ok)))["tensor_parallel"] == 2
+    assert strategy_kwargs(validate_config(compose_config(["experiment=gpt_tiny"])))["tensor_parallel"] is None
+    cases = {
+        "trainer.devices=3": "not a multiple of pipeline.stages x tensor_parallel.size",
+        "tensor_parallel=tp4": "",  # see below
+        "pipeline=pp2_gpipe": "with pipeline.stages > 1 is not built yet",
+        "offload=optimizer_cpu": "with offload is not built yet",
+        "model.optimizer=onebit_adam": "onebit_adam is not built yet",
+        "trainer.checkpoint.enabled=true": "checkpoints with tensor_parallel are not built yet",
+        "tensor_parallel.size=3": "model.n_head (attention heads) = 4 does not split over tensor_parallel.size=3",
+    }
+    for override, message in cases.items():
+        problems = tensor_parallel_problems(OmegaConf.to_object(compose_config([*ok, override])))
+        if override == "tensor_parallel=tp4":  # 4 divides heads, vocabulary and width: only the world is wrong
+            assert problems and all("not a multiple" in p for p in problems), problems
+            continue
+        assert any(message in p for p in problems), (override, problems)
+    mlp = OmegaConf.to_object(compose_config(["model=mlp", "data=teacher", *ok[1:]]))
+    assert any("model=mlp has none" in p for p in tensor_parallel_problems(mlp))
