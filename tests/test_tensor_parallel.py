@@ -14,8 +14,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_zero import TensorParallelConfig, ZeroStrategy
+from lightning_zero.core.zero.memory import model_state_formula
 from lightning_zero.models.gpt import GPTConfig, GPTLightningModule
-from lightning_zero.tensor_parallel import Colwise, Rowwise, VocabEmbedding
+from lightning_zero.tensor_parallel import Colwise, Rowwise, VocabEmbedding, split_dim
 from lightning_zero.tensor_parallel.plan import auto_plan, find_plan, resolve_plan
 from lightning_zero.tensor_parallel.styles import resolve_style
 from tests.models import make_trainer
@@ -168,11 +169,13 @@ def _fit(stage: int, tp: int, model: str = "gpt") -> dict[str, Any]:
     import torch.distributed as dist
 
     norms: list[float] = []
+    held: list[Any] = []
 
     class Norms(pl.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if (batch_idx + 1) % ACCUMULATE == 0:  # after the optimizer step: the norm it clipped by
                 norms.append(float(trainer.strategy.engine.last_grad_norm))
+                held.append(trainer.strategy.model_state_bytes())
 
     torch.manual_seed(0)
     module = MODELS[model]()
@@ -181,8 +184,11 @@ def _fit(stage: int, tp: int, model: str = "gpt") -> dict[str, Any]:
                            accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=True, callbacks=[Norms()])
     trainer.fit(module, _loader(1))
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    split = sum(p.numel() for p in module.parameters() if split_dim(p) is not None)
+    replicated = sum(p.numel() for p in module.parameters() if split_dim(p) is None)
     return {"losses": module.losses, "norms": norms, "shapes": shapes,
-            "data_rank": dist.get_rank() // tp, "split": list(strategy._tp.split) if strategy._tp else []}
+            "data_rank": dist.get_rank() // tp, "held": held[0], "split_numel": split, "replicated_numel": replicated,
+            "split": list(strategy._tp.split) if strategy._tp else []}
 
 
 def parity_body(stages: list[int], tp: int, model: str = "gpt") -> dict[int, dict[str, Any]]:
@@ -199,7 +205,11 @@ def parity_body(stages: list[int], tp: int, model: str = "gpt") -> dict[int, dic
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref_losses, strict=True)),
             "norm_rel": max(abs(a - b) / b for a, b in zip(run["norms"], ref["norms"], strict=True)),
             "clipped": min(ref["norms"]) > CLIP, "steps": len(run["norms"]), "shapes": run["shapes"],
-            "split": run["split"], "norms": (run["norms"], ref["norms"]), "losses": (run["losses"], ref_losses),
+            "split": run["split"], "held": run["held"], "split_numel": run["split_numel"],
+            "replicated_numel": run["replicated_numel"],
+            "whole_numel": sum(p.numel() for p in MODELS[model]().parameters()),
+            "data_ranks": data_ranks, "tp": tp, "norms": (run["norms"], ref["norms"]),
+            "losses": (run["losses"], ref_losses),
         }
     return out
 
@@ -210,6 +220,13 @@ def _check(results: list[dict[int, dict[str, Any]]], stages: list[int]) -> None:
         for stage, r in per_rank.items():
             assert r["steps"] == STEPS and r["clipped"], (stage, r)  # the clip acts on every step
             assert r["loss_rel"] < 1e-5 and r["norm_rel"] < 1e-5, (stage, r)
+            # memory: the ZeRO formula over this rank's Psi_split / tp + Psi_replicated, over the data ranks
+            assert r["split_numel"] * r["tp"] + r["replicated_numel"] == r["whole_numel"], r
+            expected = model_state_formula(stage, r["split_numel"] + r["replicated_numel"], r["data_ranks"])
+            held = r["held"]
+            for kind in ("params", "grads", "optimizer"):  # within the flat buffers' padding (< data ranks)
+                slack = 16 * 4 * r["data_ranks"]
+                assert abs(getattr(held, kind) - getattr(expected, kind)) <= slack, (stage, kind, held, expected)
 
 
 @pytest.mark.distributed
