@@ -20,6 +20,7 @@ from lightning_zero.observability.dashboard import ZeroTensorBoardLogger
 from lightning_zero.observability.monitoring import ProfilerWindow
 from lightning_zero.pipeline import PipelineConfig
 from lightning_zero.reliability.hang_watchdog import long_phase
+from lightning_zero.tensor_parallel import TensorParallelConfig
 
 if "zero_stage_0" not in StrategyRegistry:
     ZeroStrategy.register_strategies(StrategyRegistry)
@@ -37,6 +38,7 @@ __all__ = [
     "OneBitAdam",
     "PipelineConfig",
     "ProfilerWindow",
+    "TensorParallelConfig",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroPrecision",

@@ -175,6 +175,14 @@ class PipelineSchema:
 
 
 @dataclass
+class TensorParallelSchema:
+    """``tensor_parallel/``: ranks per tensor-parallel group (``size=1``: none; docs/tensor_parallel.md). The
+    model's own plan is used (the GPT's ``tensor_parallel_plan``)."""
+
+    size: int = 1
+
+
+@dataclass
 class ModelSchema:
     """``model/``: common fields; ``kind`` picks the builder (``gpt`` or ``mlp``)."""
 
@@ -327,6 +335,7 @@ class TrainConfig:
     offload: OffloadSchema = MISSING
     precision: PrecisionSchema = MISSING
     pipeline: PipelineSchema = MISSING
+    tensor_parallel: TensorParallelSchema = field(default_factory=TensorParallelSchema)
     model: ModelSchema = MISSING
     data: DataSchema = MISSING
     trainer: TrainerSchema = MISSING
@@ -345,6 +354,7 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("offload", "offload_schema"): OffloadSchema,
     ("precision", "precision_schema"): PrecisionSchema,
     ("pipeline", "pipeline_schema"): PipelineSchema,
+    ("tensor_parallel", "tensor_parallel_schema"): TensorParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
     ("data", "text_schema"): TextDataSchema,

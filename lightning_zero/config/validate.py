@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.config.model_zoo import build_module, gpt_config, preset_known
 from lightning_zero.config.multinode import resolve_node
+from lightning_zero.config.parallel_checks import tensor_parallel_problems
 from lightning_zero.config.schema import (
     GPTModelSchema,
     MLPModelSchema,
@@ -336,6 +337,7 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
                 import_object(path)
             except (ImportError, AttributeError, ValueError) as err:
                 problems.append(f"zero.{key}: cannot import {path!r} ({err}).")
+    problems += tensor_parallel_problems(cfg)
     for check in (_value_problems, _offload_problems, _precision_problems, _pipeline_problems, _model_data_problems):
         problems += check(cfg)
     return problems

@@ -24,6 +24,7 @@ from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
+from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ParallelPlan:
     offload: OffloadConfig
     pipeline: PipelineConfig | None = None
     param_init_fn: ParamInitFn | None = None
+    tensor_parallel: StrategyTensorParallel | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,12 @@ def apply_parallelisms(
             evaluating.
         setup_settings: settings that must agree on every rank (checked with the model's structure).
     """
+    # 0. Tensor parallel before everything that records parameters: it replaces the planned layers by their
+    #    slices (Note [TP composition order] in tensor_parallel/lightning.py), so the precision plugin keeps
+    #    the slices' fp32 weights for the masters and ZeRO flattens the slices' shapes. (With a pipeline it
+    #    would follow the split, which picks the layers to slice; pipeline x TP is refused at construction.)
+    if plan.tensor_parallel is not None:
+        plan.tensor_parallel.apply(module)
     # 1. Precision first: every later step takes the dtype the parameters have (the pipeline's placeholders,
     #    ZeRO's flat buffers); the plugin keeps the pre-cast weights the fp32 masters start from.
     precision.convert_module(module)  # in place
@@ -82,9 +90,6 @@ def apply_parallelisms(
     if plan.pipeline is not None:
         pipeline = StrategyPipeline(plan.pipeline, module, device, mesh, plan.zero.timeout_s, plan.param_init_fn,
                                     torch.initial_seed() % 2**63)
-    # (Tensor parallel goes here: after the split, so it rewrites only this stage's layers, over
-    #  mesh.group(Axis.TENSOR); before ZeRO, because it changes parameter shapes and ZeRO flattens the shapes
-    #  it finds.)
     # (Sequence parallel goes here: it wraps each attention with the all-to-alls over
     #  mesh.group(Axis.SEQUENCE), after tensor parallel (whose heads it splits) and before ZeRO applies
     #  activation checkpointing to stage 3's units, so the recomputed forward runs the wrapper too.)
@@ -108,6 +113,8 @@ def apply_parallelisms(
     if pipeline is not None and optimizer is not None:
         pipeline.restrict_optimizer(optimizer)
         pipeline.check_engine(plan.zero)
+    if plan.tensor_parallel is not None and optimizer is not None:
+        plan.tensor_parallel.check_optimizer(optimizer)
     # 6. ZeRO last: it flattens and shards what the rank holds after every rewrite above (stage 3 per unit,
     #    then activation checkpointing of the units), offloads the shards, and couples a pipeline stage's
     #    norms and overflow checks over the pipeline group. Outside fit it is needed only for a model that
@@ -120,7 +127,8 @@ def apply_parallelisms(
             master_init=precision.master_init() if optimizer is not None else None,
             param_init_fn=plan.param_init_fn, init_seed=torch.initial_seed() % 2**63, setup_settings=setup_settings,
             offload=plan.offload,
-            coupling=pipeline.stage_coupling(plan.zero) if pipeline is not None else None,
+            coupling=(pipeline.stage_coupling(plan.zero) if pipeline is not None
+                      else plan.tensor_parallel.coupling() if plan.tensor_parallel is not None else None),
         )
     elif pipeline is not None:
         pipeline.broadcast_local(comm)

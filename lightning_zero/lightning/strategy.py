@@ -64,11 +64,13 @@ from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.reliability.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
+from lightning_zero.tensor_parallel.config import TensorParallelConfig
+from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, TensorParallelMixin, refuse_combinations
 
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(RecordedCollectives, DDPStrategy):
+class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -110,6 +112,9 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         offload_param: ``"cpu"`` or ``"nvme"`` (stage 3): parameter shards too.
         nvme_path: an existing, writable directory for ``"nvme"``.
         offload: a full :class:`~lightning_zero.OffloadConfig` instead of the three shortcuts.
+        tensor_parallel: ranks per tensor-parallel group (an int) or a
+            :class:`~lightning_zero.TensorParallelConfig` (size, plan): split the planned layers across adjacent
+            ranks; ZeRO then partitions over the data dimension only (docs/tensor_parallel.md).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         resolved_config: settings that must agree on every rank (the CLI's resolved config), compared
@@ -138,6 +143,7 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         offload_param: str | None = None,
         nvme_path: str | None = None,
         offload: OffloadConfig | None = None,
+        tensor_parallel: int | TensorParallelConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -152,6 +158,10 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         self.offload: OffloadConfig = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
         self.offload.check(self.zero_config.stage)  # bad input refused before any process starts
         self.offload.check_path()
+        self.tensor_parallel = TensorParallelConfig.coerce(tensor_parallel)
+        refuse_combinations(self.tensor_parallel, pipeline=pipeline is not None and pipeline.stages > 1,
+                            offload=self.offload.enabled)
+        self._tp: StrategyTensorParallel | None = None  # the mesh and applied plan (setup, when tensor parallel)
         if isinstance(precision, ZeroPrecision):
             if loss_scaler is not None:
                 raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
@@ -334,7 +344,7 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         assert self._comm is not None
         composed = apply_parallelisms(
             self.lightning_module, mesh, self._comm,
-            ParallelPlan(self.zero_config, self.offload, self.pipeline_config, self.param_init_fn),
+            ParallelPlan(self.zero_config, self.offload, self.pipeline_config, self.param_init_fn, self._tp),
             self.precision_plugin, self.root_device, (lambda: self._the_optimizer(trainer)) if fitting else None,
             setup_settings(self, trainer),
         )
@@ -362,9 +372,9 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         parallel add theirs here)."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.pipeline_config is None:
-            return ParallelDims(world)
+            return ParallelDims(world, tensor=self.tensor_parallel.size)
         self.pipeline_config.data_parallel_size(world)  # its error names the pipeline's fix
-        return ParallelDims(world, pipeline=self.pipeline_config.stages)
+        return ParallelDims(world, pipeline=self.pipeline_config.stages, tensor=self.tensor_parallel.size)
 
     def _process_mesh(self) -> ProcessMesh:
         """The strategy's mesh and ZeRO's comm over it: built at the first setup and reused by the next ones
@@ -373,10 +383,12 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         dims = self._parallel_dims()
         if self._mesh is not None and self._mesh.dims == dims and reusable(self._comm):
             return self._mesh
-        axis_sets = [dims.zero_axes] + ([(Axis.PIPELINE,)] if dims.pipeline_enabled else [])
+        axis_sets = [dims.zero_axes] + [(a,) for a in (Axis.PIPELINE, Axis.TENSOR) if dims.enabled(a)]
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._mesh = own(ProcessMesh(dims, rank, axis_sets, self.zero_config.timeout_s))  # the strategy's timeout
         self._comm = own(DataParallelComm(self._mesh.group(*dims.zero_axes), self.zero_config.collective))
+        self._tp = StrategyTensorParallel(self.tensor_parallel, self._mesh, self.zero_config.collective) \
+            if dims.tensor_enabled else None
         return self._mesh
 
     @contextmanager

@@ -24,6 +24,8 @@ from lightning_zero.sparse_attention import (
     check_section,
     make_sparsity_config,
 )
+from lightning_zero.tensor_parallel import ColumnParallelLinear, Colwise, vocab_parallel_cross_entropy
+from lightning_zero.tensor_parallel.rng import split_region_rng
 
 
 @dataclass
@@ -94,17 +96,19 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # chunk, and -1 heads: under tensor parallelism qkv holds this rank's heads of q, k and v (Colwise(chunks=3))
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, -1, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         if self.sparse_attention is not None:
             pad = -t % self.sparse_attention.sparsity_config.block
             if pad:
                 q, k, v = (F.pad(z, (0, 0, 0, pad)) for z in (q, k, v))
             y = self.sparse_attention(q, k, v)[:, :, :t]
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+            with split_region_rng(self.qkv):  # split heads: this TP rank's own dropout stream
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                   dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class MLP(nn.Module):
@@ -331,8 +335,22 @@ class GPTLightningModule(LightningModule):
         assert self.model is not None
         return [GPTEmbedding(self.model), *self.model.blocks, GPTHead(self.model)]
 
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        """The tensor-parallel plan (docs/tensor_parallel.md): heads split (q, k and v fused: three blocks), the
+        MLP column- then row-parallel, a vocabulary-parallel embedding and LM head (tied, split alike) whose
+        split logits go to the vocabulary-parallel cross-entropy."""
+        if self.config.sparse_attention:
+            raise ValueError("tensor_parallel with GPT sparse_attention is not built yet (its layout is per head of "
+                             "the whole model): drop model.sparse_attention or tensor_parallel")
+        return {"model.tok_emb": "embedding_rowwise", "model.blocks.*.attn.qkv": Colwise(chunks=3),
+                "model.blocks.*.attn.proj": "rowwise", "model.blocks.*.mlp.fc": "colwise",
+                "model.blocks.*.mlp.proj": "rowwise", "model.lm_head": "colwise"}
+
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of one micro-batch (the pipeline protocol)."""
+        head = self.model.lm_head if self.model is not None else None
+        if isinstance(head, ColumnParallelLinear) and not head.gather_output:  # logits split along the vocabulary
+            return vocab_parallel_cross_entropy(logits, targets, head.tp)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

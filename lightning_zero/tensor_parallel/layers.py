@@ -1,0 +1,126 @@
+"""Column- and row-parallel ``Linear`` layers holding plain tensors, each tagged with its split dimension.
+
+Note [split tags]
+    A parameter split across the tensor-parallel ranks carries ``tp_split_dim`` (the dimension of the
+    unsplit weight it was cut along) and ``tp_chunks`` (how many fused blocks, e.g. 3 for a fused
+    q/k/v projection, each cut separately so that whole heads stay together); a replicated parameter
+    has no tag. The tags are ordinary attributes of a plain ``nn.Parameter``: ZeRO's flat buffers lay
+    out the local slices like any other tensor, and the gradient norm counts an untagged parameter
+    once over its TP group (``tensor_parallel/attach.py``).
+
+Layers are built from an existing, initialised ``nn.Linear`` by slicing its weights
+(:func:`slice_param`), so one seed gives the same model whatever the tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zero.tensor_parallel.collectives import (
+    TPGroup,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    scatter_to_tp,
+)
+
+# id(whole param) -> (the whole param, kept alive so that its id is not reused; (dim, chunks); its slice)
+SliceMemo = dict[int, tuple[nn.Parameter, tuple[int, int], nn.Parameter]]
+
+
+def split_dim(param: torch.Tensor) -> int | None:
+    """The dimension ``param`` was split along, or ``None`` when it is replicated (Note [split tags])."""
+    return getattr(param, "tp_split_dim", None)
+
+
+def slice_param(param: nn.Parameter, dim: int, chunks: int, tp: TPGroup, memo: SliceMemo, name: str) -> nn.Parameter:
+    """This rank's slice of ``param`` along ``dim``: ``chunks`` equal blocks, each cut into ``tp.size`` parts.
+
+    A parameter shared by two modules (tied weights) is sliced once; both get the same new parameter,
+    provided both cut it the same way.
+
+    Raises:
+        ValueError: the dimension does not divide, or a tied parameter is cut two different ways.
+    """
+    key = (dim, chunks)
+    if id(param) in memo:
+        _, seen, sliced = memo[id(param)]
+        if seen != key:
+            raise ValueError(f"{name} is tied to a parameter split as (dim, chunks) {seen}, here {key}: a tied "
+                             "weight must be split the same way by both modules (e.g. a vocabulary-parallel "
+                             "embedding with a 'colwise' head), or untie it")
+        return sliced
+    size = param.size(dim)
+    if size % (chunks * tp.size):
+        raise ValueError(f"{name}: dimension {dim} of size {size} does not split into {chunks} block(s) x "
+                         f"{tp.size} tensor-parallel ranks: choose a tensor-parallel size dividing {size // chunks}")
+    with torch.no_grad():
+        blocks = param.detach().chunk(chunks, dim=dim)
+        part = size // (chunks * tp.size)
+        local = torch.cat([b.narrow(dim, tp.rank * part, part) for b in blocks], dim=dim).clone()
+    out = nn.Parameter(local, requires_grad=param.requires_grad)
+    out.tp_split_dim = dim  # type: ignore[attr-defined]
+    out.tp_chunks = chunks  # type: ignore[attr-defined]
+    memo[id(param)] = (param, key, out)
+    return out
+
+
+def _replicated(param: nn.Parameter | None, memo: SliceMemo) -> nn.Parameter | None:
+    if param is None:
+        return None
+    if id(param) in memo:
+        raise ValueError("a replicated bias is tied to a split parameter: untie it")
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` split along its output features: a replicated input, a split output
+    (or the whole output with ``gather_output``). ``chunks`` > 1: the output is ``chunks`` fused blocks
+    (q, k, v) and each rank holds its part of every block, in block order."""
+
+    def __init__(self, linear: nn.Linear, tp: TPGroup, memo: SliceMemo, name: str, chunks: int = 1,
+                 gather_output: bool = False) -> None:
+        super().__init__()
+        if gather_output and chunks > 1:
+            raise ValueError(f"{name}: gathering the output of a fused ({chunks}-block) column-parallel layer "
+                             "would interleave its blocks: keep its output split (the next layer 'rowwise')")
+        self.tp, self.chunks, self.gather_output = tp, chunks, gather_output
+        self.in_features, self.out_features = linear.in_features, linear.out_features // tp.size
+        self.weight = slice_param(linear.weight, 0, chunks, tp, memo, f"{name}.weight")
+        self.bias = (slice_param(linear.bias, 0, chunks, tp, memo, f"{name}.bias")
+                     if linear.bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        whole = self.out_features * self.tp.size
+        return (f"in_features={self.in_features}, out_features={self.out_features} (of {whole})"
+                f", chunks={self.chunks}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` split along its input features: a split input (or, with
+    ``input_is_parallel=False``, a replicated one that each rank slices), partial products summed over
+    the group, the bias (replicated) added once after the sum."""
+
+    def __init__(self, linear: nn.Linear, tp: TPGroup, memo: SliceMemo, name: str,
+                 input_is_parallel: bool = True) -> None:
+        super().__init__()
+        self.tp, self.input_is_parallel = tp, input_is_parallel
+        self.in_features, self.out_features = linear.in_features // tp.size, linear.out_features
+        self.weight = slice_param(linear.weight, 1, 1, tp, memo, f"{name}.weight")
+        self.bias = _replicated(linear.bias, memo)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.tp)
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (of {self.in_features * self.tp.size}), "
+                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
