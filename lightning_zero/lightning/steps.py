@@ -16,7 +16,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
 from lightning_zero.checkpoint.rng import restore_rng
+from lightning_zero.core.mesh import ParallelDims
 from lightning_zero.lightning.uneven import JoinedEvalLoader
+from lightning_zero.sequence_parallel.lightning import sampler_kwargs
 
 
 class StepDispatchMixin:
@@ -29,6 +31,7 @@ class StepDispatchMixin:
     _engine: Any  # ZeroEngine | None
     _pipeline: Any  # StrategyPipeline | None
     pipeline_config: Any  # PipelineConfig | None
+    sequence_parallel: int
     precision_plugin: Any
     lightning_module: Any
     num_nodes: int
@@ -95,6 +98,9 @@ class StepDispatchMixin:
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.sequence_parallel > 1:  # the data dimension only (Note [sequence parallel in the strategy])
+            return sampler_kwargs(ParallelDims(self.num_nodes * self.num_processes, sequence=self.sequence_parallel),
+                                  self.global_rank)
         if self.pipeline_config is None:
             return super().distributed_sampler_kwargs
         world = self.num_nodes * self.num_processes

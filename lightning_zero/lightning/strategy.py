@@ -59,6 +59,7 @@ from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.reliability.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
+from lightning_zero.sequence_parallel import StrategySequenceParallel, check_sequence_parallel
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         offload_param: ``"cpu"`` or ``"nvme"`` (stage 3): parameter shards too.
         nvme_path: an existing, writable directory for ``"nvme"``.
         offload: a full :class:`~lightning_zero.OffloadConfig` instead of the three shortcuts.
+        sequence_parallel: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md): each
+            sample's sequence is split over them, ZeRO partitions over data x sequence, the sampler shards
+            over data only; the module must have ``configure_sequence_parallel`` (the GPT experiment has).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
@@ -131,6 +135,7 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         offload_param: str | None = None,
         nvme_path: str | None = None,
         offload: OffloadConfig | None = None,
+        sequence_parallel: int = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -144,6 +149,9 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
         self.offload: OffloadConfig = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
         self.offload.check(self.zero_config.stage)  # bad input refused before any process starts
         self.offload.check_path()
+        check_sequence_parallel(sequence_parallel, pipeline=pipeline.stages if pipeline is not None else 1)
+        self.sequence_parallel = sequence_parallel
+        self._sequence: StrategySequenceParallel | None = None  # the sequence groups (setup, when > 1)
         if isinstance(precision, ZeroPrecision):
             if loss_scaler is not None:
                 raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
@@ -242,6 +250,12 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
             self._comm = own(DataParallelComm(self._pipeline.groups.dp, self.zero_config.collective))
         elif not reusable(self._comm):  # one group per strategy: Note [clean exit] in core/comm/process_groups.py
             self._comm = own(DataParallelComm(self._make_dp_group(), self.zero_config.collective))
+        if self.sequence_parallel > 1:  # ZeRO's comm spans data x sequence: the world (Note [sequence parallel ...])
+            if self._sequence is None or not self._sequence.matches(self.sequence_parallel, self.world_size,
+                                                                    self.global_rank):
+                self._sequence = StrategySequenceParallel(self.sequence_parallel, self.world_size,
+                                                          self.global_rank, self.zero_config.timeout_s)
+            self._sequence.attach(self.lightning_module)
         plugin = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
             add_monitor(trainer, self.monitor, self.profiler)
@@ -377,6 +391,8 @@ class ZeroStrategy(RecordedCollectives, ZeroStateMixin, ShardedBuildMixin, StepD
             self._after_fit_refusal = refusal if self._pipeline.checkpoint is not None else self._after_fit_refusal
             self._pipeline = None
         module = self.lightning_module
+        if module is not None and self._sequence is not None:
+            self._sequence.detach(module)
         if module is not None:
             module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
             self.precision_plugin.restore_module(module)
