@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -190,3 +191,82 @@ def test_sequence_2_by_data_2_at_zero_3_follows_2_data_parallel_ranks(gloo_pool:
         assert run["shard"] == (2, d)
         _close(run["losses"], data_parallel[d]["losses"])
         assert (run["params"] - data_parallel[0]["params"]).abs().max() < 1e-6
+
+
+# ------------------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize(("args", "needle"), [
+    (["sequence_parallel=sp4", "trainer.devices=6"], "sequence_parallel=4 does not divide the 6 ranks: launch a "
+                                                     "multiple of 4 ranks"),
+    (["sequence_parallel.size=3", "trainer.devices=3"], "the model's 4 attention heads do not split over "
+                                                        "sequence_parallel=3: choose a size dividing the heads"),
+    (["sequence_parallel=sp4", "trainer.devices=4", "data.seq_len=62"], "a sequence of 62 tokens does not split "
+                                                                        "over sequence_parallel=4"),
+    (["sequence_parallel=sp2", "pipeline=pp2_1f1b", "trainer.devices=4"],
+     "with 2 pipeline stages: sequence parallel inside pipeline stages is not built"),
+    (["sequence_parallel=sp2", "experiment=mlp"], "only the GPT experiment splits its sequences"),
+])
+def test_the_cli_refuses_what_sequence_parallel_cannot_split_before_launch(
+        args: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_zero.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "experiment=gpt_tiny", *args]) == 2
+    err = capsys.readouterr().err
+    assert "invalid configuration" in err and needle in err, err
+    assert not list(tmp_path.iterdir())  # no output directory, no process
+
+
+def test_the_strategy_and_the_deepspeed_json_refuse_or_take_it() -> None:
+    from lightning_zero import PipelineConfig
+    from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
+
+    with pytest.raises(ValueError, match="pipeline stages is not built"):
+        ZeroStrategy(sequence_parallel=2, pipeline=PipelineConfig(stages=2, micro_batches=2))
+    with pytest.raises(ValueError, match="positive integer"):
+        ZeroStrategy(sequence_parallel=0)
+    ds = DeepSpeedZeroStrategy.from_deepspeed_config({"train_batch_size": 8, "sequence_parallel_size": 2})
+    assert ds.sequence_parallel == 2
+    with pytest.raises(ValueError, match="conflicting settings"):
+        DeepSpeedZeroStrategy.from_deepspeed_config({"sequence_parallel_size": 2}, sequence_parallel=4)
+    module = GPTLightningModule(replace(TINY, n_head=2, n_embd=32))
+    with pytest.raises(ValueError, match="2 attention heads do not split over sequence_parallel=4"):
+        module.configure_sequence_parallel(SequenceGroup(None, 4, 0))
+    with pytest.raises(ValueError, match="a sequence of 6 tokens does not split over a sequence group of 4"):
+        SequenceGroup(None, 4, 1).slice(torch.zeros(2, 6))
+
+
+def test_a_module_without_the_hook_is_refused_at_setup() -> None:
+    from lightning_zero.sequence_parallel import StrategySequenceParallel
+
+    sp = StrategySequenceParallel.__new__(StrategySequenceParallel)
+    sp.group = SequenceGroup(None, 2, 0)
+    with pytest.raises(ValueError, match="has no `configure_sequence_parallel"):
+        sp.attach(torch.nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def _cli(args: list[str], cwd: Path) -> list[float]:
+    import csv
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "data.deterministic_order=true",
+               "trainer.max_steps=6", "trainer.val_check_interval=3", "logger=csv", *args]
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    rows = csv.DictReader(next(cwd.rglob("metrics.csv")).open())
+    return [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+
+
+@pytest.mark.slow
+def test_cli_sequence_parallel_2_follows_the_one_rank_run(tmp_path: Path) -> None:
+    """``lightning-zero train experiment=gpt_tiny sequence_parallel=sp2 trainer.devices=2`` (docs/sequence_parallel.md):
+    the same step-0 validation loss as the 1-rank run, and the same curve after."""
+    (tmp_path / "sp2").mkdir()
+    (tmp_path / "one").mkdir()
+    split = _cli(["sequence_parallel=sp2", "trainer.devices=2"], tmp_path / "sp2")
+    one = _cli(["trainer=cpu1"], tmp_path / "one")
+    assert len(split) == len(one) == 3 and one[-1] < one[0], (split, one)  # steps 0, 3, 6; it learns
+    assert max(abs(a - b) / b for a, b in zip(split, one)) < 1e-5, (split, one)
+    assert "sequence_parallel:\n  size: 2" in next((tmp_path / "sp2").rglob("config.yaml")).read_text()

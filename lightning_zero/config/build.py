@@ -56,6 +56,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "monitor": cfg.logger.monitor,
         "profiler": build_profiler(cfg),
         "pipeline": pipeline_config(cfg),
+        "sequence_parallel": cfg.sequence_parallel.size,
         "offload": offload_config(cfg),
         "param_init_fn": param_init_fn(cfg),
     }

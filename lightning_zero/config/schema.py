@@ -175,6 +175,13 @@ class PipelineSchema:
 
 
 @dataclass
+class SequenceParallelSchema:
+    """``sequence_parallel/``: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md; 1: off)."""
+
+    size: int = 1
+
+
+@dataclass
 class ModelSchema:
     """``model/``: common fields; ``kind`` picks the builder (``gpt`` or ``mlp``)."""
 
@@ -328,6 +335,8 @@ class TrainConfig:
     precision: PrecisionSchema = MISSING
     pipeline: PipelineSchema = MISSING
     model: ModelSchema = MISSING
+    # a default, not MISSING: configs saved before the group existed still load
+    sequence_parallel: SequenceParallelSchema = field(default_factory=SequenceParallelSchema)
     data: DataSchema = MISSING
     trainer: TrainerSchema = MISSING
     logger: LoggerSchema = MISSING
@@ -345,6 +354,7 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("offload", "offload_schema"): OffloadSchema,
     ("precision", "precision_schema"): PrecisionSchema,
     ("pipeline", "pipeline_schema"): PipelineSchema,
+    ("sequence_parallel", "sequence_parallel_schema"): SequenceParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
     ("data", "text_schema"): TextDataSchema,
