@@ -11,7 +11,7 @@ sequence group of P gloo ranks on this machine, each printed as a markdown table
 
 Every configuration runs in fresh processes (P ranks, gloo over localhost, one torch thread each).
 
-Run: python benchmarks/bench_sequence_parallel.py longest --limit-mb 192 --max-length 65536
+Run: python benchmarks/bench_sequence_parallel.py longest --limit-mb 192 --max-length 65536 --start 1024
      python benchmarks/bench_sequence_parallel.py traffic --length 4096
      python benchmarks/bench_sequence_parallel.py step --length 4096 --steps 5
 """
@@ -121,14 +121,14 @@ def _launch(size: int, args: list[str], timeout: float) -> dict:
     return results[0]
 
 
-def longest(limit_mb: int, max_length: int, timeout: float) -> None:
+def longest(limit_mb: int, max_length: int, timeout: float, start: int, kinds: list[str]) -> None:
     print(f"\nload average {os.getloadavg()}; gpt_tiny's shape (2 layers, 4 heads, n_embd 64), batch 1, one "
           f"training step, each rank under RLIMIT_DATA = {limit_mb} MB above its data size at start\n")
     print("| attention | P | longest sequence trained | per rank | first failure |")
     print("|---|---|---|---|---|")
-    for kind in ("dense", "sparse"):
+    for kind in kinds:
         for size in (1, 2, 4):
-            length, ok, failure = 1024, 0, "none up to the cap"
+            length, ok, failure = start, 0, "none up to the cap"
             while length <= max_length:
                 r = _launch(size, [kind, str(length), str(limit_mb), "1"], timeout)
                 if "error" in r:
@@ -180,6 +180,8 @@ def main() -> None:
     a = sub.add_parser("longest")
     a.add_argument("--limit-mb", type=int, default=192)
     a.add_argument("--max-length", type=int, default=65536)
+    a.add_argument("--start", type=int, default=1024, help="the first length tried (then doubled)")
+    a.add_argument("--kinds", nargs="+", default=["dense", "sparse"], choices=["dense", "sparse"])
     b = sub.add_parser("traffic")
     b.add_argument("--length", type=int, default=4096)
     c = sub.add_parser("step")
@@ -189,7 +191,7 @@ def main() -> None:
         p.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
     if args.what == "longest":
-        longest(args.limit_mb, args.max_length, args.timeout)
+        longest(args.limit_mb, args.max_length, args.timeout, args.start, args.kinds)
     elif args.what == "traffic":
         traffic(args.length, args.timeout)
     else:
