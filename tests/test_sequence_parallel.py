@@ -270,3 +270,18 @@ def test_cli_sequence_parallel_2_follows_the_one_rank_run(tmp_path: Path) -> Non
     assert len(split) == len(one) == 3 and one[-1] < one[0], (split, one)  # steps 0, 3, 6; it learns
     assert max(abs(a - b) / b for a, b in zip(split, one)) < 1e-5, (split, one)
     assert "sequence_parallel:\n  size: 2" in next((tmp_path / "sp2").rglob("config.yaml")).read_text()
+
+
+@pytest.mark.slow
+def test_bench_sequence_parallel_counts_the_formula_s_bytes() -> None:
+    """benchmarks/bench_sequence_parallel.py small (its numbers: docs/benchmarks.md): the bytes the all-to-alls
+    send equal 8 B T H (P - 1) / P^2 elements per layer, at P = 2 and 4."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sequence_parallel.py"
+    done = subprocess.run([sys.executable, str(script), "traffic", "--length", "128"], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| 2 |", "| 4 |"))]
+    assert len(rows) == 2 and all(row.endswith("| 1.000 |") for row in rows), done.stdout
