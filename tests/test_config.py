@@ -47,12 +47,16 @@ COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("pipeline", "pp2_gpipe"): ["zero=stage1"],
     ("pipeline", "pp2_1f1b"): ["zero=stage1"],
     ("pipeline", "pp4_interleaved"): ["zero=stage1", "trainer.devices=4"],
+    ("sequence_parallel", "sp2"): ["trainer.devices=2"],
+    ("sequence_parallel", "sp4"): ["trainer.devices=4"],
 }
 # Options whose feature is not built yet: the text their NotImplementedError must contain.
 UNBUILT: dict[tuple[str, str], str] = {}  # every option is built today (parameter offload was the last)
 # Pipelined options need one process per stage: validated and counted here, trained by tests/test_pipeline.py.
 PIPELINED = {("pipeline", "pp2_gpipe"), ("pipeline", "pp2_1f1b"), ("pipeline", "pp4_interleaved"),
              ("experiment", "gpt_350m_pipeline")}
+# Sequence-parallel options need P processes: validated here, trained by tests/test_sequence_parallel.py.
+SEQUENCE_PARALLEL = {("sequence_parallel", "sp2"), ("sequence_parallel", "sp4")}
 CASES = OPTIONS + [("experiment", e) for e in EXPERIMENTS]
 _TRAINED: dict[str, dict] = {}  # one step per distinct (shrunk) configuration
 
@@ -93,7 +97,8 @@ def _tiny(cfg: TrainConfig, keep_model: bool) -> TrainConfig:
 
 
 def test_every_option_and_experiment_is_listed() -> None:
-    assert GROUPS == ["data", "logger", "model", "offload", "pipeline", "precision", "trainer", "zero"]
+    assert GROUPS == ["data", "logger", "model", "offload", "pipeline", "precision", "sequence_parallel", "trainer",
+                      "zero"]
     assert {"stage0", "stage1", "stage2", "stage3"} <= {o for g, o in OPTIONS if g == "zero"}
     assert set(COMPANIONS) | set(UNBUILT) <= set(CASES), "a config file named here was renamed or removed"
     assert "gpt_small" in EXPERIMENTS and len(EXPERIMENTS) >= 5
@@ -110,6 +115,9 @@ def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option:
         return
     if (group, option) in PIPELINED:
         assert validate_config(cfg).pipeline.stages > 1 and describe(to_train_config(cfg))
+        return
+    if (group, option) in SEQUENCE_PARALLEL:
+        assert validate_config(cfg).sequence_parallel.size > 1 and describe(to_train_config(cfg))
         return
     typed = _tiny(validate_config(cfg), keep_model=group == "model")
     key = to_yaml(dataclasses.replace(typed, name=""))

@@ -187,7 +187,6 @@ def test_invalid_values_are_refused_naming_the_key(config: dict, message: str) -
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}},
      "`zero_optimization.zero_hpz_partition_size`=8"),
     ({"tensor_parallel": {"autotp_size": 2}}, "`tensor_parallel.autotp_size`=2"),
-    ({"sequence_parallel_size": 2}, "`sequence_parallel_size`=2"),
     ({"amp": {"enabled": True}}, "`amp.enabled`=true"),
     ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, "`elasticity`="),
     ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}},

@@ -49,6 +49,8 @@ SKIP: dict[str, str] = {
         "the same multirun (with 3 steps) is tests/test_cli.py's, through the console script (two 2-rank runs)",
     "lightning-zero train experiment=gpt_tiny model.attention=sparse_fixed":
         "the same run is tests/test_sparse_gpt.py's CLI test (the suite's time: one 2-rank run each)",
+    "lightning-zero train experiment=gpt_tiny sequence_parallel=sp2 trainer.devices=2 data.deterministic_order=true":
+        "the same run is tests/test_sequence_parallel.py's CLI test, against the 1-rank run",
     "lightning-zero train experiment=gpt_tiny model.attention=sparse_bigbird":
         "another preset of the same path; tests/test_sparse_gpt.py's CLI test trains bigbird from a JSON section",
 }

@@ -57,6 +57,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "profiler": build_profiler(cfg),
         "pipeline": pipeline_config(cfg),
         "tensor_parallel": cfg.tensor_parallel.size if cfg.tensor_parallel.size > 1 else None,
+        "sequence_parallel": cfg.sequence_parallel.size,
         "offload": offload_config(cfg),
         "param_init_fn": param_init_fn(cfg),
         "resolved_config": config_hparams(cfg),  # compared across ranks at setup (Note [setup agreement])

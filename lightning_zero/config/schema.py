@@ -183,6 +183,13 @@ class TensorParallelSchema:
 
 
 @dataclass
+class SequenceParallelSchema:
+    """``sequence_parallel/``: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md; 1: off)."""
+
+    size: int = 1
+
+
+@dataclass
 class ModelSchema:
     """``model/``: common fields; ``kind`` picks the builder (``gpt`` or ``mlp``)."""
 
@@ -337,6 +344,8 @@ class TrainConfig:
     pipeline: PipelineSchema = MISSING
     tensor_parallel: TensorParallelSchema = field(default_factory=TensorParallelSchema)
     model: ModelSchema = MISSING
+    # a default, not MISSING: configs saved before the group existed still load
+    sequence_parallel: SequenceParallelSchema = field(default_factory=SequenceParallelSchema)
     data: DataSchema = MISSING
     trainer: TrainerSchema = MISSING
     logger: LoggerSchema = MISSING
@@ -355,6 +364,7 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("precision", "precision_schema"): PrecisionSchema,
     ("pipeline", "pipeline_schema"): PipelineSchema,
     ("tensor_parallel", "tensor_parallel_schema"): TensorParallelSchema,
+    ("sequence_parallel", "sequence_parallel_schema"): SequenceParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
     ("data", "text_schema"): TextDataSchema,

@@ -192,6 +192,28 @@ def _pipeline_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def _sequence_problems(cfg: TrainConfig) -> list[str]:
+    """``sequence_parallel.size`` against the world, the model's heads, the data's length, the pipeline."""
+    from lightning_zero.sequence_parallel import check_sequence_parallel
+
+    size, m, d = cfg.sequence_parallel.size, cfg.model, cfg.data
+    if size == 1:
+        return []
+    if not isinstance(m, GPTModelSchema):
+        return [f"sequence_parallel.size={size} with model.kind={m.kind}: only the GPT experiment splits its "
+                "sequences. Fix: sequence_parallel=none, or a GPT model."]
+    checks = [dict(world_size=cfg.trainer.devices * cfg.trainer.num_nodes), dict(pipeline=cfg.pipeline.stages),
+              dict(heads=gpt_config(m).n_head if preset_known(m) else None),
+              dict(seq_len=d.seq_len if isinstance(d, TextDataSchema) else None)]
+    out = []
+    for known in checks:
+        try:
+            check_sequence_parallel(size, **known)
+        except ValueError as err:
+            out.append(f"{err}.")
+    return out
+
+
 def _layers(cfg: TrainConfig) -> int:
     if isinstance(cfg.model, GPTModelSchema):
         return gpt_config(cfg.model).n_layer if preset_known(cfg.model) else 0
@@ -338,7 +360,8 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
             except (ImportError, AttributeError, ValueError) as err:
                 problems.append(f"zero.{key}: cannot import {path!r} ({err}).")
     problems += tensor_parallel_problems(cfg)
-    for check in (_value_problems, _offload_problems, _precision_problems, _pipeline_problems, _model_data_problems):
+    for check in (_value_problems, _offload_problems, _precision_problems, _pipeline_problems, _model_data_problems,
+                  _sequence_problems):
         problems += check(cfg)
     return problems
 

@@ -74,6 +74,7 @@ class DeepSpeedConfig:
         optimizer, scheduler: the sections, validated (types known, params accepted).
         steps_per_print, wall_clock_breakdown: progress and timing lines on rank 0.
         pipeline: the ``pipeline`` section (``deepspeed/pipeline.py``; ``None``: absent).
+        sequence_parallel: ``sequence_parallel_size`` (docs/sequence_parallel.md; 1: off).
         sparse_attention: the ``sparse_attention`` section, checked (``None``: absent); the GPT
             experiment's attention (docs/sparse_attention.md).
         given: Hydra-style setting name -> the JSON key that set it.
@@ -95,6 +96,7 @@ class DeepSpeedConfig:
     wall_clock_breakdown: bool = False
     pipeline: PipelineSpec | None = None
     sparse_attention: dict[str, Any] | None = None
+    sequence_parallel: int = 1
     given: dict[str, str] = field(default_factory=dict)
     unsupported: tuple[str, ...] = ()
     source: str = "<dict>"
@@ -219,6 +221,11 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
     wall_clock = root.get("wall_clock_breakdown", bool, False)
     pipeline = parse_pipeline(root.section("pipeline"), given)
     sparse_attention = _sparse_attention(root, given)
+    sequence_parallel = root.get("sequence_parallel_size", int, 1)
+    if sequence_parallel < 1:
+        raise ValueError(f"DeepSpeed config: `sequence_parallel_size` must be >= 1, got {sequence_parallel}.")
+    if "sequence_parallel_size" in data:
+        given["sequence_parallel.size"] = "sequence_parallel_size"
     root.noop(_NOOP_TOP)
     amp = root.section("amp")
     if amp is not None:
@@ -229,7 +236,7 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
                              reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, batch=batch,
                              gradient_clipping=clip or None, optimizer=optimizer, scheduler=scheduler,
                              steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, pipeline=pipeline,
-                             sparse_attention=sparse_attention, given=given,
+                             sparse_attention=sparse_attention, sequence_parallel=sequence_parallel, given=given,
                              unsupported=tuple(unsupported), source=origin)
     if config.unsupported and strict:
         raise ValueError(config.unsupported_message())

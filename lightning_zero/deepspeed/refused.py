@@ -71,7 +71,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(("weight_quantization",), _section_on, "quantized weights"),
     Refusal(("torch_autocast",), _section_on, "DeepSpeed's torch.autocast mode (use fp16 / bf16)"),
     Refusal(("amp", "enabled"), _true, "NVIDIA apex AMP (use fp16 / bf16)"),
-    Refusal(("sequence_parallel_size",), _above_one, "sequence parallelism: each sequence split across ranks"),
     Refusal(("tensor_parallel", "autotp_size"), _above_one, "automatic tensor parallelism"),
     Refusal(("checkpoint", "load_universal"), _true, "loading a universal checkpoint"),
     Refusal(("fp16", "fp16_master_weights_and_grads"), _true, "fp16 master weights and gradients (no fp32 copy)"),

@@ -136,6 +136,11 @@ def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[s
     if offload is None or not offload.enabled:
         offload = ds.offload
     rest["pipeline"] = merged_pipeline(ds.pipeline, ds.batch, rest.get("pipeline"), ds.source)
+    if "sequence_parallel.size" in ds.given:
+        if rest.get("sequence_parallel", ds.sequence_parallel) != ds.sequence_parallel:
+            raise ValueError("conflicting settings:\n  - " + _conflict(
+                ds, "sequence_parallel.size", ds.sequence_parallel, "sequence_parallel", rest["sequence_parallel"]))
+        rest["sequence_parallel"] = ds.sequence_parallel
     zero = replace(ds.zero, **{n: v for n, v in user.items() if f"zero.{n}" not in ds.given})
     if plugin is None:
         plugin = build_precision_plugin(ds, default=precision)
@@ -233,7 +238,9 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
                             "precision unset when the DeepSpeed config chooses it.)")
         pipe = self.pipeline_config
         try:  # pipelined: over the data-parallel ranks of a stage (Note [DeepSpeed pipeline batches])
-            self.resolved_batch = ds.batch.resolve(self.world_size // (pipe.stages if pipe is not None else 1))
+            # ... and over data only with sequence parallel: a sequence group shares its samples
+            self.resolved_batch = ds.batch.resolve(
+                self.world_size // ((pipe.stages if pipe is not None else 1) * self.sequence_parallel))
         except ValueError as err:
             raise ValueError(f"DeepSpeed config {ds.source}: {err}") from err
         manual = not self.lightning_module.automatic_optimization

@@ -24,6 +24,7 @@ from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
+from lightning_zero.sequence_parallel.lightning import StrategySequenceParallel
 from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
 
 
@@ -38,6 +39,7 @@ class ParallelPlan:
     pipeline: PipelineConfig | None = None
     param_init_fn: ParamInitFn | None = None
     tensor_parallel: StrategyTensorParallel | None = None
+    sequence_parallel: StrategySequenceParallel | None = None
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,11 @@ def apply_parallelisms(
     if plan.pipeline is not None:
         pipeline = StrategyPipeline(plan.pipeline, module, device, mesh, plan.zero.timeout_s, plan.param_init_fn,
                                     torch.initial_seed() % 2**63)
-    # (Sequence parallel goes here: it wraps each attention with the all-to-alls over
-    #  mesh.group(Axis.SEQUENCE), after tensor parallel (whose heads it splits) and before ZeRO applies
-    #  activation checkpointing to stage 3's units, so the recomputed forward runs the wrapper too.)
+    # 2b. Sequence parallel: the model takes its sequence group (its attention then runs between the all-to-alls
+    #     over mesh.group(Axis.SEQUENCE)); after tensor parallel (whose heads it would split) and before ZeRO
+    #     applies activation checkpointing to stage 3's units, so a recomputed forward runs the wrapper too.
+    if plan.sequence_parallel is not None:
+        plan.sequence_parallel.attach(module)
     # 3. A model built on the meta device (configure_model under stage 3): storage-less stand-ins that ZeRO
     #    initialises one unit at a time; before the device move, which would refuse meta tensors.
     built_sharded = pipeline is None and has_meta_parameters(module)

@@ -19,11 +19,13 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from lightning_zero.checkpoint.rng import restore_rng
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.mesh import ParallelDims
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.uneven import JoinedEvalLoader
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
+from lightning_zero.sequence_parallel.lightning import sampler_kwargs as sequence_sampler_kwargs
 
 
 class StepHost(Protocol):
@@ -34,6 +36,7 @@ class StepHost(Protocol):
     _engine: ZeroEngine | None
     _pipeline: StrategyPipeline | None
     _comm: DataParallelComm | None
+    sequence_parallel: int
 
     @property
     def precision_plugin(self) -> ZeroPrecision: ...
@@ -131,6 +134,9 @@ class StepDispatch:
     def sampler_kwargs(self) -> dict[str, Any] | None:
         """The sampler's replicas and rank when pipelined (the data-parallel group only); ``None``: Lightning's."""
         host = self._host
+        if host.sequence_parallel > 1:  # the data dimension only (Note [sequence parallel in the strategy])
+            world = host.num_nodes * host.num_processes
+            return sequence_sampler_kwargs(ParallelDims(world, sequence=host.sequence_parallel), host.global_rank)
         if host.pipeline_config is None:
             return None
         world = host.num_nodes * host.num_processes

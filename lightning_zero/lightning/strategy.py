@@ -64,6 +64,7 @@ from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.reliability.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
+from lightning_zero.sequence_parallel import StrategySequenceParallel, check_sequence_parallel
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
 from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, TensorParallelMixin, refuse_combinations
 
@@ -115,6 +116,9 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
         tensor_parallel: ranks per tensor-parallel group (an int) or a
             :class:`~lightning_zero.TensorParallelConfig` (size, plan): split the planned layers across adjacent
             ranks; ZeRO then partitions over the data dimension only (docs/tensor_parallel.md).
+        sequence_parallel: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md): each
+            sample's sequence is split over them, ZeRO partitions over data x sequence, the sampler shards
+            over data only; the module must have ``configure_sequence_parallel`` (the GPT experiment has).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         resolved_config: settings that must agree on every rank (the CLI's resolved config), compared
@@ -144,6 +148,7 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
         nvme_path: str | None = None,
         offload: OffloadConfig | None = None,
         tensor_parallel: int | TensorParallelConfig | None = None,
+        sequence_parallel: int = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -162,6 +167,12 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
         refuse_combinations(self.tensor_parallel, pipeline=pipeline is not None and pipeline.stages > 1,
                             offload=self.offload.enabled)
         self._tp: StrategyTensorParallel | None = None  # the mesh and applied plan (setup, when tensor parallel)
+        check_sequence_parallel(sequence_parallel, pipeline=pipeline.stages if pipeline is not None else 1)
+        if sequence_parallel > 1 and self.tensor_parallel.enabled:
+            raise ValueError("sequence_parallel with tensor_parallel is not built yet (the sequence all-to-alls would "
+                             "have to run over each TP rank's heads): use one of them")
+        self.sequence_parallel = sequence_parallel
+        self._sequence: StrategySequenceParallel | None = None  # the sequence groups (setup, when > 1)
         if isinstance(precision, ZeroPrecision):
             if loss_scaler is not None:
                 raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
@@ -344,7 +355,8 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
         assert self._comm is not None
         composed = apply_parallelisms(
             self.lightning_module, mesh, self._comm,
-            ParallelPlan(self.zero_config, self.offload, self.pipeline_config, self.param_init_fn, self._tp),
+            ParallelPlan(self.zero_config, self.offload, self.pipeline_config, self.param_init_fn, self._tp,
+                         self._sequence),
             self.precision_plugin, self.root_device, (lambda: self._the_optimizer(trainer)) if fitting else None,
             setup_settings(self, trainer),
         )
@@ -371,10 +383,11 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
         """The sizes of the parallel dimensions, the one place they are chosen (tensor and sequence
         parallel add theirs here)."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        sizes = {"tensor": self.tensor_parallel.size, "sequence": self.sequence_parallel}
         if self.pipeline_config is None:
-            return ParallelDims(world, tensor=self.tensor_parallel.size)
+            return ParallelDims(world, **sizes)
         self.pipeline_config.data_parallel_size(world)  # its error names the pipeline's fix
-        return ParallelDims(world, pipeline=self.pipeline_config.stages, tensor=self.tensor_parallel.size)
+        return ParallelDims(world, pipeline=self.pipeline_config.stages, **sizes)
 
     def _process_mesh(self) -> ProcessMesh:
         """The strategy's mesh and ZeRO's comm over it: built at the first setup and reused by the next ones
@@ -383,12 +396,14 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
         dims = self._parallel_dims()
         if self._mesh is not None and self._mesh.dims == dims and reusable(self._comm):
             return self._mesh
-        axis_sets = [dims.zero_axes] + [(a,) for a in (Axis.PIPELINE, Axis.TENSOR) if dims.enabled(a)]
+        axis_sets = [dims.zero_axes] + [(a,) for a in (Axis.PIPELINE, Axis.SEQUENCE, Axis.TENSOR)
+                                       if dims.enabled(a)]
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._mesh = own(ProcessMesh(dims, rank, axis_sets, self.zero_config.timeout_s))  # the strategy's timeout
         self._comm = own(DataParallelComm(self._mesh.group(*dims.zero_axes), self.zero_config.collective))
         self._tp = StrategyTensorParallel(self.tensor_parallel, self._mesh, self.zero_config.collective) \
             if dims.tensor_enabled else None
+        self._sequence = StrategySequenceParallel(self._mesh) if dims.sequence_enabled else None
         return self._mesh
 
     @contextmanager
@@ -508,6 +523,8 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
             self._after_fit_refusal = refusal if self._pipeline.checkpoint is not None else self._after_fit_refusal
             self._pipeline = None
         module = self.lightning_module
+        if module is not None and self._sequence is not None:
+            self._sequence.detach(module)
         if module is not None:
             module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
             self.precision_plugin.restore_module(module)

@@ -18,6 +18,7 @@ from torch import nn
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.stage3.materialize import ParamInitFn, default_init
 from lightning_zero.models.data import log_train_loss
+from lightning_zero.sequence_parallel import SequenceGroup, check_sequence_parallel
 from lightning_zero.sparse_attention import (
     SparseAttentionUtils,
     SparseSelfAttention,
@@ -86,6 +87,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
         self.sparse_attention: SparseSelfAttention | None = None
+        self.sequence_group: SequenceGroup | None = None  # set by GPT.use_sequence_group
         if config.sparse_attention:
             if config.dropout:
                 raise ValueError("sparse attention has no attention dropout: set dropout=0 with sparse_attention")
@@ -99,16 +101,22 @@ class CausalSelfAttention(nn.Module):
         # chunk, and -1 heads: under tensor parallelism qkv holds this rank's heads of q, k and v (Colwise(chunks=3))
         q, k, v = self.qkv(x).chunk(3, dim=2)
         q, k, v = (z.view(b, t, -1, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        sp = self.sequence_group  # sequence parallel: x is this rank's slice; attention sees the whole sequence
+        y = self._attend(q, k, v) if sp is None else sp.attention(q, k, v, self._attend)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t = q.size(2)
         if self.sparse_attention is not None:
-            pad = -t % self.sparse_attention.sparsity_config.block
+            sparse = self.sparse_attention if self.sequence_group is None else \
+                self.sequence_group.local_heads(self.sparse_attention)
+            pad = -t % sparse.sparsity_config.block
             if pad:
                 q, k, v = (F.pad(z, (0, 0, 0, pad)) for z in (q, k, v))
-            y = self.sparse_attention(q, k, v)[:, :, :t]
-        else:
-            with split_region_rng(self.qkv):  # split heads: this TP rank's own dropout stream
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                   dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+            return sparse(q, k, v)[:, :, :t]
+        with split_region_rng(self.qkv):  # split heads: this TP rank's own dropout stream
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -145,6 +153,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        self.sequence_group: SequenceGroup | None = None  # sequence parallel (use_sequence_group)
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.seq_len, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -166,12 +175,20 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def use_sequence_group(self, group: SequenceGroup | None) -> None:
+        """Run on this rank's slice of each sequence (``None``: whole sequences again)."""
+        self.sequence_group = group
+        for block in self.blocks:
+            block.attn.sequence_group = group
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of shape ``(batch, time, vocab)`` for token ids ``idx`` of shape ``(batch, time)``."""
-        t = idx.size(1)
-        if t > self.config.seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.config.seq_len}")
-        pos = torch.arange(t, device=idx.device)
+        """Logits of shape ``(batch, time, vocab)`` for token ids ``idx`` of shape ``(batch, time)`` (with a
+        sequence group: this rank's slice of the sequences, at their global positions)."""
+        sp, t = self.sequence_group, idx.size(1)
+        whole = t if sp is None else t * sp.size
+        if whole > self.config.seq_len:
+            raise ValueError(f"sequence length {whole} exceeds the model's seq_len {self.config.seq_len}")
+        pos = torch.arange(t, device=idx.device) if sp is None else sp.positions(t, idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
@@ -353,10 +370,25 @@ class GPTLightningModule(LightningModule):
             return vocab_parallel_cross_entropy(logits, targets, head.tp)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
+    def configure_sequence_parallel(self, group: SequenceGroup | None) -> None:
+        """Sequence parallel (``ZeroStrategy(sequence_parallel=N)`` calls it; ``None`` undoes it): each rank
+        takes its slice of every batch's sequences, at their global positions, attends through the
+        all-to-alls and returns the token-weighted loss of the whole sequence (docs/sequence_parallel.md)."""
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        if group is not None:
+            check_sequence_parallel(group.size, heads=self.config.n_head)
+        self.model.use_sequence_group(group)
+
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats) of an ``(inputs, targets)`` batch."""
+        """Mean next-token cross-entropy (nats) of an ``(inputs, targets)`` batch (with sequence parallel: of
+        the whole sequences, from this rank's slice; Note [token-weighted loss over data x sequence])."""
         x, y = batch
-        return self.pipeline_loss(self(x), y)
+        sp = self.model.sequence_group if self.model is not None else None
+        if sp is None:
+            return self.pipeline_loss(self(x), y)
+        return sp.loss(self(sp.slice(x)), sp.slice(y))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
