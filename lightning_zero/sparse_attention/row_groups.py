@@ -11,10 +11,14 @@ their widths), up to ``max_tokens`` query tokens; groups shorter than ``min_toke
 (tiny flash calls cost more than the masked work they save).
 
 Note [row-group chunks]: groups with the same row count are sorted by width and batched, each batch
-padded to its widest group (padded key slots are masked), so that a batch's mask (the only tensor
-the size of its scores) stays under ``chunk_elements``. The custom autograd Function saves only
-q, k, v, the output and the log-sum-exp; the backward regathers each batch and calls the kernel's
-own backward with the saved output and log-sum-exp, so nothing of a batch outlives it.
+padded to its widest group (padded key slots are masked), so that a batch's scores (batch x heads x
+query x key tokens, what the mask would hold with per-head masks; shared by the heads otherwise)
+stay under ``chunk_elements``; the gathered queries, keys and values are smaller still. The kernel
+takes a group's heads (all of them when the layout's heads are equal) as its head dimension, so one
+mask serves them. The custom autograd Function saves only q, k, v, the output and the log-sum-exp;
+the backward regathers each batch and calls the kernel's own backward with the saved output and
+log-sum-exp, so nothing of a batch outlives it. Peak memory: the inputs, output and gradients plus
+one batch (docs/benchmarks.md: below causal SDPA's at 16k tokens).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class GroupPolicy:
     waste_ratio: float = 1.3
     max_tokens: int = 256
     min_tokens: int = 64
-    chunk_elements: int = 1 << 20  # one batch's mask: 1M elements (4 MiB in float32)
+    chunk_elements: int = 1 << 19  # one batch's scores (batch x heads x query x key tokens): 512K elements
 
 
 @dataclass(frozen=True)
@@ -84,10 +88,11 @@ def plan_row_groups(layout: torch.Tensor, block: int, policy: GroupPolicy = Grou
 
 @dataclass(frozen=True)
 class GroupBatch:
-    """Groups run as one kernel call: ``rows`` (T, R) and ``keys`` (T, W) flat block indices into a
-    ``(b, heads * blocks, block, d)`` view; ``heads`` (T,); ``allowed`` (T, R, W) the block-level
-    mask (layout row membership, padded slots hidden); ``q_tok`` (T, R*block) and ``k_tok``
-    (T, W*block) token positions, for causality and the masks gathered per token."""
+    """Groups run as one kernel call, the group's heads (all of them for shared groups, else its own)
+    as the kernel's head dimension: ``rows`` (G, hc, R) and ``keys`` (G, hc, W) flat block indices
+    into a ``(b, heads * blocks, block, d)`` view; ``heads`` (G, hc); ``allowed`` (G, R, W) the
+    block-level mask (layout row membership, padded slots hidden); ``q_tok`` (G, R*block) and
+    ``k_tok`` (G, W*block) token positions, for causality and the masks gathered per token."""
 
     rows: torch.Tensor
     keys: torch.Tensor
@@ -99,63 +104,81 @@ class GroupBatch:
 
 def batch_groups(groups: list[RowGroup], layout: torch.Tensor, block: int, batch: int,
                  policy: GroupPolicy = GroupPolicy(), device: torch.device | str = "cpu") -> list[GroupBatch]:
-    """The groups (every head's, for shared ones) as :class:`GroupBatch` es (Note [row-group chunks])."""
+    """The groups as :class:`GroupBatch` es (Note [row-group chunks]): same row count, sorted by width,
+    each batch's scores (``batch`` x heads x rows x width tokens) under ``policy.chunk_elements``."""
     layout = layout.bool().cpu()
-    heads, n = layout.shape[0], layout.shape[1]
-    tasks = [(h, g) for g in groups for h in ([g.head] if g.head is not None else range(heads))]
-    tasks.sort(key=lambda t: (t[1].stop - t[1].start, len(t[1].keys)))
+    heads = layout.shape[0] if groups and groups[0].head is None else 1
+    groups = sorted(groups, key=lambda g: (g.stop - g.start, len(g.keys)))
     batches, i = [], 0
-    while i < len(tasks):
-        rows = tasks[i][1].stop - tasks[i][1].start
+    while i < len(groups):
+        rows = groups[i].stop - groups[i].start
         j = i + 1
-        while (j < len(tasks) and tasks[j][1].stop - tasks[j][1].start == rows
-               and batch * (j + 1 - i) * rows * len(tasks[j][1].keys) * block * block <= policy.chunk_elements):
+        while (j < len(groups) and groups[j].stop - groups[j].start == rows and batch * heads * (j + 1 - i) * rows
+               * len(groups[j].keys) * block * block <= policy.chunk_elements):
             j += 1
-        batches.append(_make_batch(tasks[i:j], layout, n, block, device))
+        batches.append(_make_batch(groups[i:j], layout, block, device))
         i = j
     return batches
 
 
-def _make_batch(tasks: list[tuple[int, RowGroup]], layout: torch.Tensor, n: int, block: int,
-                device: torch.device | str) -> GroupBatch:
-    width = max(len(g.keys) for _, g in tasks)
-    heads = torch.tensor([h for h, _ in tasks])
-    row_idx = torch.stack([torch.arange(g.start, g.stop) for _, g in tasks])  # T R
-    key_idx = torch.zeros(len(tasks), width, dtype=torch.long)
-    valid = torch.zeros(len(tasks), width, dtype=torch.bool)
-    for t, (_, g) in enumerate(tasks):
+def _make_batch(groups: list[RowGroup], layout: torch.Tensor, block: int, device: torch.device | str) -> GroupBatch:
+    n, width = layout.shape[1], max(len(g.keys) for g in groups)
+    heads = torch.tensor([[g.head] if g.head is not None else list(range(layout.shape[0])) for g in groups])
+    row_idx = torch.stack([torch.arange(g.start, g.stop) for g in groups])  # G R
+    key_idx = torch.zeros(len(groups), width, dtype=torch.long)
+    valid = torch.zeros(len(groups), width, dtype=torch.bool)
+    for t, g in enumerate(groups):
         key_idx[t, :len(g.keys)] = torch.tensor(g.keys, dtype=torch.long)
         valid[t, :len(g.keys)] = True
-    allowed = layout[heads[:, None, None], row_idx[:, :, None], key_idx[:, None, :]] & valid[:, None, :]
+    allowed = layout[heads[:, :1, None], row_idx[:, :, None], key_idx[:, None, :]] & valid[:, None, :]
     offsets = torch.arange(block)
     q_tok = (row_idx[:, :, None] * block + offsets).flatten(1)
     k_tok = (key_idx[:, :, None] * block + offsets).flatten(1)
-    return GroupBatch(*(x.to(device) for x in (heads[:, None] * n + row_idx, heads[:, None] * n + key_idx, heads,
-                                                allowed, q_tok, k_tok)))
+    flat_rows = heads[:, :, None] * n + row_idx[:, None, :]
+    flat_keys = heads[:, :, None] * n + key_idx[:, None, :]
+    return GroupBatch(*(x.to(device) for x in (flat_rows, flat_keys, heads, allowed, q_tok, k_tok)))
 
 
-def _additive_mask(gb: GroupBatch, block: int, masks: Masks, dtype: torch.dtype) -> torch.Tensor:
-    """The batch's additive mask ``(1 or b, T, R*block, W*block)``: 0 where attended, -inf where hidden,
-    plus the gathered key-padding / attention / rpe masks (already additive)."""
-    t, r, w = gb.allowed.shape
-    allowed = gb.allowed[:, :, None, :, None].expand(t, r, block, w, block).reshape(t, r * block, w * block)
+def _additive_mask(gb: GroupBatch, block: int, batch: int, masks: Masks, dtype: torch.dtype) -> torch.Tensor:
+    """The batch's additive mask, ``(G, 1, R*block, W*block)`` (broadcast over the kernel's heads) or
+    ``(G, batch * hc, ...)`` with key-padding / attention / rpe masks (already additive) gathered in:
+    0 where attended, -inf where hidden."""
+    g, r, w = gb.allowed.shape
+    allowed = gb.allowed[:, :, None, :, None].expand(g, r, block, w, block).reshape(g, r * block, w * block)
     if masks.causal:
         allowed = allowed & (gb.k_tok[:, None, :] <= gb.q_tok[:, :, None])
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-    mask = mask[None]
+    mask = mask[:, None, None]  # G b hc Q K
+    if masks.key_padding is None and masks.attn is None and masks.rpe is None:
+        return mask[:, 0]
     if masks.key_padding is not None:
-        mask = mask + masks.key_padding[:, gb.k_tok][:, :, None, :].to(dtype)
+        mask = mask + masks.key_padding[:, gb.k_tok].transpose(0, 1)[:, :, None, None, :].to(dtype)
     if masks.attn is not None:
-        mask = mask + masks.attn[gb.q_tok[:, :, None], gb.k_tok[:, None, :]].to(dtype)
+        mask = mask + masks.attn[gb.q_tok[:, :, None], gb.k_tok[:, None, :]][:, None, None].to(dtype)
     if masks.rpe is not None:
         rpe = masks.rpe.reshape((1,) * (4 - masks.rpe.dim()) + tuple(masks.rpe.shape))
-        hsel = gb.heads if rpe.shape[1] > 1 else torch.zeros_like(gb.heads)
-        mask = mask + rpe[:, hsel[:, None, None], gb.q_tok[:, :, None], gb.k_tok[:, None, :]].to(dtype)
-    return mask
+        hsel = gb.heads if rpe.shape[1] > 1 else torch.zeros_like(gb.heads)  # G hc
+        picked = rpe[:, hsel[:, :, None, None], gb.q_tok[:, None, :, None], gb.k_tok[:, None, None, :]]
+        mask = mask + picked.transpose(0, 1).to(dtype)  # G b' hc Q K
+    hc = gb.heads.shape[1]
+    return mask.expand(g, batch, hc, r * block, w * block).reshape(g, batch * hc, r * block, w * block)
 
 
 def _mask_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(b, heads * blocks, block, d)`` at the flat block indices ``index`` ``(G, hc, m)``, as the
+    kernel's ``(G, b * hc, m * block, d)`` (a view of the gather when ``b`` is 1)."""
+    g, hc, m = index.shape
+    return x[:, index].transpose(0, 1).reshape(g, x.shape[0] * hc, m * x.shape[2], x.shape[3])
+
+
+def _scatter_view(y: torch.Tensor, b: int, hc: int, block: int) -> torch.Tensor:
+    """The kernel's ``(G, b * hc, m * block, ...)`` back as ``(b, G, hc, m, block, ...)``."""
+    g, _, mb = y.shape[:3]
+    return y.reshape(g, b, hc, mb // block, block, *y.shape[3:]).transpose(0, 1)
 
 
 class _RowGroupAttention(torch.autograd.Function):
@@ -164,17 +187,16 @@ class _RowGroupAttention(torch.autograd.Function):
         b, h, length, d = q.shape
         views = [x.view(b, -1, block, d) for x in (q, k, v)]
         out = torch.empty_like(q)
-        lse = torch.empty(b, h, length, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype,
-                          device=q.device)
+        lse = torch.empty(b, h, length, dtype=_mask_dtype(q.dtype), device=q.device)
         out_v, lse_v = out.view(b, -1, block, d), lse.view(b, -1, block)
         for gb in batches:
-            t, r = gb.rows.shape
-            qg, kg, vg = (x[:, idx].reshape(b, t, -1, d) for x, idx in zip(views, (gb.rows, gb.keys, gb.keys)))
-            mask = _additive_mask(gb, block, masks, _mask_dtype(q.dtype))
+            hc = gb.heads.shape[1]
+            qg, kg, vg = (_gather(x, idx) for x, idx in zip(views, (gb.rows, gb.keys, gb.keys)))
+            mask = _additive_mask(gb, block, b, masks, _mask_dtype(q.dtype))
             o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, kg, vg, attn_mask=mask,
                                                                                scale=scale)
-            out_v[:, gb.rows] = o.reshape(b, t, r, block, d)
-            lse_v[:, gb.rows] = m.reshape(b, t, r, block).to(lse.dtype)
+            out_v[:, gb.rows] = _scatter_view(o, b, hc, block)
+            lse_v[:, gb.rows] = _scatter_view(m, b, hc, block).to(lse.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.batches, ctx.block, ctx.scale, ctx.masks = batches, block, scale, masks
         return out
@@ -186,30 +208,31 @@ class _RowGroupAttention(torch.autograd.Function):
         b, h, length, d = q.shape
         grad_acc = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
         views = [x.reshape(b, -1, block, d) for x in (q, k, v, out, grad_out.contiguous())]
-        lse_v = lse.view(b, -1, block)
+        lse_v = lse.view(b, -1, block, 1)
         dq = torch.empty_like(q)
         dq_v = dq.view(b, -1, block, d)
         dk = torch.zeros(b, h * (length // block), block, d, dtype=grad_acc, device=q.device)
         dv = torch.zeros_like(dk)
         for gb in batches:
-            t, r = gb.rows.shape
+            hc = gb.heads.shape[1]
             idx = (gb.rows, gb.keys, gb.keys, gb.rows, gb.rows)
-            qg, kg, vg, og, gog = (x[:, i].reshape(b, t, -1, d) for x, i in zip(views, idx))
-            mask = _additive_mask(gb, block, masks, _mask_dtype(q.dtype))
+            qg, kg, vg, og, gog = (_gather(x, i) for x, i in zip(views, idx))
+            mask = _additive_mask(gb, block, b, masks, _mask_dtype(q.dtype))
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                gog, qg, kg, vg, og, lse_v[:, gb.rows].reshape(b, t, -1), 0.0, False, attn_mask=mask, scale=scale)
-            dq_v[:, gb.rows] = gq.reshape(b, t, r, block, d)
+                gog, qg, kg, vg, og, _gather(lse_v, gb.rows)[..., 0], 0.0, False, attn_mask=mask, scale=scale)
+            dq_v[:, gb.rows] = _scatter_view(gq, b, hc, block)
             flat = gb.keys.flatten()
-            dk.index_add_(1, flat, gk.reshape(b, -1, block, d).to(grad_acc))
-            dv.index_add_(1, flat, gv.reshape(b, -1, block, d).to(grad_acc))
+            dk.index_add_(1, flat, _scatter_view(gk, b, hc, block).reshape(b, -1, block, d).to(grad_acc))
+            dv.index_add_(1, flat, _scatter_view(gv, b, hc, block).reshape(b, -1, block, d).to(grad_acc))
         shape = (b, h, length, d)
         return dq, dk.reshape(shape).to(k.dtype), dv.reshape(shape).to(v.dtype), None, None, None, None
 
 
 def row_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batches: list[GroupBatch], block: int,
-                        scale: float, masks: Masks = Masks()) -> torch.Tensor:
+                        scale: float, masks: Masks | None = None) -> torch.Tensor:
     """Attention of ``(batch, heads, L, head_dim)`` CPU tensors over the groups ``batches`` hold (from
     :func:`batch_groups`), exact (Note [row groups]); ``L`` must be a multiple of ``block``."""
+    masks = masks or Masks()
     check_constant_masks(masks)
     if not row_groups_available(q):
         raise RuntimeError("the row-group executor runs torch's CPU flash kernel: use a CPU tensor, or "

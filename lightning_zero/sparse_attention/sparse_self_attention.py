@@ -59,7 +59,7 @@ class SparseSelfAttention(nn.Module):
         causal: (ours) hide the keys after each query, also inside the layout's diagonal blocks.
         executor: (ours) ``"auto"``, ``"block_sparse"`` or ``"flex"`` (Note [executor choice]).
         chunk_elements: (ours) score elements per chunk: the block-sparse kernel's (Note [chunked rows],
-            default 4M) or the row-group executor's mask per batch (Note [row-group chunks], default 1M).
+            default 4M) or the row-group executor's scores per batch (Note [row-group chunks], default 512K).
     """
 
     def __init__(self, sparsity_config: SparsityConfig, key_padding_mask_mode: str = "add",
