@@ -5,10 +5,12 @@ Note [row groups]: consecutive query-block rows of one head whose key blocks mos
 layout's window: its own blocks plus the earlier windows' global blocks) form a group. The group's
 keys are the union of its rows' key blocks; a token-level mask hides what a row does not attend to
 (blocks outside its layout row, keys after the query when causal, padding slots), so the group's
-attention is exactly the rows' sparse attention. ``plan_row_groups`` grows a group while its
-computed work (rows x union width) stays within ``waste_ratio`` of the rows' own work (the sum of
-their widths), up to ``max_tokens`` query tokens; groups shorter than ``min_tokens`` grow regardless
-(tiny flash calls cost more than the masked work they save).
+attention is exactly the rows' sparse attention. ``plan_row_groups`` cuts each head's rows into
+groups of at most ``max_tokens`` query tokens by dynamic programming, minimising the computed work
+(rows x union width, masked blocks included) plus a fixed cost per group (``group_tokens`` squared:
+tiny kernel calls cost more than the masked work they save). The plan costs no more than one row
+per group would, so the masked work is bounded by the per-group cost times the rows; a fixed
+layout's groups come out as its windows, or parts of them.
 
 Note [row-group chunks]: groups with the same row count are sorted by width and batched, each batch
 padded to its widest group (padded key slots are masked), so that a batch's scores (batch x heads x
@@ -34,9 +36,8 @@ from lightning_zero.sparse_attention.block_sparse import Masks, check_constant_m
 class GroupPolicy:
     """How rows are grouped and batched (Notes [row groups], [row-group chunks])."""
 
-    waste_ratio: float = 1.3
-    max_tokens: int = 256
-    min_tokens: int = 64
+    group_tokens: int = 128  # a group's fixed cost: the work of this many query x key tokens squared
+    max_tokens: int = 256  # the most query tokens in a group
     chunk_elements: int = 1 << 19  # one batch's scores (batch x heads x query x key tokens): 512K elements
 
 
@@ -57,20 +58,26 @@ def row_groups_available(q: torch.Tensor) -> bool:
 
 
 def _plan_head(layout: torch.Tensor, head: int | None, block: int, policy: GroupPolicy) -> list[RowGroup]:
-    widths = layout.sum(-1).tolist()
-    groups, n, start = [], layout.shape[0], 0
-    max_rows, min_rows = max(1, policy.max_tokens // block), max(1, policy.min_tokens // block)
-    while start < n:
-        union, own, stop = layout[start].clone(), widths[start], start + 1
-        while stop < n and stop - start < max_rows:
-            grown = union | layout[stop]
-            rows = stop + 1 - start
-            if rows > min_rows and rows * int(grown.sum()) > policy.waste_ratio * (own + widths[stop]):
-                break
-            union, own, stop = grown, own + widths[stop], stop + 1
-        groups.append(RowGroup(head, start, stop, tuple(union.nonzero().flatten().tolist())))
-        start = stop
-    return groups
+    n = layout.shape[0]
+    max_rows = max(1, min(n, policy.max_tokens // block))
+    overhead = (policy.group_tokens / block) ** 2  # in blocks of work
+    # widths[r - 1][s]: union width of rows [s, s + r); unions grown one row at a time for every start
+    union, widths = layout.clone(), [layout.sum(-1).tolist()]
+    for r in range(2, max_rows + 1):
+        union = union[:-1] | layout[r - 1:]
+        widths.append(union.sum(-1).tolist())
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for stop in range(1, n + 1):  # best[stop]: the cheapest cover of rows [0, stop)
+        for r in range(1, min(max_rows, stop) + 1):
+            cost = best[stop - r] + r * widths[r - 1][stop - r] + overhead
+            if cost < best[stop]:
+                best[stop], cut[stop] = cost, stop - r
+    groups, stop = [], n
+    while stop:
+        start = cut[stop]
+        groups.append(RowGroup(head, start, stop, tuple(layout[start:stop].any(0).nonzero().flatten().tolist())))
+        stop = start
+    return groups[::-1]
 
 
 def plan_row_groups(layout: torch.Tensor, block: int, policy: GroupPolicy = GroupPolicy()) -> list[RowGroup]:

@@ -4,6 +4,7 @@ the row-group executor, the block-sparse kernel or FlexAttention, whichever runs
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -60,11 +61,14 @@ class SparseSelfAttention(nn.Module):
         executor: (ours) ``"auto"``, ``"block_sparse"`` or ``"flex"`` (Note [executor choice]).
         chunk_elements: (ours) score elements per chunk: the block-sparse kernel's (Note [chunked rows],
             default 4M) or the row-group executor's scores per batch (Note [row-group chunks], default 512K).
+        group_policy: (ours) how the row-group executor groups rows (Note [row groups]); its
+            ``chunk_elements`` gives way to the argument above when that is given.
     """
 
     def __init__(self, sparsity_config: SparsityConfig, key_padding_mask_mode: str = "add",
                  attn_mask_mode: str = "mul", max_seq_length: int = 2048, causal: bool = False,
-                 executor: str = "auto", chunk_elements: int | None = None) -> None:
+                 executor: str = "auto", chunk_elements: int | None = None,
+                 group_policy: GroupPolicy | None = None) -> None:
         super().__init__()
         for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
             if mode not in MASK_MODES:
@@ -81,6 +85,7 @@ class SparseSelfAttention(nn.Module):
         self.causal = causal
         self.executor = executor
         self.chunk_elements = chunk_elements
+        self._group_policy = group_policy or GroupPolicy()
         # a plain attribute, not a buffer: made from the config (seeded), it is no state to save or shard
         self.master_layout = sparsity_config.make_layout(max_seq_length)
         self._chunks: dict[tuple[int, int, str], list[RowChunk]] = {}
@@ -109,7 +114,9 @@ class SparseSelfAttention(nn.Module):
 
     def group_policy(self) -> GroupPolicy:
         """The row-group executor's policy (its ``chunk_elements`` the module's, when given)."""
-        return GroupPolicy(chunk_elements=self.chunk_elements) if self.chunk_elements else GroupPolicy()
+        if self.chunk_elements:
+            return replace(self._group_policy, chunk_elements=self.chunk_elements)
+        return self._group_policy
 
     def _row_group_batches(self, length: int, batch: int, device: torch.device) -> list[GroupBatch]:
         key = (length, batch, str(device))
