@@ -144,14 +144,18 @@ def attention(lengths: list[int], rounds: int, threads: int) -> None:
         print("\nfailed runs:", errors)
 
 
-def _gpt_config(length: int, sparse: bool):
+# the GPT's layout: each SparseSelfAttention keeps its layout, int64 as DeepSpeed's: heads x (L / block)^2 x 8 bytes
+LONGEST_BLOCK, LONGEST_LOCAL = 64, 16
+
+
+def _gpt_config(length: int, sparse: bool, block: int = LONGEST_BLOCK, local: int = LONGEST_LOCAL):
     from lightning_zero.models.gpt import GPT_PRESETS
 
-    section = {"mode": "fixed", "block": BLOCK, "num_local_blocks": LOCAL, "attention": "unidirectional"}
+    section = {"mode": "fixed", "block": block, "num_local_blocks": local, "attention": "unidirectional"}
     return replace(GPT_PRESETS["gpt_tiny"], seq_len=length, sparse_attention=section if sparse else None)
 
 
-def _longest_worker(kind: str, length: int, limit_mb: int) -> dict[str, float]:
+def _longest_worker(kind: str, length: int, limit_mb: int, block: int, local: int) -> dict[str, float]:
     import resource
 
     from lightning_zero.models.gpt import GPT
@@ -159,7 +163,7 @@ def _longest_worker(kind: str, length: int, limit_mb: int) -> dict[str, float]:
     _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     resource.setrlimit(resource.RLIMIT_DATA, (proc_status_bytes("VmData") + limit_mb * 2**20, hard))
     torch.manual_seed(0)
-    model = GPT(_gpt_config(length, kind == "sparse"))
+    model = GPT(_gpt_config(length, kind == "sparse", block, local))
     x = torch.randint(0, 256, (1, length + 1))
     start = time.perf_counter()
     logits = model(x[:, :-1])
@@ -167,16 +171,17 @@ def _longest_worker(kind: str, length: int, limit_mb: int) -> dict[str, float]:
     return {"seconds": time.perf_counter() - start}
 
 
-def longest(limit_mb: int, max_length: int, timeout: float) -> None:
+def longest(limit_mb: int, max_length: int, timeout: float, block: int, local: int) -> None:
     print(f"\nload average {os.getloadavg()}; GPT gpt_tiny shape (2 layers, 4 heads, n_embd 64), batch 1, one "
-          f"training step under RLIMIT_DATA = {limit_mb} MB above the process's data size at start\n")
+          f"training step under RLIMIT_DATA = {limit_mb} MB above the process's data size at start; sparse: fixed, "
+          f"block {block}, num_local_blocks {local}, unidirectional, executor auto (row groups)\n")
     print("| attention | longest sequence trained | first failure |")
     print("|---|---|---|")
     best = {}
     for kind in ("dense", "sparse"):
         length, ok, failure = 1024, 0, "none up to the cap"
         while length <= max_length:
-            r = _spawn(["_longest", kind, str(length), str(limit_mb)], timeout=timeout)
+            r = _spawn(["_longest", kind, str(length), str(limit_mb), str(block), str(local)], timeout=timeout)
             if r is None or "error" in r:
                 failure = f"{length}: {(r or {}).get('error', 'failed')}"
                 break
@@ -215,7 +220,7 @@ def quality(steps: int) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # a worker process
         worker = {"_attention": lambda a: _attention_worker(a[0], int(a[1]), int(a[2])),
-                  "_longest": lambda a: _longest_worker(a[0], int(a[1]), int(a[2]))}[sys.argv[1]]
+                  "_longest": lambda a: _longest_worker(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]))}[sys.argv[1]]
         print(json.dumps(worker(sys.argv[2:])))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -228,13 +233,15 @@ def main() -> None:
     b.add_argument("--limit-mb", type=int, default=512)
     b.add_argument("--max-length", type=int, default=65536)
     b.add_argument("--timeout", type=float, default=600)
+    b.add_argument("--block", type=int, default=LONGEST_BLOCK)
+    b.add_argument("--local", type=int, default=LONGEST_LOCAL)
     c = sub.add_parser("quality")
     c.add_argument("--steps", type=int, default=150)
     args = parser.parse_args()
     if args.what == "attention":
         attention(args.lengths, args.rounds, args.threads)
     elif args.what == "longest":
-        longest(args.limit_mb, args.max_length, args.timeout)
+        longest(args.limit_mb, args.max_length, args.timeout, args.block, args.local)
     else:
         quality(args.steps)
 
