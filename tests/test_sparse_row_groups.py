@@ -107,3 +107,8 @@ def test_row_groups_refuses_a_non_cpu_tensor_naming_the_fix() -> None:
     q = torch.empty(1, H, 64, 16, device="meta")
     with pytest.raises(RuntimeError, match="executor='auto' or 'flex'"):
         module(q, q, q)
+
+
+def test_group_policy_refuses_a_non_positive_size() -> None:
+    with pytest.raises(ValueError, match="max_tokens=0: must be a positive"):
+        GroupPolicy(max_tokens=0)

@@ -40,6 +40,12 @@ class GroupPolicy:
     max_tokens: int = 256  # the most query tokens in a group
     chunk_elements: int = 1 << 19  # one batch's scores (batch x heads x query x key tokens): 512K elements
 
+    def __post_init__(self) -> None:
+        for name in ("group_tokens", "max_tokens", "chunk_elements"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GroupPolicy.{name}={getattr(self, name)}: must be a positive number of tokens "
+                                 "(elements for chunk_elements)")
+
 
 @dataclass(frozen=True)
 class RowGroup:
