@@ -171,15 +171,16 @@ def _longest_worker(kind: str, length: int, limit_mb: int, block: int, local: in
     return {"seconds": time.perf_counter() - start}
 
 
-def longest(limit_mb: int, max_length: int, timeout: float, block: int, local: int) -> None:
+def longest(limit_mb: int, max_length: int, timeout: float, block: int, local: int,
+            kinds: tuple[str, ...] = ("dense", "sparse"), start: int = 1024) -> None:
     print(f"\nload average {os.getloadavg()}; GPT gpt_tiny shape (2 layers, 4 heads, n_embd 64), batch 1, one "
           f"training step under RLIMIT_DATA = {limit_mb} MB above the process's data size at start; sparse: fixed, "
           f"block {block}, num_local_blocks {local}, unidirectional, executor auto (row groups)\n")
     print("| attention | longest sequence trained | first failure |")
     print("|---|---|---|")
     best = {}
-    for kind in ("dense", "sparse"):
-        length, ok, failure = 1024, 0, "none up to the cap"
+    for kind in kinds:
+        length, ok, failure = start, 0, "none up to the cap"
         while length <= max_length:
             r = _spawn(["_longest", kind, str(length), str(limit_mb), str(block), str(local)], timeout=timeout)
             if r is None or "error" in r:
@@ -235,13 +236,15 @@ def main() -> None:
     b.add_argument("--timeout", type=float, default=600)
     b.add_argument("--block", type=int, default=LONGEST_BLOCK)
     b.add_argument("--local", type=int, default=LONGEST_LOCAL)
+    b.add_argument("--kinds", nargs="+", choices=("dense", "sparse"), default=["dense", "sparse"])
+    b.add_argument("--start", type=int, default=1024, help="the first length tried (then doubled)")
     c = sub.add_parser("quality")
     c.add_argument("--steps", type=int, default=150)
     args = parser.parse_args()
     if args.what == "attention":
         attention(args.lengths, args.rounds, args.threads)
     elif args.what == "longest":
-        longest(args.limit_mb, args.max_length, args.timeout, args.block, args.local)
+        longest(args.limit_mb, args.max_length, args.timeout, args.block, args.local, tuple(args.kinds), args.start)
     else:
         quality(args.steps)
 
