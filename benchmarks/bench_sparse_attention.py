@@ -133,11 +133,14 @@ def attention(lengths: list[int], rounds: int, threads: int) -> None:
     def fmt(x: float | None, digits: int = 2) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
+    def ratio(slow: float | None, fast: float | None) -> str:
+        return f"{slow / fast:.2f}x" if slow and fast else "-"
+
     for n in lengths:
         s, bs, c, m = (med(n, meth, "seconds") for meth in methods)
         ps, pb, pc, pm = (med(n, meth, "peak_mb") for meth in methods)
         print(f"| {n} | {density[n]:.1%} | {fmt(s)} | {fmt(bs)} | {fmt(c)} | {fmt(m)} | "
-              f"{fmt(c / s if s and c else None)}x | {fmt(m / s if s and m else None)}x | {fmt(ps, 0)} | "
+              f"{ratio(c, s)} | {ratio(m, s)} | {fmt(ps, 0)} | "
               f"{fmt(pb, 0)} | {fmt(pc, 0)} | {fmt(pm, 0)} |")
     errors = {k: r["error"] for k, v in results.items() for r in v if "error" in r}
     if errors:
