@@ -2,16 +2,17 @@
 markdown table for docs/benchmarks.md:
 
 * ``attention``: forward + backward time and peak RSS growth of ``SparseSelfAttention`` (a fixed,
-  unidirectional layout) against causal SDPA and against SDPA given the same layout as a mask, at
+  unidirectional layout, about 2 % dense at 16k tokens) run by the row-group executor and by the
+  block-sparse kernel, against causal SDPA and against SDPA given the same layout as a mask, at
   each length; every (length, method) runs in a fresh process (a clean ``VmHWM``), the methods
   interleaved inside each round, the median of the rounds reported with the ratios of one round
-  set;
+  set. Density: the attended (query, key) token pairs over all ``L x L`` pairs;
 * ``longest``: the longest sequence a GPT (gpt_tiny's shape) trains one step at under a fixed
   ``RLIMIT_DATA``, sparse against dense, doubling the length until a run fails or passes the time cap;
 * ``quality``: the GPT's validation loss with local + global (fixed) sparse attention against dense
   after the same steps on the same data.
 
-Run: python benchmarks/bench_sparse_attention.py attention --lengths 1024 2048 4096 8192 16384 --rounds 3
+Run: python benchmarks/bench_sparse_attention.py attention --lengths 1024 4096 16384 --rounds 3 --threads 1
      python benchmarks/bench_sparse_attention.py longest --limit-mb 512
      python benchmarks/bench_sparse_attention.py quality --steps 150
 """
@@ -37,12 +38,24 @@ from lightning_zero.sparse_attention import FixedSparsityConfig, SparseSelfAtten
 from lightning_zero.testing.memory import proc_status_bytes, reset_peak_rss
 
 HEADS, HEAD_DIM = 4, 64
-BLOCK, LOCAL = 64, 16  # fixed layout: windows of 16 blocks of 64 tokens, one global block per window
+BLOCK, LOCAL = 8, 32  # fixed layout: windows of 32 blocks of 8 tokens, one global block per window (2.3 % at 16k)
 MASKED_MAX = 4096  # SDPA with an explicit mask materialises (L, L) scores: longer ones are skipped
+BLOCK_SPARSE_MAX = 4096  # the block-sparse kernel at block 8: minutes per run beyond this
+METHODS = ("row_groups", "block_sparse", "sdpa_causal", "sdpa_masked")
 
 
-def layout_config(heads: int = HEADS) -> FixedSparsityConfig:
-    return FixedSparsityConfig(heads, block=BLOCK, num_local_blocks=LOCAL, attention="unidirectional")
+def layout_config(heads: int = HEADS, block: int = BLOCK, local: int = LOCAL) -> FixedSparsityConfig:
+    return FixedSparsityConfig(heads, block=block, num_local_blocks=local, attention="unidirectional")
+
+
+def token_density(layout: torch.Tensor, block: int, causal: bool = True) -> float:
+    """Attended (query, key) token pairs over all ``L x L`` pairs, for head 0 (a causal diagonal block
+    counts its lower triangle)."""
+    layout = layout[0].bool()
+    pairs = int(layout.sum()) * block * block
+    if causal:
+        pairs -= int(layout.diagonal().sum()) * block * (block - 1) // 2
+    return pairs / float(layout.shape[0] * block) ** 2
 
 
 def _attention_worker(method: str, length: int, threads: int) -> dict[str, float]:
@@ -51,11 +64,12 @@ def _attention_worker(method: str, length: int, threads: int) -> dict[str, float
         torch.set_num_threads(threads)
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: big frees go back to the OS
     torch.manual_seed(0)
-    sparse = SparseSelfAttention(layout_config(), max_seq_length=length, causal=True, executor="block_sparse")
+    executor = method if method in ("row_groups", "block_sparse") else "auto"
+    sparse = SparseSelfAttention(layout_config(), max_seq_length=length, causal=True, executor=executor)
 
     def run(n: int) -> None:
         q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, requires_grad=True) for _ in range(3))
-        if method == "sparse":
+        if method in ("row_groups", "block_sparse"):
             out = sparse(q, k, v)
         elif method == "sdpa_causal":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -67,6 +81,10 @@ def _attention_worker(method: str, length: int, threads: int) -> dict[str, float
         out.backward(torch.ones_like(out))
 
     run(1024)
+    if method == "row_groups":  # the module caches its plan per length, as it caches the layout: built once
+        sparse._row_group_batches(length, 1, torch.device("cpu"))
+    elif method == "block_sparse":
+        sparse._row_chunks(length, HEADS, torch.device("cpu"))
     reset_peak_rss()
     before = proc_status_bytes("VmRSS")
     start = time.perf_counter()
@@ -88,22 +106,25 @@ def _spawn(args: list[str], timeout: float) -> dict | None:
 
 
 def attention(lengths: list[int], rounds: int, threads: int) -> None:
-    methods = ("sparse", "sdpa_causal", "sdpa_masked")
+    methods = METHODS
     results: dict[tuple[int, str], list[dict]] = {}
     for _ in range(rounds):
         for length in lengths:
             for method in methods:
-                if method == "sdpa_masked" and length > MASKED_MAX:
+                if (method == "sdpa_masked" and length > MASKED_MAX) or (method == "block_sparse"
+                                                                       and length > BLOCK_SPARSE_MAX):
                     continue
                 results.setdefault((length, method), []).append(
                     _spawn(["_attention", method, str(length), str(threads)], timeout=1200) or {})
-    density = {n: layout_config().make_layout(n)[0].float().mean().item() for n in lengths}
+    density = {n: token_density(layout_config().make_layout(n), BLOCK) for n in lengths}
     print(f"\nload average {os.getloadavg()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{threads or torch.get_num_threads()} thread(s) per run; heads {HEADS}, head_dim {HEAD_DIM}, batch 1, "
-          f"fp32; fixed layout block {BLOCK}, num_local_blocks {LOCAL}, unidirectional; median of {rounds} round(s)\n")
-    print("| tokens | layout density | sparse s | causal SDPA s | masked SDPA s | speed-up vs causal | "
-          "vs masked | sparse peak MB | causal SDPA peak MB | masked SDPA peak MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"fp32; fixed layout block {BLOCK}, num_local_blocks {LOCAL}, unidirectional; median of {rounds} round(s); "
+          "density = attended (query, key) token pairs / L^2 (causal)\n")
+    print("| tokens | density | row groups s | block-sparse kernel s | causal SDPA s | masked SDPA s | "
+          "row groups vs causal | vs masked | row groups peak MB | block-sparse peak MB | causal SDPA peak MB | "
+          "masked SDPA peak MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def med(length: int, method: str, key: str) -> float | None:
         runs = [r[key] for r in results.get((length, method), []) if key in r]
@@ -112,25 +133,32 @@ def attention(lengths: list[int], rounds: int, threads: int) -> None:
     def fmt(x: float | None, digits: int = 2) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
+    def ratio(slow: float | None, fast: float | None) -> str:
+        return f"{slow / fast:.2f}x" if slow and fast else "-"
+
     for n in lengths:
-        s, c, m = (med(n, meth, "seconds") for meth in methods)
-        ps, pc, pm = (med(n, meth, "peak_mb") for meth in methods)
-        print(f"| {n} | {density[n]:.1%} | {fmt(s)} | {fmt(c)} | {fmt(m)} | "
-              f"{fmt(c / s if s and c else None)}x | {fmt(m / s if s and m else None)}x | {fmt(ps, 0)} | "
-              f"{fmt(pc, 0)} | {fmt(pm, 0)} |")
+        s, bs, c, m = (med(n, meth, "seconds") for meth in methods)
+        ps, pb, pc, pm = (med(n, meth, "peak_mb") for meth in methods)
+        print(f"| {n} | {density[n]:.1%} | {fmt(s)} | {fmt(bs)} | {fmt(c)} | {fmt(m)} | "
+              f"{ratio(c, s)} | {ratio(m, s)} | {fmt(ps, 0)} | "
+              f"{fmt(pb, 0)} | {fmt(pc, 0)} | {fmt(pm, 0)} |")
     errors = {k: r["error"] for k, v in results.items() for r in v if "error" in r}
     if errors:
         print("\nfailed runs:", errors)
 
 
-def _gpt_config(length: int, sparse: bool):
+# the GPT's layout: each SparseSelfAttention keeps its layout, int64 as DeepSpeed's: heads x (L / block)^2 x 8 bytes
+LONGEST_BLOCK, LONGEST_LOCAL = 64, 16
+
+
+def _gpt_config(length: int, sparse: bool, block: int = LONGEST_BLOCK, local: int = LONGEST_LOCAL):
     from lightning_zero.models.gpt import GPT_PRESETS
 
-    section = {"mode": "fixed", "block": BLOCK, "num_local_blocks": LOCAL, "attention": "unidirectional"}
+    section = {"mode": "fixed", "block": block, "num_local_blocks": local, "attention": "unidirectional"}
     return replace(GPT_PRESETS["gpt_tiny"], seq_len=length, sparse_attention=section if sparse else None)
 
 
-def _longest_worker(kind: str, length: int, limit_mb: int) -> dict[str, float]:
+def _longest_worker(kind: str, length: int, limit_mb: int, block: int, local: int) -> dict[str, float]:
     import resource
 
     from lightning_zero.models.gpt import GPT
@@ -138,7 +166,7 @@ def _longest_worker(kind: str, length: int, limit_mb: int) -> dict[str, float]:
     _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     resource.setrlimit(resource.RLIMIT_DATA, (proc_status_bytes("VmData") + limit_mb * 2**20, hard))
     torch.manual_seed(0)
-    model = GPT(_gpt_config(length, kind == "sparse"))
+    model = GPT(_gpt_config(length, kind == "sparse", block, local))
     x = torch.randint(0, 256, (1, length + 1))
     start = time.perf_counter()
     logits = model(x[:, :-1])
@@ -146,16 +174,18 @@ def _longest_worker(kind: str, length: int, limit_mb: int) -> dict[str, float]:
     return {"seconds": time.perf_counter() - start}
 
 
-def longest(limit_mb: int, max_length: int, timeout: float) -> None:
+def longest(limit_mb: int, max_length: int, timeout: float, block: int, local: int,
+            kinds: tuple[str, ...] = ("dense", "sparse"), start: int = 1024) -> None:
     print(f"\nload average {os.getloadavg()}; GPT gpt_tiny shape (2 layers, 4 heads, n_embd 64), batch 1, one "
-          f"training step under RLIMIT_DATA = {limit_mb} MB above the process's data size at start\n")
+          f"training step under RLIMIT_DATA = {limit_mb} MB above the process's data size at start; sparse: fixed, "
+          f"block {block}, num_local_blocks {local}, unidirectional, executor auto (row groups)\n")
     print("| attention | longest sequence trained | first failure |")
     print("|---|---|---|")
     best = {}
-    for kind in ("dense", "sparse"):
-        length, ok, failure = 1024, 0, "none up to the cap"
+    for kind in kinds:
+        length, ok, failure = start, 0, "none up to the cap"
         while length <= max_length:
-            r = _spawn(["_longest", kind, str(length), str(limit_mb)], timeout=timeout)
+            r = _spawn(["_longest", kind, str(length), str(limit_mb), str(block), str(local)], timeout=timeout)
             if r is None or "error" in r:
                 failure = f"{length}: {(r or {}).get('error', 'failed')}"
                 break
@@ -194,7 +224,7 @@ def quality(steps: int) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # a worker process
         worker = {"_attention": lambda a: _attention_worker(a[0], int(a[1]), int(a[2])),
-                  "_longest": lambda a: _longest_worker(a[0], int(a[1]), int(a[2]))}[sys.argv[1]]
+                  "_longest": lambda a: _longest_worker(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]))}[sys.argv[1]]
         print(json.dumps(worker(sys.argv[2:])))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -207,13 +237,17 @@ def main() -> None:
     b.add_argument("--limit-mb", type=int, default=512)
     b.add_argument("--max-length", type=int, default=65536)
     b.add_argument("--timeout", type=float, default=600)
+    b.add_argument("--block", type=int, default=LONGEST_BLOCK)
+    b.add_argument("--local", type=int, default=LONGEST_LOCAL)
+    b.add_argument("--kinds", nargs="+", choices=("dense", "sparse"), default=["dense", "sparse"])
+    b.add_argument("--start", type=int, default=1024, help="the first length tried (then doubled)")
     c = sub.add_parser("quality")
     c.add_argument("--steps", type=int, default=150)
     args = parser.parse_args()
     if args.what == "attention":
         attention(args.lengths, args.rounds, args.threads)
     elif args.what == "longest":
-        longest(args.limit_mb, args.max_length, args.timeout)
+        longest(args.limit_mb, args.max_length, args.timeout, args.block, args.local, tuple(args.kinds), args.start)
     else:
         quality(args.steps)
 

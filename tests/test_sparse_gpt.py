@@ -167,7 +167,7 @@ def test_bench_sparse_attention_runs_small() -> None:
                            "--threads", "1"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("| 1024 |"))
-    assert row.count("|") == 11 and " - " not in row and "failed runs" not in done.stdout
+    assert row.count("|") == 13 and " - " not in row and "failed runs" not in done.stdout
 
 
 # ------------------------------------------------------------------------------------------ pipeline

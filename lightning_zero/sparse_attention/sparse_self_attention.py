@@ -1,8 +1,10 @@
 """``SparseSelfAttention``: DeepSpeed's module and forward signature over a sparsity config, running
-the block-sparse kernel or FlexAttention, whichever runs the call (Note [executor choice])."""
+the row-group executor, the block-sparse kernel or FlexAttention, whichever runs the call best
+(Note [executor choice])."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,15 +19,26 @@ from lightning_zero.sparse_attention.block_sparse import (
     row_chunks,
 )
 from lightning_zero.sparse_attention.flex import flex_runs, flex_sparse_attention, make_block_mask
+from lightning_zero.sparse_attention.row_groups import (
+    GroupBatch,
+    GroupPolicy,
+    batch_groups,
+    plan_row_groups,
+    row_group_attention,
+    row_groups_available,
+)
 from lightning_zero.sparse_attention.sparsity_config import SparsityConfig
 
 MASK_MODES = ("add", "mul")
-EXECUTORS = ("auto", "block_sparse", "flex")
+EXECUTORS = ("auto", "row_groups", "block_sparse", "flex")
 
 # Note [executor choice]: "auto" takes FlexAttention where it runs the call (CUDA; CPU when no
-# gradient is needed, e.g. inference) and the pure-torch block-sparse kernel otherwise (CPU
-# training). Both are exact (tests/test_sparse_attention.py), so switching between them changes
-# nothing but speed. "block_sparse" and "flex" force one; "flex" refuses a CPU call that needs grad.
+# gradient is needed, e.g. inference) and the row-group executor otherwise (CPU training: groups of
+# query-block rows batched through torch's CPU flash kernel, row_groups.py), which beats the
+# pure-torch block-sparse kernel at every length measured (docs/benchmarks.md). All three are exact
+# (tests/test_sparse_attention.py, tests/test_sparse_row_groups.py), so switching between them
+# changes nothing but speed and memory. "row_groups", "block_sparse" and "flex" force one; "flex"
+# refuses a CPU call that needs grad, "row_groups" a CUDA call.
 
 
 def _additive(mask: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor:
@@ -42,16 +55,20 @@ class SparseSelfAttention(nn.Module):
         sparsity_config: the layout's pattern (:mod:`~lightning_zero.sparse_attention.sparsity_config`).
         key_padding_mask_mode: ``"add"`` (added to the scores) or ``"mul"`` (0 hides the key).
         attn_mask_mode: ``"add"`` or ``"mul"``, the same for ``attn_mask``.
-        max_seq_length: the longest sequence; the layout (``master_layout``, on the CPU) is made for it
+        max_seq_length: the longest sequence; the layout (``master_layout``, bool, on the CPU) is made for it
             and cut to each call's length.
         causal: (ours) hide the keys after each query, also inside the layout's diagonal blocks.
         executor: (ours) ``"auto"``, ``"block_sparse"`` or ``"flex"`` (Note [executor choice]).
-        chunk_elements: (ours) the block-sparse kernel's score elements per chunk (Note [chunked rows]).
+        chunk_elements: (ours) score elements per chunk: the block-sparse kernel's (Note [chunked rows],
+            default 4M) or the row-group executor's scores per batch (Note [row-group chunks], default 512K).
+        group_policy: (ours) how the row-group executor groups rows (Note [row groups]); its
+            ``chunk_elements`` gives way to the argument above when that is given.
     """
 
     def __init__(self, sparsity_config: SparsityConfig, key_padding_mask_mode: str = "add",
                  attn_mask_mode: str = "mul", max_seq_length: int = 2048, causal: bool = False,
-                 executor: str = "auto", chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+                 executor: str = "auto", chunk_elements: int | None = None,
+                 group_policy: GroupPolicy | None = None) -> None:
         super().__init__()
         for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
             if mode not in MASK_MODES:
@@ -68,9 +85,12 @@ class SparseSelfAttention(nn.Module):
         self.causal = causal
         self.executor = executor
         self.chunk_elements = chunk_elements
-        # a plain attribute, not a buffer: made from the config (seeded), it is no state to save or shard
-        self.master_layout = sparsity_config.make_layout(max_seq_length)
+        self._group_policy = group_policy or GroupPolicy()
+        # a plain attribute, not a buffer: made from the config (seeded), it is no state to save or shard;
+        # bool, an eighth of make_layout's int64 (heads x (L / block)^2: 16 MiB at 16k tokens, block 8, 4 heads)
+        self.master_layout = sparsity_config.make_layout(max_seq_length).bool()
         self._chunks: dict[tuple[int, int, str], list[RowChunk]] = {}
+        self._group_batches: dict[tuple[int, int, str], list[GroupBatch]] = {}
         self._block_masks: dict[tuple[int, str], Any] = {}
 
     def get_layout(self, length: int) -> torch.Tensor:
@@ -89,9 +109,24 @@ class SparseSelfAttention(nn.Module):
         key = (length, batch_heads, str(device))
         if key not in self._chunks:
             layout = self.get_layout(length).to(device)
-            self._chunks[key] = row_chunks(layout, self.sparsity_config.block, batch_heads, self.chunk_elements,
-                                          self.causal)
+            self._chunks[key] = row_chunks(layout, self.sparsity_config.block, batch_heads,
+                                           self.chunk_elements or DEFAULT_CHUNK_ELEMENTS, self.causal)
         return self._chunks[key]
+
+    def group_policy(self) -> GroupPolicy:
+        """The row-group executor's policy (its ``chunk_elements`` the module's, when given)."""
+        if self.chunk_elements:
+            return replace(self._group_policy, chunk_elements=self.chunk_elements)
+        return self._group_policy
+
+    def _row_group_batches(self, length: int, batch: int, device: torch.device) -> list[GroupBatch]:
+        key = (length, batch, str(device))
+        if key not in self._group_batches:
+            layout, block = self.get_layout(length), self.sparsity_config.block
+            policy = self.group_policy()
+            self._group_batches[key] = batch_groups(plan_row_groups(layout, block, policy), layout, block, batch,
+                                                    policy, device)
+        return self._group_batches[key]
 
     def _block_mask(self, length: int, device: torch.device) -> Any:
         key = (length, str(device))
@@ -138,5 +173,11 @@ class SparseSelfAttention(nn.Module):
                                    "float64 there); use executor='auto' or 'block_sparse'")
             self.get_layout(length)  # the length checks
             return flex_sparse_attention(query, key, value, self._block_mask(length, query.device), scale, masks)
+        if self.executor == "row_groups" or (self.executor == "auto" and row_groups_available(query)):
+            if not row_groups_available(query):
+                raise RuntimeError(f"executor='row_groups' runs torch's CPU flash kernel, not on {query.device}: "
+                                   "use executor='auto' or 'flex'")
+            batches = self._row_group_batches(length, b, query.device)
+            return row_group_attention(query, key, value, batches, self.sparsity_config.block, scale, masks)
         chunks = self._row_chunks(length, b * h, query.device)
         return block_sparse_attention(query, key, value, chunks, self.sparsity_config.block, scale, masks)
