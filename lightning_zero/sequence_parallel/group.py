@@ -18,7 +18,6 @@ Note [token-weighted loss over data x sequence]
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,11 +121,7 @@ class SequenceGroup:
                 raise ValueError(f"the sparsity config has {heads} heads, which do not split over a sequence group "
                                  f"of {self.size}")
             n = heads // self.size
-            local = copy.copy(sparse)  # no parameters: the layout and its caches only
-            local.sparsity_config = copy.copy(sparse.sparsity_config)
-            local.sparsity_config.num_heads = n
-            local.master_layout = sparse.master_layout[self.rank * n:(self.rank + 1) * n].clone()
-            local._chunks, local._block_masks = {}, {}
+            local = sparse.narrowed_to_heads(self.rank * n, (self.rank + 1) * n)
             self._sliced[key] = (sparse, local)  # the original is kept alive: its id stays unique
         return self._sliced[key][1]
 

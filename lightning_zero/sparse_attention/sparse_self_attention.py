@@ -4,6 +4,7 @@ the row-group executor, the block-sparse kernel or FlexAttention, whichever runs
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any
 
@@ -92,6 +93,16 @@ class SparseSelfAttention(nn.Module):
         self._chunks: dict[tuple[int, int, str], list[RowChunk]] = {}
         self._group_batches: dict[tuple[int, int, str], list[GroupBatch]] = {}
         self._block_masks: dict[tuple[int, str], Any] = {}
+
+    def narrowed_to_heads(self, start: int, stop: int) -> SparseSelfAttention:
+        """A copy over heads ``[start, stop)`` only (their own layouts; sequence parallel runs each rank's heads
+        after its all-to-all), with its own executor caches: a plan made for all heads never serves it."""
+        local = copy.copy(self)  # no parameters: the config, the layout and the caches only
+        local.sparsity_config = copy.copy(self.sparsity_config)
+        local.sparsity_config.num_heads = stop - start
+        local.master_layout = self.master_layout[start:stop].clone()
+        local._chunks, local._group_batches, local._block_masks = {}, {}, {}
+        return local
 
     def get_layout(self, length: int) -> torch.Tensor:
         """The layout of a ``length``-token call: the master layout's top-left corner."""
