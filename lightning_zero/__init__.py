@@ -7,7 +7,7 @@ from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.precision.loss_scaler import LossScaler, LossScalerConfig
 from lightning_zero.core.stage3.gathered import gathered_parameters
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig, ZeroStage
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.memory import ModelStateBytes, model_state_formula
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
@@ -40,6 +40,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroEngine",
     "ZeroPrecision",
+    "ZeroStage",
     "ZeroStatsMonitor",
     "ZeroStrategy",
     "ZeroTensorBoardLogger",

@@ -39,7 +39,7 @@ class ShardedBuildMixin:
         core/stage3/materialize.py); buffers and metric states are created for real. With a pipeline (any
         ZeRO stage) parameters go to the meta device too, and each rank materialises only its own
         stage's layers at setup (Note [local construction] in pipeline/build.py)."""
-        if self.zero_config.stage != 3 and self.pipeline_config is None:
+        if not self.zero_config.stage.shards_parameters and self.pipeline_config is None:
             yield
             return
         with parameters_on_meta():
@@ -48,7 +48,7 @@ class ShardedBuildMixin:
     def _prepare_meta_model(self) -> None:
         """Parameters built on the meta device: give them storage-less CPU/GPU stand-ins that
         stage 3 initialises (or fills from a checkpoint) one unit at a time."""
-        if self.zero_config.stage != 3:
+        if not self.zero_config.stage.shards_parameters:
             raise NotImplementedError(
                 "The model has parameters on the meta device. lightning_zero initialises meta-built models only "
                 "with ZeRO stage 3 (unit by unit, sharded). Use stage=3, or build the model with real tensors."

@@ -193,12 +193,12 @@ class ZeroStateMixin:
     @property
     def _writes_shards(self) -> bool:
         """Whether save_checkpoint writes the sharded format from the engine's shards."""
-        return self._sharded_format() and self._engine is not None and self.zero_config.stage >= 1
+        return self._sharded_format() and self._engine is not None and self.zero_config.stage.shards_optimizer
 
     def _sharded_format(self) -> bool:
         """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1)."""
         fmt = self.checkpoint_format
-        return fmt == "sharded" or (fmt == "auto" and self.zero_config.stage >= 1)
+        return fmt == "sharded" or (fmt == "auto" and self.zero_config.stage.shards_optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -260,7 +260,7 @@ class ZeroStateMixin:
         unless it was built on the meta device: then each stage reads its own layers after setup."""
         if self.pipeline_config is not None:
             return self.lightning_module is not None and has_meta_parameters(self.lightning_module)
-        return self.zero_config.stage == 3
+        return self.zero_config.stage.shards_parameters
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -108,7 +108,7 @@ class StrategyPipeline:
     def attach(self, engine: ZeroEngine) -> None:
         """Combine the engine's norms and overflow checks over the pipeline's stages (and refuse, on every
         rank, a per-micro-batch reduction that cannot run here)."""
-        if self.config.reduce_per_micro_batch and engine.config.stage < 2:
+        if self.config.reduce_per_micro_batch and not engine.config.stage.shards_gradients:
             raise ValueError(f"PipelineConfig(reduce_per_micro_batch=True) with ZeRO stage {engine.config.stage}: it "
                              "saves memory only at stages 2-3 (stages 0-1 keep the whole gradient buffer anyway). "
                              "Fix: ZeRO stage 2 or 3, or reduce_per_micro_batch=False.")

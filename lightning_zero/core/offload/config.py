@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 
+from lightning_zero.core.zero.config import ZeroStage
 from lightning_zero.core.zero.memory import format_bytes
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -85,7 +86,7 @@ class OffloadConfig:
     def uses_nvme(self) -> bool:
         return "nvme" in (self.optimizer_device, self.param_device)
 
-    def check(self, stage: int) -> None:
+    def check(self, stage: int | ZeroStage) -> None:
         """Refuse, with the fix, a policy that ``stage`` cannot run (no file system access).
 
         Raises:
@@ -93,13 +94,14 @@ class OffloadConfig:
         """
         if not self.enabled:
             return
-        if self.param_device != "none" and stage != 3:
+        stage = ZeroStage.of(stage)
+        if self.param_device != "none" and not stage.shards_parameters:
             raise ValueError(f"offload_param={self.param_device!r} needs ZeRO stage 3 (partitioned parameters), "
                              f"got stage {stage}. Fix: stage=3, or offload_param='none'.")
         if self.param_device != "none" and self.optimizer_device == "none":
             raise ValueError(f"offload_param={self.param_device!r} moves the optimizer state too. Fix: also set "
                              f"offload_optimizer={self.param_device!r}.")
-        if stage == 0:
+        if not stage.shards_optimizer:
             raise ValueError(f"offload_optimizer={self.optimizer_device!r} offloads this rank's optimizer shard and "
                              "needs ZeRO stage 1, 2 or 3, got stage 0. Fix: stage>=1, or offload_optimizer='none'.")
         if self.uses_nvme and not self.nvme_path:

@@ -40,7 +40,7 @@ from lightning_zero.core.stage3.activation_checkpointing import apply_activation
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime, apply_stage3
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig, ZeroStage
 from lightning_zero.core.zero.engine_step import StepPreparation
 from lightning_zero.core.zero.engine_views import WholeModelViews
 from lightning_zero.core.zero.flat_param import FlatParamGroup
@@ -112,7 +112,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         self.frozen_at_setup: list[nn.Parameter] = [p for p in self.names if not p.requires_grad]
         self.units: list[ShardedUnit] = []  # stage 3 only
         self.runtime: Stage3Runtime | None = None  # stage 3's gather / release hooks
-        if config.stage == 3:
+        if config.stage.shards_parameters:
             # binds, initialises (meta-built models), broadcasts and shards one unit at a time
             self.units, self.runtime, self.all_groups = apply_stage3(
                 module, self.names, groups, self.comm, config, param_init_fn, init_seed
@@ -143,7 +143,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         # with a separate master (mixed precision) per-parameter views of a whole master
         separate_master = not self.dtypes.master_is_param_view
         self.sharded: ShardedOptimizer | None = None
-        if optimizer is not None and (config.stage >= 1 or separate_master):
+        if optimizer is not None and (config.stage.shards_optimizer or separate_master):
             if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
                 master_init = broadcast_master_init(master_init, [p for p in self.names if p in managed],
                                                     self.dtypes.master_dtype, self.comm)
@@ -153,7 +153,8 @@ class ZeroEngine(WholeModelViews, StepPreparation):
                 self.offload_config.check_path(need)
                 store = OptimizerOffload(self.offload_config, self.comm.rank, self.units)
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
-                                            whole=config.stage == 0, master_init=master_init, offload=store)
+                                            whole=not config.stage.shards_optimizer, master_init=master_init,
+                                            offload=store)
         if optimizer is None:
             self.offload_config.warn_unused()
         if optimizer is not None:
@@ -219,13 +220,13 @@ class ZeroEngine(WholeModelViews, StepPreparation):
             self.reducer.sync = previous
 
     def before_backward(self) -> None:
-        if (self._self_reducing is not None and self.reducer.sync and self.config.stage == 0
+        if (self._self_reducing is not None and self.reducer.sync and not self.config.stage.shards_optimizer
                 and self._self_reducing.reduces_gradients_itself()):
             self._grads_local = True
             self.reducer.sync = False  # the boundary backward accumulates locally, like no_sync
         # stage 0 hands the optimizer per-parameter views of the reduced gradients; detach them
         # so the next backward's gradients arrive fresh (grad_reducer adds them to the buffer)
-        if self.config.stage < 2:
+        if not self.config.stage.shards_gradients:
             for g in self.groups:
                 for s in g.slots:
                     s.param.grad = None
@@ -379,10 +380,10 @@ class SelfReducingOptimizer(Protocol):
     def reduces_gradients_itself(self) -> bool: ...
 
 
-def _self_reducing(optimizer: Optimizer, stage: int, comm: DataParallelComm) -> SelfReducingOptimizer | None:
+def _self_reducing(optimizer: Optimizer, stage: ZeroStage, comm: DataParallelComm) -> SelfReducingOptimizer | None:
     if not (hasattr(optimizer, "reduces_gradients_itself") and hasattr(optimizer, "bind_comm")):
         return None
-    if stage != 0:
+    if stage.shards_optimizer:
         raise ValueError(
             f"{type(optimizer).__name__} compresses the all-reduce of every rank's whole momentum, which needs "
             f"whole local gradients and optimizer state on each rank: use it with ZeRO stage 0, not {stage} "

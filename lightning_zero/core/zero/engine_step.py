@@ -109,7 +109,7 @@ class StepPreparation(EngineFields):
         gradient holds ``nan`` / ``inf`` on any rank, or ``None`` (a collective; Note [non-finite policy])."""
         grads: list[tuple[torch.Tensor, int] | None] = []
         for i, g in enumerate(self.groups):
-            if self.config.stage == 0:
+            if not self.config.stage.shards_optimizer:
                 flat = self.reducer.flat_grads[i]
                 grads.append(None if flat is None else (flat, 0))
             else:
@@ -167,7 +167,7 @@ class StepPreparation(EngineFields):
             every rank (so every rank clips by the same factor), and never below the norm of the
             averaged gradient, so clipping is at least as strict as before the freeze.
         """
-        return self.config.stage >= 1 or self._grads_local
+        return self.config.stage.shards_optimizer or self._grads_local
 
     def comm_max(self, value: torch.Tensor) -> None:
         self.comm.all_reduce_max(value)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm, Handle
+from lightning_zero.core.zero.config import ZeroStage
 from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
 
 
@@ -66,7 +67,7 @@ class GradReducer:
         self,
         groups: list[FlatParamGroup],
         comm: DataParallelComm,
-        stage: int,
+        stage: int | ZeroStage,
         bucket_numel: int,
         overlap: bool,
         grad_dtype: torch.dtype,
@@ -75,7 +76,7 @@ class GradReducer:
     ) -> None:
         self.groups = groups
         self.comm = comm
-        self.stage = stage
+        self.stage = ZeroStage.of(stage)
         self.overlap = overlap
         self.grad_dtype = grad_dtype
         self.accum_dtype = accum_dtype or grad_dtype
@@ -84,14 +85,14 @@ class GradReducer:
         self.deferred: bool = False  # pipelines: no reduction until reduce_deferred() (stages 2-3: kept in .grad)
         self.state = BackwardState.IDLE
         self._dirty = False  # whether any gradient buffer may be non-zero (zero() is a no-op otherwise)
-        self.max_in_flight = 2 if stage >= 2 else 1 << 30
+        self.max_in_flight = 2 if self.stage.shards_gradients else 1 << 30
         # whole gradients of the accumulation window (stages 0-1), one per group, padded layout
         self.flat_grads: list[torch.Tensor | None] = [None] * len(groups)
         # this rank's reduced gradient shard (stages 2-3), one per group; allocated by the first
         # backward that reduces into it (_grad_shard), so setup holds no gradient memory
         self.grad_shards: list[torch.Tensor | None] = [None] * len(groups)
         for i, g in enumerate(groups):
-            if stage < 2:
+            if not self.stage.shards_gradients:
                 self.flat_grads[i] = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
         self.buckets = self._plan_buckets(bucket_numel)
         # parameter -> (bucket order, slot index)
@@ -136,12 +137,12 @@ class GradReducer:
     @property
     def communicating(self) -> bool:
         """Whether this backward reduces (stage 2 always; stages 0-1 on the boundary)."""
-        return self.stage >= 2 or self.sync
+        return self.stage.shards_gradients or self.sync
 
     # ---------------------------------------------------------------- backward
     def _destination(self, bucket: Bucket, slot_index: int) -> torch.Tensor:
         slot = self.groups[bucket.group_index].slots[slot_index]
-        if self.stage < 2:
+        if not self.stage.shards_gradients:
             flat = self.flat_grads[bucket.group_index]
             return flat[slot.offset : slot.offset + slot.numel]
         staging = self._staging.get(bucket.order)
@@ -154,7 +155,7 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.deferred and self.stage >= 2:  # autograd accumulates into param.grad (Note [deferred reduction])
+        if self.deferred and self.stage.shards_gradients:  # autograd accumulates in .grad (Note [deferred reduction])
             return
         self.state = BackwardState.RUNNING
         order, slot_index = self._where[param]
@@ -195,7 +196,7 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         self._launched[bucket.order] = True
         g = self.groups[bucket.group_index]
-        if self.stage < 2:
+        if not self.stage.shards_gradients:
             source = self.flat_grads[bucket.group_index][bucket.start : bucket.end]
         else:
             source = self._staging.pop(bucket.order, None)
@@ -207,7 +208,7 @@ class GradReducer:
         if source.dtype != self.grad_dtype:  # accumulated in another dtype: reduce a cast copy
             home, source = source, source.to(self.grad_dtype)
         output = None
-        if self.stage == 0 or self.comm.use_all_reduce:
+        if not self.stage.shards_optimizer or self.comm.use_all_reduce:
             handle = self.comm.all_reduce_sum(source, async_op=True)
         else:
             pieces = [self._clip_to(source, bucket, g.shard_range(r)) for r in range(self.comm.world_size)]
@@ -226,7 +227,7 @@ class GradReducer:
         item.handle.wait()
         if item.home is not None and item.output is None:
             item.home.copy_(item.source)
-        if self.stage == 0:
+        if not self.stage.shards_optimizer:
             return
         b = item.bucket
         g = self.groups[b.group_index]
@@ -236,7 +237,7 @@ class GradReducer:
             return
         reduced = item.source[lo - b.start : hi - b.start] if item.output is None else item.output
         self._dirty = True
-        if self.stage == 1:
+        if not self.stage.shards_gradients:
             if item.output is not None:
                 self.flat_grads[b.group_index][lo:hi].copy_(reduced)
         else:
@@ -255,18 +256,18 @@ class GradReducer:
     # ---------------------------------------------------------------- views for the step
     def shard_grad(self, group_index: int) -> torch.Tensor:
         """This rank's reduced gradient shard of a group (stages 1-2)."""
-        if self.stage >= 2:
+        if self.stage.shards_gradients:
             return self._grad_shard(group_index)
         start, end = self.groups[group_index].shard_range()
         return self.flat_grads[group_index][start:end]
 
     def whole_grads_valid(self) -> bool:
         """Whether the whole flat gradients hold the reduced values everywhere."""
-        return self.stage == 0 or (self.stage == 1 and self.comm.use_all_reduce)
+        return not self.stage.shards_optimizer or (not self.stage.shards_gradients and self.comm.use_all_reduce)
 
     def local_grads(self) -> list[torch.Tensor]:
         """The reduced gradient elements this rank is responsible for (norms, clipping)."""
-        if self.stage == 0:
+        if not self.stage.shards_optimizer:
             return [g for g in self.flat_grads if g is not None]
         return [self.shard_grad(i) for i in range(len(self.groups))]
 
