@@ -1,4 +1,5 @@
-"""The state enums of issue 30: the ZeRO stage with its predicates, at every boundary and in the source."""
+"""The state enums of issue 30: the ZeRO stage with its predicates, the offload device, the non-finite policy:
+strings and ints from users converted at the boundary, bad values refused with the valid ones."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zero import ZeroConfig, ZeroStage
+from lightning_zero import NonFinitePolicy, OffloadConfig, OffloadDevice, ZeroConfig, ZeroStage
 from lightning_zero.core.zero.memory import model_state_formula
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_zero"
@@ -74,3 +75,35 @@ def test_no_code_compares_the_zero_stage_with_a_number() -> None:
 def test_the_scan_finds_a_stage_comparison() -> None:
     sample = "def f(config, stage, mesh):\n    return config.stage >= 2 or stage in (0, 1) or mesh.stage == 0\n"
     assert len(_stage_number_comparisons(sample, "sample")) == 2  # the pipeline stage index is not a ZeRO stage
+
+
+def test_offload_devices_from_strings_are_the_enum_and_read_as_the_strings() -> None:
+    offload = OffloadConfig(optimizer_device="nvme", param_device="nvme", nvme_path="/tmp")
+    assert offload.optimizer_device is OffloadDevice.nvme and offload.param_device is OffloadDevice.nvme
+    assert offload.name == "param_nvme" and f"{offload.optimizer_device}" == "nvme" and offload.uses_nvme
+    assert OffloadConfig().name == "none" and not OffloadConfig().enabled
+    with pytest.raises(ValueError, match=r"`param_device` must be one of 'none', 'cpu', 'nvme', got 'disk'"):
+        OffloadConfig(optimizer_device="cpu", param_device="disk")  # type: ignore[arg-type]
+
+
+def test_the_hydra_schema_uses_the_core_offload_enum() -> None:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    from lightning_zero.config import schema
+
+    assert schema.OffloadDevice is OffloadDevice
+    node = OmegaConf.merge(OmegaConf.structured(schema.OffloadSchema), {"optimizer_device": "cpu"})
+    assert node.optimizer_device is OffloadDevice.cpu
+    assert "optimizer_device: cpu" in OmegaConf.to_yaml(node)
+    with pytest.raises(ValidationError, match="none, cpu, nvme"):
+        OmegaConf.merge(node, {"param_device": "disk"})
+
+
+@pytest.mark.parametrize(("given", "policy"), [("off", NonFinitePolicy.OFF), ("skip", NonFinitePolicy.SKIP),
+                                               ("raise", NonFinitePolicy.RAISE)])
+def test_the_nonfinite_policy_from_a_string(given: str, policy: NonFinitePolicy) -> None:
+    config = ZeroConfig(nonfinite=given)
+    assert config.nonfinite is policy and config.nonfinite == given and repr(config.nonfinite) == repr(given)
+    with pytest.raises(ValueError, match=r"`nonfinite` must be one of 'off', 'skip', 'raise', got 'warn'"):
+        ZeroConfig(nonfinite="warn")

@@ -11,6 +11,44 @@ import torch
 Collective = Literal["auto", "all_reduce", "reduce_scatter"]
 
 
+class StrChoice(str, enum.Enum):
+    """A setting users give as a string (YAML, JSON, keyword arguments): each member equals its string.
+
+    ``str()``, f-strings and ``repr()`` (in error messages) read as the string itself, so messages and
+    logs look as they did when the setting was a plain string.
+    """
+
+    @classmethod
+    def of(cls, value: str | StrChoice, what: str | None = None) -> StrChoice:
+        """The member ``value`` names, or a ``ValueError`` listing the valid strings (``what``: the setting)."""
+        try:
+            return cls(value)
+        except ValueError:
+            valid = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"`{what or cls.__name__}` must be one of {valid}, got {value!r}.") from None
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class NonFinitePolicy(StrChoice):
+    """What a ``nan`` / ``inf`` reduced gradient does in fp32 / bf16 (Note [non-finite policy] in
+    ``core/precision/nonfinite.py``; fp16 keeps its loss scaler)."""
+
+    OFF = "off"
+    """Not checked: the optimizer steps on whatever the gradients hold (no collective spent on it)."""
+    SKIP = "skip"
+    """The step is skipped on every rank (parameters and optimizer state unchanged) and counted."""
+    RAISE = "raise"
+    """Every rank raises ``NonFiniteGradientError`` naming the first parameter with such a gradient."""
+
+
 class ZeroStage(enum.IntEnum):
     """How much of the training state is partitioned over the data-parallel ranks.
 
@@ -41,6 +79,15 @@ class ZeroStage(enum.IntEnum):
         except ValueError:
             pass
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {value!r}.")
+
+    def __str__(self) -> str:  # the number, as Python >= 3.11 prints an IntEnum (3.10 too)
+        return str(int(self))
+
+    def __format__(self, spec: str) -> str:
+        return format(int(self), spec)
+
+    def __repr__(self) -> str:  # error messages quote the setting as the user wrote it: stage=3
+        return str(int(self))
 
     @property
     def shards_optimizer(self) -> bool:
@@ -99,7 +146,7 @@ class ZeroConfig:
     collective: Collective = "auto"
     timeout_s: float = 300.0
     hang_timeout_s: float = 45.0
-    nonfinite: str = "off"
+    nonfinite: NonFinitePolicy = NonFinitePolicy.OFF
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
@@ -126,8 +173,7 @@ class ZeroConfig:
         if not self.hang_timeout_s >= 0:
             raise ValueError(f"`hang_timeout_s` must be >= 0 seconds (0 disables the watchdog), got "
                              f"{self.hang_timeout_s!r}.")
-        if self.nonfinite not in ("off", "skip", "raise"):
-            raise ValueError(f"`nonfinite` must be 'off', 'skip' or 'raise', got {self.nonfinite!r}.")
+        object.__setattr__(self, "nonfinite", NonFinitePolicy.of(self.nonfinite, "nonfinite"))  # users pass strings
 
     @classmethod
     def from_kwargs(cls, stage: int | ZeroStage, kwargs: dict[str, Any]) -> ZeroConfig:
