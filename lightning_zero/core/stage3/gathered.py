@@ -5,14 +5,21 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from lightning_zero.core.zero.engine import ZeroEngine
+
+class ZeroEngine(Protocol):
+    """What this module needs of :class:`~lightning_zero.core.zero.engine.ZeroEngine` (a protocol, so that
+    stage 3 does not import the engine that imports it)."""
+
+    names: Mapping[nn.Parameter, str]
+
+    def gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> AbstractContextManager[None]: ...
 
 # attribute set on each parameter while an engine partitions it: a weak reference to the engine
 # (a WeakKeyDictionary keyed by tensors crashed the interpreter at teardown in our tests)

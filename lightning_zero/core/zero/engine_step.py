@@ -1,10 +1,9 @@
-"""The optimizer step's gradient preparation for :class:`~lightning_zero.core.zero.engine.ZeroEngine`.
+"""The optimizer step's gradient preparation, an object :class:`~lightning_zero.core.zero.engine.ZeroEngine` holds.
 
 Once per optimizer step, after the last backward: the gradients the optimizer steps on are cast
 into the master dtype, unscaled, measured (one global norm over every shard and pipeline stage),
 checked for overflow with one agreement across ranks, and clipped by norm or value. The state of
-the step (``_prepared``, ``step_skipped``, ``_norm``, ``last_grad_norm``) lives on the engine
-(Note [step preparation] in engine.py).
+the step (prepared, skipped, the norm) lives here (Note [step preparation] in engine.py).
 """
 
 from __future__ import annotations
@@ -13,27 +12,82 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.precision.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.precision.nonfinite import first_nonfinite_parameter
-from lightning_zero.core.zero.engine_fields import EngineFields
+from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.zero.flat_param import FlatParamGroup
+from lightning_zero.core.zero.grad_reducer import GradReducer
+from lightning_zero.core.zero.optimizer import ShardedOptimizer
+
+NormExcess = Callable[[list[torch.Tensor], list[FlatParamGroup], float], float]
 
 
-class StepPreparation(EngineFields):
-    """Mixin of :class:`~lightning_zero.core.zero.engine.ZeroEngine`: prepare, measure and clip the step's gradients."""
+class StepPreparation:
+    """Prepare, measure and clip one optimizer step's gradients; the step's state.
 
-    # besides EngineFields (engine_fields.py), set by ZeroEngine.__init__:
-    model_parallel: DataParallelComm | None
-    norm_excess: Callable[[list[torch.Tensor], list[FlatParamGroup], float], float] | None
-    _prepared: bool
-    step_skipped: bool
-    _norm: torch.Tensor | None
-    last_grad_norm: float | None
-    _grads_local: bool
-    _cast_grads: list[torch.Tensor] | None
-    master_grad_is_view: bool  # a property of ZeroEngine: no cast and no offload between reducer and optimizer
+    Args:
+        config: the ZeRO policy (its stage).
+        comm: the data-parallel collectives.
+        dtypes: parameter / gradient / master dtypes.
+        names: every module parameter -> qualified name, module order.
+        groups: the flat groups of trainable parameters.
+        reducer: the gradient buffers the backward filled.
+        sharded: the optimizer re-pointed at master shards (``None``: it steps the parameters).
+        master_grad_is_view: whether the optimizer steps on the reduced buffers themselves (no cast, no offload).
+        model_parallel: pipelines: the ranks holding the other stages, over which norms and the overflow
+            decision are combined (Note [deferred reduction] in engine.py).
+        norm_excess: pipelines: ``fn(grads, groups, norm_type)``, the norm share another stage counts (tied
+            parameters).
+    """
+
+    def __init__(
+        self,
+        config: ZeroConfig,
+        comm: DataParallelComm,
+        dtypes: DtypePolicy,
+        names: dict[nn.Parameter, str],
+        groups: list[FlatParamGroup],
+        reducer: GradReducer,
+        sharded: ShardedOptimizer | None,
+        master_grad_is_view: bool,
+        model_parallel: DataParallelComm | None = None,
+        norm_excess: NormExcess | None = None,
+    ) -> None:
+        self.config = config
+        self.comm = comm
+        self.dtypes = dtypes
+        self.names = names
+        self.groups = groups
+        self.reducer = reducer
+        self.sharded = sharded
+        self.master_grad_is_view = master_grad_is_view
+        self.model_parallel = model_parallel
+        self.norm_excess = norm_excess
+        self.last_grad_norm: float | None = None  # global gradient norm of the last step that computed one
+        self._prepared = False
+        self.step_skipped = False
+        self._norm: torch.Tensor | None = None
+        self.grads_local = False  # this step's gradients were left unreduced for a self-reducing optimizer
+        # stage 0 without a separate master, gradients accumulated in another dtype than the params:
+        # prepare_step casts them into these param-dtype buffers, which the params' .grad views
+        self._cast_grads: list[torch.Tensor] | None = None
+
+    def reset(self) -> None:
+        """A new step: nothing prepared, nothing skipped (``zero_grad``)."""
+        self._prepared = False
+        self.step_skipped = False
+        self._norm = None
+        self.grads_local = False
+        self._cast_grads = None
+
+    def reduced_for_masters(self) -> list[torch.Tensor]:
+        """The reduced gradients laid out like the masters (whole buffers at stage 0, else shards)."""
+        if self.sharded is not None and self.sharded.whole:
+            return [g for g in self.reducer.flat_grads if g is not None]
+        return [self.reducer.shard_grad(i) for i in range(len(self.groups))]
 
     def _grads_to_scale(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps on (unscaling and clipping act on these)."""
@@ -61,7 +115,7 @@ class StepPreparation(EngineFields):
         if self._prepared:
             return self.step_skipped
         if self.sharded is not None and not self.master_grad_is_view:
-            self.sharded.set_grads(self._reduced_for_masters())
+            self.sharded.set_grads(self.reduced_for_masters())
         elif not self.dtypes.master_grad_is_view:  # stage 0, the params are the master: cast for them
             self._cast_grads = self._param_dtype_grads()
         self._prepared = True
@@ -76,7 +130,7 @@ class StepPreparation(EngineFields):
             return True
         if self._norm_is_partial:
             self.comm.all_reduce_sum(sumsq)
-            if self._grads_local:
+            if self.grads_local:
                 sumsq /= self.comm.world_size  # Note [norm of local gradients]
         if self.model_parallel is not None:
             self.model_parallel.all_reduce_sum(sumsq)
@@ -127,7 +181,7 @@ class StepPreparation(EngineFields):
         for p in self.names:  # an optimizer stepping the parameters themselves skips those without .grad
             p.grad = None
 
-    def _require_prepared(self, what: str) -> None:
+    def require_prepared(self, what: str) -> None:
         if not self.master_grad_is_view and not self._prepared:
             raise RuntimeError(
                 f"{what} needs the master gradients: call `engine.prepare_step(loss_scale)` after the last "
@@ -137,7 +191,7 @@ class StepPreparation(EngineFields):
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over all shards (every rank gets the same value)."""
-        self._require_prepared("The gradient norm")
+        self.require_prepared("The gradient norm")
         local = [t.float() for t in self._grads_for_norm() if t.numel()]
         if norm_type == math.inf:
             value = torch.stack([t.abs().max() for t in local]).max() if local else torch.zeros(())
@@ -150,7 +204,7 @@ class StepPreparation(EngineFields):
         total = parts.pow(norm_type).sum() - self._norm_excess(norm_type)
         if self._norm_is_partial and self.comm.active:
             self.comm.all_reduce_sum(total)
-            if self._grads_local:
+            if self.grads_local:
                 total /= self.comm.world_size  # Note [norm of local gradients]
         if self.model_parallel is not None:
             self.model_parallel.all_reduce_sum(total)
@@ -167,7 +221,7 @@ class StepPreparation(EngineFields):
             every rank (so every rank clips by the same factor), and never below the norm of the
             averaged gradient, so clipping is at least as strict as before the freeze.
         """
-        return self.config.stage.shards_optimizer or self._grads_local
+        return self.config.stage.shards_optimizer or self.grads_local
 
     def comm_max(self, value: torch.Tensor) -> None:
         self.comm.all_reduce_max(value)
@@ -188,7 +242,7 @@ class StepPreparation(EngineFields):
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
-        self._require_prepared("Clipping")
+        self.require_prepared("Clipping")
         for t in self._grads_to_scale():
             t.clamp_(-clip_value, clip_value)
 
