@@ -1,5 +1,6 @@
-"""The state enums of issue 30: the ZeRO stage with its predicates, the offload device, the non-finite policy:
-strings and ints from users converted at the boundary, bad values refused with the valid ones."""
+"""The state enums of issue 30: the ZeRO stage with its predicates, the offload device, the non-finite policy
+(strings and ints from users converted at the boundary, bad values refused with the valid ones), the engine's step
+state machine and the reducer's reduction mode."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from lightning_zero import NonFinitePolicy, OffloadConfig, OffloadDevice, ZeroConfig, ZeroStage
+from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.engine_step import StepState, StepStateError
+from lightning_zero.core.zero.grad_reducer import ReductionMode
 from lightning_zero.core.zero.memory import model_state_formula
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_zero"
@@ -82,7 +88,7 @@ def test_offload_devices_from_strings_are_the_enum_and_read_as_the_strings() -> 
     assert offload.optimizer_device is OffloadDevice.nvme and offload.param_device is OffloadDevice.nvme
     assert offload.name == "param_nvme" and f"{offload.optimizer_device}" == "nvme" and offload.uses_nvme
     assert OffloadConfig().name == "none" and not OffloadConfig().enabled
-    with pytest.raises(ValueError, match=r"`param_device` must be one of 'none', 'cpu', 'nvme', got 'disk'"):
+    with pytest.raises(ValueError, match=r"`param_device` must be 'none', 'cpu' or 'nvme', got 'disk'"):
         OffloadConfig(optimizer_device="cpu", param_device="disk")  # type: ignore[arg-type]
 
 
@@ -105,5 +111,83 @@ def test_the_hydra_schema_uses_the_core_offload_enum() -> None:
 def test_the_nonfinite_policy_from_a_string(given: str, policy: NonFinitePolicy) -> None:
     config = ZeroConfig(nonfinite=given)
     assert config.nonfinite is policy and config.nonfinite == given and repr(config.nonfinite) == repr(given)
-    with pytest.raises(ValueError, match=r"`nonfinite` must be one of 'off', 'skip', 'raise', got 'warn'"):
+    with pytest.raises(ValueError, match=r"`nonfinite` must be 'off', 'skip' or 'raise', got 'warn'"):
         ZeroConfig(nonfinite="warn")
+
+
+def _engine(stage: int) -> tuple[ZeroEngine, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return ZeroEngine(model, optimizer, ZeroConfig(stage=stage, param_persistence_threshold=0)), optimizer
+
+
+def _backward(engine: ZeroEngine) -> None:
+    engine.before_backward()
+    engine.module(torch.ones(4, 6)).pow(2).mean().backward()
+    engine.finish_backward()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_step_walks_idle_backward_reduced_prepared_idle(stage: int) -> None:
+    engine, optimizer = _engine(stage)
+    seen = [engine.preparation.state]
+    engine.before_backward()
+    seen.append(engine.preparation.state)
+    engine.module(torch.ones(4, 6)).pow(2).mean().backward()
+    engine.finish_backward()
+    seen.append(engine.preparation.state)
+    assert engine.prepare_step() is False
+    seen.append(engine.preparation.state)
+    optimizer.step()
+    engine.after_step()
+    seen.append(engine.preparation.state)
+    assert seen == [StepState.IDLE, StepState.BACKWARD, StepState.REDUCED, StepState.PREPARED, StepState.IDLE]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_preparing_a_step_from_a_no_sync_backward_names_both_states(stage: int) -> None:
+    engine, _ = _engine(stage)
+    with engine.no_sync():
+        _backward(engine)
+    assert engine.preparation.state is StepState.ACCUMULATED
+    with pytest.raises(StepStateError, match="ACCUMULATED -> PREPARED is not a valid transition"):
+        engine.prepare_step()
+    with pytest.raises(StepStateError, match="The optimizer step in step state ACCUMULATED"):
+        engine.after_step()
+    _backward(engine)  # the boundary backward: now the step may go on
+    assert engine.preparation.state is StepState.REDUCED and engine.prepare_step() is False
+
+
+def test_a_backward_after_prepare_step_is_refused_and_a_skipped_step_stays_skipped() -> None:
+    engine, _ = _engine(1)
+    _backward(engine)
+    engine.prepare_step()
+    with pytest.raises(StepStateError, match="PREPARED -> BACKWARD is not a valid transition"):
+        engine.before_backward()
+    engine.zero_grad()
+    _backward(engine)
+    engine.skip_step()
+    _backward(engine)  # e.g. a closure evaluated again: the step stays skipped
+    assert engine.step_skipped and engine.preparation.state is StepState.SKIPPED
+    assert engine.prepare_step() is True
+    engine.after_step()
+    assert engine.preparation.state is StepState.IDLE and not engine.step_skipped
+
+
+def test_the_reduction_mode_of_no_sync_and_a_pipeline_window() -> None:
+    engine, _ = _engine(0)
+    reducer = engine.reducer
+    assert reducer.mode is ReductionMode.IMMEDIATE and reducer.sync and not reducer.deferred
+    with engine.no_sync():
+        assert reducer.mode is ReductionMode.AT_BOUNDARY and not reducer.sync
+        with engine.deferred_reduction():
+            engine.module(torch.ones(4, 6)).pow(2).mean().backward()
+            assert reducer.mode is ReductionMode.PIPELINE_DEFERRED and reducer.deferred and not reducer.sync
+        assert reducer.deferred  # the window stays open until its gradients are reduced
+        engine.reduce_deferred()
+        assert reducer.mode is ReductionMode.AT_BOUNDARY  # inside no_sync: a micro-step, accumulated
+        assert engine.preparation.state is StepState.ACCUMULATED
+    assert reducer.mode is ReductionMode.IMMEDIATE
+    with pytest.raises(ValueError, match=r"opened with defer\(\)"):
+        reducer.set_boundary_mode(ReductionMode.PIPELINE_DEFERRED)

@@ -248,7 +248,7 @@ class StrategyPipeline:
                 runtime.release_held()
         # the shards hold the step's gradients: Lightning's zero_grad, which runs before its backward, leaves
         # them alone while the engine's reduction is marked deferred (cleared in backward, nothing reduced then)
-        engine.reducer.deferred = True
+        engine.reducer.defer()
         return loss
 
     def backward(self, engine: ZeroEngine) -> None:
@@ -256,7 +256,7 @@ class StrategyPipeline:
         data-parallel group (Note [deferred reduction] in core/zero/engine.py); with
         ``reduce_per_micro_batch`` everything was reduced during the schedule."""
         if self.config.reduce_per_micro_batch:
-            engine.reducer.deferred = False
+            engine.reducer.end_window()
             engine.link_master_grads()  # Lightning's zero_grad unlinked them from the reduced shards
             return
         self.runner.sync_tied_grads(engine.groups, engine.reducer.flat_grads, boundary=engine.reducer.sync)

@@ -24,8 +24,8 @@ class StrChoice(str, enum.Enum):
         try:
             return cls(value)
         except ValueError:
-            valid = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"`{what or cls.__name__}` must be one of {valid}, got {value!r}.") from None
+            *most, last = [repr(m.value) for m in cls]
+            raise ValueError(f"`{what or cls.__name__}` must be {', '.join(most)} or {last}, got {value!r}.") from None
 
     def __str__(self) -> str:
         return str(self.value)

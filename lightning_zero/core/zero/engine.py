@@ -49,7 +49,7 @@ from lightning_zero.core.zero.engine_setup import (
 from lightning_zero.core.zero.engine_step import NormExcess, StepPreparation
 from lightning_zero.core.zero.engine_views import WholeModelViews, unit_modules
 from lightning_zero.core.zero.flat_param import FlatParamGroup
-from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer
+from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer, ReductionMode
 from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.core.zero.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
 from lightning_zero.core.zero.optimizer_state import broadcast_master_init
@@ -191,17 +191,19 @@ class ZeroEngine:
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Micro-steps before the accumulation boundary (stages 0-1 skip communication)."""
-        previous, self.reducer.sync = self.reducer.sync, False
+        previous = self.reducer.boundary_mode
+        self.reducer.set_boundary_mode(ReductionMode.AT_BOUNDARY)
         try:
             yield
         finally:
-            self.reducer.sync = previous
+            self.reducer.set_boundary_mode(previous)
 
     def before_backward(self) -> None:
+        self.preparation.begin_backward()
         if (self._self_reducing is not None and self.reducer.sync and not self.config.stage.shards_optimizer
                 and self._self_reducing.reduces_gradients_itself()):
             self.preparation.grads_local = True
-            self.reducer.sync = False  # the boundary backward accumulates locally, like no_sync
+            self.reducer.set_boundary_mode(ReductionMode.AT_BOUNDARY)  # accumulates locally, like no_sync
         # stage 0 hands the optimizer per-parameter views of the reduced gradients; detach them
         # so the next backward's gradients arrive fresh (grad_reducer adds them to the buffer)
         if not self.config.stage.shards_gradients:
@@ -223,7 +225,7 @@ class ZeroEngine:
             window's ``.grad`` alone).
         """
         self.before_backward()
-        self.reducer.deferred = True
+        self.reducer.defer()
         if self.runtime is not None:
             self.runtime.hold_all()
         try:
@@ -240,7 +242,8 @@ class ZeroEngine:
     def finish_backward(self) -> None:
         self.reducer.finish()
         if self.preparation.grads_local:
-            self.reducer.sync = True  # the local gradients are complete: hand them on as reduced ones
+            self.reducer.set_boundary_mode(ReductionMode.IMMEDIATE)  # complete: handed on as reduced ones
+        self.preparation.end_backward(boundary=self.reducer.sync)
         if self.runtime is not None:
             self.runtime.end_backward()
         if self.reducer.communicating and self.reducer.whole_grads_valid():
@@ -289,7 +292,7 @@ class ZeroEngine:
         the gradients (as DeepSpeed's ``engine.step()`` does: they never outlive their step). After
         a skipped step only the gradients are cleared."""
         if not self.step_skipped:
-            self.preparation.require_prepared("The optimizer step")
+            self.preparation.check_can_step("The optimizer step")
         if self.sharded is not None and not self.step_skipped:
             self.sharded.write_back()
             if self.runtime is not None:  # stage 3: only the persistent unit is kept whole

@@ -8,6 +8,7 @@ the step (prepared, skipped, the norm) lives here (Note [step preparation] in en
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 
@@ -23,6 +24,46 @@ from lightning_zero.core.zero.grad_reducer import GradReducer
 from lightning_zero.core.zero.optimizer import ShardedOptimizer
 
 NormExcess = Callable[[list[torch.Tensor], list[FlatParamGroup], float], float]
+
+
+class StepState(enum.Enum):
+    """Where one optimizer step of the engine stands (Note [step states])."""
+
+    IDLE = "idle"
+    """No gradient of this step yet: after ``zero_grad`` / ``after_step``."""
+    BACKWARD = "backward"
+    """A backward announced by ``before_backward`` runs: gradients arrive in the reducer's hooks."""
+    ACCUMULATED = "accumulated"
+    """Backwards finished that were not the step's last (``no_sync``): stages 0-1 hold local sums, stages 2-3
+    shards of part of the micro-steps. Stepping now would use partial gradients."""
+    REDUCED = "reduced"
+    """The step's last backward finished: the gradients are reduced (a self-reducing optimizer's are complete
+    locally). The optimizer may step when it steps on the reduced buffers themselves (``master_grad_is_view``)."""
+    PREPARED = "prepared"
+    """``prepare_step`` ran: gradients cast, unscaled and measured; the optimizer may step."""
+    SKIPPED = "skipped"
+    """The step is skipped on every rank (overflow, non-finite gradient, no backward): the parameters stay. Later
+    backwards of the step change nothing; ``zero_grad`` ends it."""
+
+
+# Note [step states]
+#     The one table of the transitions a step may take; ``StepPreparation.move`` checks every change against it
+#     and raises ``StepStateError`` naming both states. ``zero_grad`` (-> IDLE) and ``skip_step`` (-> SKIPPED) are
+#     allowed from anywhere but PREPARED -> BACKWARD and the like: a backward after the gradients were unscaled
+#     and measured, or a step prepared from partial (ACCUMULATED) or unfinished (BACKWARD) gradients.
+_S = StepState
+ALLOWED_TRANSITIONS: dict[StepState, frozenset[StepState]] = {
+    _S.IDLE: frozenset({_S.IDLE, _S.BACKWARD, _S.ACCUMULATED, _S.REDUCED, _S.PREPARED, _S.SKIPPED}),
+    _S.BACKWARD: frozenset({_S.IDLE, _S.BACKWARD, _S.ACCUMULATED, _S.REDUCED, _S.SKIPPED}),
+    _S.ACCUMULATED: frozenset({_S.IDLE, _S.BACKWARD, _S.ACCUMULATED, _S.REDUCED, _S.SKIPPED}),
+    _S.REDUCED: frozenset({_S.IDLE, _S.BACKWARD, _S.ACCUMULATED, _S.REDUCED, _S.PREPARED, _S.SKIPPED}),
+    _S.PREPARED: frozenset({_S.IDLE, _S.SKIPPED}),
+    _S.SKIPPED: frozenset({_S.IDLE, _S.SKIPPED}),
+}
+
+
+class StepStateError(RuntimeError):
+    """A step took a transition the table of Note [step states] does not allow."""
 
 
 class StepPreparation:
@@ -67,8 +108,7 @@ class StepPreparation:
         self.model_parallel = model_parallel
         self.norm_excess = norm_excess
         self.last_grad_norm: float | None = None  # global gradient norm of the last step that computed one
-        self._prepared = False
-        self.step_skipped = False
+        self.state = StepState.IDLE
         self._norm: torch.Tensor | None = None
         self.grads_local = False  # this step's gradients were left unreduced for a self-reducing optimizer
         # stage 0 without a separate master, gradients accumulated in another dtype than the params:
@@ -77,11 +117,43 @@ class StepPreparation:
 
     def reset(self) -> None:
         """A new step: nothing prepared, nothing skipped (``zero_grad``)."""
-        self._prepared = False
-        self.step_skipped = False
+        self.move(StepState.IDLE)
         self._norm = None
         self.grads_local = False
         self._cast_grads = None
+
+    def move(self, new: StepState) -> None:
+        """Go to ``new``, or raise :class:`StepStateError` naming both states (Note [step states])."""
+        if new not in ALLOWED_TRANSITIONS[self.state]:
+            raise StepStateError(
+                f"ZeRO step: {self.state.name} -> {new.name} is not a valid transition. {_WHY.get(new, '')}".rstrip()
+            )
+        self.state = new
+
+    def begin_backward(self) -> None:
+        """``before_backward``: a backward starts (a skipped step stays skipped)."""
+        if self.state is not StepState.SKIPPED:
+            self.move(StepState.BACKWARD)
+
+    def end_backward(self, boundary: bool) -> None:
+        """``finish_backward``: the step's last backward (``boundary``), or one of its micro-steps."""
+        if self.state is not StepState.SKIPPED:
+            self.move(StepState.REDUCED if boundary else StepState.ACCUMULATED)
+
+    @property
+    def step_skipped(self) -> bool:
+        return self.state is StepState.SKIPPED
+
+    @property
+    def _prepared(self) -> bool:
+        return self.state in (StepState.PREPARED, StepState.SKIPPED)
+
+    def check_can_step(self, what: str) -> None:
+        """Refuse an optimizer step on gradients that are partial or unfinished (and, without
+        ``master_grad_is_view``, not prepared)."""
+        if self.state in (StepState.BACKWARD, StepState.ACCUMULATED):
+            raise StepStateError(f"{what} in step state {self.state.name}: {_WHY[StepState.PREPARED]}")
+        self.require_prepared(what)
 
     def reduced_for_masters(self) -> list[torch.Tensor]:
         """The reduced gradients laid out like the masters (whole buffers at stage 0, else shards)."""
@@ -114,11 +186,11 @@ class StepPreparation:
         """
         if self._prepared:
             return self.step_skipped
+        self.move(StepState.PREPARED)
         if self.sharded is not None and not self.master_grad_is_view:
             self.sharded.set_grads(self.reduced_for_masters())
         elif not self.dtypes.master_grad_is_view:  # stage 0, the params are the master: cast for them
             self._cast_grads = self._param_dtype_grads()
-        self._prepared = True
         if loss_scale != 1.0:
             for t in self._grads_to_scale():
                 t.mul_(1.0 / loss_scale)
@@ -174,8 +246,7 @@ class StepPreparation:
 
     def skip_step(self) -> None:
         """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
-        self._prepared = True
-        self.step_skipped = True
+        self.move(StepState.SKIPPED)
         if self.sharded is not None:
             self.sharded.clear_grads()
         for p in self.names:  # an optimizer stepping the parameters themselves skips those without .grad
@@ -250,3 +321,12 @@ class StepPreparation:
         if self.reducer.whole_grads_valid():
             return [g for g in self.reducer.flat_grads if g is not None]
         return self.reducer.local_grads()
+
+
+_WHY = {
+    StepState.PREPARED: "The step's gradients must come from a finished backward that was the step's last (not "
+                        "one inside no_sync, not one still running): call engine.finish_backward() after it.",
+    StepState.BACKWARD: "A backward after prepare_step would mix new gradients into prepared (unscaled, measured) "
+                        "ones: finish the step (optimizer.step(); engine.after_step()) or call engine.zero_grad().",
+}
+_WHY[StepState.ACCUMULATED] = _WHY[StepState.REDUCED] = _WHY[StepState.BACKWARD]

@@ -35,8 +35,26 @@ from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
 
 
 class BackwardState(enum.Enum):
-    IDLE = "idle"  # no backward since the last finish()
-    RUNNING = "running"  # gradients are arriving
+    """Whether gradients are arriving in the hooks."""
+
+    IDLE = "idle"
+    """No backward since the last :meth:`GradReducer.finish`."""
+    RUNNING = "running"
+    """A backward's gradients are arriving."""
+
+
+class ReductionMode(enum.Enum):
+    """When the gradient hooks reduce (Note [deferred reduction] in ``engine.py``)."""
+
+    IMMEDIATE = "immediate"
+    """Buckets are reduced as they fill; at stages 0-1 this backward is the step's last (the accumulation boundary)."""
+    AT_BOUNDARY = "at_boundary"
+    """Stages 0-1 add gradients into the whole local buffer with no traffic until a boundary backward reduces them
+    (``no_sync``; the local gradients of a self-reducing optimizer); stages 2-3 reduce anyway."""
+    PIPELINE_DEFERRED = "pipeline_deferred"
+    """A pipeline schedule's window: nothing is reduced until :meth:`GradReducer.reduce_deferred` (stages 2-3 keep
+    ``.grad``, stages 0-1 accumulate into the whole buffer), and ``zero_grad`` leaves the window's gradients alone;
+    the mode before the window (``IMMEDIATE`` or ``AT_BOUNDARY``) applies when it ends."""
 
 
 @dataclass
@@ -81,8 +99,8 @@ class GradReducer:
         self.grad_dtype = grad_dtype
         self.accum_dtype = accum_dtype or grad_dtype
         self.names = names
-        self.sync: bool = True  # False inside block_backward_sync: stages 0-1 only accumulate locally
-        self.deferred: bool = False  # pipelines: no reduction until reduce_deferred() (stages 2-3: kept in .grad)
+        self.mode = ReductionMode.IMMEDIATE
+        self._mode_after_window = ReductionMode.IMMEDIATE  # what PIPELINE_DEFERRED returns to
         self.state = BackwardState.IDLE
         self._dirty = False  # whether any gradient buffer may be non-zero (zero() is a no-op otherwise)
         self.max_in_flight = 2 if self.stage.shards_gradients else 1 << 30
@@ -134,6 +152,42 @@ class GradReducer:
             h.remove()
         self._hooks = []
 
+    # ---------------------------------------------------------------- mode
+    @property
+    def boundary_mode(self) -> ReductionMode:
+        """``IMMEDIATE`` or ``AT_BOUNDARY``: what the hooks do outside a pipeline window (or after this one)."""
+        return self._mode_after_window if self.mode is ReductionMode.PIPELINE_DEFERRED else self.mode
+
+    def set_boundary_mode(self, mode: ReductionMode) -> None:
+        """Whether this backward is the step's last (``IMMEDIATE``) or not (``AT_BOUNDARY``); inside a pipeline
+        window it applies when the window ends."""
+        if mode is ReductionMode.PIPELINE_DEFERRED:
+            raise ValueError("A pipeline window is opened with defer(), not as a boundary mode.")
+        if self.mode is ReductionMode.PIPELINE_DEFERRED:
+            self._mode_after_window = mode
+        else:
+            self.mode = mode
+
+    @property
+    def sync(self) -> bool:
+        """Whether stages 0-1 reduce at the end of this backward (the accumulation boundary)."""
+        return self.boundary_mode is ReductionMode.IMMEDIATE
+
+    @property
+    def deferred(self) -> bool:
+        """Whether a pipeline window holds the reduction back."""
+        return self.mode is ReductionMode.PIPELINE_DEFERRED
+
+    def defer(self) -> None:
+        """Open a pipeline window (nothing is reduced until :meth:`reduce_deferred` or :meth:`end_window`)."""
+        if self.mode is not ReductionMode.PIPELINE_DEFERRED:
+            self._mode_after_window, self.mode = self.mode, ReductionMode.PIPELINE_DEFERRED
+
+    def end_window(self) -> None:
+        """Close a pipeline window without reducing (its gradients were reduced already, or are to be kept)."""
+        if self.mode is ReductionMode.PIPELINE_DEFERRED:
+            self.mode = self._mode_after_window
+
     @property
     def communicating(self) -> bool:
         """Whether this backward reduces (stage 2 always; stages 0-1 on the boundary)."""
@@ -183,7 +237,7 @@ class GradReducer:
     def reduce_deferred(self) -> None:
         """End a deferred window: hand every accumulated ``.grad`` to the buckets, in backward order
         (stages 0-1 accumulated into their whole buffers already; ``finish`` reduces them)."""
-        self.deferred = False
+        self.end_window()
         for param in reversed(list(self._where)):
             if param.grad is not None:
                 self._on_grad_ready(param)
