@@ -232,7 +232,7 @@ class ZeroEngine:
             yield
         finally:
             if self.runtime is not None:
-                self.runtime.holding = False
+                self.runtime.stop_holding()
 
     def reduce_deferred(self) -> None:
         """End of a deferred window: reduce the accumulated gradients (as one backward would)."""
