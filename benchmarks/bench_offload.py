@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.offload.store import return_freed_memory
 from lightning_zero.core.offload.swap_file import SwapFile
+from lightning_zero.core.zero.config import ZeroStage
 
 MODES = ("none", "cpu", "nvme")
 
@@ -71,7 +72,8 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, mode: str
     torch.manual_seed(0)
     model = GPT(resolve_config(args.model, {"seq_len": args.seq_len}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the same kernel in every mode
-    config = ZeroConfig(stage=args.stage, **({"param_persistence_threshold": 0} if args.stage == 3 else {}))
+    stage = ZeroStage.of(args.stage)
+    config = ZeroConfig(stage=stage, **({"param_persistence_threshold": 0} if stage.shards_parameters else {}))
     engine = ZeroEngine(model, optimizer, config, DataParallelComm(dist.group.WORLD), offload=_offload(mode, args))
     state_bytes = 8 * sum(g.shard_numel for g in engine.groups)  # AdamW's two fp32 moments of this rank's shard
     shard_bytes = sum(g.shard_numel * g.flat.element_size() for u in engine.units if not u.persistent

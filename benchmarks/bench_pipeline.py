@@ -33,6 +33,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("PL_DISABLE_FORK", "1")
+
+from lightning_zero.core.zero.config import ZeroStage
+
 WORLD = {"bubble": 2, "memory": 4, "reduction": 4}  # ranks each part runs on
 
 
@@ -220,9 +223,11 @@ def reduction(args: argparse.Namespace) -> list[tuple[str, int, float, float, fl
 
 def formula(stage: int, psi_s: float, n: int, peak: bool) -> float:
     """fp32 AdamW bytes per rank of one stage (docs/pipeline.md): 4 (param) + 4 (grad) + 8 (Adam)."""
-    params = 4 * psi_s if stage < 3 else 4 * psi_s / n + (4 * psi_s if peak else 0)  # + gathered at the peak
-    grads = 4 * psi_s if stage < 2 else 4 * psi_s / n
-    if peak and stage >= 2:
+    zero = ZeroStage.of(stage)
+    gathered = 4 * psi_s if peak else 0  # stage 3's units gathered at the peak
+    params = 4 * psi_s / n + gathered if zero.shards_parameters else 4 * psi_s
+    grads = 4 * psi_s / n if zero.shards_gradients else 4 * psi_s
+    if peak and zero.shards_gradients:
         grads += 4 * psi_s  # the deferred whole gradient of the stage, beside the (empty) shard
     return params + grads + 8 * psi_s / n
 

@@ -4,10 +4,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import CheckpointError, consolidate_checkpoint, convert_checkpoint
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
 from lightning_zero.core.precision.loss_scaler import LossScaler, LossScalerConfig
 from lightning_zero.core.stage3.gathered import gathered_parameters
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.zero.config import DtypePolicy, NonFinitePolicy, ZeroConfig, ZeroStage
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.memory import ModelStateBytes, model_state_formula
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
@@ -34,7 +34,9 @@ __all__ = [
     "LossScalerConfig",
     "MemoryEstimate",
     "ModelStateBytes",
+    "NonFinitePolicy",
     "OffloadConfig",
+    "OffloadDevice",
     "OneBitAdam",
     "PipelineConfig",
     "ProfilerWindow",
@@ -42,6 +44,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroEngine",
     "ZeroPrecision",
+    "ZeroStage",
     "ZeroStatsMonitor",
     "ZeroStrategy",
     "ZeroTensorBoardLogger",

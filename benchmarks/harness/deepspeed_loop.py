@@ -18,6 +18,7 @@ import torch.distributed as dist
 from benchmarks.harness.config import BenchConfig
 from benchmarks.harness.recorder import StepRecorder
 from benchmarks.harness.training import loader, module_for
+from lightning_zero.core.zero.config import ZeroStage
 
 _FIRST_INIT: dict[str, float] = {}  # per process: seconds of the first deepspeed.initialize (op builds)
 
@@ -27,7 +28,7 @@ def deepspeed_config(stage: int, config: BenchConfig) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": config.bucket_size,
                             "allgather_bucket_size": config.bucket_size, "overlap_comm": False,
                             "contiguous_gradients": True}  # fmt: skip
-    if stage == 3:
+    if ZeroStage.of(stage).shards_parameters:
         zero.update(stage3_prefetch_bucket_size=config.prefetch_size or config.bucket_size,
                     stage3_param_persistence_threshold=config.persistence_threshold,
                     stage3_max_live_parameters=config.max_live_parameters)  # fmt: skip

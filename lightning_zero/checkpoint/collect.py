@@ -84,11 +84,11 @@ def collect(
     meta: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": world_size,
                             "files": [rank_file(r) for r in range(world_size)], "groups": []}
     with_optimizer = "optimizer_states" in checkpoint
-    if engine is not None and engine.config.stage >= 1:
-        meta["stage"] = engine.config.stage
+    if engine is not None and engine.config.stage.shards_optimizer:
+        meta["stage"] = int(engine.config.stage)  # a plain number in the file
         _collect_shards(engine, rank, world_size, with_optimizer, tensors, meta, layout)
     else:
-        meta["stage"] = engine.config.stage if engine is not None else None
+        meta["stage"] = int(engine.config.stage) if engine is not None else None
         if rank == 0:
             _collect_whole(checkpoint, with_optimizer, tensors, meta)
     rng_tensors: dict[str, torch.Tensor] = {}

@@ -109,10 +109,8 @@ def json_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ds.given:
         group, _, key = name.partition(".")
-        if group == "zero":
-            out[name] = getattr(ds.zero, key)
-        elif group == "offload":
-            out[name] = getattr(ds.offload, key)
+        if group in ("zero", "offload"):  # plain numbers and strings, as the Hydra options hold them
+            out[name] = _plain(getattr(ds.zero if group == "zero" else ds.offload, key))
         elif name == "precision.name":
             out[name] = HYDRA_PRECISION[ds.precision or ""]
         elif group == "precision" and ds.loss_scaler is not None and hasattr(ds.loss_scaler, key):

@@ -24,6 +24,7 @@ from typing import Any, get_args, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from lightning_zero.core.offload.config import OffloadDevice
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.zero import config as core_config
 from lightning_zero.models.mlp import TeacherDataModule
@@ -61,14 +62,6 @@ def _mirror(name: str, doc: str, *parts: tuple[str, Any, Any] | type, base: type
 
 Collective = _choices("Collective", get_args(core_config.Collective),
                       "Gradient / parameter collectives of the ZeRO engine (``ZeroConfig.collective``).")
-
-
-class OffloadDevice(Enum):
-    """Where offloaded state lives (DeepSpeed's ``offload_optimizer.device`` / ``offload_param.device``)."""
-
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
 
 
 # precision mode -> Lightning's string
@@ -122,7 +115,8 @@ class ZeroSchema:
     collective: Collective = Collective.auto
     timeout_s: float = 300.0
     hang_timeout_s: float = 45.0  # a rank silent, or every rank without progress, this long: named, exit (0: off)
-    nonfinite: str = "off"  # nan/inf gradients in fp32/bf16: off | skip | raise
+    nonfinite: str = "off"  # nan/inf gradients in fp32/bf16: off | skip | raise (core NonFinitePolicy's values;
+    # a str here because `raise` cannot be an enum member name, which OmegaConf parses by; checked by ZeroConfig)
     # stage 3 only
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000

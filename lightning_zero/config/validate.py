@@ -40,10 +40,10 @@ from lightning_zero.core.offload.config import (
     nvme_path_problem,
 )
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.zero.config import ZeroConfig, ZeroStage
 from lightning_zero.core.zero.memory import OFFLOAD_STAGES
 
-BUILT_STAGES = (0, 1, 2, 3)
+BUILT_STAGES = tuple(ZeroStage)
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
 _DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
 
@@ -173,7 +173,7 @@ def _pipeline_problems(cfg: TrainConfig) -> list[str]:
                    f"{pp.stages}). Fix: more micro_batches, or pipeline=pp2_gpipe.")
     if not interleaved and pp.virtual_stages != 1:
         out.append("pipeline.virtual_stages > 1 needs pipeline.schedule=interleaved_1f1b.")
-    if pp.stages > 1 and pp.reduce_per_micro_batch and cfg.zero.stage < 2:
+    if pp.stages > 1 and pp.reduce_per_micro_batch and not ZeroStage.of(cfg.zero.stage).shards_gradients:
         out.append(f"pipeline.reduce_per_micro_batch=true with zero.stage={cfg.zero.stage}: it saves memory only at "
                    "ZeRO stages 2-3. Fix: zero=stage2 or zero=stage3, or drop it.")
     if (pp.stages > 1 and pp.reduce_per_micro_batch and isinstance(cfg.model, GPTModelSchema)
@@ -240,7 +240,7 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
         if not isinstance(m, GPTModelSchema):
             out.append(f"model.optimizer=onebit_adam is built by the GPT experiment, not model.kind={m.kind}. "
                        "Fix: model.optimizer=adamw.")
-        elif cfg.zero.stage != 0:
+        elif ZeroStage.of(cfg.zero.stage).shards_optimizer:
             out.append(f"model.optimizer=onebit_adam runs with ZeRO stage 0 (it compresses the all-reduce of every "
                        f"rank's whole momentum), got zero.stage={cfg.zero.stage}. Fix: zero=stage0.")
         elif m.freeze_step < 1:

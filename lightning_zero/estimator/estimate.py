@@ -16,6 +16,7 @@ from typing import TypedDict
 
 from torch import nn
 
+from lightning_zero.core.zero.config import ZeroStage
 from lightning_zero.core.zero.memory import OFFLOAD_STAGES, ModelStateBytes, offloaded_model_state
 from lightning_zero.estimator.activations import Activations, activation_memory
 from lightning_zero.estimator.cluster import Cluster, make_cluster
@@ -88,7 +89,7 @@ def estimate_config(
         stage, model.num_params, cluster.world_size, formula, offload, optimizer_state_per_param
     )
     elem = 4 if formula == "fp32" else 2
-    working = 2 * elem * (model.largest_layer_params or 0.0) if stage == 3 else 0.0
+    working = 2 * elem * (model.largest_layer_params or 0.0) if ZeroStage.of(stage).shards_parameters else 0.0
     ds = None
     if formula == "mixed":
         ds = deepspeed_figures(stage, offload, model.num_params, model.largest_layer_params or 0.0, cluster)

@@ -101,7 +101,7 @@ def apply_parallelisms(
     #    initialises one unit at a time; before the device move, which would refuse meta tensors.
     built_sharded = pipeline is None and has_meta_parameters(module)
     if built_sharded:
-        if plan.zero.stage != 3:
+        if not plan.zero.stage.shards_parameters:
             raise NotImplementedError(
                 "The model has parameters on the meta device. lightning_zero initialises meta-built models only "
                 "with ZeRO stage 3 (unit by unit, sharded). Use stage=3, or build the model with real tensors."

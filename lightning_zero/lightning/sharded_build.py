@@ -24,7 +24,7 @@ def sharded_build_context(config: ZeroConfig, pipeline: PipelineConfig | None) -
     metric states are created for real. With a pipeline (any ZeRO stage) parameters go to the meta device
     too, and each rank materialises only its own stage's layers at setup (Note [local construction] in
     pipeline/build.py)."""
-    if config.stage != 3 and pipeline is None:
+    if not config.stage.shards_parameters and pipeline is None:
         yield
         return
     with parameters_on_meta():

@@ -210,12 +210,13 @@ class StrategyCheckpointing:
     @property
     def _writes_shards(self) -> bool:
         """Whether save_checkpoint writes the sharded format from the engine's shards."""
-        return self._sharded_format() and self._host._engine is not None and self._host.zero_config.stage >= 1
+        host = self._host
+        return self._sharded_format() and host._engine is not None and host.zero_config.stage.shards_optimizer
 
     def _sharded_format(self) -> bool:
         """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1)."""
         fmt = self._host.checkpoint_format
-        return fmt == "sharded" or (fmt == "auto" and self._host.zero_config.stage >= 1)
+        return fmt == "sharded" or (fmt == "auto" and self._host.zero_config.stage.shards_optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,
                         fallback: Fallback) -> None:
@@ -276,7 +277,7 @@ class StrategyCheckpointing:
         unless it was built on the meta device: then each stage reads its own layers after setup."""
         if self._host.pipeline_config is not None:
             return self._host.lightning_module is not None and has_meta_parameters(self._host.lightning_module)
-        return self._host.zero_config.stage == 3
+        return self._host.zero_config.stage.shards_parameters
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool, fallback: Fallback) -> None:
         """Before setup the module is whole (and in its original dtype): ``load_state_dict``. After

@@ -113,7 +113,7 @@ class StrategyPipeline:
 
     def check_engine(self, config: ZeroConfig) -> None:
         """Before the engine is built, on every rank: refuse a per-micro-batch reduction that cannot run here."""
-        if self.config.reduce_per_micro_batch and config.stage < 2:
+        if self.config.reduce_per_micro_batch and not config.stage.shards_gradients:
             raise ValueError(f"PipelineConfig(reduce_per_micro_batch=True) with ZeRO stage {config.stage}: it "
                              "saves memory only at stages 2-3 (stages 0-1 keep the whole gradient buffer anyway). "
                              "Fix: ZeRO stage 2 or 3, or reduce_per_micro_batch=False.")
@@ -256,7 +256,7 @@ class StrategyPipeline:
                 runtime.release_held()
         # the shards hold the step's gradients: Lightning's zero_grad, which runs before its backward, leaves
         # them alone while the engine's reduction is marked deferred (cleared in backward, nothing reduced then)
-        engine.reducer.deferred = True
+        engine.reducer.defer()
         return loss
 
     def backward(self, engine: ZeroEngine) -> None:
@@ -264,7 +264,7 @@ class StrategyPipeline:
         data-parallel group (Note [deferred reduction] in core/zero/engine.py); with
         ``reduce_per_micro_batch`` everything was reduced during the schedule."""
         if self.config.reduce_per_micro_batch:
-            engine.reducer.deferred = False
+            engine.reducer.end_window()
             engine.link_master_grads()  # Lightning's zero_grad unlinked them from the reduced shards
             return
         self.runner.sync_tied_grads(engine.groups, engine.reducer.flat_grads, boundary=engine.reducer.sync)

@@ -12,14 +12,26 @@ import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from lightning_zero.core.zero.config import StrChoice, ZeroStage
 from lightning_zero.core.zero.memory import format_bytes
 
-OffloadDevice = Literal["none", "cpu", "nvme"]
-_DEVICES = ("none", "cpu", "nvme")
+
+class OffloadDevice(StrChoice):
+    """Where offloaded state lives (DeepSpeed's ``offload_optimizer.device`` / ``offload_param.device``).
+
+    The member names are the strings, so the Hydra ``offload/`` group's YAML (``optimizer_device: cpu``) parses.
+    """
+
+    none = "none"
+    """Not offloaded: the state stays with the parameters, on the training device."""
+    cpu = "cpu"
+    """Separate host memory (pinned with ``pin_memory`` and an accelerator)."""
+    nvme = "nvme"
+    """Run-private swap files under ``nvme_path``, mapped as tensors (Note [swap files] in ``swap_file.py``)."""
+
 # DeepSpeed's I/O-buffer knobs: lightning_zero has no swap-buffer pool and keeps no offloaded parameters
 # in host memory under "nvme", so only these values (the defaults) are accepted; others are refused
 DEFAULT_BUFFER_COUNT = 4
@@ -47,8 +59,8 @@ class OffloadConfig:
             bounds the part of the state in memory (DeepSpeed's ``zero_optimization.sub_group_size``).
     """
 
-    optimizer_device: OffloadDevice = "none"
-    param_device: OffloadDevice = "none"
+    optimizer_device: OffloadDevice = OffloadDevice.none
+    param_device: OffloadDevice = OffloadDevice.none
     nvme_path: str | None = None
     pin_memory: bool = False
     buffer_count: int = DEFAULT_BUFFER_COUNT
@@ -56,9 +68,8 @@ class OffloadConfig:
     sub_group_size: int = 1_000_000
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_device", "param_device"):
-            if getattr(self, name) not in _DEVICES:
-                raise ValueError(f"`{name}` must be one of {list(_DEVICES)}, got {getattr(self, name)!r}.")
+        for name in ("optimizer_device", "param_device"):  # users pass strings
+            object.__setattr__(self, name, OffloadDevice.of(getattr(self, name), name))
         if self.buffer_count != DEFAULT_BUFFER_COUNT:
             raise ValueError(f"offload `buffer_count`={self.buffer_count} is not built: lightning_zero has no pool of "
                              "swap buffers to size (each sub-group is read and written whole; sub_group_size sets "
@@ -73,9 +84,9 @@ class OffloadConfig:
     @property
     def name(self) -> str:
         """The Hydra ``offload/`` option this amounts to: ``none``, ``optimizer_cpu``, ``param_nvme``, ..."""
-        if self.param_device != "none":
+        if self.param_device is not OffloadDevice.none:
             return f"param_{self.param_device}"
-        return "none" if self.optimizer_device == "none" else f"optimizer_{self.optimizer_device}"
+        return "none" if self.optimizer_device is OffloadDevice.none else f"optimizer_{self.optimizer_device}"
 
     @property
     def enabled(self) -> bool:
@@ -83,9 +94,9 @@ class OffloadConfig:
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.optimizer_device, self.param_device)
+        return OffloadDevice.nvme in (self.optimizer_device, self.param_device)
 
-    def check(self, stage: int) -> None:
+    def check(self, stage: int | ZeroStage) -> None:
         """Refuse, with the fix, a policy that ``stage`` cannot run (no file system access).
 
         Raises:
@@ -93,13 +104,14 @@ class OffloadConfig:
         """
         if not self.enabled:
             return
-        if self.param_device != "none" and stage != 3:
+        stage = ZeroStage.of(stage)
+        if self.param_device is not OffloadDevice.none and not stage.shards_parameters:
             raise ValueError(f"offload_param={self.param_device!r} needs ZeRO stage 3 (partitioned parameters), "
                              f"got stage {stage}. Fix: stage=3, or offload_param='none'.")
-        if self.param_device != "none" and self.optimizer_device == "none":
+        if self.param_device is not OffloadDevice.none and self.optimizer_device is OffloadDevice.none:
             raise ValueError(f"offload_param={self.param_device!r} moves the optimizer state too. Fix: also set "
                              f"offload_optimizer={self.param_device!r}.")
-        if stage == 0:
+        if not stage.shards_optimizer:
             raise ValueError(f"offload_optimizer={self.optimizer_device!r} offloads this rank's optimizer shard and "
                              "needs ZeRO stage 1, 2 or 3, got stage 0. Fix: stage>=1, or offload_optimizer='none'.")
         if self.uses_nvme and not self.nvme_path:

@@ -298,6 +298,10 @@ class Stage3Runtime:
         self.holding = False
         self.release_all()
 
+    def stop_holding(self) -> None:
+        """End ``hold_all`` without releasing: the units are released as the backward passes them."""
+        self.holding = False
+
     def gather_all(self) -> None:
         """Gather every unit (state dicts, teardown); collective. Not counted in the peak, which
         tracks training and evaluation."""

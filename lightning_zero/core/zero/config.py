@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -10,12 +11,107 @@ import torch
 Collective = Literal["auto", "all_reduce", "reduce_scatter"]
 
 
+class StrChoice(str, enum.Enum):
+    """A setting users give as a string (YAML, JSON, keyword arguments): each member equals its string.
+
+    ``str()``, f-strings and ``repr()`` (in error messages) read as the string itself, so messages and
+    logs look as they did when the setting was a plain string.
+    """
+
+    @classmethod
+    def of(cls, value: str | StrChoice, what: str | None = None) -> StrChoice:
+        """The member ``value`` names, or a ``ValueError`` listing the valid strings (``what``: the setting)."""
+        try:
+            return cls(value)
+        except ValueError:
+            *most, last = [repr(m.value) for m in cls]
+            raise ValueError(f"`{what or cls.__name__}` must be {', '.join(most)} or {last}, got {value!r}.") from None
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class NonFinitePolicy(StrChoice):
+    """What a ``nan`` / ``inf`` reduced gradient does in fp32 / bf16 (Note [non-finite policy] in
+    ``core/precision/nonfinite.py``; fp16 keeps its loss scaler)."""
+
+    OFF = "off"
+    """Not checked: the optimizer steps on whatever the gradients hold (no collective spent on it)."""
+    SKIP = "skip"
+    """The step is skipped on every rank (parameters and optimizer state unchanged) and counted."""
+    RAISE = "raise"
+    """Every rank raises ``NonFiniteGradientError`` naming the first parameter with such a gradient."""
+
+
+class ZeroStage(enum.IntEnum):
+    """How much of the training state is partitioned over the data-parallel ranks.
+
+    An ``IntEnum``: ``stage == 3``, ``f"zero{stage}"`` and logged hyperparameters still read as the
+    plain number; code asks the predicates (``shards_gradients``) instead of comparing numbers.
+    """
+
+    DATA_PARALLEL = 0
+    """Nothing partitioned: every rank holds the whole model state; gradients are all-reduced (DDP)."""
+    OPTIMIZER_STATE = 1
+    """The master weights and optimizer state are sharded; parameters and gradients stay whole."""
+    GRADIENTS = 2
+    """Stage 1 plus the reduced gradients: each rank keeps only its shard of them."""
+    PARAMETERS = 3
+    """Stage 2 plus the parameters: units are gathered just in time for forward and backward."""
+
+    @classmethod
+    def of(cls, value: int | str | ZeroStage) -> ZeroStage:
+        """The stage a user gave (``3``, ``"3"``, ``ZeroStage.PARAMETERS``); a ``ValueError`` names the valid ones."""
+        if isinstance(value, cls):
+            return value
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            number = int(value) if isinstance(value, str) else value
+            if isinstance(number, int):
+                return cls(number)
+        except ValueError:
+            pass
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {value!r}.")
+
+    def __str__(self) -> str:  # the number, as Python >= 3.11 prints an IntEnum (3.10 too)
+        return str(int(self))
+
+    def __format__(self, spec: str) -> str:
+        return format(int(self), spec)
+
+    def __repr__(self) -> str:  # error messages quote the setting as the user wrote it: stage=3
+        return str(int(self))
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether the master weights and optimizer state are sharded (stage >= 1)."""
+        return self >= ZeroStage.OPTIMIZER_STATE
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether each rank keeps only its shard of the reduced gradients (stage >= 2)."""
+        return self >= ZeroStage.GRADIENTS
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether the parameters are sharded and gathered per unit (stage 3)."""
+        return self is ZeroStage.PARAMETERS
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """What is partitioned and how it is communicated.
 
     Args:
-        stage: 0 (data parallel), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
+        stage: 0 (data parallel), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters): an int or a
+            :class:`ZeroStage` (stored as a ``ZeroStage``).
         reduce_bucket_size: elements per gradient bucket; a bucket is reduced as soon as every
             parameter in it has its gradient (with ``overlap_comm``).
         overlap_comm: launch bucket reductions asynchronously during backward. When false,
@@ -44,13 +140,13 @@ class ZeroConfig:
             must be element-wise: it may not mix elements of one tensor, e.g. no matrix norms).
     """
 
-    stage: int = 2
+    stage: ZeroStage = ZeroStage.GRADIENTS
     reduce_bucket_size: int = 10_000_000
     overlap_comm: bool = True
     collective: Collective = "auto"
     timeout_s: float = 300.0
     hang_timeout_s: float = 45.0
-    nonfinite: str = "off"
+    nonfinite: NonFinitePolicy = NonFinitePolicy.OFF
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
@@ -59,8 +155,7 @@ class ZeroConfig:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}.")
+        object.__setattr__(self, "stage", ZeroStage.of(self.stage))  # users pass ints
         for name in ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"`{name}` must be a positive number of elements, got {getattr(self, name)!r}.")
@@ -78,11 +173,10 @@ class ZeroConfig:
         if not self.hang_timeout_s >= 0:
             raise ValueError(f"`hang_timeout_s` must be >= 0 seconds (0 disables the watchdog), got "
                              f"{self.hang_timeout_s!r}.")
-        if self.nonfinite not in ("off", "skip", "raise"):
-            raise ValueError(f"`nonfinite` must be 'off', 'skip' or 'raise', got {self.nonfinite!r}.")
+        object.__setattr__(self, "nonfinite", NonFinitePolicy.of(self.nonfinite, "nonfinite"))  # users pass strings
 
     @classmethod
-    def from_kwargs(cls, stage: int, kwargs: dict[str, Any]) -> ZeroConfig:
+    def from_kwargs(cls, stage: int | ZeroStage, kwargs: dict[str, Any]) -> ZeroConfig:
         """Build from keyword arguments, naming the valid keys when one is unknown."""
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - valid)

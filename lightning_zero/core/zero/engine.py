@@ -24,33 +24,36 @@ that the optimizer steps and that is cast back into the 16-bit parameters (Note 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
 from lightning_zero.core.offload.store import OptimizerOffload, swap_bytes
-from lightning_zero.core.reliability.agreement import check_same_everywhere
 from lightning_zero.core.stage3 import gathered
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime, apply_stage3
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
 from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
-from lightning_zero.core.zero.engine_step import StepPreparation
-from lightning_zero.core.zero.engine_views import WholeModelViews
+from lightning_zero.core.zero.engine_setup import (
+    SelfReducingOptimizer,
+    broadcast_from_rank0,
+    check_same_structure,
+    module_dtype,
+    self_reducing,
+)
+from lightning_zero.core.zero.engine_step import NormExcess, StepPreparation
+from lightning_zero.core.zero.engine_views import WholeModelViews, unit_modules
 from lightning_zero.core.zero.flat_param import FlatParamGroup
-from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer
-from lightning_zero.core.zero.memory import ModelStateBytes, StorageCounter
+from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer, ReductionMode
+from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.core.zero.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
 from lightning_zero.core.zero.optimizer_state import broadcast_master_init
-
-NormExcess = Callable[[list[torch.Tensor], list[FlatParamGroup], float], float]
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,12 @@ class StageCoupling:
     norm_excess: NormExcess | None = None
 
 
-class ZeroEngine(WholeModelViews, StepPreparation):
+class ZeroEngine:
     """Partitions ``module``'s training state over the data-parallel ranks of ``comm``.
+
+    It composes two objects it builds: ``preparation`` (:class:`StepPreparation`: the step's gradients and
+    state) and ``views`` (:class:`WholeModelViews`: whole views of the sharded model, ``detach``); its
+    methods of the same names delegate to them.
 
     Args:
         module: the model; its parameters become views into flat buffers.
@@ -110,21 +117,20 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         self.optimizer = optimizer
         self.config = config
         self.comm = comm or DataParallelComm(collective=config.collective)
-        self.dtypes = dtypes or DtypePolicy(param_dtype=_module_dtype(module))
-        if self.dtypes.param_dtype != _module_dtype(module):
+        self.dtypes = dtypes or DtypePolicy(param_dtype=module_dtype(module))
+        if self.dtypes.param_dtype != module_dtype(module):
             raise ValueError(
-                f"The module's parameters are {_module_dtype(module)} but the dtype policy says "
+                f"The module's parameters are {module_dtype(module)} but the dtype policy says "
                 f"{self.dtypes.param_dtype}. Cast the module first (the precision plugin's convert_module does)."
             )
         # an optimizer that averages over the ranks itself once it compresses (1-bit Adam): stage 0 only
-        self._self_reducing: SelfReducingOptimizer | None = _self_reducing(optimizer, config.stage, self.comm)
-        self._grads_local = False  # this step's gradients were left unreduced for that optimizer
+        self._self_reducing: SelfReducingOptimizer | None = self_reducing(optimizer, config.stage, self.comm)
         if optimizer is not None:
             check_optimizer(optimizer, config.stage, config.elementwise_optimizers)
         self.names: dict[nn.Parameter, str] = {}  # every module parameter -> qualified name, module order
         for name, p in module.named_parameters():
             self.names.setdefault(p, name)
-        self._check_same_structure(setup_settings or {})
+        check_same_structure(self.names, optimizer, setup_settings or {}, self.comm)
         groups = trainable_groups(optimizer, self.names) if optimizer is not None else []
         managed = {p for g in groups for p in g}
         # trainable parameters no optimizer group holds: they are never updated nor reduced
@@ -132,7 +138,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         self.frozen_at_setup: list[nn.Parameter] = [p for p in self.names if not p.requires_grad]
         self.units: list[ShardedUnit] = []  # stage 3 only
         self.runtime: Stage3Runtime | None = None  # stage 3's gather / release hooks
-        if config.stage == 3:
+        if config.stage.shards_parameters:
             # binds, initialises (meta-built models), broadcasts and shards one unit at a time
             self.units, self.runtime, self.all_groups = apply_stage3(
                 module, self.names, groups, self.comm, config, param_init_fn, init_seed
@@ -144,9 +150,10 @@ class ZeroEngine(WholeModelViews, StepPreparation):
                 g.bind()
         # the flat groups of trainable parameters (stage 3 also has groups of frozen ones)
         self.groups: list[FlatParamGroup] = [g for g in self.all_groups if g.optimizer_group >= 0]
-        self._broadcast_from_rank0()
-        self._undo_checkpointing = (
-            apply_activation_checkpointing(self._unit_modules()) if config.activation_checkpointing else None
+        broadcast_from_rank0(module, self.names, self.all_groups, self.comm)
+        undo_checkpointing = (
+            apply_activation_checkpointing(unit_modules(module, self.names, config.unit_classes, self.runtime))
+            if config.activation_checkpointing else None
         )
         gathered.register(self)
         self.reducer = GradReducer(
@@ -163,90 +170,59 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         # with a separate master (mixed precision) per-parameter views of a whole master
         separate_master = not self.dtypes.master_is_param_view
         self.sharded: ShardedOptimizer | None = None
-        if optimizer is not None and (config.stage >= 1 or separate_master):
+        if optimizer is not None and (config.stage.shards_optimizer or separate_master):
             if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
                 master_init = broadcast_master_init(master_init, [p for p in self.names if p in managed],
                                                     self.dtypes.master_dtype, self.comm)
             store = None
-            if self.offload_config.optimizer_device != "none":
+            if self.offload_config.optimizer_device is not OffloadDevice.none:
                 need = swap_bytes(self.offload_config, self.groups, self.units, self.dtypes.master_dtype)
                 self.offload_config.check_path(need)
                 store = OptimizerOffload(self.offload_config, self.comm.rank, self.units)
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
-                                            whole=config.stage == 0, master_init=master_init, offload=store)
+                                            whole=not config.stage.shards_optimizer, master_init=master_init,
+                                            offload=store)
         if optimizer is None:
             self.offload_config.warn_unused()
+        self._user_zero_grad: Callable[..., None] | None = None
         if optimizer is not None:
             self._user_zero_grad = optimizer.zero_grad
             optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
-        self.last_grad_norm: float | None = None  # global gradient norm of the last step that computed one
         # Note [step preparation]: ``prepare_step`` runs once per optimizer step, after the last
         # backward; ``step_skipped`` (an overflow on any rank) makes ``after_step`` leave params alone.
-        self._prepared = False
-        self.step_skipped = False
-        self._norm: torch.Tensor | None = None
-        # Pipelines (Note [deferred reduction]): the ranks holding the other pipeline stages, over which
-        # gradient norms and the overflow decision are combined, and the norm share to leave out
-        # (``fn(grads, groups, norm_type)``: tied parameters another stage counts).
         coupling = coupling or StageCoupling()
-        self.model_parallel: DataParallelComm | None = coupling.model_parallel
-        self.norm_excess: NormExcess | None = coupling.norm_excess
-        # stage 0 without a separate master, gradients accumulated in another dtype than the params:
-        # prepare_step casts them into these param-dtype buffers, which the params' .grad views
-        self._cast_grads: list[torch.Tensor] | None = None
+        self.preparation = StepPreparation(self.config, self.comm, self.dtypes, self.names, self.groups, self.reducer,
+                                           self.sharded, self.master_grad_is_view, coupling.model_parallel,
+                                           coupling.norm_excess)
+        self.views = WholeModelViews(module, optimizer, self.comm, self.dtypes, self.names, self.groups,
+                                     self.all_groups, self.units, self.runtime, self.reducer, self.sharded,
+                                     undo_checkpointing, self._user_zero_grad)
 
     @property
     def master_grad_is_view(self) -> bool:
         """Whether the optimizer steps on the reduced gradient buffers themselves (no cast, no offload)."""
-        return self.dtypes.master_grad_is_view and self.offload_config.optimizer_device == "none"
-
-    # ------------------------------------------------------------------ setup
-    def _check_same_structure(self, settings: Mapping[str, str]) -> None:
-        entries = [(f"parameter {n!r}", f"shape={tuple(p.shape)} dtype={p.dtype} requires_grad={p.requires_grad}")
-                   for p, n in self.names.items()]
-        if self.optimizer is not None:
-            entries.append(("optimizer param groups (parameters per group)",
-                            repr([len(g["params"]) for g in self.optimizer.param_groups])))
-        entries += [(f"setting {k}", str(v)) for k, v in settings.items()]
-        check_same_everywhere(
-            entries, self.comm,
-            "Build the same model with the same configuration on every rank: set the seed before constructing "
-            "it, do not make layers or settings depend on the rank, and give every node the same config.",
-        )
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self) -> None:
-        """Make parameters and buffers identical on every rank (as DDP does at construction)."""
-        if not self.comm.active:
-            return
-        for g in self.all_groups:
-            if g.shard is None:  # stage 3 broadcast its units while sharding them
-                self.comm.broadcast(g.flat)
-        in_flat = {s.param for g in self.all_groups for s in g.slots}
-        for p in self.names:
-            if p not in in_flat:
-                self.comm.broadcast(p.data)
-        for b in self.module.buffers():
-            self.comm.broadcast(b)
+        return self.dtypes.master_grad_is_view and self.offload_config.optimizer_device is OffloadDevice.none
 
     # ------------------------------------------------------------------ backward
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Micro-steps before the accumulation boundary (stages 0-1 skip communication)."""
-        previous, self.reducer.sync = self.reducer.sync, False
+        previous = self.reducer.boundary_mode
+        self.reducer.set_boundary_mode(ReductionMode.AT_BOUNDARY)
         try:
             yield
         finally:
-            self.reducer.sync = previous
+            self.reducer.set_boundary_mode(previous)
 
     def before_backward(self) -> None:
-        if (self._self_reducing is not None and self.reducer.sync and self.config.stage == 0
+        self.preparation.begin_backward()
+        if (self._self_reducing is not None and self.reducer.sync and not self.config.stage.shards_optimizer
                 and self._self_reducing.reduces_gradients_itself()):
-            self._grads_local = True
-            self.reducer.sync = False  # the boundary backward accumulates locally, like no_sync
+            self.preparation.grads_local = True
+            self.reducer.set_boundary_mode(ReductionMode.AT_BOUNDARY)  # accumulates locally, like no_sync
         # stage 0 hands the optimizer per-parameter views of the reduced gradients; detach them
         # so the next backward's gradients arrive fresh (grad_reducer adds them to the buffer)
-        if self.config.stage < 2:
+        if not self.config.stage.shards_gradients:
             for g in self.groups:
                 for s in g.slots:
                     s.param.grad = None
@@ -265,14 +241,14 @@ class ZeroEngine(WholeModelViews, StepPreparation):
             window's ``.grad`` alone).
         """
         self.before_backward()
-        self.reducer.deferred = True
+        self.reducer.defer()
         if self.runtime is not None:
             self.runtime.hold_all()
         try:
             yield
         finally:
             if self.runtime is not None:
-                self.runtime.holding = False
+                self.runtime.stop_holding()
 
     def reduce_deferred(self) -> None:
         """End of a deferred window: reduce the accumulated gradients (as one backward would)."""
@@ -281,8 +257,9 @@ class ZeroEngine(WholeModelViews, StepPreparation):
 
     def finish_backward(self) -> None:
         self.reducer.finish()
-        if self._grads_local:
-            self.reducer.sync = True  # the local gradients are complete: hand them on as reduced ones
+        if self.preparation.grads_local:
+            self.reducer.set_boundary_mode(ReductionMode.IMMEDIATE)  # complete: handed on as reduced ones
+        self.preparation.end_backward(boundary=self.reducer.sync)
         if self.runtime is not None:
             self.runtime.end_backward()
         if self.reducer.communicating and self.reducer.whole_grads_valid():
@@ -296,13 +273,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
     def link_master_grads(self) -> None:
         """Point the masters' gradients at the reduced buffers (after a backward, or a kept ``zero_grad``)."""
         if self.sharded is not None and self.reducer.communicating and self.master_grad_is_view:
-            self.sharded.set_grads(self._reduced_for_masters())
-
-    def _reduced_for_masters(self) -> list[torch.Tensor]:
-        """The reduced gradients laid out like the masters (whole buffers at stage 0, else shards)."""
-        if self.sharded is not None and self.sharded.whole:
-            return [g for g in self.reducer.flat_grads if g is not None]
-        return [self.reducer.shard_grad(i) for i in range(len(self.groups))]
+            self.sharded.set_grads(self.preparation.reduced_for_masters())
 
     # ------------------------------------------------------------------ step
 
@@ -337,7 +308,7 @@ class ZeroEngine(WholeModelViews, StepPreparation):
         the gradients (as DeepSpeed's ``engine.step()`` does: they never outlive their step). After
         a skipped step only the gradients are cleared."""
         if not self.step_skipped:
-            self._require_prepared("The optimizer step")
+            self.preparation.check_can_step("The optimizer step")
         if self.sharded is not None and not self.step_skipped:
             self.sharded.write_back()
             if self.runtime is not None:  # stage 3: only the persistent unit is kept whole
@@ -363,58 +334,85 @@ class ZeroEngine(WholeModelViews, StepPreparation):
                 p.grad = None
         if self.sharded is not None:
             self.sharded.clear_grads()
-        self._prepared = False
-        self.step_skipped = False
-        self._norm = None
-        self._grads_local = False
-        self._cast_grads = None
+        self.preparation.reset()
+
+    # ------------------------------------------------------------------ the step's gradients (engine_step.py)
+    @property
+    def step_skipped(self) -> bool:
+        """Whether this optimizer step is skipped (an overflow or a non-finite gradient on any rank)."""
+        return self.preparation.step_skipped
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step that computed one."""
+        return self.preparation.last_grad_norm
+
+    @property
+    def model_parallel(self) -> DataParallelComm | None:
+        """Pipelines: the ranks of the other stages, over which norms and the overflow decision are combined."""
+        return self.preparation.model_parallel
+
+
+    @property
+    def norm_excess(self) -> NormExcess | None:
+        """Pipelines: ``fn(grads, groups, norm_type)``, the norm share of tied parameters another stage counts."""
+        return self.preparation.norm_excess
+
+
+    def prepare_step(self, loss_scale: float = 1.0, check_overflow: bool = False) -> bool:
+        """See :meth:`StepPreparation.prepare_step`: returns whether the step must be skipped."""
+        return self.preparation.prepare_step(loss_scale, check_overflow)
+
+    def first_nonfinite_gradient(self) -> str | None:
+        """See :meth:`StepPreparation.first_nonfinite_gradient` (a collective)."""
+        return self.preparation.first_nonfinite_gradient()
+
+    def skip_step(self) -> None:
+        """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
+        self.preparation.skip_step()
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over all shards (every rank gets the same value)."""
+        return self.preparation.grad_norm(norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """See :meth:`StepPreparation.clip_grad_norm_`."""
+        return self.preparation.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        self.preparation.clip_grad_value_(clip_value)
+
+    def comm_max(self, value: torch.Tensor) -> None:
+        self.preparation.comm_max(value)
+
+    # ------------------------------------------------------------------ whole views (engine_views.py)
+    def detach(self, keep_optimizer_state: bool = True, gather_params: bool = True) -> None:
+        """See :meth:`WholeModelViews.detach` (a collective unless ``gather_params`` and the state are off)."""
+        gathered.unregister(self)
+        self.views.detach(keep_optimizer_state, gather_params)
+
+    @property
+    def separate_master(self) -> bool:
+        """Whether the optimizer steps a master copy in another dtype than the parameters."""
+        return self.views.separate_master
+
+    def full_master_params(self) -> dict[nn.Parameter, torch.Tensor]:
+        """See :meth:`WholeModelViews.full_master_params` (a collective for stage >= 1)."""
+        return self.views.full_master_params()
+
+    def gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> AbstractContextManager[None]:
+        """See :func:`lightning_zero.gathered_parameters` (every rank must call it together)."""
+        return self.views.gathered(params, modifier_rank)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with whole tensors (stage 3 gathers; a collective)."""
+        return self.views.full_state_dict()
+
+    def end_forward_only(self) -> None:
+        """After an evaluation step under stage 3: free the units it gathered."""
+        self.views.end_forward_only()
 
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self) -> ModelStateBytes:
         """This rank's bytes of params / grads / optimizer / comm_buffers, counted from live tensors."""
-        counter = StorageCounter()
-        if self.runtime is not None:
-            # gathered units are working memory; the persistent model state is the shards
-            counter.add("comm_buffers", [g.flat for u in self.units if not u.persistent for g in u.groups])
-            counter.add("params", [g.own_shard() for g in self.all_groups])
-            counter.add("params", [g.flat for u in self.units if u.persistent for g in u.groups])
-        else:
-            counter.add("params", list(self.names))
-        counter.add("grads", [p.grad for p in self.names])
-        counter.add("grads", [t for t in (*self.reducer.flat_grads, *self.reducer.grad_shards)])
-        if self.sharded is not None:
-            counter.add("grads", self.sharded.master_grads())
-            counter.add("optimizer", self.sharded.masters)
-        for state in self.optimizer.state.values() if self.optimizer is not None else ():
-            counter.add("optimizer", [v for v in state.values() if isinstance(v, torch.Tensor)])
-        counter.add("comm_buffers", list(self.reducer.live_buffers()))
-        return counter.result()
-
-
-class SelfReducingOptimizer(Protocol):
-    """An optimizer that averages over the ranks itself once :meth:`reduces_gradients_itself` says so
-    (:class:`~lightning_zero.core.comm.onebit_adam.OneBitAdam`); until then the engine reduces as usual."""
-
-    def bind_comm(self, comm: DataParallelComm) -> None: ...
-
-    def reduces_gradients_itself(self) -> bool: ...
-
-
-def _self_reducing(optimizer: Optimizer, stage: int, comm: DataParallelComm) -> SelfReducingOptimizer | None:
-    if not (hasattr(optimizer, "reduces_gradients_itself") and hasattr(optimizer, "bind_comm")):
-        return None
-    if stage != 0:
-        raise ValueError(
-            f"{type(optimizer).__name__} compresses the all-reduce of every rank's whole momentum, which needs "
-            f"whole local gradients and optimizer state on each rank: use it with ZeRO stage 0, not {stage} "
-            "(stages 1-3 partition that state; a compressed stage 1 is not built)."
-        )
-    optimizer.bind_comm(comm)  # type: ignore[attr-defined]
-    return optimizer  # type: ignore[return-value]
-
-
-def _module_dtype(module: nn.Module) -> torch.dtype:
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
+        return self.views.model_state_bytes()

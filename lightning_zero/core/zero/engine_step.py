@@ -1,39 +1,165 @@
-"""The optimizer step's gradient preparation for :class:`~lightning_zero.core.zero.engine.ZeroEngine`.
+"""The optimizer step's gradient preparation, an object :class:`~lightning_zero.core.zero.engine.ZeroEngine` holds.
 
 Once per optimizer step, after the last backward: the gradients the optimizer steps on are cast
 into the master dtype, unscaled, measured (one global norm over every shard and pipeline stage),
 checked for overflow with one agreement across ranks, and clipped by norm or value. The state of
-the step (``_prepared``, ``step_skipped``, ``_norm``, ``last_grad_norm``) lives on the engine
-(Note [step preparation] in engine.py).
+the step (prepared, skipped, the norm) lives here (Note [step preparation] in engine.py).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.precision.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.precision.nonfinite import first_nonfinite_parameter
-from lightning_zero.core.zero.engine_fields import EngineFields
+from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.zero.flat_param import FlatParamGroup
+from lightning_zero.core.zero.grad_reducer import GradReducer
+from lightning_zero.core.zero.optimizer import ShardedOptimizer
+
+NormExcess = Callable[[list[torch.Tensor], list[FlatParamGroup], float], float]
 
 
-class StepPreparation(EngineFields):
-    """Mixin of :class:`~lightning_zero.core.zero.engine.ZeroEngine`: prepare, measure and clip the step's gradients."""
+class StepState(enum.Enum):
+    """Where one optimizer step of the engine stands (Note [step states])."""
 
-    # besides EngineFields (engine_fields.py), set by ZeroEngine.__init__:
-    model_parallel: DataParallelComm | None
-    norm_excess: Callable[[list[torch.Tensor], list[FlatParamGroup], float], float] | None
-    _prepared: bool
-    step_skipped: bool
-    _norm: torch.Tensor | None
-    last_grad_norm: float | None
-    _grads_local: bool
-    _cast_grads: list[torch.Tensor] | None
-    master_grad_is_view: bool  # a property of ZeroEngine: no cast and no offload between reducer and optimizer
+    IDLE = "idle"
+    """No gradient of this step yet: after ``zero_grad`` / ``after_step``."""
+    BACKWARD = "backward"
+    """A backward announced by ``before_backward`` runs: gradients arrive in the reducer's hooks."""
+    ACCUMULATED = "accumulated"
+    """Backwards finished that were not the step's last (``no_sync``): stages 0-1 hold local sums, stages 2-3
+    shards of part of the micro-steps. Stepping now would use partial gradients."""
+    REDUCED = "reduced"
+    """The step's last backward finished: the gradients are reduced (a self-reducing optimizer's are complete
+    locally). The optimizer may step when it steps on the reduced buffers themselves (``master_grad_is_view``)."""
+    PREPARED = "prepared"
+    """``prepare_step`` ran: gradients cast, unscaled and measured; the optimizer may step."""
+    SKIPPED = "skipped"
+    """The step is skipped on every rank (overflow, non-finite gradient, no backward): the parameters stay. Later
+    backwards of the step change nothing; ``zero_grad`` ends it."""
+
+
+# Note [step states]
+#     The one table of the transitions a step may take; ``StepPreparation.move`` checks every change against it
+#     and raises ``StepStateError`` naming both states. ``zero_grad`` (-> IDLE) and ``skip_step`` (-> SKIPPED) are
+#     allowed from anywhere but PREPARED -> BACKWARD and the like: a backward after the gradients were unscaled
+#     and measured, or a step prepared from partial (ACCUMULATED) or unfinished (BACKWARD) gradients.
+_S = StepState
+ALLOWED_TRANSITIONS: dict[StepState, frozenset[StepState]] = {
+    _S.IDLE: frozenset({_S.IDLE, _S.BACKWARD, _S.ACCUMULATED, _S.REDUCED, _S.PREPARED, _S.SKIPPED}),
+    _S.BACKWARD: frozenset({_S.IDLE, _S.BACKWARD, _S.ACCUMULATED, _S.REDUCED, _S.SKIPPED}),
+    _S.ACCUMULATED: frozenset({_S.IDLE, _S.BACKWARD, _S.ACCUMULATED, _S.REDUCED, _S.SKIPPED}),
+    _S.REDUCED: frozenset({_S.IDLE, _S.BACKWARD, _S.ACCUMULATED, _S.REDUCED, _S.PREPARED, _S.SKIPPED}),
+    _S.PREPARED: frozenset({_S.IDLE, _S.SKIPPED}),
+    _S.SKIPPED: frozenset({_S.IDLE, _S.SKIPPED}),
+}
+
+
+class StepStateError(RuntimeError):
+    """A step took a transition the table of Note [step states] does not allow."""
+
+
+class StepPreparation:
+    """Prepare, measure and clip one optimizer step's gradients; the step's state.
+
+    Args:
+        config: the ZeRO policy (its stage).
+        comm: the data-parallel collectives.
+        dtypes: parameter / gradient / master dtypes.
+        names: every module parameter -> qualified name, module order.
+        groups: the flat groups of trainable parameters.
+        reducer: the gradient buffers the backward filled.
+        sharded: the optimizer re-pointed at master shards (``None``: it steps the parameters).
+        master_grad_is_view: whether the optimizer steps on the reduced buffers themselves (no cast, no offload).
+        model_parallel: pipelines: the ranks holding the other stages, over which norms and the overflow
+            decision are combined (Note [deferred reduction] in engine.py).
+        norm_excess: pipelines: ``fn(grads, groups, norm_type)``, the norm share another stage counts (tied
+            parameters).
+    """
+
+    def __init__(
+        self,
+        config: ZeroConfig,
+        comm: DataParallelComm,
+        dtypes: DtypePolicy,
+        names: dict[nn.Parameter, str],
+        groups: list[FlatParamGroup],
+        reducer: GradReducer,
+        sharded: ShardedOptimizer | None,
+        master_grad_is_view: bool,
+        model_parallel: DataParallelComm | None = None,
+        norm_excess: NormExcess | None = None,
+    ) -> None:
+        self.config = config
+        self.comm = comm
+        self.dtypes = dtypes
+        self.names = names
+        self.groups = groups
+        self.reducer = reducer
+        self.sharded = sharded
+        self.master_grad_is_view = master_grad_is_view
+        self.model_parallel = model_parallel
+        self.norm_excess = norm_excess
+        self.last_grad_norm: float | None = None  # global gradient norm of the last step that computed one
+        self.state = StepState.IDLE
+        self._norm: torch.Tensor | None = None
+        self.grads_local = False  # this step's gradients were left unreduced for a self-reducing optimizer
+        # stage 0 without a separate master, gradients accumulated in another dtype than the params:
+        # prepare_step casts them into these param-dtype buffers, which the params' .grad views
+        self._cast_grads: list[torch.Tensor] | None = None
+
+    def reset(self) -> None:
+        """A new step: nothing prepared, nothing skipped (``zero_grad``)."""
+        self.move(StepState.IDLE)
+        self._norm = None
+        self.grads_local = False
+        self._cast_grads = None
+
+    def move(self, new: StepState) -> None:
+        """Go to ``new``, or raise :class:`StepStateError` naming both states (Note [step states])."""
+        if new not in ALLOWED_TRANSITIONS[self.state]:
+            raise StepStateError(
+                f"ZeRO step: {self.state.name} -> {new.name} is not a valid transition. {_WHY.get(new, '')}".rstrip()
+            )
+        self.state = new
+
+    def begin_backward(self) -> None:
+        """``before_backward``: a backward starts (a skipped step stays skipped)."""
+        if self.state is not StepState.SKIPPED:
+            self.move(StepState.BACKWARD)
+
+    def end_backward(self, boundary: bool) -> None:
+        """``finish_backward``: the step's last backward (``boundary``), or one of its micro-steps."""
+        if self.state is not StepState.SKIPPED:
+            self.move(StepState.REDUCED if boundary else StepState.ACCUMULATED)
+
+    @property
+    def step_skipped(self) -> bool:
+        return self.state is StepState.SKIPPED
+
+    @property
+    def _prepared(self) -> bool:
+        return self.state in (StepState.PREPARED, StepState.SKIPPED)
+
+    def check_can_step(self, what: str) -> None:
+        """Refuse an optimizer step on gradients that are partial or unfinished (and, without
+        ``master_grad_is_view``, not prepared)."""
+        if self.state in (StepState.BACKWARD, StepState.ACCUMULATED):
+            raise StepStateError(f"{what} in step state {self.state.name}: {_WHY[StepState.PREPARED]}")
+        self.require_prepared(what)
+
+    def reduced_for_masters(self) -> list[torch.Tensor]:
+        """The reduced gradients laid out like the masters (whole buffers at stage 0, else shards)."""
+        if self.sharded is not None and self.sharded.whole:
+            return [g for g in self.reducer.flat_grads if g is not None]
+        return [self.reducer.shard_grad(i) for i in range(len(self.groups))]
 
     def _grads_to_scale(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps on (unscaling and clipping act on these)."""
@@ -60,11 +186,11 @@ class StepPreparation(EngineFields):
         """
         if self._prepared:
             return self.step_skipped
+        self.move(StepState.PREPARED)
         if self.sharded is not None and not self.master_grad_is_view:
-            self.sharded.set_grads(self._reduced_for_masters())
+            self.sharded.set_grads(self.reduced_for_masters())
         elif not self.dtypes.master_grad_is_view:  # stage 0, the params are the master: cast for them
             self._cast_grads = self._param_dtype_grads()
-        self._prepared = True
         if loss_scale != 1.0:
             for t in self._grads_to_scale():
                 t.mul_(1.0 / loss_scale)
@@ -76,7 +202,7 @@ class StepPreparation(EngineFields):
             return True
         if self._norm_is_partial:
             self.comm.all_reduce_sum(sumsq)
-            if self._grads_local:
+            if self.grads_local:
                 sumsq /= self.comm.world_size  # Note [norm of local gradients]
         if self.model_parallel is not None:
             self.model_parallel.all_reduce_sum(sumsq)
@@ -109,7 +235,7 @@ class StepPreparation(EngineFields):
         gradient holds ``nan`` / ``inf`` on any rank, or ``None`` (a collective; Note [non-finite policy])."""
         grads: list[tuple[torch.Tensor, int] | None] = []
         for i, g in enumerate(self.groups):
-            if self.config.stage == 0:
+            if not self.config.stage.shards_optimizer:
                 flat = self.reducer.flat_grads[i]
                 grads.append(None if flat is None else (flat, 0))
             else:
@@ -120,14 +246,13 @@ class StepPreparation(EngineFields):
 
     def skip_step(self) -> None:
         """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
-        self._prepared = True
-        self.step_skipped = True
+        self.move(StepState.SKIPPED)
         if self.sharded is not None:
             self.sharded.clear_grads()
         for p in self.names:  # an optimizer stepping the parameters themselves skips those without .grad
             p.grad = None
 
-    def _require_prepared(self, what: str) -> None:
+    def require_prepared(self, what: str) -> None:
         if not self.master_grad_is_view and not self._prepared:
             raise RuntimeError(
                 f"{what} needs the master gradients: call `engine.prepare_step(loss_scale)` after the last "
@@ -137,7 +262,7 @@ class StepPreparation(EngineFields):
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over all shards (every rank gets the same value)."""
-        self._require_prepared("The gradient norm")
+        self.require_prepared("The gradient norm")
         local = [t.float() for t in self._grads_for_norm() if t.numel()]
         if norm_type == math.inf:
             value = torch.stack([t.abs().max() for t in local]).max() if local else torch.zeros(())
@@ -150,7 +275,7 @@ class StepPreparation(EngineFields):
         total = parts.pow(norm_type).sum() - self._norm_excess(norm_type)
         if self._norm_is_partial and self.comm.active:
             self.comm.all_reduce_sum(total)
-            if self._grads_local:
+            if self.grads_local:
                 total /= self.comm.world_size  # Note [norm of local gradients]
         if self.model_parallel is not None:
             self.model_parallel.all_reduce_sum(total)
@@ -167,7 +292,7 @@ class StepPreparation(EngineFields):
             every rank (so every rank clips by the same factor), and never below the norm of the
             averaged gradient, so clipping is at least as strict as before the freeze.
         """
-        return self.config.stage >= 1 or self._grads_local
+        return self.config.stage.shards_optimizer or self.grads_local
 
     def comm_max(self, value: torch.Tensor) -> None:
         self.comm.all_reduce_max(value)
@@ -188,7 +313,7 @@ class StepPreparation(EngineFields):
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
-        self._require_prepared("Clipping")
+        self.require_prepared("Clipping")
         for t in self._grads_to_scale():
             t.clamp_(-clip_value, clip_value)
 
@@ -196,3 +321,12 @@ class StepPreparation(EngineFields):
         if self.reducer.whole_grads_valid():
             return [g for g in self.reducer.flat_grads if g is not None]
         return self.reducer.local_grads()
+
+
+_WHY = {
+    StepState.PREPARED: "The step's gradients must come from a finished backward that was the step's last (not "
+                        "one inside no_sync, not one still running): call engine.finish_backward() after it.",
+    StepState.BACKWARD: "A backward after prepare_step would mix new gradients into prepared (unscaled, measured) "
+                        "ones: finish the step (optimizer.step(); engine.after_step()) or call engine.zero_grad().",
+}
+_WHY[StepState.ACCUMULATED] = _WHY[StepState.REDUCED] = _WHY[StepState.BACKWARD]

@@ -1,8 +1,8 @@
-"""Whole-model views of a :class:`~lightning_zero.core.zero.engine.ZeroEngine` and undoing it.
+"""Whole-model views of a :class:`~lightning_zero.core.zero.engine.ZeroEngine` and undoing it (an object it holds).
 
-What a user or a checkpoint needs whole: the master values, a full state dict (stage 3 gathers unit
-by unit), parameters gathered for reading or editing (``gathered_parameters``), and ``detach``,
-which gives the module back its own parameters and the optimizer its original param groups.
+What a user or a checkpoint needs whole: the master values, the bytes of model state, a full state dict
+(stage 3 gathers unit by unit), parameters gathered for reading or editing (``gathered_parameters``), and
+``detach``, which gives the module back its own parameters and the optimizer its original param groups.
 """
 
 from __future__ import annotations
@@ -12,20 +12,66 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
-from lightning_zero.core.stage3 import gathered
-from lightning_zero.core.stage3.sharded_unit import UnitState
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.stage3.runtime import Stage3Runtime
+from lightning_zero.core.stage3.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.stage3.units import plan_units
-from lightning_zero.core.zero.engine_fields import EngineFields
+from lightning_zero.core.zero.config import DtypePolicy
+from lightning_zero.core.zero.flat_param import FlatParamGroup
+from lightning_zero.core.zero.grad_reducer import GradReducer
+from lightning_zero.core.zero.memory import ModelStateBytes, StorageCounter
+from lightning_zero.core.zero.optimizer import ShardedOptimizer
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state
 
 
-class WholeModelViews(EngineFields):
-    """Mixin of :class:`~lightning_zero.core.zero.engine.ZeroEngine`: whole views of the sharded model, and detach."""
+class WholeModelViews:
+    """Whole views of the sharded model (masters, state dict, gathered parameters), and ``detach``.
 
-    # besides EngineFields (engine_fields.py), set by ZeroEngine.__init__:
-    _undo_checkpointing: Callable[[], None] | None
-    _user_zero_grad: Callable[..., None]
+    Args:
+        module: the model.
+        optimizer: the user's optimizer (``None``: evaluation only).
+        comm: the data-parallel collectives.
+        dtypes: parameter / gradient / master dtypes.
+        names: every module parameter -> qualified name, module order.
+        groups: the flat groups of trainable parameters; ``all_groups`` adds stage 3's frozen ones.
+        units: stage 3's units (empty below stage 3); ``runtime`` their gather / release hooks.
+        reducer: the gradient hooks to remove at ``detach``.
+        sharded: the optimizer re-pointed at master shards, or ``None``.
+        undo_checkpointing: removes activation checkpointing, when it was applied.
+        user_zero_grad: the optimizer's own ``zero_grad``, put back at ``detach``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer | None,
+        comm: DataParallelComm,
+        dtypes: DtypePolicy,
+        names: dict[nn.Parameter, str],
+        groups: list[FlatParamGroup],
+        all_groups: list[FlatParamGroup],
+        units: list[ShardedUnit],
+        runtime: Stage3Runtime | None,
+        reducer: GradReducer,
+        sharded: ShardedOptimizer | None,
+        undo_checkpointing: Callable[[], None] | None,
+        user_zero_grad: Callable[..., None] | None,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.comm = comm
+        self.dtypes = dtypes
+        self.names = names
+        self.groups = groups
+        self.all_groups = all_groups
+        self.units = units
+        self.runtime = runtime
+        self.reducer = reducer
+        self.sharded = sharded
+        self._undo_checkpointing = undo_checkpointing
+        self._user_zero_grad = user_zero_grad
 
     def detach(self, keep_optimizer_state: bool = True, gather_params: bool = True) -> None:
         """Undo the binding: hooks removed, parameters own their storage, optimizer restored.
@@ -41,10 +87,9 @@ class WholeModelViews(EngineFields):
                 ``core/stage3/teardown.py`` decides both flags for the strategy (Note [teardown gather]).
         """
         self.reducer.remove_hooks()
-        gathered.unregister(self)
         if self._undo_checkpointing is not None:
             self._undo_checkpointing()
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._user_zero_grad is not None:
             self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]
         if self.runtime is not None and not gather_params:
             self.runtime.remove_hooks()
@@ -101,18 +146,6 @@ class WholeModelViews(EngineFields):
             out.update({s.param: v for s, v in zip(g.slots, g.views(full))})
         return out
 
-    def _unit_modules(self) -> list[nn.Module]:
-        if self.runtime is not None:
-            return [m for mods in self.runtime.unit_modules for m in mods]
-        plans = plan_units(self.module, self.names, self.config.unit_classes)
-        modules = [m for plan in plans for m in plan.modules]
-        if not modules:
-            raise ValueError(
-                f"activation_checkpointing found no unit in {type(self.module).__name__}: it checkpoints the "
-                "children of nn.ModuleLists, or the modules of `unit_classes`. Name the block class in `unit_classes`."
-            )
-        return modules
-
     @contextmanager
     def gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[None]:
         """See :func:`lightning_zero.gathered_parameters` (every rank must call it together)."""
@@ -159,3 +192,37 @@ class WholeModelViews(EngineFields):
         """After an evaluation step under stage 3: free the units it gathered."""
         if self.runtime is not None:
             self.runtime.end_forward_only()
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        """This rank's bytes of params / grads / optimizer / comm_buffers, counted from live tensors."""
+        counter = StorageCounter()
+        if self.runtime is not None:
+            # gathered units are working memory; the persistent model state is the shards
+            counter.add("comm_buffers", [g.flat for u in self.units if not u.persistent for g in u.groups])
+            counter.add("params", [g.own_shard() for g in self.all_groups])
+            counter.add("params", [g.flat for u in self.units if u.persistent for g in u.groups])
+        else:
+            counter.add("params", list(self.names))
+        counter.add("grads", [p.grad for p in self.names])
+        counter.add("grads", [t for t in (*self.reducer.flat_grads, *self.reducer.grad_shards)])
+        if self.sharded is not None:
+            counter.add("grads", self.sharded.master_grads())
+            counter.add("optimizer", self.sharded.masters)
+        for state in self.optimizer.state.values() if self.optimizer is not None else ():
+            counter.add("optimizer", [v for v in state.values() if isinstance(v, torch.Tensor)])
+        counter.add("comm_buffers", list(self.reducer.live_buffers()))
+        return counter.result()
+
+
+def unit_modules(module: nn.Module, names: dict[nn.Parameter, str], unit_classes: tuple[type, ...],
+                 runtime: Stage3Runtime | None) -> list[nn.Module]:
+    """The modules activation checkpointing wraps: stage 3's units, else the units ``plan_units`` finds."""
+    if runtime is not None:
+        return [m for mods in runtime.unit_modules for m in mods]
+    modules = [m for plan in plan_units(module, names, unit_classes) for m in plan.modules]
+    if not modules:
+        raise ValueError(
+            f"activation_checkpointing found no unit in {type(module).__name__}: it checkpoints the "
+            "children of nn.ModuleLists, or the modules of `unit_classes`. Name the block class in `unit_classes`."
+        )
+    return modules

@@ -30,12 +30,31 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm, Handle
+from lightning_zero.core.zero.config import ZeroStage
 from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
 
 
 class BackwardState(enum.Enum):
-    IDLE = "idle"  # no backward since the last finish()
-    RUNNING = "running"  # gradients are arriving
+    """Whether gradients are arriving in the hooks."""
+
+    IDLE = "idle"
+    """No backward since the last :meth:`GradReducer.finish`."""
+    RUNNING = "running"
+    """A backward's gradients are arriving."""
+
+
+class ReductionMode(enum.Enum):
+    """When the gradient hooks reduce (Note [deferred reduction] in ``engine.py``)."""
+
+    IMMEDIATE = "immediate"
+    """Buckets are reduced as they fill; at stages 0-1 this backward is the step's last (the accumulation boundary)."""
+    AT_BOUNDARY = "at_boundary"
+    """Stages 0-1 add gradients into the whole local buffer with no traffic until a boundary backward reduces them
+    (``no_sync``; the local gradients of a self-reducing optimizer); stages 2-3 reduce anyway."""
+    PIPELINE_DEFERRED = "pipeline_deferred"
+    """A pipeline schedule's window: nothing is reduced until :meth:`GradReducer.reduce_deferred` (stages 2-3 keep
+    ``.grad``, stages 0-1 accumulate into the whole buffer), and ``zero_grad`` leaves the window's gradients alone;
+    the mode before the window (``IMMEDIATE`` or ``AT_BOUNDARY``) applies when it ends."""
 
 
 @dataclass
@@ -66,7 +85,7 @@ class GradReducer:
         self,
         groups: list[FlatParamGroup],
         comm: DataParallelComm,
-        stage: int,
+        stage: int | ZeroStage,
         bucket_numel: int,
         overlap: bool,
         grad_dtype: torch.dtype,
@@ -75,23 +94,23 @@ class GradReducer:
     ) -> None:
         self.groups = groups
         self.comm = comm
-        self.stage = stage
+        self.stage = ZeroStage.of(stage)
         self.overlap = overlap
         self.grad_dtype = grad_dtype
         self.accum_dtype = accum_dtype or grad_dtype
         self.names = names
-        self.sync: bool = True  # False inside block_backward_sync: stages 0-1 only accumulate locally
-        self.deferred: bool = False  # pipelines: no reduction until reduce_deferred() (stages 2-3: kept in .grad)
+        self.mode = ReductionMode.IMMEDIATE
+        self._mode_after_window = ReductionMode.IMMEDIATE  # what PIPELINE_DEFERRED returns to
         self.state = BackwardState.IDLE
         self._dirty = False  # whether any gradient buffer may be non-zero (zero() is a no-op otherwise)
-        self.max_in_flight = 2 if stage >= 2 else 1 << 30
+        self.max_in_flight = 2 if self.stage.shards_gradients else 1 << 30
         # whole gradients of the accumulation window (stages 0-1), one per group, padded layout
         self.flat_grads: list[torch.Tensor | None] = [None] * len(groups)
         # this rank's reduced gradient shard (stages 2-3), one per group; allocated by the first
         # backward that reduces into it (_grad_shard), so setup holds no gradient memory
         self.grad_shards: list[torch.Tensor | None] = [None] * len(groups)
         for i, g in enumerate(groups):
-            if stage < 2:
+            if not self.stage.shards_gradients:
                 self.flat_grads[i] = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
         self.buckets = self._plan_buckets(bucket_numel)
         # parameter -> (bucket order, slot index)
@@ -133,15 +152,51 @@ class GradReducer:
             h.remove()
         self._hooks = []
 
+    # ---------------------------------------------------------------- mode
+    @property
+    def boundary_mode(self) -> ReductionMode:
+        """``IMMEDIATE`` or ``AT_BOUNDARY``: what the hooks do outside a pipeline window (or after this one)."""
+        return self._mode_after_window if self.mode is ReductionMode.PIPELINE_DEFERRED else self.mode
+
+    def set_boundary_mode(self, mode: ReductionMode) -> None:
+        """Whether this backward is the step's last (``IMMEDIATE``) or not (``AT_BOUNDARY``); inside a pipeline
+        window it applies when the window ends."""
+        if mode is ReductionMode.PIPELINE_DEFERRED:
+            raise ValueError("A pipeline window is opened with defer(), not as a boundary mode.")
+        if self.mode is ReductionMode.PIPELINE_DEFERRED:
+            self._mode_after_window = mode
+        else:
+            self.mode = mode
+
+    @property
+    def sync(self) -> bool:
+        """Whether stages 0-1 reduce at the end of this backward (the accumulation boundary)."""
+        return self.boundary_mode is ReductionMode.IMMEDIATE
+
+    @property
+    def deferred(self) -> bool:
+        """Whether a pipeline window holds the reduction back."""
+        return self.mode is ReductionMode.PIPELINE_DEFERRED
+
+    def defer(self) -> None:
+        """Open a pipeline window (nothing is reduced until :meth:`reduce_deferred` or :meth:`end_window`)."""
+        if self.mode is not ReductionMode.PIPELINE_DEFERRED:
+            self._mode_after_window, self.mode = self.mode, ReductionMode.PIPELINE_DEFERRED
+
+    def end_window(self) -> None:
+        """Close a pipeline window without reducing (its gradients were reduced already, or are to be kept)."""
+        if self.mode is ReductionMode.PIPELINE_DEFERRED:
+            self.mode = self._mode_after_window
+
     @property
     def communicating(self) -> bool:
         """Whether this backward reduces (stage 2 always; stages 0-1 on the boundary)."""
-        return self.stage >= 2 or self.sync
+        return self.stage.shards_gradients or self.sync
 
     # ---------------------------------------------------------------- backward
     def _destination(self, bucket: Bucket, slot_index: int) -> torch.Tensor:
         slot = self.groups[bucket.group_index].slots[slot_index]
-        if self.stage < 2:
+        if not self.stage.shards_gradients:
             flat = self.flat_grads[bucket.group_index]
             return flat[slot.offset : slot.offset + slot.numel]
         staging = self._staging.get(bucket.order)
@@ -154,7 +209,7 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.deferred and self.stage >= 2:  # autograd accumulates into param.grad (Note [deferred reduction])
+        if self.deferred and self.stage.shards_gradients:  # autograd accumulates in .grad (Note [deferred reduction])
             return
         self.state = BackwardState.RUNNING
         order, slot_index = self._where[param]
@@ -182,7 +237,7 @@ class GradReducer:
     def reduce_deferred(self) -> None:
         """End a deferred window: hand every accumulated ``.grad`` to the buckets, in backward order
         (stages 0-1 accumulated into their whole buffers already; ``finish`` reduces them)."""
-        self.deferred = False
+        self.end_window()
         for param in reversed(list(self._where)):
             if param.grad is not None:
                 self._on_grad_ready(param)
@@ -195,7 +250,7 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         self._launched[bucket.order] = True
         g = self.groups[bucket.group_index]
-        if self.stage < 2:
+        if not self.stage.shards_gradients:
             source = self.flat_grads[bucket.group_index][bucket.start : bucket.end]
         else:
             source = self._staging.pop(bucket.order, None)
@@ -207,7 +262,7 @@ class GradReducer:
         if source.dtype != self.grad_dtype:  # accumulated in another dtype: reduce a cast copy
             home, source = source, source.to(self.grad_dtype)
         output = None
-        if self.stage == 0 or self.comm.use_all_reduce:
+        if not self.stage.shards_optimizer or self.comm.use_all_reduce:
             handle = self.comm.all_reduce_sum(source, async_op=True)
         else:
             pieces = [self._clip_to(source, bucket, g.shard_range(r)) for r in range(self.comm.world_size)]
@@ -226,7 +281,7 @@ class GradReducer:
         item.handle.wait()
         if item.home is not None and item.output is None:
             item.home.copy_(item.source)
-        if self.stage == 0:
+        if not self.stage.shards_optimizer:
             return
         b = item.bucket
         g = self.groups[b.group_index]
@@ -236,7 +291,7 @@ class GradReducer:
             return
         reduced = item.source[lo - b.start : hi - b.start] if item.output is None else item.output
         self._dirty = True
-        if self.stage == 1:
+        if not self.stage.shards_gradients:
             if item.output is not None:
                 self.flat_grads[b.group_index][lo:hi].copy_(reduced)
         else:
@@ -255,18 +310,18 @@ class GradReducer:
     # ---------------------------------------------------------------- views for the step
     def shard_grad(self, group_index: int) -> torch.Tensor:
         """This rank's reduced gradient shard of a group (stages 1-2)."""
-        if self.stage >= 2:
+        if self.stage.shards_gradients:
             return self._grad_shard(group_index)
         start, end = self.groups[group_index].shard_range()
         return self.flat_grads[group_index][start:end]
 
     def whole_grads_valid(self) -> bool:
         """Whether the whole flat gradients hold the reduced values everywhere."""
-        return self.stage == 0 or (self.stage == 1 and self.comm.use_all_reduce)
+        return not self.stage.shards_optimizer or (not self.stage.shards_gradients and self.comm.use_all_reduce)
 
     def local_grads(self) -> list[torch.Tensor]:
         """The reduced gradient elements this rank is responsible for (norms, clipping)."""
-        if self.stage == 0:
+        if not self.stage.shards_optimizer:
             return [g for g in self.flat_grads if g is not None]
         return [self.shard_grad(i) for i in range(len(self.groups))]
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_zero.core.zero.config import ZeroStage
+
 # bytes per element
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -36,7 +38,7 @@ class ModelStateBytes:
 
 
 def model_state_formula(
-    stage: int,
+    stage: int | ZeroStage,
     num_params: float,
     world_size: int,
     precision: str = "fp32",
@@ -53,8 +55,7 @@ def model_state_formula(
             (bf16 params, grads and optimizer state, no master).
         optimizer_state_per_param: bytes of optimizer state per element in fp32 (Adam: 8).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0-3, got {stage}")
+    stage = ZeroStage.of(stage)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     psi, n = float(num_params), float(world_size)
@@ -66,11 +67,11 @@ def model_state_formula(
         p, g, o = 2 * psi, 2 * psi, optimizer_state_per_param / 2 * psi
     else:
         raise ValueError(f"precision must be 'fp32', 'mixed' or 'bf16-true', got {precision!r}")
-    if stage >= 1:
+    if stage.shards_optimizer:
         o /= n
-    if stage >= 2:
+    if stage.shards_gradients:
         g /= n
-    if stage >= 3:
+    if stage.shards_parameters:
         p /= n
     return ModelStateBytes(params=p, grads=g, optimizer=o)
 
@@ -109,7 +110,7 @@ OFFLOAD_STAGES: dict[str, tuple[int, ...]] = {
 
 
 def offloaded_model_state(
-    stage: int,
+    stage: int | ZeroStage,
     num_params: float,
     world_size: int,
     precision: str = "fp32",
@@ -154,7 +155,8 @@ def offloaded_model_state(
     state = optimizer_state_per_param / 2 if low else float(optimizer_state_per_param)
     moved_params = base.params if offload.startswith("param_") else 0.0
     device = ModelStateBytes(
-        params=base.params - moved_params, grads=base.grads if stage == 1 else 0.0, optimizer=0.0
+        params=base.params - moved_params, grads=0.0 if ZeroStage.of(stage).shards_gradients else base.grads,
+        optimizer=0.0,
     )
     moved = ModelStateBytes(params=moved_params, grads=master * shard, optimizer=(master + state) * shard)
     return device, moved

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.offload.store import OptimizerOffload, SubGroup, use_fused_kernels
+from lightning_zero.core.zero.config import ZeroStage
 from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
 
 MASTER_PIECE_NUMEL = 1 << 20  # elements per optimizer tensor (Note [master pieces])
@@ -46,9 +47,9 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
 )
 
 
-def check_optimizer(optimizer: Optimizer, stage: int, extra_allowed: tuple[type, ...] = ()) -> None:
+def check_optimizer(optimizer: Optimizer, stage: int | ZeroStage, extra_allowed: tuple[type, ...] = ()) -> None:
     """Refuse, with the fix, an optimizer whose update is not element-wise under stage >= 1."""
-    if stage == 0:
+    if not ZeroStage.of(stage).shards_optimizer:
         return
     if type(optimizer) in ELEMENTWISE_OPTIMIZERS or isinstance(optimizer, tuple(extra_allowed)):
         return
