@@ -19,13 +19,17 @@ from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.mesh import ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
+from lightning_zero.core.stage3.runtime import Stage3Runtime
+from lightning_zero.core.stage3.teardown import plan_teardown
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
+from lightning_zero.sequence_parallel.checks import check_sequence_parallel
 from lightning_zero.sequence_parallel.lightning import StrategySequenceParallel
-from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
+from lightning_zero.tensor_parallel.config import TensorParallelConfig
+from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, refuse_combinations
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,20 @@ class ParallelPlan:
     param_init_fn: ParamInitFn | None = None
     tensor_parallel: StrategyTensorParallel | None = None
     sequence_parallel: StrategySequenceParallel | None = None
+
+
+def check_parallel_options(tensor_parallel: int | TensorParallelConfig | None, sequence_parallel: int,
+                           pipeline: PipelineConfig | None, offload: OffloadConfig) -> TensorParallelConfig:
+    """The strategy's parallel sizes checked at construction, before any process starts: the combinations not
+    built are refused with the reason. Returns the tensor-parallel config."""
+    tensor = TensorParallelConfig.coerce(tensor_parallel)
+    stages = pipeline.stages if pipeline is not None else 1
+    refuse_combinations(tensor, pipeline=stages > 1, offload=offload.enabled)
+    check_sequence_parallel(sequence_parallel, pipeline=stages)
+    if sequence_parallel > 1 and tensor.enabled:
+        raise ValueError("sequence_parallel with tensor_parallel is not built yet (the sequence all-to-alls would "
+                         "have to run over each TP rank's heads): use one of them")
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -144,6 +162,35 @@ def apply_parallelisms(
         precision.release_originals({s.param for g in engine.groups for s in g.slots})
         precision.bind_engine(engine)
     return Composed(pipeline, engine, built_sharded)
+
+
+@dataclass(frozen=True)
+class Released:
+    """What :func:`release_parallelisms` leaves the strategy: the last fit's stage-3 runtime (its peak counters;
+    ``None``: no fit) and a pipelined fit's reason why a save after it is incomplete (``None``: none)."""
+
+    last_runtime: Stage3Runtime | None
+    pipeline_refusal: tuple[str, bool] | None
+
+
+def release_parallelisms(engine: ZeroEngine | None, pipeline: StrategyPipeline | None, optimizers: list[Optimizer],
+                         precision: ZeroPrecision, failed: bool, gather_on_teardown: bool) -> Released:
+    """:func:`apply_parallelisms` undone at teardown, in reverse: ZeRO gives back whole parameters (and optimizer
+    state) where they fit (Note [teardown gather]), then the pipeline its unsplit module. After an error
+    (``failed``) another rank may be gone: no collective runs, the shard state is dropped."""
+    whole_state, last_runtime, refusal = None, None, None  # whole_state: a pipeline's optimizer state of all stages
+    if engine is not None:
+        if engine.optimizer is not None:
+            last_runtime = engine.runtime
+        plan = plan_teardown(engine, failed, gather_on_teardown)
+        if pipeline is not None and not failed:
+            whole_state = pipeline.whole_optimizer_state(engine, plan.keep_optimizer_state)
+        engine.detach(keep_optimizer_state=plan.keep_optimizer_state, gather_params=plan.gather_params)
+        precision.bind_engine(None)
+    if pipeline is not None:  # the unsplit module (and, after fit, optimizer) on every rank again
+        why = pipeline.teardown(optimizers, whole_state, failed, gather_on_teardown)
+        refusal = why if pipeline.checkpoint is not None else None
+    return Released(last_runtime, refusal)
 
 
 @torch.no_grad()

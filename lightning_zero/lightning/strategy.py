@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -42,17 +41,23 @@ from typing_extensions import override
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.comm.process_groups import own, reusable
-from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
+from lightning_zero.core.mesh import Axis, ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
-from lightning_zero.core.stage3.teardown import plan_teardown
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.memory import ModelStateBytes
-from lightning_zero.lightning.compose import ParallelPlan, apply_parallelisms
+from lightning_zero.lightning.compose import (
+    ParallelPlan,
+    apply_parallelisms,
+    check_parallel_options,
+    release_parallelisms,
+)
+from lightning_zero.lightning.mesh_setup import build_mesh, parallel_dims
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.registry import register_zero_strategies
 from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
 from lightning_zero.lightning.state import StrategyCheckpointing
 from lightning_zero.lightning.steps import StepDispatch
@@ -64,9 +69,9 @@ from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.reliability.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
-from lightning_zero.sequence_parallel import StrategySequenceParallel, check_sequence_parallel
+from lightning_zero.sequence_parallel import StrategySequenceParallel
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
-from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, TensorParallelMixin, refuse_combinations
+from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, TensorParallelMixin
 
 log = logging.getLogger(__name__)
 
@@ -163,14 +168,8 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
         self.offload: OffloadConfig = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
         self.offload.check(self.zero_config.stage)  # bad input refused before any process starts
         self.offload.check_path()
-        self.tensor_parallel = TensorParallelConfig.coerce(tensor_parallel)
-        refuse_combinations(self.tensor_parallel, pipeline=pipeline is not None and pipeline.stages > 1,
-                            offload=self.offload.enabled)
-        self._tp: StrategyTensorParallel | None = None  # the mesh and applied plan (setup, when tensor parallel)
-        check_sequence_parallel(sequence_parallel, pipeline=pipeline.stages if pipeline is not None else 1)
-        if sequence_parallel > 1 and self.tensor_parallel.enabled:
-            raise ValueError("sequence_parallel with tensor_parallel is not built yet (the sequence all-to-alls would "
-                             "have to run over each TP rank's heads): use one of them")
+        self.tensor_parallel = check_parallel_options(tensor_parallel, sequence_parallel, pipeline, self.offload)
+        self._tp: StrategyTensorParallel | None = None  # the applied plan (from the mesh, when tensor parallel)
         self.sequence_parallel = sequence_parallel
         self._sequence: StrategySequenceParallel | None = None  # the sequence groups (setup, when > 1)
         if isinstance(precision, ZeroPrecision):
@@ -379,23 +378,17 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
             )
         return self.optimizers[0]
 
-    def _parallel_dims(self) -> ParallelDims:
-        """The sizes of the parallel dimensions, the one place they are chosen (tensor and sequence
-        parallel add theirs here)."""
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        sizes = {"tensor": self.tensor_parallel.size, "sequence": self.sequence_parallel}
-        if self.pipeline_config is None:
-            return ParallelDims(world, **sizes)
-        self.pipeline_config.data_parallel_size(world)  # its error names the pipeline's fix
-        return ParallelDims(world, pipeline=self.pipeline_config.stages, **sizes)
-
     def _process_mesh(self) -> ProcessMesh:
-        """The strategy's mesh and ZeRO's comm over it: built at the first setup and reused by the next ones
-        while their groups live (one group set per strategy, closed at exit: Note [clean exit] in
-        core/comm/process_groups.py)."""
-        dims = self._parallel_dims()
+        """The strategy's mesh, ZeRO's comm over it and the dimensions built on it: made at the first setup and
+        reused by the next ones while their groups live (mesh_setup.py)."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        dims = parallel_dims(world, self.pipeline_config, self.tensor_parallel, self.sequence_parallel)
         if self._mesh is not None and self._mesh.dims == dims and reusable(self._comm):
             return self._mesh
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        made = build_mesh(dims, rank, self.tensor_parallel, self.zero_config)
+        self._mesh, self._comm, self._tp, self._sequence = made.mesh, made.comm, made.tensor, made.sequence
+        return self._mesh
         axis_sets = [dims.zero_axes] + [(a,) for a in (Axis.PIPELINE, Axis.SEQUENCE, Axis.TENSOR)
                                        if dims.enabled(a)]
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -507,21 +500,11 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
             self._built_sharded = False
 
     def _teardown(self, failed: bool) -> None:
-        whole_state = None  # a pipeline's optimizer state of every stage, to save after fit
-        if self._engine is not None:
-            # after an error another rank may be gone: no collective, the shard state is dropped
-            if self._engine.optimizer is not None:
-                self._last_runtime = self._engine.runtime
-            plan = plan_teardown(self._engine, failed, self.gather_on_teardown)  # Note [teardown gather]
-            if self._pipeline is not None and not failed:
-                whole_state = self._pipeline.whole_optimizer_state(self._engine, plan.keep_optimizer_state)
-            self._engine.detach(keep_optimizer_state=plan.keep_optimizer_state, gather_params=plan.gather_params)
-            self._engine = None
-            self.precision_plugin.bind_engine(None)
-        if self._pipeline is not None:  # the unsplit module (and, after fit, optimizer) on every rank again
-            refusal = self._pipeline.teardown(self.optimizers, whole_state, failed, self.gather_on_teardown)
-            self._after_fit_refusal = refusal if self._pipeline.checkpoint is not None else self._after_fit_refusal
-            self._pipeline = None
+        released = release_parallelisms(self._engine, self._pipeline, self.optimizers, self.precision_plugin, failed,
+                                        self.gather_on_teardown)
+        self._engine = self._pipeline = None
+        self._last_runtime = released.last_runtime or self._last_runtime
+        self._after_fit_refusal = released.pipeline_refusal or self._after_fit_refusal
         module = self.lightning_module
         if module is not None and self._sequence is not None:
             self._sequence.detach(module)
@@ -540,22 +523,4 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in (0, 1, 2, 3):
-            for suffix, method in (("", "popen"), ("_spawn", "spawn")):
-                strategy_registry.register(
-                    f"zero_stage_{stage}{suffix}",
-                    cls,
-                    description=f"ZeRO stage {stage} (lightning_zero), start_method={method!r}",
-                    stage=stage,
-                    start_method=method,
-                )
-        for name, stage, kwargs in (
-            ("zero_stage_2_offload", 2, {"offload_optimizer": "cpu"}),
-            ("zero_stage_3_offload", 3, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
-            # the system's temporary space: the engine checks its free room and swaps in a run-private
-            # directory below it, removed at exit (docs/offload.md); pass nvme_path= for a local NVMe drive
-            ("zero_stage_3_offload_nvme", 3, {"offload_optimizer": "nvme", "offload_param": "nvme",
-                                              "nvme_path": tempfile.gettempdir()}),
-        ):
-            strategy_registry.register(name, cls, description=f"ZeRO stage {stage} with {kwargs} (lightning_zero)",
-                                       stage=stage, **kwargs)
+        register_zero_strategies(cls, strategy_registry)
