@@ -4,6 +4,7 @@ the unsplit model on the gloo pool (2 ranks) and at TP 2 x data 2 over every ZeR
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -133,7 +134,18 @@ class _Llama(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-MODELS = {"gpt": _Recorded, "llama": _Llama}
+class _RecordedSparse(_Recorded):
+    """The GPT with fixed sparse attention whose layouts differ per head: each TP rank must attend with its own
+    heads' layouts (a rank using the first heads' layouts diverges from the unsplit run)."""
+
+    def __init__(self) -> None:
+        GPTLightningModule.__init__(self, replace(CONFIG, sparse_attention=SPARSE_SECTION), lr=1e-2, warmup_steps=0)
+        self.losses = []
+
+
+SPARSE_SECTION = {"mode": "fixed", "block": 2, "num_local_blocks": 4, "attention": "unidirectional",
+                  "different_layout_per_head": True, "num_different_global_patterns": 4}
+MODELS = {"gpt": _Recorded, "llama": _Llama, "gpt_sparse": _RecordedSparse}
 
 
 def _loader(seed: int, n: int = STEPS * ACCUMULATE * BATCH * 2) -> DataLoader:
@@ -241,6 +253,14 @@ def test_tp2_on_two_ranks_follows_the_unsplit_model(gloo_pool: GlooPool) -> None
     assert shapes["model.blocks.0.mlp.proj.weight"] == (CONFIG.n_embd, 2 * CONFIG.n_embd)
     assert shapes["model.ln_f.weight"] == (CONFIG.n_embd,)
     assert "model.lm_head.weight" not in shapes  # still tied to the (split) embedding
+
+
+@pytest.mark.distributed
+def test_tp2_with_sparse_attention_follows_the_unsplit_model(gloo_pool: GlooPool) -> None:
+    """Sparse attention with layouts differing per head, heads split over 2 TP ranks: each rank attends with
+    its own heads' layouts, so losses and norms follow the unsplit sparse GPT (issue 32: composes with TP)."""
+    results = gloo_pool.run("tests.test_tensor_parallel:parity_body", stages=[1], tp=2, model="gpt_sparse")
+    _check(results, [1])
 
 
 @pytest.mark.slow

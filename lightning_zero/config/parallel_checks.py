@@ -40,6 +40,4 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
             if count % size:
                 out.append(f"{what} = {count} does not split over tensor_parallel.size={size}. Fix: a size dividing "
                            f"{count}.")
-        if gpt.sparse_attention:
-            out.append("tensor_parallel with sparse attention is not built yet. Fix: model.attention=dense.")
     return out

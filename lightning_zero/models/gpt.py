@@ -87,6 +87,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
         self.sparse_attention: SparseSelfAttention | None = None
+        self._tp_sparse: SparseSelfAttention | None = None  # this TP rank's heads of it (made at first use)
         self.sequence_group: SequenceGroup | None = None  # set by GPT.use_sequence_group
         if config.sparse_attention:
             if config.dropout:
@@ -108,8 +109,7 @@ class CausalSelfAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t = q.size(2)
         if self.sparse_attention is not None:
-            sparse = self.sparse_attention if self.sequence_group is None else \
-                self.sequence_group.local_heads(self.sparse_attention)
+            sparse = self._local_sparse()
             pad = -t % sparse.sparsity_config.block
             if pad:
                 q, k, v = (F.pad(z, (0, 0, 0, pad)) for z in (q, k, v))
@@ -117,6 +117,21 @@ class CausalSelfAttention(nn.Module):
         with split_region_rng(self.qkv):  # split heads: this TP rank's own dropout stream
             return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                   dropout_p=self.dropout if self.training else 0.0)
+
+    def _local_sparse(self) -> SparseSelfAttention:
+        """The sparse layer over the heads this rank attends: all of them, or under tensor parallelism this TP
+        rank's heads (the qkv projection's slice), under sequence parallelism the group's share after the
+        all-to-all; each with its own heads' layouts."""
+        assert self.sparse_attention is not None
+        if isinstance(self.qkv, ColumnParallelLinear) and self.qkv.tp.size > 1:
+            if self._tp_sparse is None:
+                n = self.n_head // self.qkv.tp.size
+                self._tp_sparse = self.sparse_attention.narrowed_to_heads(self.qkv.tp.rank * n,
+                                                                         (self.qkv.tp.rank + 1) * n)
+            return self._tp_sparse
+        if self.sequence_group is not None:
+            return self.sequence_group.local_heads(self.sparse_attention)
+        return self.sparse_attention
 
 
 class MLP(nn.Module):
@@ -356,9 +371,6 @@ class GPTLightningModule(LightningModule):
         """The tensor-parallel plan (docs/tensor_parallel.md): heads split (q, k and v fused: three blocks), the
         MLP column- then row-parallel, a vocabulary-parallel embedding and LM head (tied, split alike) whose
         split logits go to the vocabulary-parallel cross-entropy."""
-        if self.config.sparse_attention:
-            raise ValueError("tensor_parallel with GPT sparse_attention is not built yet (its layout is per head of "
-                             "the whole model): drop model.sparse_attention or tensor_parallel")
         return {"model.tok_emb": "embedding_rowwise", "model.blocks.*.attn.qkv": Colwise(chunks=3),
                 "model.blocks.*.attn.proj": "rowwise", "model.blocks.*.mlp.fc": "colwise",
                 "model.blocks.*.mlp.proj": "rowwise", "model.lm_head": "colwise"}
