@@ -26,6 +26,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.checkpoint", "lightning_zero.deepspeed", "lightning_zero.models", "lightning_zero.pipeline",
         "lightning_zero.tensor_parallel",
         "lightning_zero.sequence_parallel",
+        # former paths, kept for a release
+        "lightning_zero.callbacks", "lightning_zero.monitoring", "lightning_zero.progress",
     )),
     ("tools", (
         "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator",

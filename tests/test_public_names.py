@@ -33,9 +33,14 @@ HYDRA_CONFIGS = sorted((ROOT / "conf").rglob("*.yaml"))
 
 # former documented paths, kept for one release: a reference at or under one must warn where it moved
 DEPRECATED_MODULES = ("lightning_zero.core.engine", "lightning_zero.core.config", "lightning_zero.core.loss_scaler",
-                      "lightning_zero.advisor")
+                      "lightning_zero.advisor", "lightning_zero.callbacks", "lightning_zero.monitoring",
+                      "lightning_zero.progress", "lightning_zero.core.memory")
 DEPRECATED = (*DEPRECATED_MODULES, "lightning_zero.DynamicLossScaler",
-              "lightning_zero.core.precision.loss_scaler.DynamicLossScaler")
+              "lightning_zero.core.precision.loss_scaler.DynamicLossScaler",
+              # names the docs of the previous release showed at paths that moved (issue 30's reorganisation)
+              "lightning_zero.callbacks.ZeroModelSummary", "lightning_zero.monitoring.dashboard_layout",
+              "lightning_zero.progress.LineProgress", "lightning_zero.core.memory.model_state_formula",
+              "lightning_zero.core.memory.offloaded_model_state", "lightning_zero.core.offload.nvme_path_problem")
 # former names that warn when called, not when looked up (a page must not show them either; calling
 # ZeroStrategy.from_deepspeed_config is tests/test_deepspeed_config.py's old-name test)
 DEPRECATED_ON_CALL = ("lightning_zero.ZeroStrategy.from_deepspeed_config",)

@@ -316,3 +316,15 @@ def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() 
         assert any(message in p for p in problems), (override, problems)
     mlp = OmegaConf.to_object(compose_config(["model=mlp", "data=teacher", *ok[1:]]))
     assert any("model=mlp has none" in p for p in tensor_parallel_problems(mlp))
+
+
+@pytest.mark.parametrize("checkpoint_format", ["auto", "sharded", "consolidated"])
+def test_checkpoints_with_tp_are_refused_in_every_format(checkpoint_format: str, tmp_path: Any) -> None:
+    """Saving or loading with tensor parallelism is refused before anything is written or read, whatever the
+    format (the sharded default once bypassed the refusal)."""
+    strategy = ZeroStrategy(stage=2, tensor_parallel=2, checkpoint_format=checkpoint_format)
+    with pytest.raises(NotImplementedError, match="saving a checkpoint with tensor_parallel=2 is not built yet"):
+        strategy.save_checkpoint({}, tmp_path / "run.ckpt")
+    with pytest.raises(NotImplementedError, match="loading a checkpoint with tensor_parallel=2 is not built yet"):
+        strategy.load_checkpoint(tmp_path / "run.ckpt")
+    assert list(tmp_path.iterdir()) == []

@@ -19,13 +19,14 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from lightning_zero.checkpoint.rng import restore_rng
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.mesh import ParallelDims
+from lightning_zero.core.mesh import Axis
 from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.lightning.mesh_setup import parallel_dims
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.uneven import JoinedEvalLoader
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
-from lightning_zero.sequence_parallel.lightning import sampler_kwargs as sequence_sampler_kwargs
+from lightning_zero.tensor_parallel.config import TensorParallelConfig
 
 
 class StepHost(Protocol):
@@ -37,6 +38,7 @@ class StepHost(Protocol):
     _pipeline: StrategyPipeline | None
     _comm: DataParallelComm | None
     sequence_parallel: int
+    tensor_parallel: TensorParallelConfig
 
     @property
     def precision_plugin(self) -> ZeroPrecision: ...
@@ -132,16 +134,15 @@ class StepDispatch:
                                             args[0], accumulate)
 
     def sampler_kwargs(self) -> dict[str, Any] | None:
-        """The sampler's replicas and rank when pipelined (the data-parallel group only); ``None``: Lightning's."""
+        """The sampler's replicas and rank: the data dimension of the mesh only (the ranks of a pipeline, a
+        tensor-parallel or a sequence group see the same samples; Note [rank order]); ``None``: Lightning's
+        (every rank is a data-parallel rank)."""
         host = self._host
-        if host.sequence_parallel > 1:  # the data dimension only (Note [sequence parallel in the strategy])
-            world = host.num_nodes * host.num_processes
-            return sequence_sampler_kwargs(ParallelDims(world, sequence=host.sequence_parallel), host.global_rank)
-        if host.pipeline_config is None:
-            return None
         world = host.num_nodes * host.num_processes
-        mesh_dp = host.pipeline_config.data_parallel_size(world)
-        return {"num_replicas": mesh_dp, "rank": host.global_rank % mesh_dp}  # Note [rank layout]
+        dims = parallel_dims(world, host.pipeline_config, host.tensor_parallel, host.sequence_parallel)
+        if dims.data == world:
+            return None
+        return {"num_replicas": dims.data, "rank": dims.coordinates(host.global_rank)[Axis.DATA]}
 
     def evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``step``: Lightning's ``validation_step`` / ``test_step`` / ``predict_step`` of the strategy."""

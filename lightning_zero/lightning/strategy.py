@@ -40,8 +40,8 @@ from typing_extensions import override
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.core.comm.process_groups import own, reusable
-from lightning_zero.core.mesh import Axis, ProcessMesh
+from lightning_zero.core.comm.process_groups import reusable
+from lightning_zero.core.mesh import ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
@@ -71,12 +71,12 @@ from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
 from lightning_zero.sequence_parallel import StrategySequenceParallel
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
-from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, TensorParallelMixin
+from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, refuse_tensor_parallel_checkpoint
 
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
+class ZeroStrategy(RecordedCollectives, DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -285,6 +285,7 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        refuse_tensor_parallel_checkpoint(self.tensor_parallel, "saving")  # every format
         self._checkpointing.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
@@ -293,6 +294,7 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        refuse_tensor_parallel_checkpoint(self.tensor_parallel, "loading")  # every format
         return self._checkpointing.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint)
 
     @property
@@ -388,15 +390,6 @@ class ZeroStrategy(TensorParallelMixin, RecordedCollectives, DDPStrategy):
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         made = build_mesh(dims, rank, self.tensor_parallel, self.zero_config)
         self._mesh, self._comm, self._tp, self._sequence = made.mesh, made.comm, made.tensor, made.sequence
-        return self._mesh
-        axis_sets = [dims.zero_axes] + [(a,) for a in (Axis.PIPELINE, Axis.SEQUENCE, Axis.TENSOR)
-                                       if dims.enabled(a)]
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self._mesh = own(ProcessMesh(dims, rank, axis_sets, self.zero_config.timeout_s))  # the strategy's timeout
-        self._comm = own(DataParallelComm(self._mesh.group(*dims.zero_axes), self.zero_config.collective))
-        self._tp = StrategyTensorParallel(self.tensor_parallel, self._mesh, self.zero_config.collective) \
-            if dims.tensor_enabled else None
-        self._sequence = StrategySequenceParallel(self._mesh) if dims.sequence_enabled else None
         return self._mesh
 
     @contextmanager

@@ -1,5 +1,5 @@
 """The strategy's side of tensor parallelism: the mesh's groups, applying the plan, the engine's norm over
-tensor x data, the sampler over data only, and the combinations refused (``TensorParallelMixin``).
+tensor x data, and the combinations refused (the sampler over data only is the strategy's, from the mesh).
 
 Note [TP composition order]
     Inside ``ZeroStrategy.setup``: the plan is applied first (before the precision plugin casts the
@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.core.mesh.dims import Axis, ParallelDims
+from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.mesh.groups import ProcessMesh
 from lightning_zero.core.zero.engine import StageCoupling
 from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
@@ -115,38 +115,11 @@ class StrategyTensorParallel:
         to the engine's constructor."""
         return StageCoupling(model_parallel=self.tp_comm, norm_excess=replicated_norm_excess(self.config.size))
 
-    @staticmethod
-    def sampler_layout(config: TensorParallelConfig, world_size: int, global_rank: int) -> dict[str, int]:
-        """Lightning's sampler shards over the data axis only: a TP group's ranks see the same batches."""
-        dims = ParallelDims(world_size, tensor=config.size)
-        return {"num_replicas": dims.data, "rank": dims.coordinates(global_rank)[Axis.DATA]}
 
-
-class TensorParallelMixin:
-    """``ZeroStrategy``'s tensor-parallel hooks (it sets ``tensor_parallel`` and ``_tp = None`` in ``__init__``)."""
-
-    tensor_parallel: TensorParallelConfig
-    _tp: StrategyTensorParallel | None
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self.tensor_parallel.enabled:
-            strategy: Any = self
-            world = strategy.num_nodes * strategy.num_processes
-            return StrategyTensorParallel.sampler_layout(self.tensor_parallel, world, strategy.global_rank)
-        return super().distributed_sampler_kwargs  # type: ignore[misc]
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self._refuse_checkpoint("saving")
-        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self._refuse_checkpoint("loading")
-        return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
-
-    def _refuse_checkpoint(self, what: str) -> None:
-        if self.tensor_parallel.enabled:
-            raise NotImplementedError(
-                f"{what} a checkpoint with tensor_parallel={self.tensor_parallel.size} is not built yet (the sharded "
-                "format does not record TP slices yet, issue 31's checkpoint slice): train without checkpoints "
-                "(enable_checkpointing=False; the CLI: checkpoint.every_n_steps=0) or without tensor_parallel")
+def refuse_tensor_parallel_checkpoint(config: TensorParallelConfig, what: str) -> None:
+    """Saving or loading a checkpoint with tensor parallelism is not built yet: refused in every format."""
+    if config.enabled:
+        raise NotImplementedError(
+            f"{what} a checkpoint with tensor_parallel={config.size} is not built yet (the sharded format does not "
+            "record TP slices yet, issue 31's checkpoint slice): train without checkpoints "
+            "(enable_checkpointing=False; the CLI: trainer.checkpoint.enabled=false) or without tensor_parallel")
