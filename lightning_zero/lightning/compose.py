@@ -1,9 +1,8 @@
 """The one composition function: every parallelism and wrapper applied to the module, in a fixed order.
 
 ``ZeroStrategy.setup`` builds the process mesh, then calls :func:`apply_parallelisms`; each step
-below states why it comes where it does (as torchtitan's ``parallelize_*`` functions do). The slots of
-tensor parallel (``tensor_parallel/``) and sequence parallel (``sequence_parallel/``) are named where
-they go, between the pipeline split and ZeRO.
+below states why it comes where it does (as torchtitan's ``parallelize_*`` functions do): tensor parallel
+first, precision, the pipeline split, sequence parallel, then ZeRO; :func:`release_parallelisms` undoes it.
 """
 
 from __future__ import annotations
@@ -81,8 +80,8 @@ def apply_parallelisms(
     make_optimizer: Callable[[], Optimizer] | None,
     setup_settings: Mapping[str, str],
 ) -> Composed:
-    """Apply precision, the pipeline split, ZeRO (with stage 3 and offload) and the precision wiring to
-    ``module``, in that order (the comment beside each step says why).
+    """Apply tensor parallel, precision, the pipeline split, sequence parallel, ZeRO (with stage 3 and offload)
+    and the precision wiring to ``module``, in that order (the comment beside each step says why).
 
     Args:
         module: the LightningModule, converted and split in place.

@@ -5,7 +5,7 @@ Note [parameter offload]
     per flat group. With ``offload_param`` those shards are moved once, at setup, into storage of
     their own: ``"cpu"``, a host buffer per shard (pinned when ``pin_memory`` and an accelerator);
     ``"nvme"``, a view of a run-private swap file per shard (``SwapFile``, Note [swap files] in
-    ``offload_store.py``: unlinked at once, space reserved, never read as state after a crash).
+    ``store.py``: unlinked at once, space reserved, never read as state after a crash).
     The persistent unit (parameters below ``param_persistence_threshold``) stays whole with the
     module, as it is gathered every step anyway.
 

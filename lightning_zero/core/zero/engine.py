@@ -16,7 +16,7 @@ themselves (``master_grad_is_view``, no loss scale, no offload): fp32 and bf16-t
 
 What each stage keeps whole on a rank (Note [flat shard layout] in flat_param.py):
 stage 0: params, grads, optimizer state; stage 1: params, grads; stage 2: params; stage 3:
-nothing (units are gathered just in time, see ``stage3.py``).
+nothing (units are gathered just in time, see ``core/stage3/runtime.py``).
 Mixed precision adds a master copy in ``dtypes.master_dtype`` (whole at stage 0, else a shard)
 that the optimizer steps and that is cast back into the 16-bit parameters (Note [master shards]).
 """
