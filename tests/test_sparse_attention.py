@@ -96,6 +96,27 @@ def test_masks_in_both_modes_and_rpe(dtype: torch.dtype) -> None:
     _compare(add, dtype, causal=True, kp=soft, am=am_add, kp_add=soft, am_add=am_add)
 
 
+def test_a_boolean_attention_mask_means_attend_in_add_mode_too() -> None:
+    """PyTorch's / Hugging Face's SDPA convention (True attends) in ``add`` mode: the same as the additive
+    0 / -inf mask, never added as 0 / 1."""
+    length = 96
+    keep = torch.rand(length, length, generator=torch.Generator().manual_seed(7)) > 0.3
+    keep.fill_diagonal_(True)
+    additive = torch.zeros(length, length).masked_fill(~keep, float("-inf"))
+    module = SparseSelfAttention(CONFIGS["fixed_uni"](), attn_mask_mode="add", max_seq_length=length, causal=True)
+    q, k, v = _inputs(torch.float64, length)
+    assert torch.allclose(module(q, k, v, attn_mask=keep), module(q, k, v, attn_mask=additive), atol=1e-12)
+
+
+def test_a_layout_shared_by_every_head_is_stored_once() -> None:
+    shared = SparseSelfAttention(CONFIGS["fixed_uni"](), max_seq_length=256)
+    layout = shared.master_layout
+    assert layout.shape[0] == H and layout.untyped_storage().nbytes() == layout[0].numel()
+    per_head = CONFIGS["fixed_per_head"]()
+    assert per_head.different_layout_per_head
+    assert SparseSelfAttention(per_head, max_seq_length=256).master_layout.is_contiguous()
+
+
 def test_refusals_name_the_fix() -> None:
     module = SparseSelfAttention(CONFIGS["dense"](), max_seq_length=64)
     q = torch.randn(1, H, 60, 16)

@@ -308,6 +308,10 @@ def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() 
         "trainer.checkpoint.enabled=true": "checkpoints with tensor_parallel are not built yet",
         "tensor_parallel.size=3": "model.n_head (attention heads) = 4 does not split over tensor_parallel.size=3",
     }
+    # sequence parallel inside a tensor-parallel group: refused before launch too
+    both = compose_config([*ok, "sequence_parallel=sp2", "trainer.devices=4"])
+    with pytest.raises(Exception, match="sequence parallel with tensor parallel is not built"):
+        validate_config(both)
     for override, message in cases.items():
         problems = tensor_parallel_problems(OmegaConf.to_object(compose_config([*ok, override])))
         if override == "tensor_parallel=tp4":  # 4 divides heads, vocabulary and width: only the world is wrong

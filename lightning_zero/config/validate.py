@@ -203,6 +203,7 @@ def _sequence_problems(cfg: TrainConfig) -> list[str]:
         return [f"sequence_parallel.size={size} with model.kind={m.kind}: only the GPT experiment splits its "
                 "sequences. Fix: sequence_parallel=none, or a GPT model."]
     checks = [dict(world_size=cfg.trainer.devices * cfg.trainer.num_nodes), dict(pipeline=cfg.pipeline.stages),
+              dict(tensor=cfg.tensor_parallel.size),
               dict(heads=gpt_config(m).n_head if preset_known(m) else None),
               dict(seq_len=d.seq_len if isinstance(d, TextDataSchema) else None)]
     out = []

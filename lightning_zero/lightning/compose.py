@@ -52,10 +52,7 @@ def check_parallel_options(tensor_parallel: int | TensorParallelConfig | None, s
     tensor = TensorParallelConfig.coerce(tensor_parallel)
     stages = pipeline.stages if pipeline is not None else 1
     refuse_combinations(tensor, pipeline=stages > 1, offload=offload.enabled)
-    check_sequence_parallel(sequence_parallel, pipeline=stages)
-    if sequence_parallel > 1 and tensor.enabled:
-        raise ValueError("sequence_parallel with tensor_parallel is not built yet (the sequence all-to-alls would "
-                         "have to run over each TP rank's heads): use one of them")
+    check_sequence_parallel(sequence_parallel, pipeline=stages, tensor=tensor.size)
     return tensor
 
 

@@ -43,7 +43,11 @@ EXECUTORS = ("auto", "row_groups", "block_sparse", "flex")
 
 
 def _additive(mask: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.Tensor:
-    """DeepSpeed's mask conventions as an addition: ``add`` as is, ``mul``: 0 -> -inf, else 0."""
+    """DeepSpeed's mask conventions as an addition: ``add`` as is, ``mul``: 0 -> -inf, else 0. A boolean mask
+    (PyTorch's and Hugging Face's SDPA convention: True attends) means the same in either mode: it is never
+    added as 0 / 1."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
     if mode == "add":
         return mask.to(dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask == 0, float("-inf"))
@@ -89,7 +93,10 @@ class SparseSelfAttention(nn.Module):
         self._group_policy = group_policy or GroupPolicy()
         # a plain attribute, not a buffer: made from the config (seeded), it is no state to save or shard;
         # bool, an eighth of make_layout's int64 (heads x (L / block)^2: 16 MiB at 16k tokens, block 8, 4 heads)
-        self.master_layout = sparsity_config.make_layout(max_seq_length).bool()
+        layout = sparsity_config.make_layout(max_seq_length).bool()
+        if bool((layout == layout[:1]).all()):  # one layout for every head: kept once, the heads a view of it
+            layout = layout[:1].clone().expand_as(layout)
+        self.master_layout = layout
         self._chunks: dict[tuple[int, int, str], list[RowChunk]] = {}
         self._group_batches: dict[tuple[int, int, str], list[GroupBatch]] = {}
         self._block_masks: dict[tuple[int, str], Any] = {}
