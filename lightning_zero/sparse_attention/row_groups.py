@@ -38,7 +38,7 @@ class GroupPolicy:
 
     group_tokens: int = 128  # a group's fixed cost: the work of this many query x key tokens squared
     max_tokens: int = 256  # the most query tokens in a group
-    chunk_elements: int = 1 << 19  # one batch's scores (batch x heads x query x key tokens): 512K elements
+    chunk_elements: int = 1 << 18  # one batch's scores (batch x heads x query x key tokens): 256K elements
 
     def __post_init__(self) -> None:
         for name in ("group_tokens", "max_tokens", "chunk_elements"):

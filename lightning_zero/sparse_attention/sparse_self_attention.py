@@ -65,7 +65,7 @@ class SparseSelfAttention(nn.Module):
         causal: (ours) hide the keys after each query, also inside the layout's diagonal blocks.
         executor: (ours) ``"auto"``, ``"block_sparse"`` or ``"flex"`` (Note [executor choice]).
         chunk_elements: (ours) score elements per chunk: the block-sparse kernel's (Note [chunked rows],
-            default 4M) or the row-group executor's scores per batch (Note [row-group chunks], default 512K).
+            default 4M) or the row-group executor's scores per batch (Note [row-group chunks], default 256K).
         group_policy: (ours) how the row-group executor groups rows (Note [row groups]); its
             ``chunk_elements`` gives way to the argument above when that is given.
     """
