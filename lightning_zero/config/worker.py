@@ -26,6 +26,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -57,12 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+THREAD_JOIN_S = 10.0  # how long a finished rank waits for its other non-daemon threads, all of them together
+
+
 def exit_after_handlers(code: int) -> NoReturn:
-    """Join the non-daemon threads, run the ``atexit`` handlers, flush stdout and stderr, and end the
+    """Join the non-daemon threads (at most ``THREAD_JOIN_S`` in all: a 2-rank run with sparse attention left one
+    that never ends, and the rank hung at exit), run the ``atexit`` handlers, flush stdout and stderr, and end the
     process with ``code`` without the interpreter's finalization (Note [rank exit])."""
+    deadline = time.monotonic() + THREAD_JOIN_S  # a thread that never ends (a compile worker pool) must not hang exit
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+            thread.join(max(0.0, deadline - time.monotonic()))
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken pipe: nothing left to flush to
