@@ -108,13 +108,30 @@ def test_a_boolean_attention_mask_means_attend_in_add_mode_too() -> None:
     assert torch.allclose(module(q, k, v, attn_mask=keep), module(q, k, v, attn_mask=additive), atol=1e-12)
 
 
-def test_a_layout_shared_by_every_head_is_stored_once() -> None:
-    shared = SparseSelfAttention(CONFIGS["fixed_uni"](), max_seq_length=256)
-    layout = shared.master_layout
-    assert layout.shape[0] == H and layout.untyped_storage().nbytes() == layout[0].numel()
+def test_the_layout_is_kept_as_bits_and_once_when_every_head_shares_it() -> None:
+    """Note [layout as bits]: an eighth of a bool layout, one copy for a layout every head shares; unpacked it is
+    ``make_layout(max_seq_length)``'s corner at every length."""
+    config = CONFIGS["fixed_uni"]()
+    shared = SparseSelfAttention(config, max_seq_length=256)
+    blocks = 256 // config.block
+    assert shared._layout.nbytes == blocks * -(-blocks // 8)  # one head's bits
+    assert torch.equal(shared.master_layout, config.make_layout(256).bool())
     per_head = CONFIGS["fixed_per_head"]()
     assert per_head.different_layout_per_head
-    assert SparseSelfAttention(per_head, max_seq_length=256).master_layout.is_contiguous()
+    module = SparseSelfAttention(per_head, max_seq_length=256)
+    assert module._layout.nbytes == H * blocks * -(-blocks // 8)
+    assert module.master_layout.is_contiguous()
+    for length in (per_head.block, 96, 256 - per_head.block):
+        n = length // per_head.block
+        assert torch.equal(module.get_layout(length), per_head.make_layout(256).bool()[:, :n, :n])
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 64, 65])
+def test_bits_pack_and_unpack_to_the_same_layout(n: int) -> None:
+    from lightning_zero.sparse_attention.packed_layout import pack_bits, unpack_bits
+
+    layout = torch.rand(3, n, n, generator=torch.Generator().manual_seed(n)) > 0.5
+    assert torch.equal(unpack_bits(pack_bits(layout), n), layout)
 
 
 def test_refusals_name_the_fix() -> None:

@@ -20,6 +20,7 @@ from lightning_zero.sparse_attention.block_sparse import (
     row_chunks,
 )
 from lightning_zero.sparse_attention.flex import flex_runs, flex_sparse_attention, make_block_mask
+from lightning_zero.sparse_attention.packed_layout import PackedLayout
 from lightning_zero.sparse_attention.row_groups import (
     GroupBatch,
     GroupPolicy,
@@ -60,8 +61,8 @@ class SparseSelfAttention(nn.Module):
         sparsity_config: the layout's pattern (:mod:`~lightning_zero.sparse_attention.sparsity_config`).
         key_padding_mask_mode: ``"add"`` (added to the scores) or ``"mul"`` (0 hides the key).
         attn_mask_mode: ``"add"`` or ``"mul"``, the same for ``attn_mask``.
-        max_seq_length: the longest sequence; the layout (``master_layout``, bool, on the CPU) is made for it
-            and cut to each call's length.
+        max_seq_length: the longest sequence; the layout (``master_layout``, bool, on the CPU; kept as bits)
+            is made for it and cut to each call's length.
         causal: (ours) hide the keys after each query, also inside the layout's diagonal blocks.
         executor: (ours) ``"auto"``, ``"block_sparse"`` or ``"flex"`` (Note [executor choice]).
         chunk_elements: (ours) score elements per chunk: the block-sparse kernel's (Note [chunked rows],
@@ -91,12 +92,9 @@ class SparseSelfAttention(nn.Module):
         self.executor = executor
         self.chunk_elements = chunk_elements
         self._group_policy = group_policy or GroupPolicy()
-        # a plain attribute, not a buffer: made from the config (seeded), it is no state to save or shard;
-        # bool, an eighth of make_layout's int64 (heads x (L / block)^2: 16 MiB at 16k tokens, block 8, 4 heads)
-        layout = sparsity_config.make_layout(max_seq_length).bool()
-        if bool((layout == layout[:1]).all()):  # one layout for every head: kept once, the heads a view of it
-            layout = layout[:1].clone().expand_as(layout)
-        self.master_layout = layout
+        # a plain attribute, not a buffer: made from the config (seeded), it is no state to save or shard; kept
+        # as bits, once when every head shares it (Note [layout as bits]): 0.5 MiB at 16k tokens, block 8
+        self._layout = PackedLayout(sparsity_config.make_layout(max_seq_length))
         self._chunks: dict[tuple[int, int, str], list[RowChunk]] = {}
         self._group_batches: dict[tuple[int, int, str], list[GroupBatch]] = {}
         self._block_masks: dict[tuple[int, str], Any] = {}
@@ -107,7 +105,7 @@ class SparseSelfAttention(nn.Module):
         local = copy.copy(self)  # no parameters: the config, the layout and the caches only
         local.sparsity_config = copy.copy(self.sparsity_config)
         local.sparsity_config.num_heads = stop - start
-        local.master_layout = self.master_layout[start:stop].clone()
+        local._layout = self._layout.heads_slice(start, stop)
         local._chunks, local._group_batches, local._block_masks = {}, {}, {}
         return local
 
@@ -120,8 +118,13 @@ class SparseSelfAttention(nn.Module):
         if length > self.max_seq_length:
             raise ValueError(f"sequence length {length} exceeds max_seq_length {self.max_seq_length}: build "
                              "SparseSelfAttention with a larger max_seq_length")
-        n = length // block
-        return self.master_layout[:, :n, :n]
+        return self._layout.corner(length // block)
+
+    @property
+    def master_layout(self) -> torch.Tensor:
+        """The bool layout made for ``max_seq_length`` (unpacked from its bits on each access; a broadcast view
+        over the heads when they share it)."""
+        return self._layout.corner(self._layout.blocks)
 
     def _row_chunks(self, length: int, batch_heads: int, device: torch.device) -> list[RowChunk]:
         key = (length, batch_heads, str(device))
