@@ -173,8 +173,8 @@ def test_flex_attention_forward_on_cpu_equals_the_kernel() -> None:
 
 
 def test_hugging_face_attention_function_on_an_hf_like_module() -> None:
-    """The function HF's AttentionInterface would call (transformers is not installed here: a minimal
-    module stands in), causal, 60 tokens (padded to the block inside), with an additive 4-D mask."""
+    """The function HF's AttentionInterface calls, on a minimal module (tests/test_sparse_hf.py runs it in a real
+    Llama): causal, 60 tokens (padded to the block inside), with an additive 4-D mask."""
     from lightning_zero.sparse_attention import SparseAttentionUtils
 
     config = CONFIGS["fixed_uni"]()

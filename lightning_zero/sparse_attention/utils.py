@@ -1,6 +1,12 @@
 """``SparseAttentionUtils``: padding a batch to a multiple of the block and back (DeepSpeed's names),
 putting ``SparseSelfAttention`` into a model, and a Hugging Face attention function.
 
+Note [HF masks]: transformers (5.x) builds the 4-D mask it hands an attention function with the mask
+function registered under the same name in ``AttentionMaskInterface``; a name registered only in
+``AttentionInterface`` gets ``attention_mask=None``, padding included. The registration helper
+(``lightning_zero.models.hf_sparse``, a layer above: this one imports torch only) registers both, the mask
+as SDPA's boolean one.
+
 Note [attention slot]: a model opts in by giving its attention modules a ``sparse_attention``
 attribute (``None`` while dense) and its head count as ``n_head`` or ``num_heads``;
 :meth:`SparseAttentionUtils.replace_model_self_attention_with_sparse_self_attention` fills every such
@@ -86,13 +92,17 @@ class SparseAttentionUtils:
     @staticmethod
     def hf_attention_function(sparsity_config: SparsityConfig, max_position: int,
                               executor: str = "auto") -> Callable[..., tuple[torch.Tensor, None]]:
-        """An attention function with Hugging Face's interface, to register with
-        ``transformers.AttentionInterface.register("sparse", fn)`` and select with
-        ``attn_implementation="sparse"``: ``fn(module, query, key, value, attention_mask, scaling=None,
-        dropout=0.0, **kwargs)`` with ``(batch, heads, seq, head_dim)`` inputs, returning the output as
-        ``(batch, seq, heads, head_dim)`` and no weights. The module's ``is_causal`` picks causal
-        attention; a 4-D additive ``attention_mask`` of HF's kind is added to the scores. Sequences
-        not a multiple of the block are padded at the end (padded keys hidden) and cut back."""
+        """An attention function with Hugging Face's interface: ``fn(module, query, key, value,
+        attention_mask, scaling=None, dropout=0.0, **kwargs)`` with ``(batch, heads, seq, head_dim)`` inputs,
+        returning the output as ``(batch, seq, heads, head_dim)`` and no weights. Register it with
+        :func:`lightning_zero.models.hf_sparse.register_hf_sparse_attention`, which also registers the mask
+        function (registered alone through ``AttentionInterface``, transformers passes it no mask at all, so
+        padding would be ignored: Note [HF masks]). The module's ``is_causal`` picks causal attention; HF's
+        4-D mask (boolean, True attends, or additive; one per batch row or one for all) is added to the
+        scores; fewer key / value heads than query heads (grouped-query attention) are repeated to the query
+        heads, as HF's eager attention does. Sequences not a multiple of the block are padded at the end
+        (padded keys hidden) and cut back. A query shorter than its keys (generation with a KV cache) is
+        refused."""
         block = sparsity_config.block
         layers: dict[bool, SparseSelfAttention] = {}
         padded_max = -(-max_position // block) * block
@@ -102,32 +112,47 @@ class SparseAttentionUtils:
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
             if dropout and module.training:
                 raise ValueError("sparse attention has no attention dropout: set the model's attention_dropout=0")
-            if key.shape[1] != query.shape[1]:
-                raise ValueError("grouped-query attention (fewer key heads) is not supported by sparse attention")
+            if key.shape[-2] != query.shape[-2]:
+                raise ValueError(f"a query of {query.shape[-2]} tokens against {key.shape[-2]} keys (generation with "
+                                 "a KV cache) is not supported by sparse attention: generate with use_cache=False, "
+                                 "or with the model's dense attention")
+            heads, kv_heads = query.shape[1], key.shape[1]
+            if heads % kv_heads:
+                raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key / value heads")
+            if kv_heads != heads:  # grouped-query attention: each key / value head serves heads / kv_heads queries
+                key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
             if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-12:
                 raise ValueError(f"sparse attention scales scores by head_dim**-0.5, the model asks {scaling}")
             causal = bool(getattr(module, "is_causal", False))
             if causal not in layers:
-                layers[causal] = SparseSelfAttention(sparsity_config, attn_mask_mode="add", max_seq_length=padded_max,
-                                                     causal=causal, executor=executor).to(query.device)
+                layers[causal] = SparseSelfAttention(sparsity_config, max_seq_length=padded_max, causal=causal,
+                                                     executor=executor).to(query.device)
             length = query.shape[-2]
             pad = (block - length % block) % block
-            mask = None
-            if attention_mask is not None:
-                mask = attention_mask[..., :length, :length]
-                if mask.shape[0] != 1 or mask.shape[1] != 1:
-                    raise ValueError("a per-batch 4-D attention mask is not supported: pass padding as a key "
-                                     "padding mask or use batches without padding")
-                mask = mask[0, 0]
+            acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+            mask = None if attention_mask is None else _additive_hf_mask(attention_mask, length, acc)
             if pad:
                 query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
-                base = torch.zeros(length + pad, length + pad, dtype=query.dtype, device=query.device)
-                base[:, length:] = float("-inf")  # padded keys are never attended to
-                base[length:, :] = 0.0  # padded queries see everything (their rows are cut off)
+                rows = 1 if mask is None else mask.shape[0]
+                base = torch.zeros(rows, 1, length + pad, length + pad, dtype=acc, device=query.device)
+                base[..., length:] = float("-inf")  # padded keys are never attended to
+                base[..., length:, :] = 0.0  # padded queries see everything (their rows are cut off)
                 if mask is not None:
-                    base[:length, :length] += mask
+                    base[..., :length, :length] = mask
                 mask = base
-            out = layers[causal](query, key, value, attn_mask=mask)
+            # the mask goes in as a constant additive score term (``rpe``): it may differ per batch row
+            out = layers[causal](query, key, value, rpe=mask)
             return out[:, :, :length].transpose(1, 2).contiguous(), None
 
         return attention
+
+
+def _additive_hf_mask(mask: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """HF's 4-D attention mask ``(batch or 1, 1, q, k)`` as an additive ``(batch or 1, 1, length, length)``
+    term: boolean True attends (0), False hides (-inf); an additive mask as it is."""
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        raise ValueError(f"expected Hugging Face's 4-D attention mask (batch, 1, q, k), got {tuple(mask.shape)}")
+    mask = mask[..., :length, :length]
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
