@@ -194,3 +194,27 @@ def test_hugging_face_attention_function_on_an_hf_like_module() -> None:
     assert (out.transpose(1, 2) - ref).abs().max() < 1e-10
     with pytest.raises(ValueError, match="scales scores"):
         fn(HFLikeAttention(), q, k, v, None, scaling=0.5)
+
+
+@pytest.mark.slow
+def test_building_the_module_never_holds_make_layouts_int64_for_every_head() -> None:
+    """Note [layout as bits]: the layout is made as bool for the distinct heads and packed a band at a time. At 8k
+    tokens, blocks of 8, 4 heads sharing one layout, building the module grew the peak resident memory by 41 MB
+    (make_layout's int64 for every head, 32 MiB); now about 8 MB (the bool layout of one head is 1 MiB).
+    Measured in a fresh process: the peak is the kernel's (VmHWM), not a count of requested sizes."""
+    import subprocess
+    import sys
+
+    script = (
+        "import ctypes; ctypes.CDLL('libc.so.6').mallopt(-3, 128 * 1024)\n"
+        "from lightning_zero.testing.memory import proc_status_bytes, reset_peak_rss\n"
+        "from lightning_zero.sparse_attention import FixedSparsityConfig, SparseSelfAttention\n"
+        "config = FixedSparsityConfig(4, block=8, num_local_blocks=32, attention='unidirectional')\n"
+        "base = proc_status_bytes('VmRSS'); reset_peak_rss()\n"
+        "module = SparseSelfAttention(config, max_seq_length=8192, causal=True)\n"
+        "print((proc_status_bytes('VmHWM') - base) / 2**20, module._layout.nbytes)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
+    grown_mb, kept = out.stdout.split()
+    assert int(kept) == 1024 * 1024 // 8  # one head's bits
+    assert float(grown_mb) < 20, f"building the module grew the peak by {grown_mb} MB"

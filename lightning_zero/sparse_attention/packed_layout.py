@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+_BAND = 256  # block rows packed at a time
 _BIT_VALUES = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
@@ -35,15 +36,21 @@ class PackedLayout:
     """A sparsity layout as bits.
 
     Args:
-        layout: ``(heads, blocks, blocks)``, 0/1 of any dtype (``make_layout``'s int64).
+        layout: ``(heads, blocks, blocks)``, 0/1 of any dtype (``make_layout``'s int64), or ``(1, blocks,
+            blocks)`` for a layout every one of ``heads`` shares (``make_distinct_bool_layout``'s).
+        heads: the number of heads (default: the layout's first dimension).
     """
 
-    def __init__(self, layout: torch.Tensor) -> None:
+    def __init__(self, layout: torch.Tensor, heads: int | None = None) -> None:
         if layout.dim() != 3 or layout.shape[1] != layout.shape[2]:
             raise ValueError(f"a layout is (heads, blocks, blocks), got shape {tuple(layout.shape)}")
-        self.heads, self.blocks = layout.shape[0], layout.shape[1]
+        if heads is not None and layout.shape[0] not in (1, heads):
+            raise ValueError(f"a layout of {layout.shape[0]} heads for {heads} heads: give one per head, or one")
+        self.heads, self.blocks = heads or layout.shape[0], layout.shape[1]
         self.shared = bool((layout == layout[:1]).all())  # one layout for every head: kept once
-        self.bits = pack_bits(layout[:1] if self.shared else layout)
+        kept = layout[:1] if self.shared else layout
+        # packed a band of rows at a time: the transient uint8 copies stay small at any length
+        self.bits = torch.cat([pack_bits(kept[:, r : r + _BAND]) for r in range(0, self.blocks, _BAND)], dim=1)
 
     def corner(self, n: int) -> torch.Tensor:
         """The bool ``(heads, n, n)`` top-left corner; a broadcast view over the heads when they share it."""

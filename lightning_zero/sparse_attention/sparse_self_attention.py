@@ -94,7 +94,10 @@ class SparseSelfAttention(nn.Module):
         self._group_policy = group_policy or GroupPolicy()
         # a plain attribute, not a buffer: made from the config (seeded), it is no state to save or shard; kept
         # as bits, once when every head shares it (Note [layout as bits]): 0.5 MiB at 16k tokens, block 8
-        self._layout = PackedLayout(sparsity_config.make_layout(max_seq_length))
+        # built as bool for the distinct head layouts only, not make_layout's int64 for every head (128 MiB at 16k
+        # tokens with blocks of 8 and 4 heads, all of it resident while the module was built)
+        self._layout = PackedLayout(sparsity_config.make_distinct_bool_layout(max_seq_length),
+                                    heads=sparsity_config.num_heads)
         self._chunks: dict[tuple[int, int, str], list[RowChunk]] = {}
         self._group_batches: dict[tuple[int, int, str], list[GroupBatch]] = {}
         self._block_masks: dict[tuple[int, str], Any] = {}
