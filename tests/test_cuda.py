@@ -1,6 +1,7 @@
 """ZeroStrategy on one CUDA device (skipped without a GPU): stages 0-3 train alike, offload with pinned
 host memory (whose non-blocking copies are ordered by CUDA events, Note [asynchronous host copies] in
-core/offload/copy_fence.py) equals the same stage without offload, and fp16 / bf16 mixed precision track fp32.
+core/offload/copy_fence.py) equals the same stage without offload, and fp16 / bf16 mixed precision track fp32;
+block-sparse attention trains through FlexAttention like dense attention masked by its layout.
 
 Every run trains a tiny transformer for 6 steps on ``cuda:0`` with ``devices=1`` (no process group).
 """
@@ -16,6 +17,9 @@ from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from tests.models import STAGE3_SHARDED, TinyTransformer, make_trainer, token_loader
+from tests.test_sparse_attention import CONFIGS as SPARSE_CONFIGS
+from tests.test_sparse_attention import _inputs as sparse_inputs
+from tests.test_sparse_attention import dense_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -123,3 +127,32 @@ def test_fp16_with_pinned_offload_equals_fp16_without() -> None:
     # the unscale and the norm read the pinned copies of the fp16 gradients once they landed
     assert model.losses == pytest.approx(reference.losses, rel=1e-3)
     assert _max_diff(_params(model), _params(reference)) < 1e-3
+
+
+# Sparse attention trains on CUDA through FlexAttention (Note [executor choice]): forward and backward against
+# dense attention masked by the layout, for every sparsity config, with key padding and causal masking.
+SPARSE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(SPARSE_CONFIGS))
+def test_flex_sparse_attention_trains_on_cuda_like_masked_dense_attention(name: str, dtype: torch.dtype) -> None:
+    from lightning_zero.sparse_attention import SparseSelfAttention
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 tolerance is fp32's, not TF32's
+    causal = name in ("fixed_uni", "sliding")
+    module = SparseSelfAttention(SPARSE_CONFIGS[name](), key_padding_mask_mode="mul", max_seq_length=128,
+                                 causal=causal, executor="flex")
+    q, k, v = (t.detach().to("cuda").requires_grad_() for t in sparse_inputs(dtype, length=128))
+    keep = torch.ones(q.shape[0], 128)
+    keep[1, 100:] = 0  # the second row's last 28 keys are padding
+    out = module(q, k, v, key_padding_mask=keep.to("cuda"))
+    qr, kr, vr = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    ref = dense_reference(qr, kr, vr, module.get_layout(128), causal, torch.where(keep == 0, float("-inf"), 0.0))
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out.backward(grad.to(dtype).to("cuda"))
+    ref.backward(grad)
+    tol = SPARSE_TOLERANCE[dtype]
+    assert (out.double().cpu() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+    for mine, theirs in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+        assert (mine.double().cpu() - theirs).abs().max().item() <= tol * max(1.0, theirs.abs().max().item())

@@ -75,7 +75,7 @@ def test_equals_masked_dense_attention(name: str, dtype: torch.dtype) -> None:
     _compare(module, dtype, causal=causal)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_masks_in_both_modes_and_rpe(dtype: torch.dtype) -> None:
     length = 96
     g = torch.Generator().manual_seed(5)

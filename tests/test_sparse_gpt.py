@@ -223,3 +223,16 @@ def test_pipelined_sparse_gpt_follows_the_unsplit_sparse_run(gloo_pool: GlooPool
             assert len(pipelined) == len(unsplit) == PIPE_STEPS and len(set(unsplit)) == PIPE_STEPS
             worst = max(abs(a - b) / abs(b) for a, b in zip(pipelined, unsplit))
             assert worst < 1e-5, (stage, pipelined, unsplit)
+
+
+def test_deepspeed_strategy_refuses_a_sparse_section_other_than_the_models() -> None:
+    """The section must be what the model runs: a model built with another mode or other keys is refused (it was
+    accepted, and the section silently not applied), and the same section passes."""
+    from lightning_zero.deepspeed.strategy import _check_sparse_attention
+
+    built = GPTLightningModule(replace(TINY, seq_len=64, sparse_attention=SECTION), warmup_steps=0)
+    _check_sparse_attention(SECTION, built, "ds.json")  # the model's own section
+    for other in ({**SECTION, "mode": "bslongformer"}, {**SECTION, "block": SECTION.get("block", 16) * 2}):
+        other = {k: v for k, v in other.items() if other["mode"] != "bslongformer" or k in ("mode", "block")}
+        with pytest.raises(ValueError, match="is not the sparse attention"):
+            _check_sparse_attention(other, built, "ds.json")

@@ -1,6 +1,6 @@
 """docs/sparse_attention.md's example: a fixed layout, SparseSelfAttention forward + backward on CPU
-(the block-sparse kernel), checked against dense attention masked by the same layout, then a GPT
-whose attention is that layout, trained a few steps."""
+(the row-group executor, which `auto` picks for CPU training), checked against dense attention masked
+by the same layout, then a GPT whose attention is that layout, trained a few steps."""
 
 from __future__ import annotations
 

@@ -56,6 +56,7 @@ from lightning_zero.deepspeed.report import DeepSpeedReport
 from lightning_zero.deepspeed.schedulers import NEEDS_TOTAL_STEPS, build_scheduler
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.strategy import ZeroStrategy
+from lightning_zero.sparse_attention import SparseSelfAttention, make_sparsity_config
 
 OptimizerSource = Literal["auto", "config"]
 
@@ -221,13 +222,9 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._apply_to_trainer(trainer)
         super().setup(trainer)
-        if self.deepspeed_config.sparse_attention is not None and self.deepspeed_config.pipeline is None and not any(
-                getattr(m, "sparse_attention", None) is not None for m in trainer.lightning_module.modules()):
-            raise ValueError(  # an accepted section must do something (docs/sparse_attention.md)
-                f"the DeepSpeed config {self.deepspeed_config.source} has a `sparse_attention` section, but "
-                f"{type(trainer.lightning_module).__name__} has no sparse attention: build the model with it "
-                "(GPTConfig(sparse_attention=...), or SparseAttentionUtils."
-                "replace_model_self_attention_with_sparse_self_attention), or drop the section")
+        if self.deepspeed_config.sparse_attention is not None:
+            _check_sparse_attention(self.deepspeed_config.sparse_attention, trainer.lightning_module,
+                                    str(self.deepspeed_config.source))
 
     def _apply_to_trainer(self, trainer: pl.Trainer) -> None:
         ds, problems = self.deepspeed_config, []
@@ -324,6 +321,28 @@ def _deprecated_from_deepspeed_config(cls: type, source: str | Path | Mapping[st
 
 # the old name keeps working for a release (ZeroStrategy cannot import this module: it would be a cycle)
 ZeroStrategy.from_deepspeed_config = classmethod(_deprecated_from_deepspeed_config)  # type: ignore[attr-defined]
+
+
+def _check_sparse_attention(section: Mapping[str, Any], module: pl.LightningModule, source: str) -> None:
+    """An accepted ``sparse_attention`` section must be what the model runs (docs/sparse_attention.md): the model
+    has sparse attention (a pipeline stage's blocks keep their attention modules), and each one's layout is the
+    one the section makes for its heads."""
+    layers = [m for m in module.modules() if isinstance(m, SparseSelfAttention)]
+    if not layers:
+        raise ValueError(
+            f"the DeepSpeed config {source} has a `sparse_attention` section, but {type(module).__name__} has no "
+            "sparse attention: build the model with it (GPTConfig(sparse_attention=...), or SparseAttentionUtils."
+            "replace_model_self_attention_with_sparse_self_attention), or drop the section")
+    for layer in layers:
+        expected = make_sparsity_config(section, layer.sparsity_config.num_heads)
+        actual = layer.sparsity_config  # (a TP or sequence-parallel rank's copy narrows the heads: not compared)
+        keys = set(vars(expected)) - {"num_heads", "num_layout_heads"}
+        if type(expected) is not type(actual) or any(getattr(actual, k, None) != getattr(expected, k) for k in keys):
+            raise ValueError(
+                f"the DeepSpeed config {source}'s `sparse_attention` section ({dict(section)}) is not the sparse "
+                f"attention {type(module).__name__} was built with ({type(layer.sparsity_config).__name__}"
+                f"{vars(layer.sparsity_config)}): build the model from the section (the CLI does), or make the "
+                "two agree")
 
 
 def _batch_text(batch: ResolvedBatch) -> str:
