@@ -31,6 +31,7 @@ from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.mesh.groups import ProcessMesh
 from lightning_zero.core.zero.engine import StageCoupling
 from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
+from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, split_dim
@@ -85,6 +86,7 @@ class StrategyTensorParallel:
         # strategy's mesh, which closes it at exit)
         self.tp_comm = DataParallelComm(mesh.group(Axis.TENSOR), collective)
         self.split: list[str] = []
+        self.checkpoint = TensorParallelCheckpoint(self.tp, mesh.dims, mesh.rank)  # unsplit states (checkpoint.py)
         self._module: nn.Module | None = None  # the module split (a later fit of the same run keeps it)
 
     def apply(self, module: nn.Module) -> None:
@@ -103,6 +105,10 @@ class StrategyTensorParallel:
         plan, source = find_plan(module, self.config.plan)
         self.split = apply_plan(module, resolve_plan(module, plan, source), self.tp)
         self._module = module
+
+    def splits(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the one this strategy split (its states are slices)."""
+        return bool(self.split) and module is self._module
 
     def check_optimizer(self, optimizer: Any) -> None:
         """Refuse an optimizer that does not compose with TP yet (before the engine is built)."""
