@@ -88,6 +88,15 @@ def test_the_strategy_refuses_what_it_does_not_compose_with_tp_yet() -> None:
         ZeroStrategy(tensor_parallel="2")  # type: ignore[arg-type]
 
 
+def test_checkpoints_of_pipeline_x_tp_stay_refused_before_anything_is_written() -> None:
+    from lightning_zero.tensor_parallel.lightning import refuse_pipeline_checkpoint
+
+    with pytest.raises(NotImplementedError, match="saving a checkpoint of pipeline x tensor_parallel=2 is not built"):
+        refuse_pipeline_checkpoint(TensorParallelConfig(2), True, "saving")
+    refuse_pipeline_checkpoint(TensorParallelConfig(2), False, "saving")  # TP alone: built
+    refuse_pipeline_checkpoint(TensorParallelConfig(1), True, "loading")  # a pipeline alone: built
+
+
 def test_one_rank_cannot_hold_two_tensor_parallel_ranks() -> None:
     trainer = make_trainer(ZeroStrategy(stage=0, tensor_parallel=2), devices=1, max_steps=1)
     with pytest.raises(ValueError, match="world size 1 is not a multiple of pipeline x sequence x tensor"):
@@ -296,7 +305,7 @@ def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() 
     from lightning_zero.config.parallel_checks import tensor_parallel_problems
     from lightning_zero.config.validate import validate_config
 
-    ok = ["experiment=gpt_tiny", "tensor_parallel=tp2", "trainer.devices=2", "trainer.checkpoint.enabled=false"]
+    ok = ["experiment=gpt_tiny", "tensor_parallel=tp2", "trainer.devices=2"]
     assert strategy_kwargs(validate_config(compose_config(ok)))["tensor_parallel"] == 2
     assert strategy_kwargs(validate_config(compose_config(["experiment=gpt_tiny"])))["tensor_parallel"] is None
     cases = {
@@ -305,7 +314,6 @@ def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() 
         "pipeline=pp2_gpipe": "with pipeline.stages > 1 is not built yet",
         "offload=optimizer_cpu": "with offload is not built yet",
         "model.optimizer=onebit_adam": "onebit_adam is not built yet",
-        "trainer.checkpoint.enabled=true": "checkpoints with tensor_parallel are not built yet",
         "tensor_parallel.size=3": "model.n_head (attention heads) = 4 does not split over tensor_parallel.size=3",
     }
     # sequence parallel inside a tensor-parallel group: refused before launch too
@@ -318,17 +326,10 @@ def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() 
             assert problems and all("not a multiple" in p for p in problems), problems
             continue
         assert any(message in p for p in problems), (override, problems)
+    piped = OmegaConf.to_object(compose_config([*ok, "pipeline=pp2_gpipe", "trainer.devices=4"]))
+    assert any("checkpoints of pipeline x tensor_parallel are not built yet" in p
+               for p in tensor_parallel_problems(piped))
+    unpiped = OmegaConf.to_object(compose_config([*ok, "trainer.checkpoint.enabled=true"]))
+    assert not tensor_parallel_problems(unpiped)  # checkpoints with TP are built
     mlp = OmegaConf.to_object(compose_config(["model=mlp", "data=teacher", *ok[1:]]))
     assert any("model=mlp has none" in p for p in tensor_parallel_problems(mlp))
-
-
-@pytest.mark.parametrize("checkpoint_format", ["auto", "sharded", "consolidated"])
-def test_checkpoints_with_tp_are_refused_in_every_format(checkpoint_format: str, tmp_path: Any) -> None:
-    """Saving or loading with tensor parallelism is refused before anything is written or read, whatever the
-    format (the sharded default once bypassed the refusal)."""
-    strategy = ZeroStrategy(stage=2, tensor_parallel=2, checkpoint_format=checkpoint_format)
-    with pytest.raises(NotImplementedError, match="saving a checkpoint with tensor_parallel=2 is not built yet"):
-        strategy.save_checkpoint({}, tmp_path / "run.ckpt")
-    with pytest.raises(NotImplementedError, match="loading a checkpoint with tensor_parallel=2 is not built yet"):
-        strategy.load_checkpoint(tmp_path / "run.ckpt")
-    assert list(tmp_path.iterdir()) == []

@@ -83,8 +83,9 @@ class _SaveAtEpochEnd(pl.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, module: Any) -> None:
-        trainer.save_checkpoint(self.path)  # during fit: the sharded format from the engine's shards
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == trainer.num_training_batches - 1:  # the epoch's end, as Lightning resumes it
+            trainer.save_checkpoint(self.path)  # during fit: the sharded format from the engine's shards
 
 
 def _segment(stage: int, tp: int, epochs: int, devices: int, resume: Path | None = None,
@@ -111,7 +112,7 @@ def resume_body(tmp: str) -> dict[str, Any]:
     tmp_path = Path(tmp)
     rank = dist.get_rank()
     whole, _, _ = _segment(2, 2, EPOCHS, 2)
-    first, strategy, trainer = _segment(3, 2, 1, 2, save=tmp_path / "tp2")
+    first, _, trainer = _segment(3, 2, 1, 2, save=tmp_path / "tp2")
     local = {n: p.detach().clone() for n, p in first.named_parameters()}
     tags = {n: split_of(p) for n, p in first.named_parameters()}
     trainer.save_checkpoint(tmp_path / "after_fit")  # the module split after teardown: saved unsplit

@@ -17,8 +17,8 @@ from torch import nn
 
 from lightning_zero.checkpoint.layout import (
     FORMAT_NAME,
-    PLAIN_VERSION,
     MODEL_KEYS,
+    PLAIN_VERSION,
     FlatGroupRecord,
     ParamPlace,
     ShardPlace,

@@ -140,7 +140,8 @@ class TensorParallelRecord:
         if plain is None:
             return None
         try:
-            return cls(int(plain["size"]), {str(k): (int(v["dim"]), int(v["chunks"])) for k, v in plain["split"].items()})
+            split = {str(k): (int(v["dim"]), int(v["chunks"])) for k, v in plain["split"].items()}
+            return cls(int(plain["size"]), split)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CheckpointError(f"The checkpoint's tensor_parallel record is malformed ({type(err).__name__}: {err})."
                                   ) from err

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_zero.checkpoint.slices import slice_ref
 from lightning_zero.checkpoint.reader import (
     LazyOptimizerState,
     LazyStateDict,
     ShardedCheckpoint,
     materialize_optimizer_state,
 )
+from lightning_zero.checkpoint.slices import slice_ref
 from lightning_zero.core.zero.flat_param import overlap
 
 if TYPE_CHECKING:
@@ -159,8 +159,9 @@ def load_owned_optimizer_state(engine: ZeroEngine, state: Mapping[str, Any]) -> 
             ids.append(ids_of[id(piece)])
         shard_sd["param_groups"].append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     for fi, g in enumerate(sharded.groups):
-        per_slot = {s.param: {k: slice_ref(r, s.param, ckpt.ref_shape(r)) for k, r in refs.get(index[s.param], {}).items()}
-                    for s in g.slots}  # a TP slice's moments: its part of the whole (Note [TP slices in checkpoints])
+        # a TP slice's moments: its part of the whole (Note [TP slices in checkpoints])
+        per_slot = {s.param: {k: slice_ref(r, s.param, ckpt.ref_shape(r))
+                              for k, r in refs.get(index[s.param], {}).items()} for s in g.slots}
         lo, hi = sharded.master_range(fi)
         master = sharded.masters[fi]
         values: dict[str, Any] = {}

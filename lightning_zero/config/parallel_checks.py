@@ -26,10 +26,10 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
         out.append("tensor_parallel with offload is not built yet. Fix: offload=none or tensor_parallel=none.")
     if cfg.model.optimizer is OptimizerName.onebit_adam:
         out.append("tensor_parallel with model.optimizer=onebit_adam is not built yet. Fix: model.optimizer=adamw.")
-    if cfg.trainer.checkpoint.enabled or cfg.trainer.resume_from:
-        out.append("checkpoints with tensor_parallel are not built yet (the sharded format does not record TP "
-                   "slices). Fix: trainer.checkpoint.enabled=false (and no trainer.resume_from), or "
-                   "tensor_parallel=none.")
+    if cfg.pipeline.stages > 1 and (cfg.trainer.checkpoint.enabled or cfg.trainer.resume_from):
+        out.append("checkpoints of pipeline x tensor_parallel are not built yet (a stage's TP slices are not merged "
+                   "into the pipeline's checkpoint). Fix: trainer.checkpoint.enabled=false (and no "
+                   "trainer.resume_from), or pipeline=none.")
     if not isinstance(cfg.model, GPTModelSchema):
         out.append("tensor_parallel needs a model with a plan: model=mlp has none. Fix: a GPT model "
                    "(model=gpt_tiny ..).")

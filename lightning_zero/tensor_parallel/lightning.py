@@ -122,10 +122,11 @@ class StrategyTensorParallel:
         return StageCoupling(model_parallel=self.tp_comm, norm_excess=replicated_norm_excess(self.config.size))
 
 
-def refuse_tensor_parallel_checkpoint(config: TensorParallelConfig, what: str) -> None:
-    """Saving or loading a checkpoint with tensor parallelism is not built yet: refused in every format."""
-    if config.enabled:
+def refuse_pipeline_checkpoint(config: TensorParallelConfig, pipelined: bool, what: str) -> None:
+    """Checkpoints with tensor parallelism are built (tensor_parallel/checkpoint.py), but not of a pipeline whose
+    stages are split by TP: refused in every format, before anything is written or read."""
+    if config.enabled and pipelined:
         raise NotImplementedError(
-            f"{what} a checkpoint with tensor_parallel={config.size} is not built yet (the sharded format does not "
-            "record TP slices yet, issue 31's checkpoint slice): train without checkpoints "
-            "(enable_checkpointing=False; the CLI: trainer.checkpoint.enabled=false) or without tensor_parallel")
+            f"{what} a checkpoint of pipeline x tensor_parallel={config.size} is not built yet (a stage's TP slices "
+            "are not merged into the pipeline's checkpoint): train without checkpoints (enable_checkpointing=False; "
+            "the CLI: trainer.checkpoint.enabled=false), or without the pipeline")
