@@ -89,13 +89,13 @@ class _SaveAtEpochEnd(pl.Callback):
 
 
 def _segment(stage: int, tp: int, epochs: int, devices: int, resume: Path | None = None,
-             save: Path | None = None) -> tuple[_Recorded, ZeroStrategy, pl.Trainer]:
+             save: Path | None = None, checkpoint_format: str = "auto") -> tuple[_Recorded, ZeroStrategy, pl.Trainer]:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     module = _Recorded()
-    strategy = ZeroStrategy(stage=stage, tensor_parallel=tp if tp > 1 else None)
+    strategy = ZeroStrategy(stage=stage, tensor_parallel=tp if tp > 1 else None, checkpoint_format=checkpoint_format)
     trainer = make_trainer(strategy, devices=devices, max_steps=TOTAL, max_epochs=epochs, gradient_clip_val=0.3,
                            accumulate_grad_batches=ACCUMULATE, callbacks=[_SaveAtEpochEnd(save)] if save else [])
     data = devices // tp
@@ -121,8 +121,11 @@ def resume_body(tmp: str) -> dict[str, Any]:
         eval_loss = float(first.loss((x, y)))  # the split model's forward (both TP ranks take part)
     second, _, _ = _segment(2, 1, 2, 2, resume=tmp_path / "tp2", save=tmp_path / "dp2")
     third, _, _ = _segment(3, 2, 3, 2, resume=tmp_path / "dp2")
+    # the consolidated format: unsplit on save (gathered over TP), cut to the slices on resume (ZeRO 1)
+    _segment(1, 2, 1, 2, save=tmp_path / "tp2.ckpt", checkpoint_format="consolidated")
+    fourth, _, _ = _segment(1, 2, 2, 2, resume=tmp_path / "tp2.ckpt", checkpoint_format="consolidated")
     return {"rank": rank, "whole": whole.losses, "first": first.losses, "second": second.losses,
-            "third": third.losses, "local": local, "tags": tags, "eval_loss": eval_loss}
+            "third": third.losses, "fourth": fourth.losses, "local": local, "tags": tags, "eval_loss": eval_loss}
 
 
 def _close(a: list[float], b: list[float]) -> float:
@@ -142,6 +145,12 @@ def test_a_tp2_checkpoint_resumes_at_tp1_on_one_rank_at_data2_and_back_at_tp2(gl
     assert _close(r0["first"], whole[:per_epoch]) < 1e-6  # ZeRO 3 and ZeRO 2 at TP 2: the same run
     assert _close(r0["second"], whole[per_epoch : 2 * per_epoch]) < 1e-6  # TP 2 -> TP 1 x data 2
     assert _close(r0["third"], whole[2 * per_epoch :]) < 1e-6  # TP 1 x data 2 -> TP 2
+    assert _close(r0["fourth"], whole[per_epoch : 2 * per_epoch]) < 1e-6  # consolidated, TP 2 -> TP 2
+    consolidated = torch.load(tmp_path / "tp2.ckpt", weights_only=True)
+    assert consolidated["state_dict"]["model.blocks.0.attn.qkv.weight"].shape == (3 * CONFIG.n_embd, CONFIG.n_embd)
+    moments = consolidated["optimizer_states"][0]["state"]
+    unsplit_shapes = sorted(tuple(p.shape) for p in GPTLightningModule(CONFIG).parameters())
+    assert sorted(tuple(m["exp_avg"].shape) for m in moments.values()) == unsplit_shapes  # Adam's moments unsplit
 
     # the sharded format: split dims and the TP size recorded, slices written by each rank
     ckpt = ShardedCheckpoint(tmp_path / "tp2")

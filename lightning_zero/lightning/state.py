@@ -42,6 +42,7 @@ from lightning_zero.lightning.steps import StepDispatch
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
+from lightning_zero.tensor_parallel.config import TensorParallelConfig
 from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
 
 Fallback = Callable[..., Any]  # Lightning's own implementation of the hook (the strategy's super())
@@ -60,6 +61,7 @@ class CheckpointHost(Protocol):
     _after_fit_refusal: tuple[str, bool] | None  # StrategyPipeline.teardown: why a save now is incomplete
     _steps: StepDispatch
     _tp: StrategyTensorParallel | None
+    tensor_parallel: TensorParallelConfig
 
     @property
     def precision_plugin(self) -> ZeroPrecision: ...
@@ -291,7 +293,10 @@ class StrategyCheckpointing:
         if not is_sharded_checkpoint(checkpoint_path):
             return fallback(checkpoint_path, weights_only=weights_only)
         ckpt = ShardedCheckpoint(checkpoint_path)
-        same_world = ckpt.world_size == self._host.world_size
+        written_tp = ckpt.tensor_parallel.size if ckpt.tensor_parallel is not None else 1
+        here_tp = self._host.tensor_parallel.size  # known before setup (the mesh is built in setup)
+        # each rank's RNG where the layout is the same (a TP group's ranks share the replicated regions' stream)
+        same_world = ckpt.world_size == self._host.world_size and written_tp == here_tp
         self._host._steps.resume_rng(ckpt.rng_state(self._host.global_rank) if same_world else None)
         return ckpt.to_lightning()
 
