@@ -112,8 +112,11 @@ class StrategyTensorParallel:
     def check_optimizer(self, optimizer: Any) -> None:
         """Refuse an optimizer that does not compose with TP yet (before the engine is built)."""
         if isinstance(optimizer, OneBitAdam):
-            raise ValueError("tensor_parallel with 1-bit Adam is not built yet (its compressed all-reduce runs over "
-                             "the data group without the TP norm): use AdamW / Adam / SGD, or drop tensor_parallel")
+            raise ValueError("tensor_parallel with 1-bit Adam is not built yet (after its warm-up each rank keeps its "
+                             "own gradients and the momenta are averaged by the compressed all-reduce over the data "
+                             "group: neither the clipping norm over tensor x data nor its checkpoints' per-rank "
+                             "error-feedback residuals are composed with the TP slices): use AdamW / Adam / SGD, or "
+                             "drop tensor_parallel")
 
     def coupling(self) -> StageCoupling:
         """The engine's norm and overflow agreement over tensor x data (Note [norm over tensor x data]), given
