@@ -106,7 +106,8 @@ def _segment(stage: int, tp: int, epochs: int, devices: int, resume: Path | None
 def resume_body(tmp: str) -> dict[str, Any]:
     """On 2 ranks: the uninterrupted TP-2 run (ZeRO 2); the same run saved after epoch 1 at TP 2 (ZeRO 3) and
     after fit (``trainer.save_checkpoint`` with the module still split); resumed at TP 1 x data 2 (ZeRO 2) for
-    epoch 2, saved there, and resumed from that checkpoint (written without TP) at TP 2 (ZeRO 3) for epoch 3."""
+    epoch 2, saved there, and resumed from that checkpoint (written without TP) at TP 2 (ZeRO 3) for epoch 3;
+    the TP-2 checkpoint resumed at TP 2 (ZeRO 3); the consolidated format saved and resumed at TP 2 (ZeRO 1)."""
     import torch.distributed as dist
 
     tmp_path = Path(tmp)
@@ -121,11 +122,12 @@ def resume_body(tmp: str) -> dict[str, Any]:
         eval_loss = float(first.loss((x, y)))  # the split model's forward (both TP ranks take part)
     second, _, _ = _segment(2, 1, 2, 2, resume=tmp_path / "tp2", save=tmp_path / "dp2")
     third, _, _ = _segment(3, 2, 3, 2, resume=tmp_path / "dp2")
+    same, _, _ = _segment(3, 2, 2, 2, resume=tmp_path / "tp2")  # TP 2 -> TP 2 at ZeRO 3: each rank its slice
     # the consolidated format: unsplit on save (gathered over TP), cut to the slices on resume (ZeRO 1)
     _segment(1, 2, 1, 2, save=tmp_path / "tp2.ckpt", checkpoint_format="consolidated")
     fourth, _, _ = _segment(1, 2, 2, 2, resume=tmp_path / "tp2.ckpt", checkpoint_format="consolidated")
     return {"rank": rank, "whole": whole.losses, "first": first.losses, "second": second.losses,
-            "third": third.losses, "fourth": fourth.losses, "local": local, "tags": tags, "eval_loss": eval_loss}
+            "third": third.losses, "same": same.losses, "fourth": fourth.losses, "local": local, "tags": tags, "eval_loss": eval_loss}
 
 
 def _close(a: list[float], b: list[float]) -> float:
@@ -145,6 +147,7 @@ def test_a_tp2_checkpoint_resumes_at_tp1_on_one_rank_at_data2_and_back_at_tp2(gl
     assert _close(r0["first"], whole[:per_epoch]) < 1e-6  # ZeRO 3 and ZeRO 2 at TP 2: the same run
     assert _close(r0["second"], whole[per_epoch : 2 * per_epoch]) < 1e-6  # TP 2 -> TP 1 x data 2
     assert _close(r0["third"], whole[2 * per_epoch :]) < 1e-6  # TP 1 x data 2 -> TP 2
+    assert _close(r0["same"], whole[per_epoch : 2 * per_epoch]) < 1e-6  # TP 2 -> TP 2, ZeRO 3 (after setup)
     assert _close(r0["fourth"], whole[per_epoch : 2 * per_epoch]) < 1e-6  # consolidated, TP 2 -> TP 2
     consolidated = torch.load(tmp_path / "tp2.ckpt", weights_only=True)
     assert consolidated["state_dict"]["model.blocks.0.attn.qkv.weight"].shape == (3 * CONFIG.n_embd, CONFIG.n_embd)
