@@ -127,7 +127,8 @@ def resume_body(tmp: str) -> dict[str, Any]:
     _segment(1, 2, 1, 2, save=tmp_path / "tp2.ckpt", checkpoint_format="consolidated")
     fourth, _, _ = _segment(1, 2, 2, 2, resume=tmp_path / "tp2.ckpt", checkpoint_format="consolidated")
     return {"rank": rank, "whole": whole.losses, "first": first.losses, "second": second.losses,
-            "third": third.losses, "same": same.losses, "fourth": fourth.losses, "local": local, "tags": tags, "eval_loss": eval_loss}
+            "third": third.losses, "same": same.losses, "fourth": fourth.losses, "local": local, "tags": tags,
+            "eval_loss": eval_loss}
 
 
 def _close(a: list[float], b: list[float]) -> float:
