@@ -214,3 +214,16 @@ def test_autotp_from_a_deepspeed_json_trains_two_ranks_and_its_checkpoint_resume
     full, resumed = losses("tp"), losses("resumed")
     assert sorted(resumed) == [4, 5, 6], resumed
     assert max(abs(resumed[s] - full[s]) for s in resumed) < 1e-5, (full, resumed)
+
+
+def test_autotp_size_sets_the_tensor_parallel_group_and_a_written_other_size_conflicts(tmp_path: Path) -> None:
+    """The JSON's ``autotp_size`` fills ``tensor_parallel.size`` (and the batch triple counts data ranks only:
+    32 samples over 4 ranks at TP 2 are 2 data ranks x 8 x accumulation 2); ``tensor_parallel=tp4`` written on
+    the command line contradicts it before anything starts."""
+    path = _json(tmp_path, {"train_batch_size": 32, "gradient_accumulation_steps": 2,
+                            "tensor_parallel": {"autotp_size": 2}})
+    cfg = _merged(["experiment=gpt_tiny", f"deepspeed_config={path}", "trainer.devices=4"])
+    assert cfg.tensor_parallel.size == 2
+    assert (cfg.data.micro_batch_size, cfg.trainer.accumulate_grad_batches) == (8, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel.size=4 on the command line, but the DeepSpeed config"):
+        _merged(["experiment=gpt_tiny", f"deepspeed_config={path}", "trainer.devices=4", "tensor_parallel=tp4"])
