@@ -49,6 +49,18 @@ def test_slice_and_whole_runs_map_every_element_once(dim: int, chunks: int, size
         assert torch.equal(got, flat[start:end])
 
 
+def test_the_tensor_parallel_record_round_trips_and_a_malformed_one_is_a_checkpoint_error() -> None:
+    from lightning_zero.checkpoint import CheckpointError
+    from lightning_zero.checkpoint.layout import TensorParallelRecord
+
+    record = TensorParallelRecord(2, {"model.blocks.0.attn.qkv.weight": (0, 3)})
+    plain = json.loads(json.dumps(record.to_json()))
+    assert plain == {"size": 2, "split": {"model.blocks.0.attn.qkv.weight": {"dim": 0, "chunks": 3}}}
+    assert TensorParallelRecord.from_json(plain) == record and TensorParallelRecord.from_json(None) is None
+    with pytest.raises(CheckpointError, match="tensor_parallel record is malformed"):
+        TensorParallelRecord.from_json({"size": 2})
+
+
 # ------------------------------------------------------------------------------------------- distributed
 class _Recorded(GPTLightningModule):
     """The GPT recording each micro-step's loss, averaged over the data ranks (the global batch's loss)."""
