@@ -364,10 +364,10 @@ def test_a_pickle_bomb_anywhere_in_the_directory_is_refused(small_checkpoint, tm
 def test_bad_input_gets_a_clear_error(small_checkpoint, tmp_path) -> None:
     import json
 
-    ckpt = _copy(small_checkpoint, tmp_path / "v2")
+    ckpt = _copy(small_checkpoint, tmp_path / "v3")
     meta = json.loads((ckpt / "metadata.json").read_text())
-    (ckpt / "metadata.json").write_text(json.dumps({**meta, "version": 2}))
-    with pytest.raises(CheckpointError, match="format version 2; this version of lightning_zero reads version 1"):
+    (ckpt / "metadata.json").write_text(json.dumps({**meta, "version": 3}))
+    with pytest.raises(CheckpointError, match="format version 3; this version of lightning_zero reads versions 1, 2"):
         consolidate_checkpoint(ckpt)
     ckpt = _copy(small_checkpoint, tmp_path / "missing")
     (ckpt / "rank-00000.safetensors").unlink()

@@ -49,9 +49,8 @@ COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("pipeline", "pp4_interleaved"): ["zero=stage1", "trainer.devices=4"],
     ("sequence_parallel", "sp2"): ["trainer.devices=2"],
     ("sequence_parallel", "sp4"): ["trainer.devices=4"],
-    # tensor parallel writes no checkpoints yet (refused with the fix before launch): the option with them off
-    ("tensor_parallel", "tp2"): ["trainer.devices=2", "trainer.checkpoint.enabled=false"],
-    ("tensor_parallel", "tp4"): ["trainer.devices=4", "trainer.checkpoint.enabled=false"],
+    ("tensor_parallel", "tp2"): ["trainer.devices=2"],  # with checkpoints (the experiment's default)
+    ("tensor_parallel", "tp4"): ["trainer.devices=4"],
 }
 # Options whose feature is not built yet: the text their NotImplementedError must contain.
 UNBUILT: dict[tuple[str, str], str] = {}  # every option is built today (parameter offload was the last)

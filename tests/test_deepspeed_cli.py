@@ -180,3 +180,50 @@ def test_the_seed_jsons_train_from_the_command_line(config: dict, tmp_path: Path
     assert len(runs) == 1 and json.loads((runs[0] / "result.json").read_text())["global_step"] == 2
     saved = OmegaConf.load(runs[0] / CONFIG_FILE)
     assert saved.precision.name == ("fp16" if "fp16" in config else "bf16")
+
+
+@pytest.mark.slow
+def test_autotp_from_a_deepspeed_json_trains_two_ranks_and_its_checkpoint_resumes_without_tp(tmp_path: Path) -> None:
+    """``tensor_parallel.autotp_size=2`` from the command line's JSON: the run is TP 2 on 2 ranks (its saved
+    config says so), its step-3 checkpoint (sharded, ZeRO 2, the TP slices recorded) resumes on 1 rank without TP
+    and logs the uninterrupted run's losses at steps 4-6."""
+    import csv
+
+    from lightning_zero.checkpoint import ShardedCheckpoint
+
+    _json(tmp_path, {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}, "tp.json")
+    _json(tmp_path, {"zero_optimization": {"stage": 2}}, "plain.json")
+    run = ["experiment=gpt_tiny", "trainer.max_steps=6", "trainer.val_check_interval=null", "logger=csv",
+           "trainer.log_every_n_steps=1", "data.max_bytes=200000", "trainer.checkpoint.every_n_train_steps=3",
+           "trainer.checkpoint.save_top_k=-1", "trainer.enable_model_summary=false", "trainer.validate_at_start=false",
+           "trainer.validate_at_end=false"]
+    done = _train(tmp_path, *run, "deepspeed_config=tp.json", "trainer.devices=2", "hydra.run.dir=tp")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    saved = OmegaConf.load(tmp_path / "tp" / CONFIG_FILE)
+    assert saved.tensor_parallel.size == 2 and saved.zero.stage == 2
+    checkpoint = tmp_path / "tp" / "checkpoints" / "epoch=0-step=3.ckpt"
+    assert ShardedCheckpoint(checkpoint).tensor_parallel.size == 2
+    done = _train(tmp_path, *run, "deepspeed_config=plain.json", "trainer.devices=1",
+                  f"trainer.resume_from='{checkpoint}'", "hydra.run.dir=resumed")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+    def losses(where: str) -> dict[int, float]:
+        with open(tmp_path / where / "csv" / "metrics.csv") as f:
+            return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+    full, resumed = losses("tp"), losses("resumed")
+    assert sorted(resumed) == [4, 5, 6], resumed
+    assert max(abs(resumed[s] - full[s]) for s in resumed) < 1e-5, (full, resumed)
+
+
+def test_autotp_size_sets_the_tensor_parallel_group_and_a_written_other_size_conflicts(tmp_path: Path) -> None:
+    """The JSON's ``autotp_size`` fills ``tensor_parallel.size`` (and the batch triple counts data ranks only:
+    32 samples over 4 ranks at TP 2 are 2 data ranks x 8 x accumulation 2); ``tensor_parallel=tp4`` written on
+    the command line contradicts it before anything starts."""
+    path = _json(tmp_path, {"train_batch_size": 32, "gradient_accumulation_steps": 2,
+                            "tensor_parallel": {"autotp_size": 2}})
+    cfg = _merged(["experiment=gpt_tiny", f"deepspeed_config={path}", "trainer.devices=4"])
+    assert cfg.tensor_parallel.size == 2
+    assert (cfg.data.micro_batch_size, cfg.trainer.accumulate_grad_batches) == (8, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel.size=4 on the command line, but the DeepSpeed config"):
+        _merged(["experiment=gpt_tiny", f"deepspeed_config={path}", "trainer.devices=4", "tensor_parallel=tp4"])

@@ -186,7 +186,6 @@ def test_invalid_values_are_refused_naming_the_key(config: dict, message: str) -
      "`zero_optimization.zero_quantized_gradients`"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}},
      "`zero_optimization.zero_hpz_partition_size`=8"),
-    ({"tensor_parallel": {"autotp_size": 2}}, "`tensor_parallel.autotp_size`=2"),
     ({"amp": {"enabled": True}}, "`amp.enabled`=true"),
     ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, "`elasticity`="),
     ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}},
@@ -410,3 +409,32 @@ def test_the_old_zerostrategy_from_deepspeed_config_name_warns_and_works() -> No
     with pytest.warns(DeprecationWarning, match="DeepSpeedZeroStrategy.from_deepspeed_config"):
         strategy = ZeroStrategy.from_deepspeed_config({"zero_optimization": {"stage": 1}})
     assert isinstance(strategy, DeepSpeedZeroStrategy) and strategy.zero_config.stage == 1
+
+
+def test_autotp_size_drives_tensor_parallel_and_the_other_tp_keys_are_refused_by_name() -> None:
+    """``tensor_parallel.autotp_size`` was refused; it now sets ``ZeroStrategy(tensor_parallel=N)`` (and the CLI's
+    ``tensor_parallel.size``); DeepSpeed's other keys of the section are refused naming the key and why."""
+    from lightning_zero import TensorParallelConfig
+
+    ds = parse_deepspeed_config({"tensor_parallel": {"autotp_size": 2, "tensor_parallel": {"tp_size": 2}}})
+    assert ds.tensor_parallel == 2 and ds.given["tensor_parallel.size"] == "tensor_parallel.autotp_size"
+    assert parse_deepspeed_config({"tensor_parallel": {"autotp_size": 1}}).tensor_parallel == 1  # off
+    assert "tensor_parallel.size" not in parse_deepspeed_config({"tensor_parallel": {"autotp_size": 0}}).given
+    strategy = DeepSpeedZeroStrategy.from_deepspeed_config({"zero_optimization": {"stage": 2},
+                                                            "tensor_parallel": {"autotp_size": 2}})
+    assert strategy.tensor_parallel == TensorParallelConfig(2)
+    plan = TensorParallelConfig(2, plan="auto")  # the user's plan is kept when its size agrees
+    assert DeepSpeedZeroStrategy.from_deepspeed_config({"tensor_parallel": {"autotp_size": 2}},
+                                                       tensor_parallel=plan).tensor_parallel == plan
+    with pytest.raises(ValueError, match=r"sets tensor_parallel.autotp_size=2, but tensor_parallel=4"):
+        DeepSpeedZeroStrategy.from_deepspeed_config({"tensor_parallel": {"autotp_size": 2}}, tensor_parallel=4)
+    for key, value in [("tp_overlap_comm", True), ("keep_module_on_host", True), ("replace_with_kernel_inject", True),
+                       ("injection_policy_tuple", ["a", "b"]), ("dtype", "bf16")]:
+        with pytest.raises(ValueError, match=rf"`tensor_parallel.{key}`=.* is not built"):
+            parse_deepspeed_config({"tensor_parallel": {"autotp_size": 2, key: value}})
+    with pytest.raises(ValueError, match=r"`tensor_parallel.tensor_parallel.tp_grain_size`=64 is not built"):
+        parse_deepspeed_config({"tensor_parallel": {"autotp_size": 2, "tensor_parallel": {"tp_grain_size": 64}}})
+    with pytest.raises(ValueError, match=r"`tensor_parallel.autotp_size` must be an integer >= 0"):
+        parse_deepspeed_config({"tensor_parallel": {"autotp_size": -2}})
+    with pytest.raises(ValueError, match=r"does not support these keys.*tensor_parallel.partition_config"):
+        parse_deepspeed_config({"tensor_parallel": {"autotp_size": 2, "partition_config": {}}}, strict=True)

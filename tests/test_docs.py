@@ -51,6 +51,17 @@ SKIP: dict[str, str] = {
         "the same run is tests/test_sparse_gpt.py's CLI test (the suite's time: one 2-rank run each)",
     "lightning-zero train experiment=gpt_tiny sequence_parallel=sp2 trainer.devices=2 data.deterministic_order=true":
         "the same run is tests/test_sequence_parallel.py's CLI test, against the 1-rank run",
+    "lightning-zero train experiment=gpt_tiny tensor_parallel=tp2 trainer.devices=2 zero=stage2 "
+    "hydra.run.dir=outputs/tp2":
+        "the page's first command (run here) trains TP 2 on 2 ranks and saves its sharded checkpoints the same way; "
+        "the suite's time: one 2-rank run each",
+    "lightning-zero train experiment=gpt_tiny zero=stage2 trainer.devices=1 trainer.max_steps=30 "
+    "trainer.resume_from=outputs/tp2/checkpoints/last.ckpt":
+        "resumes the previous command's checkpoint (each doc command runs alone); tests/test_deepspeed_cli.py runs "
+        "the same TP 2 -> 1 rank resume and checks its losses",
+    "lightning-zero convert outputs/tp2/checkpoints/last.ckpt model.safetensors":
+        "converts the first command's checkpoint (each doc command runs alone); "
+        "tests/test_tensor_parallel_checkpoints.py converts a TP-2 checkpoint and checks the unsplit weights",
     "lightning-zero train experiment=gpt_tiny model.attention=sparse_bigbird":
         "another preset of the same path; tests/test_sparse_gpt.py's CLI test trains bigbird from a JSON section",
 }

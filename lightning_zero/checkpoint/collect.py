@@ -17,8 +17,8 @@ from torch import nn
 
 from lightning_zero.checkpoint.layout import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     MODEL_KEYS,
+    PLAIN_VERSION,
     FlatGroupRecord,
     ParamPlace,
     ShardPlace,
@@ -81,7 +81,7 @@ def collect(
     Returns ``(tensors, metadata or None, extra)``; ``extra["__header__"]`` is the rank file's header.
     """
     tensors: Tensors = {}
-    meta: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": world_size,
+    meta: dict[str, Any] = {"format": FORMAT_NAME, "version": PLAIN_VERSION, "world_size": world_size,
                             "files": [rank_file(r) for r in range(world_size)], "groups": []}
     with_optimizer = "optimizer_states" in checkpoint
     if engine is not None and engine.config.stage.shards_optimizer:
@@ -94,7 +94,7 @@ def collect(
     rng_tensors: dict[str, torch.Tensor] = {}
     rng_plain = to_plain(capture_rng(), rng_tensors, "RNG state")
     tensors.update({f"rng.{k}": v for k, v in rng_tensors.items()})
-    header = {"rng": json.dumps(rng_plain), "format": FORMAT_NAME, "version": str(FORMAT_VERSION)}
+    header = {"rng": json.dumps(rng_plain), "format": FORMAT_NAME, "version": str(PLAIN_VERSION)}
     if rank != 0:
         return tensors, meta if layout is not None else None, {"__header__": header}
     extra: dict[str, Any] = {}

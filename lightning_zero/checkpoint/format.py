@@ -17,6 +17,11 @@ Note [sharded checkpoint format]
                                   without an engine: everything); the header's metadata holds
                                   the rank's RNG states
 
+    With tensor parallelism (format version 2; a checkpoint without TP is written as version 1,
+    and both are read) each TP rank writes its own slices, ``metadata.json`` records the TP size
+    and every split key's dimension (``tensor_parallel``), and a split tensor is referred to as the
+    whole made of its slices (Note [TP slices in checkpoints] in slices.py).
+
     Flat group ``i``'s shard of rank ``r`` covers elements ``[r*S, (r+1)*S)`` of its padded
     buffer (Note [flat shard layout]; a pipeline stage's groups name its own ranks' files, Note
     [pipelined shards] in collect.py); ``metadata.json`` lists every parameter's names, offset
@@ -41,7 +46,7 @@ Note [sharded checkpoint format]
     Where each part lives: ``layout.py`` (names), ``rng.py`` (RNG states), ``collect.py`` (what a
     rank writes), ``tensor_file.py`` (safetensors I/O), ``publish.py`` (atomic save),
     ``reader.py`` (opening, lazy whole tensors, ranges), ``owned.py`` (loading into shards),
-    ``convert.py`` (one-file output, streamed).
+    ``convert.py`` (one-file output, streamed), ``slices.py`` (TP slices of whole tensors).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ Note [metadata records]
     as the plain JSON that format version 1 has always had: ``to_json`` writes the same keys in the
     same order (lists, not tuples), and ``from_json`` reads what any version-1 writer wrote, so a
     checkpoint written before the records existed loads unchanged. A field added here is a format
-    change: bump ``FORMAT_VERSION``.
+    change: bump ``FORMAT_VERSION``. Version 2 added the ``tensor_parallel`` record
+    (:class:`TensorParallelRecord`) and the parts references of TP slices; a checkpoint without TP is
+    still written as version 1.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch
 from lightning_zero.checkpoint.plain import CheckpointError
 
 FORMAT_NAME = "lightning_zero.sharded_checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest: TP slices (Note [TP slices in checkpoints] in slices.py)
+READ_VERSIONS = (1, 2)
+PLAIN_VERSION = 1  # what a checkpoint without TP slices is written as (version-1 readers read it)
 METADATA = "metadata.json"
 EXTRA = "extra.safetensors"
 MODEL_KEYS = ("state_dict", "optimizer_states")  # written from the shards, not into the metadata
@@ -111,3 +115,33 @@ class FlatGroupRecord:
             raise CheckpointError(f"Flat group {index} of the checkpoint's metadata is malformed "
                                   f"({type(err).__name__}: {err}); it was not written in lightning_zero's sharded "
                                   f"checkpoint format {FORMAT_VERSION}.") from err
+
+
+@dataclass(frozen=True)
+class TensorParallelRecord:
+    """``metadata.json``'s ``tensor_parallel`` (version 2): the TP size the checkpoint was written at and, per
+    state-dict key of a split parameter, the dimension it was cut along and its fused blocks (Note [TP slices
+    in checkpoints] in slices.py). A key not listed is replicated: written whole by TP rank 0.
+
+    Attributes:
+        size: TP ranks that wrote slices.
+        split: state-dict key -> ``(dim, chunks)``.
+    """
+
+    size: int
+    split: Mapping[str, tuple[int, int]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "split": {k: {"dim": d, "chunks": c} for k, (d, c) in self.split.items()}}
+
+    @classmethod
+    def from_json(cls, plain: Mapping[str, Any] | None) -> TensorParallelRecord | None:
+        """The record, or ``None`` for a checkpoint written without TP; malformed: a CheckpointError."""
+        if plain is None:
+            return None
+        try:
+            split = {str(k): (int(v["dim"]), int(v["chunks"])) for k, v in plain["split"].items()}
+            return cls(int(plain["size"]), split)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise CheckpointError(f"The checkpoint's tensor_parallel record is malformed ({type(err).__name__}: {err})."
+                                  ) from err

@@ -11,7 +11,8 @@ Note [owned slices]
     The optimizer state of a flat group is one 1-D tensor per key covering the master range,
     filled the same way and handed to the optimizer as views, one per master piece (no copy).
     So resuming holds nothing beyond the training state itself and one bounded read buffer,
-    and no collective is needed: each rank reads its own slices.
+    and no collective is needed: each rank reads its own slices. A tensor-parallel slice reads its part
+    of the whole tensor, whatever TP size wrote it (Note [TP slices in checkpoints] in slices.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lightning_zero.checkpoint.reader import (
     ShardedCheckpoint,
     materialize_optimizer_state,
 )
+from lightning_zero.checkpoint.slices import slice_ref
 from lightning_zero.core.zero.flat_param import overlap
 
 if TYPE_CHECKING:
@@ -99,7 +101,9 @@ def load_owned_state_dict(engine: ZeroEngine, state: LazyStateDict, strict: bool
 
     def ref_of(p: nn.Parameter) -> Mapping[str, Any] | None:
         key = key_of.get(p)
-        return refs[key] if key is not None else None
+        if key is None:
+            return None
+        return slice_ref(refs[key], p, ckpt.ref_shape(refs[key]))  # a TP slice: its part of the whole
 
     in_flat = set()
     for g in engine.all_groups:
@@ -112,7 +116,7 @@ def load_owned_state_dict(engine: ZeroEngine, state: LazyStateDict, strict: bool
             _fill(ckpt, g, lo, hi, engine.sharded.masters[fi], ref_of)
     for p, key in key_of.items():
         if p not in in_flat and key is not None:  # outside the flat groups: small, whole on every rank
-            p.data.copy_(ckpt.read(refs[key]))
+            p.data.copy_(ckpt.read(ref_of(p)))
     for name, b in _persistent_buffers(engine.module).items():
         if name in refs:
             b.copy_(ckpt.read(refs[name]))
@@ -155,7 +159,9 @@ def load_owned_optimizer_state(engine: ZeroEngine, state: Mapping[str, Any]) -> 
             ids.append(ids_of[id(piece)])
         shard_sd["param_groups"].append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     for fi, g in enumerate(sharded.groups):
-        per_slot = {s.param: refs.get(index[s.param], {}) for s in g.slots}
+        # a TP slice's moments: its part of the whole (Note [TP slices in checkpoints])
+        per_slot = {s.param: {k: slice_ref(r, s.param, ckpt.ref_shape(r))
+                              for k, r in refs.get(index[s.param], {}).items()} for s in g.slots}
         lo, hi = sharded.master_range(fi)
         master = sharded.masters[fi]
         values: dict[str, Any] = {}

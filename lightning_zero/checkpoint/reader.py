@@ -19,13 +19,15 @@ import torch
 from lightning_zero.checkpoint.layout import (
     EXTRA,
     FORMAT_NAME,
-    FORMAT_VERSION,
     METADATA,
+    READ_VERSIONS,
     FlatGroupRecord,
+    TensorParallelRecord,
     parse_dtype,
     rank_file,
 )
 from lightning_zero.checkpoint.plain import CheckpointError, from_plain
+from lightning_zero.checkpoint.slices import slice_runs, whole_runs
 from lightning_zero.checkpoint.tensor_file import TensorFile
 from lightning_zero.core.zero.flat_param import overlap
 
@@ -63,14 +65,15 @@ class ShardedCheckpoint:
             ) from err
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{meta_path} is not the metadata of a lightning_zero sharded checkpoint.")
-        if meta.get("version") != FORMAT_VERSION:
+        if meta.get("version") not in READ_VERSIONS:
             raise CheckpointError(
                 f"{os.fspath(path)!r} has sharded checkpoint format version {meta.get('version')!r}; this version of "
-                f"lightning_zero reads version {FORMAT_VERSION}. Convert it with the lightning_zero that wrote it "
-                "(`lightning-zero convert`)."
+                f"lightning_zero reads versions {', '.join(map(str, READ_VERSIONS))}. Convert it with the "
+                "lightning_zero that wrote it (`lightning-zero convert`)."
             )
         self.meta = meta
         self.groups = [FlatGroupRecord.from_json(g, i) for i, g in enumerate(meta.get("groups", []))]
+        self.tensor_parallel = TensorParallelRecord.from_json(meta.get("tensor_parallel"))
         files = list(meta.get("files", []))
         expected = {METADATA, EXTRA, *files}
         present = {p.name for p in directory.iterdir()}
@@ -112,7 +115,7 @@ class ShardedCheckpoint:
             return from_plain(ref["value"], {})
         if "file" in ref:
             value = self._file_with(ref["file"], ref["key"]).get_tensor(ref["key"])
-        else:
+        else:  # a flat group's elements, or TP slices (Note [TP slices in checkpoints])
             value = self.read_range(ref, 0, ref["numel"]).reshape(ref["shape"])
         dtype = parse_dtype(ref.get("dtype"))
         return value.to(dtype) if dtype is not None else value
@@ -121,6 +124,8 @@ class ShardedCheckpoint:
         """The dtype the values of ``ref`` are stored in."""
         if "file" in ref:
             return self._file_with(ref["file"], ref["key"]).dtype(ref["key"])
+        if "parts" in ref or "of" in ref:
+            return self.ref_dtype(ref["parts"][0] if "parts" in ref else ref["of"])
         key = f"g{ref['flat']}.{ref['kind']}"
         rank = self.groups[ref["flat"]].shards[0].file
         return self._file_with(rank, key, "shard").dtype(key)
@@ -138,12 +143,23 @@ class ShardedCheckpoint:
         rank files that hold them into ``out`` when given (cast to its dtype a piece at a time)."""
         if "file" in ref:
             return self._file_with(ref["file"], ref["key"]).read(ref["key"], start, end, out)
-        gi, offset = ref["flat"], ref["offset"]
         if not 0 <= start <= end <= ref["numel"]:
             raise CheckpointError(f"Elements [{start}, {end}) are outside a tensor of {ref['numel']}.")
-        key = f"g{gi}.{ref['kind']}"
         if out is None:
             out = torch.empty(end - start, dtype=self.ref_dtype(ref))
+        if "parts" in ref:  # a whole tensor written as TP slices: from each slice's runs
+            tp, parts = ref["tp"], ref["parts"]
+            for rank, at, whole, n in whole_runs(ref["shape"], tp["dim"], tp["chunks"], len(parts), start, end):
+                self.read_range(parts[rank], at, at + n, out[whole - start : whole - start + n])
+            return out
+        if "of" in ref:  # this TP rank's slice of a whole tensor
+            cut, of = ref["slice"], ref["of"]
+            shape = self.ref_shape(of)
+            for at, whole, n in slice_runs(shape, cut["dim"], cut["chunks"], cut["size"], cut["rank"], start, end):
+                self.read_range(of, whole, whole + n, out[at - start : at - start + n])
+            return out
+        gi, offset = ref["flat"], ref["offset"]
+        key = f"g{gi}.{ref['kind']}"
         lo, hi = offset + start, offset + end  # in the flat group's coordinates
         covered = 0
         for shard in self.groups[gi].shards:

@@ -48,7 +48,7 @@ from lightning_zero.deepspeed.pipeline import pipeline_batch
 
 GROUP_KEYS = {"zero": ("zero.stage",), "offload": ("offload.optimizer_device", "offload.param_device"),
               "precision": ("precision.name",), "pipeline": ("pipeline.stages",),
-              "sequence_parallel": ("sequence_parallel.size",)}
+              "sequence_parallel": ("sequence_parallel.size",), "tensor_parallel": ("tensor_parallel.size",)}
 HYDRA_PRECISION = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
 OPTIMIZER_KEYS = ("model.optimizer", "model.lr", "model.weight_decay", "model.betas")
 SCHEDULER_KEYS = ("model.scheduler", "model.warmup_steps", "model.lr_decay_steps", "model.min_lr_ratio")
@@ -123,6 +123,8 @@ def json_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
             out[name] = ds.sparse_attention
         elif name == "sequence_parallel.size":
             out[name] = ds.sequence_parallel
+        elif name == "tensor_parallel.size":
+            out[name] = ds.tensor_parallel
     return out
 
 
@@ -154,8 +156,9 @@ def apply_deepspeed_config(cfg: DictConfig | TrainConfig, overrides: Sequence[st
     json_stages = ds.pipeline.stages if ds.pipeline is not None else None
     devices, stages = int(node.trainer.devices), max(1, json_stages or int(node.pipeline.stages))
     sequence = ds.sequence_parallel if "sequence_parallel.size" in ds.given else int(node.sequence_parallel.size)
-    try:  # over the data-parallel ranks: a pipeline's stages and a sequence group share their samples
-        batch = ds.batch.resolve(devices // (stages * max(1, sequence)))
+    tensor = ds.tensor_parallel if "tensor_parallel.size" in ds.given else int(node.tensor_parallel.size)
+    try:  # over the data-parallel ranks: a pipeline's stages, a sequence or a tensor group share their samples
+        batch = ds.batch.resolve(devices // (stages * max(1, sequence) * max(1, tensor)))
     except ValueError as err:
         raise ValueError(f"DeepSpeed config {ds.source} with trainer.devices={devices}"
                          f"{f' / pipeline.stages={stages}' if stages > 1 else ''}: {err}") from err

@@ -4,7 +4,7 @@ sizes and the combinations not built yet, each with its fix (run by ``validate.p
 from __future__ import annotations
 
 from lightning_zero.config.model_zoo import gpt_config, preset_known
-from lightning_zero.config.schema import GPTModelSchema, OffloadDevice, OptimizerName, TrainConfig
+from lightning_zero.config.schema import GPTModelSchema, OptimizerName, TrainConfig
 
 
 def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
@@ -22,14 +22,12 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
     if cfg.pipeline.stages > 1:
         out.append("tensor_parallel with pipeline.stages > 1 is not built yet. Fix: pipeline=none or "
                    "tensor_parallel=none.")
-    if OffloadDevice.none is not cfg.offload.optimizer_device or cfg.offload.param_device is not OffloadDevice.none:
-        out.append("tensor_parallel with offload is not built yet. Fix: offload=none or tensor_parallel=none.")
     if cfg.model.optimizer is OptimizerName.onebit_adam:
         out.append("tensor_parallel with model.optimizer=onebit_adam is not built yet. Fix: model.optimizer=adamw.")
-    if cfg.trainer.checkpoint.enabled or cfg.trainer.resume_from:
-        out.append("checkpoints with tensor_parallel are not built yet (the sharded format does not record TP "
-                   "slices). Fix: trainer.checkpoint.enabled=false (and no trainer.resume_from), or "
-                   "tensor_parallel=none.")
+    if cfg.pipeline.stages > 1 and (cfg.trainer.checkpoint.enabled or cfg.trainer.resume_from):
+        out.append("checkpoints of pipeline x tensor_parallel are not built yet (a stage's TP slices are not merged "
+                   "into the pipeline's checkpoint). Fix: trainer.checkpoint.enabled=false (and no "
+                   "trainer.resume_from), or pipeline=none.")
     if not isinstance(cfg.model, GPTModelSchema):
         out.append("tensor_parallel needs a model with a plan: model=mlp has none. Fix: a GPT model "
                    "(model=gpt_tiny ..).")

@@ -29,6 +29,7 @@ from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import PipelineSpec, parse_pipeline
 from lightning_zero.deepspeed.refused import REFUSED, refusal_message, refuse_unbuilt, refused_keys
 from lightning_zero.deepspeed.schedulers import check_scheduler_params
+from lightning_zero.deepspeed.tensor_parallel import SECTION, parse_tensor_parallel
 
 AUTO = "auto"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
@@ -75,6 +76,7 @@ class DeepSpeedConfig:
         steps_per_print, wall_clock_breakdown: progress and timing lines on rank 0.
         pipeline: the ``pipeline`` section (``deepspeed/pipeline.py``; ``None``: absent).
         sequence_parallel: ``sequence_parallel_size`` (docs/sequence_parallel.md; 1: off).
+        tensor_parallel: ``tensor_parallel.autotp_size`` (docs/tensor_parallel.md; 1: off).
         sparse_attention: the ``sparse_attention`` section, checked (``None``: absent); the GPT
             experiment's attention (docs/sparse_attention.md).
         given: Hydra-style setting name -> the JSON key that set it.
@@ -97,6 +99,7 @@ class DeepSpeedConfig:
     pipeline: PipelineSpec | None = None
     sparse_attention: dict[str, Any] | None = None
     sequence_parallel: int = 1
+    tensor_parallel: int = 1
     given: dict[str, str] = field(default_factory=dict)
     unsupported: tuple[str, ...] = ()
     source: str = "<dict>"
@@ -226,6 +229,9 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
         raise ValueError(f"DeepSpeed config: `sequence_parallel_size` must be >= 1, got {sequence_parallel}.")
     if "sequence_parallel_size" in data:
         given["sequence_parallel.size"] = "sequence_parallel_size"
+    tensor_parallel = parse_tensor_parallel(data.get(SECTION), root.used, unsupported)
+    if tensor_parallel > 1:
+        given["tensor_parallel.size"] = f"{SECTION}.autotp_size"
     root.noop(_NOOP_TOP)
     amp = root.section("amp")
     if amp is not None:
@@ -236,7 +242,8 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
                              reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, batch=batch,
                              gradient_clipping=clip or None, optimizer=optimizer, scheduler=scheduler,
                              steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, pipeline=pipeline,
-                             sparse_attention=sparse_attention, sequence_parallel=sequence_parallel, given=given,
+                             sparse_attention=sparse_attention, sequence_parallel=sequence_parallel,
+                             tensor_parallel=tensor_parallel, given=given,
                              unsupported=tuple(unsupported), source=origin)
     if config.unsupported and strict:
         raise ValueError(config.unsupported_message())

@@ -7,7 +7,7 @@ in docs/deepspeed_config.md). *Supported* keys are mapped onto lightning_zero's 
 *performance hints and monitors* (``aio``, ``allgather_bucket_size``, ``tensorboard``, ...) are
 named in one warning (strict: an error), because training without them computes the same model;
 *refused* keys (this table) ask for another computation or another stored state -- quantized
-collectives, compressed or pruned weights, other batches, sequence or tensor parallelism, other
+collectives, compressed or pruned weights, other batches, other
 checkpoint contents -- so a run without them would silently be a different experiment. A refused
 section is one present and not switched off with ``"enabled": false``; a refused scalar is one
 whose value differs from DeepSpeed's default (the default itself is accepted).
@@ -71,7 +71,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(("weight_quantization",), _section_on, "quantized weights"),
     Refusal(("torch_autocast",), _section_on, "DeepSpeed's torch.autocast mode (use fp16 / bf16)"),
     Refusal(("amp", "enabled"), _true, "NVIDIA apex AMP (use fp16 / bf16)"),
-    Refusal(("tensor_parallel", "autotp_size"), _above_one, "automatic tensor parallelism"),
     Refusal(("checkpoint", "load_universal"), _true, "loading a universal checkpoint"),
     Refusal(("fp16", "fp16_master_weights_and_grads"), _true, "fp16 master weights and gradients (no fp32 copy)"),
     Refusal(("zero_optimization", "zero_quantized_weights"), _true, "ZeRO++ quantized weight all-gathers (qwZ)"),

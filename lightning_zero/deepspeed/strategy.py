@@ -142,6 +142,13 @@ def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[s
             raise ValueError("conflicting settings:\n  - " + _conflict(
                 ds, "sequence_parallel.size", ds.sequence_parallel, "sequence_parallel", rest["sequence_parallel"]))
         rest["sequence_parallel"] = ds.sequence_parallel
+    if "tensor_parallel.size" in ds.given:  # autotp_size; the user's TensorParallelConfig (plan) kept when it agrees
+        user_tp = rest.get("tensor_parallel")
+        size = user_tp if isinstance(user_tp, int) or user_tp is None else user_tp.size
+        if user_tp is not None and size != ds.tensor_parallel:
+            raise ValueError("conflicting settings:\n  - " + _conflict(
+                ds, "tensor_parallel.size", ds.tensor_parallel, "tensor_parallel", user_tp))
+        rest["tensor_parallel"] = user_tp if user_tp is not None else ds.tensor_parallel
     zero = replace(ds.zero, **{n: v for n, v in user.items() if f"zero.{n}" not in ds.given})
     if plugin is None:
         plugin = build_precision_plugin(ds, default=precision)
@@ -235,9 +242,9 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
                             "precision unset when the DeepSpeed config chooses it.)")
         pipe = self.pipeline_config
         try:  # pipelined: over the data-parallel ranks of a stage (Note [DeepSpeed pipeline batches])
-            # ... and over data only with sequence parallel: a sequence group shares its samples
-            self.resolved_batch = ds.batch.resolve(
-                self.world_size // ((pipe.stages if pipe is not None else 1) * self.sequence_parallel))
+            # ... and over data only with sequence / tensor parallel: such a group shares its samples
+            self.resolved_batch = ds.batch.resolve(self.world_size // (
+                (pipe.stages if pipe is not None else 1) * self.sequence_parallel * self.tensor_parallel.size))
         except ValueError as err:
             raise ValueError(f"DeepSpeed config {ds.source}: {err}") from err
         manual = not self.lightning_module.automatic_optimization

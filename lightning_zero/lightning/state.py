@@ -41,6 +41,9 @@ from lightning_zero.lightning.state_files import open_state_dict
 from lightning_zero.lightning.steps import StepDispatch
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
+from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
+from lightning_zero.tensor_parallel.config import TensorParallelConfig
+from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
 
 Fallback = Callable[..., Any]  # Lightning's own implementation of the hook (the strategy's super())
 
@@ -57,6 +60,8 @@ class CheckpointHost(Protocol):
     _last_runtime: Stage3Runtime | None
     _after_fit_refusal: tuple[str, bool] | None  # StrategyPipeline.teardown: why a save now is incomplete
     _steps: StepDispatch
+    _tp: StrategyTensorParallel | None
+    tensor_parallel: TensorParallelConfig
 
     @property
     def precision_plugin(self) -> ZeroPrecision: ...
@@ -108,10 +113,14 @@ class StrategyCheckpointing:
         assert module is not None
         if host._engine is not None:
             state = open_state_dict(source)
+            if host._tp is not None:  # whole tensors cut to this rank's TP slices
+                state = TensorParallelCheckpoint.split_state_dict(state, module, prefix)
             load_full_state_dict(host._engine, state, prefix, strict)
             host.precision_plugin.refresh_originals(module, state, prefix)  # frozen parameters
             return
         state = open_state_dict(source)
+        if host._tp is not None:  # a split module (a finished fit's) takes its slices
+            state = TensorParallelCheckpoint.split_state_dict(state, module, prefix)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         with host.precision_plugin.whole_precision(module):  # Note [loading a converted module]
             module.load_state_dict(own, strict=strict)
@@ -148,30 +157,35 @@ class StrategyCheckpointing:
             out["train/grad_norm"] = float(self.last_grad_norm)
         return out
 
+    def _tensor_parallel(self) -> TensorParallelCheckpoint | None:
+        """The TP side when this strategy split the module (its states are unsplit before they are saved)."""
+        tp, module = self._host._tp, self._host.lightning_module
+        return tp.checkpoint if tp is not None and module is not None and tp.splits(module) else None
+
     def lightning_module_state_dict(self, fallback: Fallback) -> dict[str, Any]:
-        """Whole tensors (stage 3 gathers them unit by unit; every rank calls this). With an fp32
-        master the checkpoint holds fp32 weights (the masters, gathered), like the module before
-        the cast, so a resumed run starts from exact masters."""
-        engine, module = self._host._engine, self._host.lightning_module
+        """Whole tensors (stage 3 gathers them unit by unit; tensor-parallel slices are gathered over the TP
+        group and unsplit; every rank calls this). With an fp32 master the checkpoint holds fp32 weights
+        (the masters, gathered), like the module before the cast, so a resumed run starts from exact masters."""
+        engine, module, tp = self._host._engine, self._host.lightning_module, self._tensor_parallel()
         if engine is None or module is None:
-            return fallback()
+            state = fallback()
+            return tp.unsplit_state_dict(state, module) if tp is not None and module is not None else state
         if self._writes_shards:
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
         pipeline = self._host._pipeline
         if pipeline is not None and pipeline.checkpoint is not None:  # unsplit names, all stages
             return pipeline.checkpoint.state_dict(engine, module)
         state = engine.full_state_dict()  # stage 3 gathers unit by unit (every rank takes part)
-        if not engine.separate_master:
-            return state
-        masters = engine.full_master_params()
-        owner = dict(module.named_parameters(remove_duplicate=False))
-        for key, value in state.items():
-            p = owner.get(key)
-            if p is not None and p in masters:
-                state[key] = masters[p]
-            elif isinstance(value, Tensor) and value.is_floating_point():
-                state[key] = value.to(engine.dtypes.master_dtype)
-        return state
+        if engine.separate_master:
+            masters = engine.full_master_params()
+            owner = dict(module.named_parameters(remove_duplicate=False))
+            for key, value in state.items():
+                p = owner.get(key)
+                if p is not None and p in masters:
+                    state[key] = masters[p]
+                elif isinstance(value, Tensor) and value.is_floating_point():
+                    state[key] = value.to(engine.dtypes.master_dtype)
+        return tp.unsplit_state_dict(state, module) if tp is not None else state
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
@@ -182,10 +196,15 @@ class StrategyCheckpointing:
         if pipeline is not None and pipeline.checkpoint is not None and engine is not None:
             state = pipeline.checkpoint.optimizer_state(engine)  # numbered as the unsplit optimizer's
             return state if self._host.is_global_zero else {}
+        tp = self._tensor_parallel()
         if engine is None or engine.sharded is None:
-            return optimizer.state_dict()
+            state = optimizer.state_dict()
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            return tp.unsplit_optimizer_state(state, params) if tp is not None else state
         # world-size independent: the state of the original parameters, gathered from all shards
         state = full_optimizer_state(engine.sharded, engine.comm)
+        if tp is not None:  # and TP-size independent: split tensors whole
+            state = tp.unsplit_optimizer_state(state, [p for ps in engine.sharded.original_params for p in ps])
         return state if self._host.is_global_zero else {}
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any], fallback: Fallback) -> None:
@@ -195,14 +214,20 @@ class StrategyCheckpointing:
             for state in states[:1]:  # this stage's entries only (a sharded checkpoint's read lazily)
                 pipeline.checkpoint.load_optimizer_state(engine, dict(state))
             return None
+        tp = self._tensor_parallel()
         if engine is None or engine.sharded is None or engine.sharded.whole:
             if any(isinstance(s.get("state"), Mapping) and not isinstance(s.get("state"), dict) for s in states):
-                checkpoint = {**checkpoint, "optimizer_states": [materialize_optimizer_state(s) for s in states]}
-            return fallback(checkpoint)
+                states = [materialize_optimizer_state(s) for s in states]
+            if tp is not None and engine is not None:  # whole tensors cut to this rank's slices
+                params = [p for g in engine.optimizer.param_groups for p in g["params"]]
+                states = [tp.split_optimizer_state(s, params) for s in states]
+            return fallback({**checkpoint, "optimizer_states": states})
         for state in states[:1]:  # one optimizer (checked at setup)
             if isinstance(state.get("state"), LazyOptimizerState):  # a sharded checkpoint: owned slices only
-                load_owned_optimizer_state(engine, state)
+                load_owned_optimizer_state(engine, state)  # a TP slice reads its part (checkpoint/slices.py)
             else:
+                if tp is not None:
+                    state = tp.split_optimizer_state(state, [p for ps in engine.sharded.original_params for p in ps])
                 load_full_optimizer_state(engine.sharded, state)
         return None
 
@@ -243,8 +268,11 @@ class StrategyCheckpointing:
         comm, layout, merge, pipeline = self._host._comm, None, None, self._host._pipeline
         if pipeline is not None and pipeline.checkpoint is not None and self._writes_shards:
             layout, merge = pipeline.checkpoint.sharded_parts(self._host._engine, module)  # each stage its shards
-        if self._host.pipeline_config is not None:  # every stage writes into one directory: the world's group agrees
-            comm = DataParallelComm()
+        tp = self._tensor_parallel()
+        if tp is not None and self._writes_shards:  # each TP rank its slices (Note [TP slices in checkpoints])
+            layout, merge = tp.sharded_parts(self._host._engine, module)
+        if self._host.pipeline_config is not None or self._host._tp is not None:  # every stage / TP rank writes
+            comm = DataParallelComm()  # into one directory: the world's group agrees
         save_sharded(
             filepath, checkpoint, self._host._engine if self._writes_shards else None, self._host.global_rank,
             self._host.world_size, broadcast=comm.broadcast_text if comm is not None else (lambda name: name),
@@ -265,7 +293,10 @@ class StrategyCheckpointing:
         if not is_sharded_checkpoint(checkpoint_path):
             return fallback(checkpoint_path, weights_only=weights_only)
         ckpt = ShardedCheckpoint(checkpoint_path)
-        same_world = ckpt.world_size == self._host.world_size
+        written_tp = ckpt.tensor_parallel.size if ckpt.tensor_parallel is not None else 1
+        here_tp = self._host.tensor_parallel.size  # known before setup (the mesh is built in setup)
+        # each rank's RNG where the layout is the same (a TP group's ranks share the replicated regions' stream)
+        same_world = ckpt.world_size == self._host.world_size and written_tp == here_tp
         self._host._steps.resume_rng(ckpt.rng_state(self._host.global_rank) if same_world else None)
         return ckpt.to_lightning()
 

@@ -71,7 +71,7 @@ from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
 from lightning_zero.sequence_parallel import StrategySequenceParallel
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
-from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, refuse_tensor_parallel_checkpoint
+from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, refuse_pipeline_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        refuse_tensor_parallel_checkpoint(self.tensor_parallel, "saving")  # every format
+        refuse_pipeline_checkpoint(self.tensor_parallel, self.pipeline_config is not None, "saving")
         self._checkpointing.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
@@ -294,7 +294,7 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        refuse_tensor_parallel_checkpoint(self.tensor_parallel, "loading")  # every format
+        refuse_pipeline_checkpoint(self.tensor_parallel, self.pipeline_config is not None, "loading")
         return self._checkpointing.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint)
 
     @property

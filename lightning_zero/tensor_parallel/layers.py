@@ -14,6 +14,8 @@ Layers are built from an existing, initialised ``nn.Linear`` by slicing its weig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,42 @@ SliceMemo = dict[int, tuple[nn.Parameter, tuple[int, int], nn.Parameter]]
 def split_dim(param: torch.Tensor) -> int | None:
     """The dimension ``param`` was split along, or ``None`` when it is replicated (Note [split tags])."""
     return getattr(param, "tp_split_dim", None)
+
+
+@dataclass(frozen=True)
+class SplitTag:
+    """How a split parameter was cut (Note [split tags]): ``chunks`` blocks along ``dim``, each cut into ``size``
+    parts, this one the ``rank``-th part of every block."""
+
+    dim: int
+    chunks: int
+    size: int
+    rank: int
+
+    def whole_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The unsplit tensor's shape, from a slice's."""
+        return tuple(n * self.size if i == self.dim else n for i, n in enumerate(local))
+
+
+def split_of(param: torch.Tensor) -> SplitTag | None:
+    """The whole tag of a split parameter, or ``None`` when it is replicated."""
+    dim = split_dim(param)
+    if dim is None:
+        return None
+    return SplitTag(dim, param.tp_chunks, param.tp_size, param.tp_rank)  # type: ignore[attr-defined]
+
+
+def slice_tensor(whole: torch.Tensor, tag: SplitTag) -> torch.Tensor:
+    """``tag.rank``'s slice of an unsplit tensor (a copy), cut as :func:`slice_param` cuts a parameter."""
+    part = whole.size(tag.dim) // (tag.chunks * tag.size)
+    blocks = whole.chunk(tag.chunks, dim=tag.dim)
+    return torch.cat([b.narrow(tag.dim, tag.rank * part, part) for b in blocks], dim=tag.dim).clone()
+
+
+def unslice_tensors(parts: list[torch.Tensor], dim: int, chunks: int) -> torch.Tensor:
+    """The unsplit tensor from every rank's slice, in rank order (the inverse of :func:`slice_tensor`)."""
+    blocks = [p.chunk(chunks, dim=dim) for p in parts]
+    return torch.cat([b[c] for c in range(chunks) for b in blocks], dim=dim)
 
 
 def slice_param(param: nn.Parameter, dim: int, chunks: int, tp: TPGroup, memo: SliceMemo, name: str) -> nn.Parameter:
@@ -63,6 +101,8 @@ def slice_param(param: nn.Parameter, dim: int, chunks: int, tp: TPGroup, memo: S
     out = nn.Parameter(local, requires_grad=param.requires_grad)
     out.tp_split_dim = dim  # type: ignore[attr-defined]
     out.tp_chunks = chunks  # type: ignore[attr-defined]
+    out.tp_size = tp.size  # type: ignore[attr-defined]
+    out.tp_rank = tp.rank  # type: ignore[attr-defined]
     memo[id(param)] = (param, key, out)
     return out
 

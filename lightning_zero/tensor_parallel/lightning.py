@@ -31,6 +31,7 @@ from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.mesh.groups import ProcessMesh
 from lightning_zero.core.zero.engine import StageCoupling
 from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
+from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, split_dim
@@ -41,15 +42,14 @@ TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
 def refuse_combinations(tp: TensorParallelConfig, *, pipeline: bool, offload: bool) -> None:
-    """The compositions not built in this slice, refused at construction with the reason."""
+    """The compositions not built in this slice, refused at construction with the reason. Offload composes: TP
+    only changes what the rank's flat buffers hold, and the engine offloads their shards as any others."""
+    del offload  # composes (tests/test_tensor_parallel.py: parity with offload against the unsplit model)
     if not tp.enabled:
         return
     if pipeline:
         raise ValueError("tensor_parallel with a pipeline is not built yet (the pipeline's stage groups and the TP "
                          "groups are not composed on one mesh): use tensor_parallel or pipeline, not both")
-    if offload:
-        raise ValueError("tensor_parallel with offload_optimizer / offload_param is not built yet: drop the offload "
-                         "(TP itself divides the split parameters' model states by the TP size)")
 
 
 def replicated_norm_excess(tp_size: int) -> Any:
@@ -85,6 +85,7 @@ class StrategyTensorParallel:
         # strategy's mesh, which closes it at exit)
         self.tp_comm = DataParallelComm(mesh.group(Axis.TENSOR), collective)
         self.split: list[str] = []
+        self.checkpoint = TensorParallelCheckpoint(self.tp, mesh.dims, mesh.rank)  # unsplit states (checkpoint.py)
         self._module: nn.Module | None = None  # the module split (a later fit of the same run keeps it)
 
     def apply(self, module: nn.Module) -> None:
@@ -104,11 +105,18 @@ class StrategyTensorParallel:
         self.split = apply_plan(module, resolve_plan(module, plan, source), self.tp)
         self._module = module
 
+    def splits(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the one this strategy split (its states are slices)."""
+        return bool(self.split) and module is self._module
+
     def check_optimizer(self, optimizer: Any) -> None:
         """Refuse an optimizer that does not compose with TP yet (before the engine is built)."""
         if isinstance(optimizer, OneBitAdam):
-            raise ValueError("tensor_parallel with 1-bit Adam is not built yet (its compressed all-reduce runs over "
-                             "the data group without the TP norm): use AdamW / Adam / SGD, or drop tensor_parallel")
+            raise ValueError("tensor_parallel with 1-bit Adam is not built yet (after its warm-up each rank keeps its "
+                             "own gradients and the momenta are averaged by the compressed all-reduce over the data "
+                             "group: neither the clipping norm over tensor x data nor its checkpoints' per-rank "
+                             "error-feedback residuals are composed with the TP slices): use AdamW / Adam / SGD, or "
+                             "drop tensor_parallel")
 
     def coupling(self) -> StageCoupling:
         """The engine's norm and overflow agreement over tensor x data (Note [norm over tensor x data]), given
@@ -116,10 +124,11 @@ class StrategyTensorParallel:
         return StageCoupling(model_parallel=self.tp_comm, norm_excess=replicated_norm_excess(self.config.size))
 
 
-def refuse_tensor_parallel_checkpoint(config: TensorParallelConfig, what: str) -> None:
-    """Saving or loading a checkpoint with tensor parallelism is not built yet: refused in every format."""
-    if config.enabled:
+def refuse_pipeline_checkpoint(config: TensorParallelConfig, pipelined: bool, what: str) -> None:
+    """Checkpoints with tensor parallelism are built (tensor_parallel/checkpoint.py), but not of a pipeline whose
+    stages are split by TP: refused in every format, before anything is written or read."""
+    if config.enabled and pipelined:
         raise NotImplementedError(
-            f"{what} a checkpoint with tensor_parallel={config.size} is not built yet (the sharded format does not "
-            "record TP slices yet, issue 31's checkpoint slice): train without checkpoints "
-            "(enable_checkpointing=False; the CLI: trainer.checkpoint.enabled=false) or without tensor_parallel")
+            f"{what} a checkpoint of pipeline x tensor_parallel={config.size} is not built yet (a stage's TP slices "
+            "are not merged into the pipeline's checkpoint): train without checkpoints (enable_checkpointing=False; "
+            "the CLI: trainer.checkpoint.enabled=false), or without the pipeline")
