@@ -17,7 +17,7 @@ docs/benchmarks.md:
   per-token fp32 scalars. torch's DTensor collectives run as functional ops: counted with its
   ``CommDebugMode`` (counts, no bytes).
 
-Run: .venv/bin/python benchmarks/bench_tensor_parallel.py --rounds 3 --steps 8
+Run: .venv/bin/python benchmarks/bench_tensor_parallel.py --rounds 5 --steps 8
 """
 
 from __future__ import annotations
@@ -275,7 +275,8 @@ def main() -> None:
           f"{VOCAB}, batch {B} x {T} tokens; AdamW; {a.rounds} interleaved rounds of {a.steps} steps after "
           f"{a.warmup} warm-up; median of the rounds' per-run medians (slowest rank). Load average "
           f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores shared with other jobs).\n")
-    print("| harness | system | step ms | vs this project |\n| :-- | :-- | --: | --: |")
+    print("| harness | system | step ms | vs this project | per round: ms (vs this project) |\n"
+          "| :-- | :-- | --: | --: | :-- |")
     rows = [("plain loop", "unsplit model on each rank (no TP)", "loop whole", "loop ours"),
             ("plain loop", "this project's layers (`apply_plan`)", "loop ours", "loop ours"),
             ("plain loop", "torch `parallelize_module` (DTensor)", "loop torch", "loop ours"),
@@ -283,7 +284,8 @@ def main() -> None:
             ("Trainer", "Lightning `ModelParallelStrategy(tensor_parallel_size=2)`", "trainer lightning",
              "trainer zero")]
     for harness, label, key, ref in rows:
-        print(f"| {harness} | {label} | {med[key]:.1f} | {med[key] / med[ref]:.2f}x |")
+        rounds = ", ".join(f"{v * 1e3:.0f} ({v / w:.2f}x)" for v, w in zip(runs[key], runs[ref], strict=True))
+        print(f"| {harness} | {label} | {med[key]:.1f} | {med[key] / med[ref]:.2f}x | {rounds} |")
     print("\n| model | collective | calls / step | bytes / step (payload) | formula calls | formula bytes |"
           "\n| :-- | :-- | --: | --: | --: | --: |")
     for m in ("bench", "gpt"):
