@@ -184,7 +184,7 @@ def oom_advice(cfg: TrainConfig) -> str | None:
     size = f"{device / 1e9:.1f} GB per rank ({where})"
     if adv.choice is None:
         return f"The estimator finds no configuration of this model that fits {size}: see `lightning-zero advise`."
-    return (f"The estimator suggests for {size}: {adv.choice.estimate.label} -> {adv.overrides} "
+    return (f"The estimator suggests for {size}: {adv.choice.label} -> {adv.overrides} "
             f"(`lightning-zero advise --device-memory {device / 1e9:.1f}GB --params "
             f"{count_model_parameters(cfg)} --precision {precision}` explains why).")
 
