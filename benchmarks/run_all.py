@@ -284,7 +284,7 @@ def advisor_section(rows: list[dict[str, Any]], cell: Cell, img: Path, write: bo
         got = sum(by[name]["state"][k] for k in ("params", "grads", "optimizer"))
         budget = got * 1.01 / 0.9  # the advisor keeps 10% headroom
         advice = advise(n, device_memory=budget, world_size=cell.world_size, precision="fp32", headroom=0.1)
-        pick = advice.choice.estimate.label if advice.choice is not None else "nothing fits"
+        pick = advice.choice.label if advice.choice is not None else "nothing fits"
         data.append((name, formula, got))
         out.append(f"| {name} | {formula / MB:.1f} | {got / MB:.1f} | {budget / MB:.1f} | {pick} |")
     if write and data:

@@ -55,8 +55,11 @@ def _common_arguments(p: argparse.ArgumentParser) -> None:
                       help="fp32; mixed = bf16-mixed / 16-mixed (16-bit params + fp32 master); bf16-true")
     what.add_argument("--optimizer-bytes", type=int, default=8,
                       help="fp32 bytes of optimizer state per parameter (Adam/AdamW: 8, SGD+momentum: 4)")
-    ranks = p.add_argument_group("data-parallel layout (world size = nodes x GPUs per node)")
-    ranks.add_argument("--world-size", type=int, help="data-parallel ranks N")
+    what.add_argument("--replicated-params", type=_typed(parse_count),
+                      help="parameters tensor parallelism keeps whole on every rank (norms, row-parallel biases, "
+                      "position embeddings; default: counted from --model's plan, else 0)")
+    ranks = p.add_argument_group("layout (world size = nodes x GPUs per node = data x tensor-parallel ranks)")
+    ranks.add_argument("--world-size", type=int, help="ranks N (data-parallel ranks x --tensor-parallel)")
     ranks.add_argument("--num-nodes", type=int, help="nodes (CPU memory and NVMe are per node)")
     ranks.add_argument("--gpus-per-node", type=int,
                        help="ranks per node (default: 8 when N is a multiple of 8, else N on one node)")
@@ -75,7 +78,7 @@ def _model_kwargs(a: argparse.Namespace) -> EstimateOptions:
         model=a.model, world_size=a.world_size, num_nodes=a.num_nodes, gpus_per_node=a.gpus_per_node,
         precision=a.precision, micro_batch=a.micro_batch, seq_len=a.seq_len, layers=a.layers, hidden=a.hidden,
         heads=a.heads, flash_attention=a.flash_attention, largest_layer_params=a.largest_layer,
-        optimizer_state_per_param=a.optimizer_bytes,
+        optimizer_state_per_param=a.optimizer_bytes, replicated_params=a.replicated_params,
     )
 
 
@@ -101,9 +104,12 @@ def estimate_command(argv: list[str]) -> int:
         _common_arguments(p)
         p.add_argument("--offload", default="all", choices=["all", *OFFLOADS],
                        help="offload rows to show besides no offload (default: every valid option)")
+        p.add_argument("--tensor-parallel", type=int, default=1,
+                       help="ranks per tensor-parallel group (default 1: none); ZeRO partitions over the rest")
 
     def act(a: argparse.Namespace) -> int:
-        print(estimate_memory(a.params, offload=a.offload, **_model_kwargs(a)).table(a.units))
+        est = estimate_memory(a.params, offload=a.offload, tensor_parallel=a.tensor_parallel, **_model_kwargs(a))
+        print(est.table(a.units))
         return 0
 
     return _run("estimate", estimate_command.__doc__ or "", build, act, argv)
@@ -126,11 +132,14 @@ def advise_command(argv: list[str]) -> int:
         hw.add_argument("--activation-checkpointing", action="store_true",
                         help="fit checkpointed activations instead of full ones")
         _common_arguments(p)
+        p.add_argument("--tensor-parallel", type=int, default=None,
+                       help="ranks per tensor-parallel group to advise for (default: none, and the smallest size "
+                       "that fits when nothing fits without it)")
 
     def act(a: argparse.Namespace) -> int:
         result = advise(a.params, device_memory=a.device_memory, cpu_memory=a.cpu_memory, nvme=a.nvme,
                         headroom=a.headroom, activation_checkpointing=a.activation_checkpointing,
-                        nvme_path=a.nvme_path, **_model_kwargs(a))
+                        nvme_path=a.nvme_path, tensor_parallel=a.tensor_parallel, **_model_kwargs(a))
         print(result.table(a.units))
         problem = result.nvme_path_problem()
         if problem:  # the suggested command would be refused: say so, and how to fix it

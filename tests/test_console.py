@@ -92,3 +92,25 @@ def test_a_rank_stopped_by_the_hang_watchdog_is_summarised_as_such(tmp_path: Pat
     assert "hang detected" in text and "traceback" not in text
     silent = failure_summary(RankExit(1, SILENT_EXIT_CODE, False), 2, tmp_path, None)
     assert "exit code 75: a rank or the store stopped answering" in silent
+
+
+def test_the_host_memory_note_and_the_advice_of_a_tensor_parallel_run_count_its_tp_size() -> None:
+    """With tensor_parallel=tp2 the figure is the estimator's at TP 2 (a rank's slices plus the replicated
+    parameters, activations split), and no offload setting is offered (offload with TP is not built)."""
+    from lightning_zero.config.console import oom_advice
+    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.validate import validate_config
+    from lightning_zero.estimator import estimate_memory, format_bytes
+
+    cfg = validate_config(compose_config(["experiment=gpt_tiny", "zero=stage2", "tensor_parallel=tp2",
+                                          "trainer.devices=2", "trainer.checkpoint.enabled=false"]))
+    note = host_memory_note(cfg)
+    assert note is not None and "tensor parallel 2" in note and "offload=" not in note, note
+    g = gpt_config(cfg.model)
+    expected = estimate_memory(count_model_parameters(cfg), world_size=2, gpus_per_node=2, precision="fp32",
+                               offload="none", layers=g.n_layer, hidden=g.n_embd, heads=g.n_head,
+                               micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len,
+                               tensor_parallel=2).config(2).device_total()
+    assert f"{format_bytes(expected)} per rank" in note, note
+    advice = oom_advice(cfg)
+    assert advice is not None and ("TP 2" in advice or "finds no configuration" in advice), advice

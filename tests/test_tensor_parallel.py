@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_zero import TensorParallelConfig, ZeroStrategy
-from lightning_zero.core.zero.memory import model_state_formula
+from lightning_zero.core.zero.memory import model_state_formula, tensor_parallel_model_state
 from lightning_zero.models.gpt import GPTConfig, GPTLightningModule
 from lightning_zero.tensor_parallel import Colwise, Rowwise, VocabEmbedding, split_dim
 from lightning_zero.tensor_parallel.plan import auto_plan, find_plan, resolve_plan
@@ -185,7 +185,8 @@ def _reference(data_ranks: int, model: str = "gpt") -> dict[str, list]:
     return {"losses": losses, "norms": norms}
 
 
-def _fit(stage: int, tp: int, model: str = "gpt", offload: dict[str, str] | None = None) -> dict[str, Any]:
+def _fit(stage: int, tp: int, model: str = "gpt", offload: dict[str, str] | None = None,
+         steps: int = STEPS) -> dict[str, Any]:
     import torch.distributed as dist
 
     norms: list[float] = []
@@ -202,16 +203,19 @@ def _fit(stage: int, tp: int, model: str = "gpt", offload: dict[str, str] | None
 
     torch.manual_seed(0)
     module = MODELS[model]()
+    whole = {n: p.numel() for n, p in module.named_parameters()}  # the unsplit model, before the plan
     strategy = ZeroStrategy(stage=stage, tensor_parallel=tp, param_persistence_threshold=0, reduce_bucket_size=500,
                             **(offload or {}))
-    trainer = make_trainer(strategy, devices=dist.get_world_size(), max_steps=STEPS, gradient_clip_val=CLIP,
+    trainer = make_trainer(strategy, devices=dist.get_world_size(), max_steps=steps, gradient_clip_val=CLIP,
                            accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=True, callbacks=[Norms()])
     trainer.fit(module, _loader(1))
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     split = sum(p.numel() for p in module.parameters() if split_dim(p) is not None)
     replicated = sum(p.numel() for p in module.parameters() if split_dim(p) is None)
+    split_whole = sum(whole[n] for n, p in module.named_parameters() if split_dim(p) is not None)
     return {"losses": module.losses, "norms": norms, "shapes": shapes,
             "data_rank": dist.get_rank() // tp, "held": held[0], "split_numel": split, "replicated_numel": replicated,
+            "split_whole": split_whole, "replicated_whole": sum(whole.values()) - split_whole, "tensors": len(whole),
             "split": list(strategy._tp.split) if strategy._tp else [], "offloaded": all(offloaded)}
 
 
@@ -231,12 +235,44 @@ def parity_body(stages: list[int], tp: int, model: str = "gpt",
             "norm_rel": max(abs(a - b) / b for a, b in zip(run["norms"], ref["norms"], strict=True)),
             "clipped": min(ref["norms"]) > CLIP, "steps": len(run["norms"]), "shapes": run["shapes"],
             "split": run["split"], "held": run["held"], "split_numel": run["split_numel"],
-            "replicated_numel": run["replicated_numel"],
+            "replicated_numel": run["replicated_numel"], "split_whole": run["split_whole"],
+            "replicated_whole": run["replicated_whole"], "tensors": run["tensors"],
             "whole_numel": sum(p.numel() for p in MODELS[model]().parameters()),
             "data_ranks": data_ranks, "tp": tp, "norms": (run["norms"], ref["norms"]),
             "losses": (run["losses"], ref_losses), "offloaded": run["offloaded"],
         }
     return out
+
+
+def memory_body(stages: list[int], tp: int) -> dict[int, dict[str, Any]]:
+    """One optimizer step per ZeRO stage at TP ``tp`` on this rank: the model-state bytes the rank holds after
+    it, and the unsplit model's split and replicated parameter counts (what the formula takes)."""
+    import torch.distributed as dist
+
+    out = {}
+    for stage in stages:
+        run = _fit(stage, tp, steps=1)
+        keys = ("held", "split_numel", "replicated_numel", "split_whole", "replicated_whole", "tensors")
+        out[stage] = {k: run[k] for k in keys}
+        out[stage].update(tp=tp, data_ranks=dist.get_world_size() // tp)
+    return out
+
+
+def _check_memory(stage: int, r: dict[str, Any]) -> None:
+    """This rank's model-state bytes (its flat buffers' storages, counted by ``model_state_bytes()``) against
+    Note [model state with TP]: the ZeRO formula of Psi_split / tp + Psi_replicated over the data ranks, the
+    counts taken from the unsplit model."""
+    assert r["split_whole"] > r["replicated_whole"] > 0, r  # the plan split most of the model, not all of it
+    assert r["split_numel"] * r["tp"] == r["split_whole"] and r["replicated_numel"] == r["replicated_whole"], r
+    expected = tensor_parallel_model_state(stage, r["split_whole"], r["replicated_whole"], r["tp"], r["data_ranks"])
+    unsplit = model_state_formula(stage, r["split_whole"] + r["replicated_whole"], r["data_ranks"])
+    held = r["held"]
+    for kind in ("params", "grads", "optimizer"):
+        # within the flat buffers' padding (< data ranks per unit) and, for the optimizer, AdamW's 4-byte step
+        # counter per parameter tensor (stage 0 steps the original parameters)
+        slack = 16 * 4 * r["data_ranks"] + (4 * r["tensors"] if kind == "optimizer" else 0)
+        assert abs(getattr(held, kind) - getattr(expected, kind)) <= slack, (stage, kind, held, expected)
+        assert getattr(held, kind) < getattr(unsplit, kind) * (1 + 1 / r["tp"]) / 2 + slack, (stage, kind, held)
 
 
 def _check(results: list[dict[int, dict[str, Any]]], stages: list[int]) -> None:
@@ -245,13 +281,8 @@ def _check(results: list[dict[int, dict[str, Any]]], stages: list[int]) -> None:
         for stage, r in per_rank.items():
             assert r["steps"] == STEPS and r["clipped"], (stage, r)  # the clip acts on every step
             assert r["loss_rel"] < 1e-5 and r["norm_rel"] < 1e-5, (stage, r)
-            # memory: the ZeRO formula over this rank's Psi_split / tp + Psi_replicated, over the data ranks
             assert r["split_numel"] * r["tp"] + r["replicated_numel"] == r["whole_numel"], r
-            expected = model_state_formula(stage, r["split_numel"] + r["replicated_numel"], r["data_ranks"])
-            held = r["held"]
-            for kind in ("params", "grads", "optimizer"):  # within the flat buffers' padding (< data ranks)
-                slack = 16 * 4 * r["data_ranks"]
-                assert abs(getattr(held, kind) - getattr(expected, kind)) <= slack, (stage, kind, held, expected)
+            _check_memory(stage, r)
 
 
 @pytest.mark.distributed
@@ -290,16 +321,35 @@ def test_tp2_with_sparse_attention_follows_the_unsplit_model(gloo_pool: GlooPool
     _check(results, [1])
 
 
+@pytest.mark.distributed
+def test_model_state_per_rank_is_the_tp_formula_at_every_zero_stage_on_two_ranks(gloo_pool: GlooPool) -> None:
+    """TP 2 on 2 ranks (one data rank), ZeRO 0-3: each rank holds Psi_split / 2 + Psi_replicated of params,
+    grads and AdamW state (Note [model state with TP])."""
+    results = gloo_pool.run("tests.test_tensor_parallel:memory_body", stages=[0, 1, 2, 3], tp=2)
+    for per_rank in results:
+        assert sorted(per_rank) == [0, 1, 2, 3]
+        for stage, r in per_rank.items():
+            _check_memory(stage, r)
+
+
 @pytest.mark.slow
 def test_tp2_by_data2_follows_two_data_parallel_ranks_at_every_zero_stage() -> None:
     """4 processes, TP groups {0, 1} and {2, 3}: each data replica's losses and the global norms match the
-    whole model fed by 2 data-parallel ranks, at ZeRO 0-3 (ZeRO partitions over the data axis only)."""
+    whole model fed by 2 data-parallel ranks, at ZeRO 0-3 (ZeRO partitions over the data axis only); each
+    rank's model state is the TP formula. The same processes then run TP 4 (one group of all 4 ranks) at
+    ZeRO 0-3, one step each, its model state against the formula (one spawn for every 4-rank layout)."""
     pool = GlooPool(world_size=4)
     try:
         results = pool.run("tests.test_tensor_parallel:parity_body", stages=[0, 1, 2, 3], tp=2, _timeout_s=900)
+        tp4 = pool.run("tests.test_tensor_parallel:memory_body", stages=[0, 1, 2, 3], tp=4, _timeout_s=600)
     finally:
         pool.close()
     _check(results, [0, 1, 2, 3])
+    for per_rank in tp4:
+        assert sorted(per_rank) == [0, 1, 2, 3]
+        for stage, r in per_rank.items():
+            assert r["tp"] == 4 and r["data_ranks"] == 1, r
+            _check_memory(stage, r)
 
 
 @pytest.mark.distributed

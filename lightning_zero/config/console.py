@@ -176,15 +176,16 @@ def oom_advice(cfg: TrainConfig) -> str | None:
         shape = dict(micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len, layers=g.n_layer,
                      hidden=g.n_embd, heads=g.n_head)
     try:
+        tp = cfg.tensor_parallel.size
         adv = advise(count_model_parameters(cfg), device_memory=device, cpu_memory=host, world_size=t.devices,
-                     precision=precision, **shape)
+                     precision=precision, tensor_parallel=tp if tp > 1 else None, **shape)
     except ValueError:
         return None
     where = "GPU" if gpu else f"host memory / {t.devices} ranks"
     size = f"{device / 1e9:.1f} GB per rank ({where})"
     if adv.choice is None:
         return f"The estimator finds no configuration of this model that fits {size}: see `lightning-zero advise`."
-    return (f"The estimator suggests for {size}: {adv.choice.estimate.label} -> {adv.overrides} "
+    return (f"The estimator suggests for {size}: {adv.choice.label} -> {adv.overrides} "
             f"(`lightning-zero advise --device-memory {device / 1e9:.1f}GB --params "
             f"{count_model_parameters(cfg)} --precision {precision}` explains why).")
 
@@ -221,9 +222,12 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
                      hidden=g.n_embd, heads=g.n_head)
     params, precision = count_model_parameters(cfg), cfg.precision.name.value
 
+    tp = cfg.tensor_parallel.size  # offload with TP is not built: no offload settings are offered with it
+
     def host(stage: int, offload: str, **change: int) -> float:
         c = estimate_memory(params, world_size=t.devices * t.num_nodes, gpus_per_node=t.devices,
-                            precision=precision, offload=offload, **{**shape, **change}).config(stage, offload)
+                            precision=precision, offload=offload, tensor_parallel=tp,
+                            **{**shape, **change}).config(stage, offload)
         return c.cpu_bytes + (c.device_total() if on_cpu else 0.0)
 
     stage, offload = cfg.zero.stage, _offload_of(cfg)
@@ -231,11 +235,11 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
         now = host(stage, offload)
         options: list[tuple[str, float]] = [(f"zero=stage{s}", host(s, offload)) for s in range(stage + 1, 4)
                                             if s in OFFLOAD_STAGES[offload]]
-        if offload in ("none", "optimizer_cpu") and (on_cpu or offload == "optimizer_cpu"):
+        if tp == 1 and offload in ("none", "optimizer_cpu") and (on_cpu or offload == "optimizer_cpu"):
             s = max(stage, 1)
             options.append(("offload=optimizer_nvme offload.nvme_path=<fast disk>"
                             + ("" if s == stage else f" zero=stage{s}"), host(s, "optimizer_nvme")))
-        if offload != "param_nvme" and (on_cpu or offload == "param_cpu"):
+        if tp == 1 and offload != "param_nvme" and (on_cpu or offload == "param_cpu"):
             options.append(("offload=param_nvme offload.nvme_path=<fast disk> zero=stage3", host(3, "param_nvme")))
         if shape.get("micro_batch", 1) > 1:
             half = shape["micro_batch"] // 2
@@ -243,9 +247,10 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
     except ValueError:
         return None
     where = "everything, the ranks train on CPU" if on_cpu else "the offloaded model states"
-    lines = [f"The estimator's host memory for this configuration (stage {stage}, offload {offload}, {precision}, "
-             f"{t.devices} ranks per node; {where}): {format_bytes(now)} per rank, {format_bytes(now * t.devices)} "
-             "for this node's ranks, plus each process's own (Python, torch, data)."]
+    tp_text = f", tensor parallel {tp}" if tp > 1 else ""
+    lines = [f"The estimator's host memory for this configuration (stage {stage}, offload {offload}{tp_text}, "
+             f"{precision}, {t.devices} ranks per node; {where}): {format_bytes(now)} per rank, "
+             f"{format_bytes(now * t.devices)} for this node's ranks, plus each process's own (Python, torch, data)."]
     lower = [f"{o} ({format_bytes(b)} per rank)" for o, b in sorted(options, key=lambda x: x[1]) if b < now]
     if lower:
         lines.append("Settings that lower it: " + "; ".join(lower) + "; fewer ranks per node (trainer.devices).")

@@ -5,6 +5,18 @@ The advisor walks :data:`PREFERENCE` (fastest first), estimates each configurati
 needs fit the memory given, less ``headroom``. Every memory need is linear in the parameter
 count Ψ for a fixed architecture, so the largest model each configuration holds is found in
 closed form from two evaluations.
+
+Tensor parallelism (Note [TP as the last resort]): with ``tensor_parallel`` given, every configuration is
+estimated at that size (offload with TP is not built, so those rows are left out). Without it, when nothing
+fits, the advisor tries TP 2, 4, ... (dividing the world size and the heads, within a node) at stages 0-3
+and says why TP is what makes the model fit: a layer whose 16-bit parameters and gradients exceed a rank
+(ZeRO shards a layer's storage but gathers it whole to compute it), or model states ZeRO and offload
+cannot bring under the device memory.
+
+Note [TP as the last resort]
+    TP adds activation all-reduces inside every layer (Megatron: 4 per block per step) where ZeRO's traffic
+    is per step, and offload does not compose with TP yet; so TP is proposed only when no ZeRO stage or
+    offload fits, at the smallest size that fits, and kept inside a node (its traffic is per layer).
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from lightning_zero.estimator import (
     Cluster,
     ConfigEstimate,
     EstimateOptions,
+    MemoryEstimate,
     ModelSpec,
     estimate_config,
     estimate_memory,
@@ -98,10 +111,15 @@ class Candidate:
     needs: tuple[tuple[str, float], ...]  # (memory, bytes): device per rank, CPU and NVMe per node
     shortfalls: tuple[Shortfall, ...]
     max_params: float  # largest Ψ this configuration holds on the hardware (inf: no limit)
+    tensor_parallel: int = 1
 
     @property
     def fits(self) -> bool:
         return not self.shortfalls
+
+    @property
+    def label(self) -> str:
+        return self.estimate.label + (f" + TP {self.tensor_parallel}" if self.tensor_parallel > 1 else "")
 
     def overrides(self, precision: str, nvme_path: str | None = None) -> str:
         """Hydra overrides selecting this configuration, e.g. ``zero=stage2 offload=none precision=bf16``.
@@ -115,6 +133,8 @@ class Candidate:
         out = f"zero=stage{e.stage} offload={e.offload} precision={PRECISIONS[precision][1]}"
         if e.target == "nvme":
             out += f" offload.nvme_path={shlex.quote(nvme_path or tempfile.gettempdir())}"
+        if self.tensor_parallel > 1:
+            out += f" tensor_parallel.size={self.tensor_parallel}"
         return out
 
 
@@ -140,6 +160,7 @@ class Advice:
     candidates: tuple[Candidate, ...]
     optimizer_state_per_param: int = 8
     nvme_path: str | None = None  # where "nvme" offload puts its swap files (None: the temporary directory)
+    tensor_parallel_reason: str | None = None  # why TP is what makes it fit (Note [TP as the last resort])
 
     @property
     def choice(self) -> Candidate | None:
@@ -167,11 +188,11 @@ class Advice:
 
 
 def _max_params(stage: int, offload: str, spec: ModelSpec, cluster: Cluster, precision: str,
-                acts: Activations | None, osp: int, hw: Hardware, checkpointing: bool) -> float:
+                acts: Activations | None, osp: int, hw: Hardware, checkpointing: bool, tp: int = 1) -> float:
     """Largest Ψ that fits: needs are affine in Ψ (same architecture, activations and largest layer)."""
     probe = 1e9
-    at = [dict(needs_of(estimate_config(stage, offload, replace(spec, num_params=x), cluster, precision, acts, osp),
-                        checkpointing)) for x in (0.0, probe)]
+    at = [dict(needs_of(estimate_config(stage, offload, replace(spec, num_params=x), cluster, precision, acts, osp,
+                                        tp), checkpointing)) for x in (0.0, probe)]
     best = math.inf
     for memory, fixed in at[0].items():
         slope = (at[1][memory] - fixed) / probe
@@ -192,6 +213,7 @@ def advise(
     headroom: float = 0.1,
     activation_checkpointing: bool = False,
     nvme_path: str | None = None,
+    tensor_parallel: int | None = None,
     **options: Unpack[EstimateOptions],
 ) -> Advice:
     """The fastest configuration of :data:`PREFERENCE` that fits, with why each faster one does not.
@@ -206,6 +228,8 @@ def advise(
             when the transformer shape is known).
         nvme_path: the directory an ``"nvme"`` choice's overrides name for its swap files (default: the
             system's temporary directory); :meth:`Advice.nvme_path_problem` checks it.
+        tensor_parallel: advise at this tensor-parallel size; ``None``: none, and the smallest size that fits
+            when nothing fits without it (Note [TP as the last resort]).
         options: the model, the cluster and the precision, as for
             :func:`lightning_zero.estimator.estimate_memory` (``model``, ``world_size``, ``num_nodes``,
             ``gpus_per_node``, ``precision``, ``micro_batch``, ``seq_len``, ``layers``, ``hidden``,
@@ -213,18 +237,64 @@ def advise(
             :class:`~lightning_zero.estimator.EstimateOptions`).
     """
     hw = Hardware(parse_size(device_memory), parse_size(cpu_memory), parse_size(nvme), float(headroom))
-    base = estimate_memory(num_params, offload="all", **options)
-    precision, osp = base.precision, base.optimizer_state_per_param
-    candidates = []
+    base = estimate_memory(num_params, offload="all", tensor_parallel=tensor_parallel or 1, **options)
+    candidates = _candidates(base, hw, activation_checkpointing)
+    reason = None
+    if tensor_parallel is None and not any(c.fits for c in candidates):  # Note [TP as the last resort]
+        heads = options.get("heads") or base.model.heads
+        for tp in _tensor_parallel_sizes(base.cluster, heads):
+            with_tp = _candidates(estimate_memory(num_params, offload="none", tensor_parallel=tp, **options), hw,
+                                  activation_checkpointing)
+            candidates += with_tp
+            if any(c.fits for c in with_tp):
+                reason = _why_tensor_parallel(base, hw, tp)
+                break
+    return Advice(base.model, base.cluster, hw, base.precision, activation_checkpointing, base.activations,
+                  candidates, base.optimizer_state_per_param, nvme_path, reason)
+
+
+def _candidates(est: MemoryEstimate, hw: Hardware, checkpointing: bool) -> tuple[Candidate, ...]:
+    """Each configuration of :data:`PREFERENCE` that ``est`` holds, checked against the hardware."""
+    tp = est.tensor_parallel
+    out = []
     for stage, offload in PREFERENCE:
-        c = base.config(stage, offload)
-        needs = needs_of(c, activation_checkpointing)
+        if tp > 1 and offload != "none":  # not built with TP (the strategy refuses it)
+            continue
+        c = est.config(stage, offload)
+        needs = needs_of(c, checkpointing)
         short = tuple(Shortfall(m, need, hw.usable(m)) for m, need in needs if need > hw.usable(m))
-        biggest = _max_params(stage, offload, base.model, base.cluster, precision, base.activations, osp, hw,
-                              activation_checkpointing)
-        candidates.append(Candidate(c, needs, short, biggest))
-    return Advice(base.model, base.cluster, hw, precision, activation_checkpointing, base.activations,
-                  tuple(candidates), osp, nvme_path)
+        biggest = _max_params(stage, offload, est.model, est.cluster, est.precision, est.activations,
+                              est.optimizer_state_per_param, hw, checkpointing, tp)
+        out.append(Candidate(c, needs, short, biggest, tp))
+    return tuple(out)
+
+
+def _tensor_parallel_sizes(cluster: Cluster, heads: int | None) -> list[int]:
+    """TP sizes to try, smallest first: powers of two dividing the world size and the heads, within a node."""
+    sizes, tp = [], 2
+    while tp <= min(cluster.world_size, cluster.gpus_per_node):
+        if cluster.world_size % tp == 0 and (not heads or heads % tp == 0):
+            sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+def layer_bytes(model: ModelSpec, precision: str) -> float:
+    """The largest layer's parameters and gradients, whole, in the precision's parameter dtype: what computing
+    it unsplit holds (ZeRO-3 gathers it whole)."""
+    elem = 4 if PRECISIONS[precision][0] == "fp32" else 2
+    return 2 * elem * (model.largest_layer_params or 0.0)
+
+
+def _why_tensor_parallel(est: MemoryEstimate, hw: Hardware, tp: int) -> str:
+    layer, usable = layer_bytes(est.model, est.precision), hw.usable("device")
+    if layer > usable:
+        return (f"the largest layer ({format_count(est.model.largest_layer_params or 0.0)} params) needs "
+                f"{format_bytes(layer)} for its parameters and gradients whole, more than the {format_bytes(usable)} "
+                "usable per rank: ZeRO shards a layer's storage but gathers it whole to compute it, tensor "
+                f"parallelism splits it ({format_bytes(layer / tp)} per rank at TP {tp})")
+    return (f"no ZeRO stage or offload brings the model states under the {format_bytes(usable)} usable per rank; TP "
+            f"{tp} divides the split parameters' states (and the split activations) by {tp}")
 
 
 def render_advice(adv: Advice, units: str = "GB") -> str:
@@ -242,16 +312,22 @@ def render_advice(adv: Advice, units: str = "GB") -> str:
     rows = [["#", "configuration", "device/rank", "cpu/node", "nvme/node", "fits", "largest model"]]
     for i, c in enumerate(adv.candidates, 1):
         need = dict(c.needs)
-        rows.append([str(i), c.estimate.label, f(need["device"]), f(need["CPU"]), f(need["NVMe"]),
+        rows.append([str(i), c.label, f(need["device"]), f(need["CPU"]), f(need["NVMe"]),
                      "yes" if c.fits else "no", format_count(c.max_params)])
     lines += ["", *grid(rows), ""]
     choice = adv.choice
     faster = adv.candidates if choice is None else adv.candidates[: adv.candidates.index(choice)]
     if choice is None:
         lines.append("Nothing fits. Add ranks or memory, shorten sequences / micro-batch, or enable checkpointing.")
+        if layer_bytes(adv.model, adv.precision) > hw.usable("device"):
+            lines.append(wrap(f"The largest layer alone needs {f(layer_bytes(adv.model, adv.precision))} for its "
+                              "parameters and gradients whole, more than a rank: only tensor parallelism splits a "
+                              "layer (--tensor-parallel, within a node)."))
     else:
-        lines += [f"Recommended: {choice.estimate.label}",
+        lines += [f"Recommended: {choice.label}",
                   f"Hydra overrides: {adv.overrides}"]
+        if adv.tensor_parallel_reason:
+            lines.append(wrap(f"Tensor parallelism is what makes it fit: {adv.tensor_parallel_reason}."))
     if faster:
         lines.append("Why not the faster options:" if choice else "Why each option does not fit:")
     for c in faster:
@@ -259,6 +335,6 @@ def render_advice(adv: Advice, units: str = "GB") -> str:
             f"{s.memory} memory short by {f(s.missing)} (needs {f(s.needed)}, {f(s.usable)} usable)"
             for s in c.shortfalls
         )
-        lines.append(f"  {c.estimate.label}: {why}")
+        lines.append(f"  {c.label}: {why}")
     lines.append("largest model: parameters each configuration holds on this hardware (same architecture).")
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from lightning_zero.estimator.cluster import Cluster, make_cluster
 from lightning_zero.estimator.deepspeed_figures import DeepSpeedFigures, deepspeed_figures
 from lightning_zero.estimator.model_spec import ModelSpec, resolve_model
 from lightning_zero.estimator.options import OFFLOADS, PRECISIONS, formula_precision
-from lightning_zero.estimator.report import activation_line, describe, grid, wrap
+from lightning_zero.estimator.report import activation_line, describe, grid, tensor_parallel_lines, wrap
 from lightning_zero.estimator.sizes import format_bytes, format_count, parse_count
 
 
@@ -81,17 +81,27 @@ class ConfigEstimate:
 
 def estimate_config(
     stage: int, offload: str, model: ModelSpec, cluster: Cluster, precision: str = "mixed",
-    activations: Activations | None = None, optimizer_state_per_param: int = 8,
+    activations: Activations | None = None, optimizer_state_per_param: int = 8, tensor_parallel: int = 1,
 ) -> ConfigEstimate:
-    """Estimate one configuration; see :func:`estimate_memory` for the arguments."""
+    """Estimate one configuration; see :func:`estimate_memory` for the arguments.
+
+    With ``tensor_parallel`` = t > 1 a rank holds ``model.rank_params(t)`` parameters (Note [model state with
+    TP]) and ZeRO partitions them over the ``world / t`` data ranks; stage 3 gathers a layer's slice, not the
+    layer. Offload with TP is not built (the strategy refuses it), so it is refused here too.
+    """
     formula = formula_precision(precision)
+    if tensor_parallel > 1 and offload != "none":
+        raise ValueError(f"offload={offload!r} with tensor_parallel={tensor_parallel} is not built (the strategy "
+                         "refuses it): use offload 'none' with tensor parallelism")
+    data = cluster.world_size // tensor_parallel
     on_device, moved = offloaded_model_state(
-        stage, model.num_params, cluster.world_size, formula, offload, optimizer_state_per_param
+        stage, model.rank_params(tensor_parallel), data, formula, offload, optimizer_state_per_param
     )
     elem = 4 if formula == "fp32" else 2
-    working = 2 * elem * (model.largest_layer_params or 0.0) if ZeroStage.of(stage).shards_parameters else 0.0
+    layer = model.rank_largest_layer(tensor_parallel)
+    working = 2 * elem * layer if ZeroStage.of(stage).shards_parameters else 0.0
     ds = None
-    if formula == "mixed":
+    if formula == "mixed" and tensor_parallel == 1:  # DeepSpeed's estimators take no tensor-parallel size
         ds = deepspeed_figures(stage, offload, model.num_params, model.largest_layer_params or 0.0, cluster)
     return ConfigEstimate(stage, offload, on_device, moved, working, activations, ds, cluster.gpus_per_node)
 
@@ -106,6 +116,7 @@ class MemoryEstimate:
     optimizer_state_per_param: int
     activations: Activations | None
     configs: tuple[ConfigEstimate, ...]
+    tensor_parallel: int = 1
 
     def config(self, stage: int, offload: str = "none") -> ConfigEstimate:
         """The row for ``stage`` and ``offload``."""
@@ -139,6 +150,7 @@ class EstimateOptions(TypedDict, total=False):
     flash_attention: bool
     largest_layer_params: float | None
     optimizer_state_per_param: int
+    replicated_params: float | None
 
 
 def estimate_memory(
@@ -158,6 +170,8 @@ def estimate_memory(
     flash_attention: bool = False,
     largest_layer_params: float | None = None,
     optimizer_state_per_param: int = 8,
+    replicated_params: float | None = None,
+    tensor_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-rank memory of ZeRO stages 0-3, without offload and with each valid offload.
 
@@ -174,17 +188,28 @@ def estimate_memory(
         largest_layer_params: parameters of the largest module, for stage 3's gathered layer.
         optimizer_state_per_param: fp32 bytes of optimizer state per parameter (Adam: 8, SGD
             with momentum: 4).
+        replicated_params: parameters tensor parallelism keeps whole on every rank (default: counted from
+            ``model``'s plan, else 0).
+        tensor_parallel: ranks per tensor-parallel group t; ``world_size`` counts every rank, so ZeRO
+            partitions over ``world_size / t`` data ranks (offload rows are left out: not built with TP).
     """
     if (num_params is None) == (model is None):
         raise ValueError("Give exactly one of the parameter count (--params) and the model (--model).")
     spec = resolve_model(model) if model is not None else ModelSpec(parse_count(num_params))  # type: ignore[arg-type]
-    if largest_layer_params is not None:
+    if largest_layer_params is not None:  # given: whether it is split is unknown, so it is taken as split
         spec = replace(spec, largest_layer_params=parse_count(largest_layer_params))
+    if replicated_params is not None:
+        rep = float(replicated_params)
+        if not 0 <= rep <= spec.num_params:
+            raise ValueError(f"--replicated-params {replicated_params!r} must be between 0 and the model's "
+                             f"{spec.num_params:.4g} parameters")
+        spec = replace(spec, replicated_params=rep)
     if offload != "all" and offload not in OFFLOADS:
         raise ValueError(f"Unknown offload {offload!r}; use 'all' or one of {', '.join(OFFLOADS)}.")
     cluster = make_cluster(world_size, num_nodes, gpus_per_node)
     formula_precision(precision)
     layers, hidden, heads = layers or spec.layers, hidden or spec.hidden, heads or spec.heads
+    check_tensor_parallel(tensor_parallel, cluster, heads)
     seq_len = seq_len or spec.seq_len
     acts = None
     if micro_batch is not None:
@@ -193,14 +218,30 @@ def estimate_memory(
             raise ValueError(f"Activation memory for --micro-batch {micro_batch} also needs {', '.join(missing)} "
                              "(or a --model preset that knows the shape).")
         elem = 4 if formula_precision(precision) == "fp32" else 2
-        acts = activation_memory(layers, hidden, seq_len, micro_batch, heads, elem, flash_attention)
+        acts = activation_memory(layers, hidden, seq_len, micro_batch, heads, elem, flash_attention, tensor_parallel)
+    if tensor_parallel > 1 and offload not in ("all", "none"):
+        estimate_config(0, offload, spec, cluster, precision, acts, optimizer_state_per_param, tensor_parallel)
     configs = tuple(
-        estimate_config(stage, off, spec, cluster, precision, acts, optimizer_state_per_param)
+        estimate_config(stage, off, spec, cluster, precision, acts, optimizer_state_per_param, tensor_parallel)
         for stage in range(4)
         for off in OFFLOADS
         if stage in OFFLOAD_STAGES[off] and (offload == "all" or off in ("none", offload))
+        and (tensor_parallel == 1 or off == "none")
     )
-    return MemoryEstimate(spec, cluster, precision, optimizer_state_per_param, acts, configs)
+    return MemoryEstimate(spec, cluster, precision, optimizer_state_per_param, acts, configs, tensor_parallel)
+
+
+def check_tensor_parallel(tensor_parallel: int, cluster: Cluster, heads: int | None) -> None:
+    """Refuse a tensor-parallel size the strategy would refuse: not a positive integer, not dividing the world
+    size, or not dividing the attention heads."""
+    if int(tensor_parallel) != tensor_parallel or tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be a positive integer (e.g. 2), got {tensor_parallel!r}")
+    if cluster.world_size % tensor_parallel:
+        raise ValueError(f"world size {cluster.world_size} is not a multiple of --tensor-parallel {tensor_parallel}: "
+                         "the world is tensor x data ranks; choose a size dividing the world size")
+    if heads and heads % tensor_parallel:
+        raise ValueError(f"{heads} attention heads do not split over --tensor-parallel {tensor_parallel}: choose a "
+                         "size dividing the heads")
 
 
 def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
@@ -221,8 +262,10 @@ def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
         row += ["|", *ds_cells]
         rows.append(row)
     unit_note = "GB = 10^9 bytes" if units == "GB" else "GiB = 2^30 bytes"
-    big = est.model.largest_layer_params
+    big = est.model.rank_largest_layer(est.tensor_parallel)
     lines = describe(est.model, est.cluster, est.precision, est.optimizer_state_per_param)
+    if est.tensor_parallel > 1:
+        lines += tensor_parallel_lines(est.model, est.cluster, est.tensor_parallel)
     lines += [
         "",
         f"Per-rank memory (ZeRO paper model states; {unit_note}). device = params + grads + optim kept on the",
@@ -235,7 +278,9 @@ def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
         "keep no gradient on the device); param_* moves the parameter shard too (stage 3). cpu/nvme are per rank.",
         activation_line(est.activations, units),
     ]
-    if PRECISIONS[est.precision][0] == "mixed":
+    if est.tensor_parallel > 1:
+        lines.append("DeepSpeed's: its estimators take no tensor-parallel size, so they are not shown with TP")
+    elif PRECISIONS[est.precision][0] == "mixed":
         lines.append(
             "DeepSpeed's: figures of DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (zero_init=True, "
             "additional_buffer_factor=1.5, largest layer "

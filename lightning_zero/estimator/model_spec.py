@@ -1,7 +1,8 @@
 """What the estimate knows about a model: :class:`ModelSpec` from a preset, a module or an import path.
 
 Presets are well-known architectures (:data:`PRESETS`, counted from their formulas) and this
-repository's GPT presets (:data:`lightning_zero.models.gpt.GPT_PRESETS`, built on the meta device).
+repository's GPT presets (:data:`lightning_zero.models.gpt.GPT_PRESETS`, built on the meta device). A
+model's tensor-parallel plan, when it has one, says which parameters tensor parallelism keeps whole.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zero.models.gpt import GPT, GPT_PRESETS
+from lightning_zero.models.gpt import GPT_PRESETS
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,11 @@ class ModelSpec:
         layers, hidden, heads, seq_len: transformer shape, for activation memory.
         largest_layer_params: parameters of the largest single module (its own, not its
             children's): the layer stage 3 must gather whole.
+        replicated_params: of ``num_params``, those tensor parallelism keeps whole on every rank
+            (norms, biases added after a row-parallel sum, position embeddings); the rest it splits.
+            ``None``: unknown, taken as 0 (every parameter split).
+        largest_replicated_layer_params: the largest module tensor parallelism keeps whole (``None``:
+            unknown, taken as 0: the largest layer is split).
     """
 
     num_params: float
@@ -35,33 +41,82 @@ class ModelSpec:
     heads: int | None = None
     seq_len: int | None = None
     largest_layer_params: float | None = None
+    replicated_params: float | None = None
+    largest_replicated_layer_params: float | None = None
+
+    def rank_params(self, tensor_parallel: int) -> float:
+        """Parameters one tensor-parallel rank holds: ``Ψ_split / tp + Ψ_rep`` (Note [model state with TP])."""
+        rep = self.replicated_params or 0.0
+        return (self.num_params - rep) / tensor_parallel + rep
+
+    def rank_largest_layer(self, tensor_parallel: int) -> float:
+        """The largest layer one tensor-parallel rank holds: a split layer's slice or a replicated layer whole."""
+        return max((self.largest_layer_params or 0.0) / tensor_parallel, self.largest_replicated_layer_params or 0.0)
 
 
-def _gpt2_params(layers: int, hidden: int, vocab: int = 50257, positions: int = 1024) -> int:
-    return vocab * hidden + positions * hidden + layers * (12 * hidden**2 + 13 * hidden) + 2 * hidden
+def _gpt2_params(layers: int, hidden: int, vocab: int = 50257, positions: int = 1024) -> tuple[int, int]:
+    """(all, replicated under Megatron's plan: positions, 2 layer norms + 2 row-parallel biases per layer, ln_f)."""
+    total = vocab * hidden + positions * hidden + layers * (12 * hidden**2 + 13 * hidden) + 2 * hidden
+    return total, positions * hidden + layers * 6 * hidden + 2 * hidden
 
 
-def _llama_params(layers: int, hidden: int, ffn: int, vocab: int = 32000) -> int:
-    return 2 * vocab * hidden + layers * (4 * hidden**2 + 3 * hidden * ffn + 2 * hidden) + hidden
+def _llama_params(layers: int, hidden: int, ffn: int, vocab: int = 32000) -> tuple[int, int]:
+    """(all, replicated under HF's plan: 2 RMSNorm weights per layer and the final one)."""
+    total = 2 * vocab * hidden + layers * (4 * hidden**2 + 3 * hidden * ffn + 2 * hidden) + hidden
+    return total, (2 * layers + 1) * hidden
 
 
-def _preset(name: str, params: int, layers: int, hidden: int, heads: int, seq: int, vocab: int) -> ModelSpec:
-    return ModelSpec(float(params), name, layers, hidden, heads, seq, float(vocab * hidden))
+def _preset(name: str, counts: tuple[int, int], layers: int, hidden: int, heads: int, seq: int, vocab: int,
+            largest_replicated: int) -> ModelSpec:
+    params, replicated = counts
+    return ModelSpec(float(params), name, layers, hidden, heads, seq, float(vocab * hidden), float(replicated),
+                     float(largest_replicated))
 
 
-# Parameter counts from the architectures' formulas (tied GPT-2 embeddings; untied Llama head).
+# Parameter counts from the architectures' formulas (tied GPT-2 embeddings; untied Llama head); the largest
+# layer is the (vocabulary-parallel) embedding, the largest replicated one GPT-2's position embedding.
 PRESETS: dict[str, ModelSpec] = {
     p.name: p  # type: ignore[misc]
     for p in (
-        _preset("gpt2", _gpt2_params(12, 768), 12, 768, 12, 1024, 50257),
-        _preset("gpt2-medium", _gpt2_params(24, 1024), 24, 1024, 16, 1024, 50257),
-        _preset("gpt2-large", _gpt2_params(36, 1280), 36, 1280, 20, 1024, 50257),
-        _preset("gpt2-xl", _gpt2_params(48, 1600), 48, 1600, 25, 1024, 50257),
-        _preset("gpt3-175b", _gpt2_params(96, 12288, positions=2048), 96, 12288, 96, 2048, 50257),
-        _preset("llama2-7b", _llama_params(32, 4096, 11008), 32, 4096, 32, 4096, 32000),
-        _preset("llama2-13b", _llama_params(40, 5120, 13824), 40, 5120, 40, 4096, 32000),
+        _preset("gpt2", _gpt2_params(12, 768), 12, 768, 12, 1024, 50257, 1024 * 768),
+        _preset("gpt2-medium", _gpt2_params(24, 1024), 24, 1024, 16, 1024, 50257, 1024 * 1024),
+        _preset("gpt2-large", _gpt2_params(36, 1280), 36, 1280, 20, 1024, 50257, 1024 * 1280),
+        _preset("gpt2-xl", _gpt2_params(48, 1600), 48, 1600, 25, 1024, 50257, 1024 * 1600),
+        _preset("gpt3-175b", _gpt2_params(96, 12288, positions=2048), 96, 12288, 96, 2048, 50257, 2048 * 12288),
+        _preset("llama2-7b", _llama_params(32, 4096, 11008), 32, 4096, 32, 4096, 32000, 4096),
+        _preset("llama2-13b", _llama_params(40, 5120, 13824), 40, 5120, 40, 4096, 32000, 5120),
     )
 }
+
+
+def _tp_counts(model: nn.Module) -> tuple[float, float] | None:
+    """(replicated parameters, largest replicated module) under ``model``'s own tensor-parallel plan (a Hugging
+    Face ``_tp_plan`` or ``tensor_parallel_plan()``), or ``None`` when it has none. A row-parallel layer's bias
+    is replicated; everything else a planned module owns is split."""
+    from lightning_zero.tensor_parallel.plan import find_plan, resolve_plan
+    from lightning_zero.tensor_parallel.styles import Replicate, Rowwise
+
+    try:
+        plan, source = find_plan(model, None)
+        resolved = resolve_plan(model, plan, source)
+    except ValueError:
+        return None
+    split: set[int] = set()
+    for name, style in resolved.entries:
+        if isinstance(style, Replicate):
+            continue
+        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
+            if not (isinstance(style, Rowwise) and pname == "bias"):
+                split.add(id(p))
+    seen: set[int] = set()
+    replicated = 0.0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen and id(p) not in split:
+            seen.add(id(p))
+            replicated += p.numel()
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False) if id(p) not in split) for m in model.modules()),
+                  default=0)
+    return replicated, float(largest)
 
 
 def spec_of_module(model: nn.Module, name: str | None = None) -> ModelSpec:
@@ -78,16 +133,21 @@ def spec_of_module(model: nn.Module, name: str | None = None) -> ModelSpec:
             seen.add(id(p))
             total += p.numel()
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return ModelSpec(float(total), name, largest_layer_params=float(largest))
+    tp = _tp_counts(model)
+    return ModelSpec(float(total), name, largest_layer_params=float(largest),
+                     replicated_params=None if tp is None else tp[0],
+                     largest_replicated_layer_params=None if tp is None else tp[1])
 
 
 def _project_preset(name: str) -> ModelSpec | None:
     """A preset of ``lightning_zero.models.gpt.GPT_PRESETS`` (this repository's GPT), built on meta and counted."""
     if name not in GPT_PRESETS:
         return None
+    from lightning_zero.models.gpt import GPTLightningModule
+
     cfg = GPT_PRESETS[name]
-    with torch.device("meta"):
-        counted = spec_of_module(GPT(cfg), name)
+    with torch.device("meta"):  # the LightningModule: it carries the GPT's tensor-parallel plan
+        counted = spec_of_module(GPTLightningModule(cfg), name)
     return replace(counted, layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, seq_len=cfg.seq_len)
 
 

@@ -42,7 +42,8 @@ def activation_line(acts: Activations | None, units: str) -> str:
     if acts is None:
         return ("Activations: not estimated (give --micro-batch with --layers, --hidden and --seq-len, "
                 "or a --model preset).")
-    attn = ", flash attention" if acts.flash_attention else ""
+    attn = (", flash attention" if acts.flash_attention else "") + (
+        f", t={acts.tensor_parallel}" if acts.tensor_parallel > 1 else "")
     return (f"Activations per rank (Korthikanti et al. 2022; L={acts.layers} h={acts.hidden} a={acts.heads} "
             f"s={acts.seq_len} b={acts.micro_batch}, {acts.bytes_per_element}-byte{attn}): "
             f"{format_bytes(acts.full, units)} without checkpointing, "
@@ -51,3 +52,14 @@ def activation_line(acts: Activations | None, units: str) -> str:
 
 def wrap(text: str) -> str:
     return textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def tensor_parallel_lines(model: ModelSpec, cluster: Cluster, tp: int) -> list[str]:
+    """What a tensor-parallel rank holds (Note [model state with TP] in ``core/zero/memory.py``)."""
+    rep = model.replicated_params
+    known = "" if rep is not None else " (replicated parameters unknown: every parameter taken as split; give " \
+        "--replicated-params or a --model with a plan)"
+    return [wrap(
+        f"Tensor parallel: {tp} ranks per group, {cluster.world_size // tp} data-parallel ranks; a rank holds "
+        f"Psi_split / {tp} + Psi_rep = {format_count(model.rank_params(tp))} parameters{known}. ZeRO partitions "
+        "over the data ranks only; offload with tensor parallelism is not built (no offload rows).")]

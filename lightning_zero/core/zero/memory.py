@@ -3,7 +3,8 @@
 The formulas follow the ZeRO paper (Rajbhandari et al., 2020, section 3) for Adam-like
 optimizers with two fp32 moments per element. Ψ is the number of trainable parameters and N the
 number of data-parallel ranks. Both the memory estimator and the tests of
-``ZeroStrategy.model_state_bytes()`` use :func:`model_state_formula`; :func:`format_bytes` prints sizes.
+``ZeroStrategy.model_state_bytes()`` use :func:`model_state_formula` (and, with tensor parallelism,
+:func:`tensor_parallel_model_state` built on it); :func:`format_bytes` prints sizes.
 """
 
 from __future__ import annotations
@@ -74,6 +75,40 @@ def model_state_formula(
     if stage.shards_parameters:
         p /= n
     return ModelStateBytes(params=p, grads=g, optimizer=o)
+
+
+def tensor_parallel_model_state(
+    stage: int | ZeroStage,
+    split_params: float,
+    replicated_params: float,
+    tensor_parallel: int,
+    data_parallel: int,
+    precision: str = "fp32",
+    optimizer_state_per_param: int = 8,
+) -> ModelStateBytes:
+    """Per-rank model-state bytes with tensor parallelism (Note [model state with TP]).
+
+    Note [model state with TP]
+        A tensor-parallel rank holds ``Ψ_split / tp`` of the split parameters (its slices) plus every
+        replicated parameter whole (norms, the biases added after a row-parallel sum, position
+        embeddings): ``Ψ_rank = Ψ_split / tp + Ψ_rep``. ZeRO then partitions ``Ψ_rank`` over the data
+        ranks only (the TP ranks of one replica hold different tensors), so the ZeRO formula applies to
+        ``Ψ_rank`` with ``N = data_parallel``.
+
+    Args:
+        stage: ZeRO stage 0-3.
+        split_params: Ψ_split, trainable parameters the plan splits (counted whole, unsplit).
+        replicated_params: Ψ_rep, trainable parameters every TP rank holds whole.
+        tensor_parallel: ranks per tensor-parallel group.
+        data_parallel: data-parallel ranks (world size / (tensor x pipeline x sequence)).
+        precision, optimizer_state_per_param: as for :func:`model_state_formula`.
+    """
+    if int(tensor_parallel) != tensor_parallel or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be a positive integer, got {tensor_parallel!r}")
+    if split_params < 0 or replicated_params < 0:
+        raise ValueError(f"parameter counts must be >= 0, got split={split_params!r}, replicated={replicated_params!r}")
+    per_rank = float(split_params) / tensor_parallel + float(replicated_params)
+    return model_state_formula(stage, per_rank, data_parallel, precision, optimizer_state_per_param)
 
 
 class StorageCounter:
