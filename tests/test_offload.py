@@ -224,13 +224,13 @@ def test_the_engine_refuses_a_disk_without_room_for_the_estimated_state(tmp_path
 
 
 def test_pin_memory_without_an_accelerator_warns_and_stays_unpinned() -> None:
-    from lightning_zero.core.offload.store import OptimizerOffload
+    from lightning_zero.core.offload.store import open_shard_store
 
     if torch.cuda.is_available():
         pytest.skip("an accelerator is present: pinning is used")
     with pytest.warns(UserWarning, match="pin_memory=True needs an accelerator"):
-        store = OptimizerOffload(OffloadConfig(optimizer_device="cpu", pin_memory=True))
-    assert not store.pin and not store.new_master(0, 10, torch.float32).is_pinned()
+        store = open_shard_store(OffloadConfig(optimizer_device="cpu", pin_memory=True))
+    assert not store.pin and not store.new_master(0, torch.zeros(10), torch.float32).is_pinned()
 
 
 def test_an_engine_without_an_optimizer_says_that_it_offloads_nothing() -> None:
@@ -250,9 +250,9 @@ def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
     script = (
         "import os, sys, torch\n"
         "from lightning_zero.core.offload.config import OffloadConfig\n"
-        "from lightning_zero.core.offload.store import OptimizerOffload\n"
-        f"store = OptimizerOffload(OffloadConfig(optimizer_device='nvme', nvme_path={str(tmp_path)!r}))\n"
-        "master = store.new_master(0, 1 << 20, torch.float32)\n"
+        "from lightning_zero.core.offload.store import open_shard_store\n"
+        f"store = open_shard_store(OffloadConfig(optimizer_device='nvme', nvme_path={str(tmp_path)!r}))\n"
+        "master = store.new_master(0, torch.zeros(1 << 20), torch.float32)\n"
         "master.fill_(3.0)\n"
         "print(store.directory.name, flush=True)\n"
         "sys.stdin.read()\n"

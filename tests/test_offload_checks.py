@@ -131,7 +131,7 @@ def test_a_start_removes_only_the_empty_run_directories_of_this_users_dead_proce
     import subprocess
     import sys
 
-    from lightning_zero.core.offload.store import OptimizerOffload
+    from lightning_zero.core.offload.store import open_shard_store
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid that no longer exists
@@ -148,7 +148,7 @@ def test_a_start_removes_only_the_empty_run_directories_of_this_users_dead_proce
         kept["other_user"] = tmp_path / f"lightning_zero-{dead.pid}-r2-ghi"
         kept["other_user"].mkdir()
         os.chown(kept["other_user"], 12345, 12345)
-    store = OptimizerOffload(OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)))
+    store = open_shard_store(OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)))
     try:
         assert not stale.exists()
         assert all(d.exists() for d in kept.values())
