@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_zero.checkpoint.own_bytes import own_bytes
 from lightning_zero.cli import main
 from lightning_zero.config.build import fit
 from lightning_zero.config.launch import compose_config
 from lightning_zero.config.validate import count_model_parameters, validate_config
-from lightning_zero.lightning.own_bytes import own_bytes
 
 
 @pytest.mark.parametrize(("args", "lines"), [

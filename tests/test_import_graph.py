@@ -133,6 +133,35 @@ def test_no_import_cycles() -> None:
     assert _cycles(_graph()) == []
 
 
+def _with_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` plus an edge ``m -> P`` wherever ``m``, outside package ``P``, imports a module below ``P``: Python
+    runs ``P/__init__.py`` before it, so ``m`` imports whatever that ``__init__`` names (the top package, which
+    imports everything and is always imported first, left out)."""
+    out = {m: set(deps) for m, deps in graph.items()}
+    for m, deps in graph.items():
+        for d in deps:
+            parts = d.split(".")
+            for i in range(2, len(parts)):
+                package = ".".join(parts[:i])
+                if package in graph and not (m == package or m.startswith(package + ".")):
+                    out[m].add(package)
+    return out
+
+
+def test_package_init_edges_catch_a_cycle_through_an_init() -> None:
+    # b's __init__ names b.x, which imports a, which imports b.y: importing a first runs b/__init__ mid-a
+    graph = {"lightning_zero.a": {"lightning_zero.b.y"}, "lightning_zero.b": {"lightning_zero.b.x"},
+             "lightning_zero.b.x": {"lightning_zero.a"}, "lightning_zero.b.y": set()}
+    assert _cycles(graph) == []
+    assert _cycles(_with_package_inits(graph)) == [["lightning_zero.a", "lightning_zero.b", "lightning_zero.b.x"]]
+
+
+def test_no_import_cycle_through_a_package_init() -> None:
+    """What a sub-package's ``__init__`` names must not import back a module that imports below the package (say
+    so in its docstring instead): whichever is imported first would be half-initialised when the other needs it."""
+    assert _cycles(_with_package_inits(_graph())) == []
+
+
 def test_imports_point_down_the_layers() -> None:
     upward = [f"{m} ({LAYERS[_layer(m)][0]}) imports {i} ({LAYERS[_layer(i)][0]})"
               for m, deps in _graph().items() for i in sorted(deps) if _layer(i) > _layer(m)]

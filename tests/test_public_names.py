@@ -40,7 +40,8 @@ DEPRECATED = (*DEPRECATED_MODULES, "lightning_zero.DynamicLossScaler",
               # names the docs of the previous release showed at paths that moved (issue 30's reorganisation)
               "lightning_zero.callbacks.ZeroModelSummary", "lightning_zero.monitoring.dashboard_layout",
               "lightning_zero.progress.LineProgress", "lightning_zero.core.memory.model_state_formula",
-              "lightning_zero.core.memory.offloaded_model_state", "lightning_zero.core.offload.nvme_path_problem")
+              "lightning_zero.core.memory.offloaded_model_state", "lightning_zero.core.offload.nvme_path_problem",
+              "lightning_zero.lightning.own_bytes.own_bytes")
 # former names that warn when called, not when looked up (a page must not show them either; calling
 # ZeroStrategy.from_deepspeed_config is tests/test_deepspeed_config.py's old-name test)
 DEPRECATED_ON_CALL = ("lightning_zero.ZeroStrategy.from_deepspeed_config",)

@@ -224,7 +224,7 @@ def _layers(cfg: TrainConfig) -> int:
 def _model_data_problems(cfg: TrainConfig) -> list[str]:
     m, d, out = cfg.model, cfg.data, []
     if isinstance(m, GPTModelSchema):
-        from lightning_zero.models.gpt import GPT_PRESETS
+        from lightning_zero.models.gpt_config import GPT_PRESETS
 
         if not isinstance(d, TextDataSchema):
             out.append(f"model.kind=gpt needs text data, got data.kind={d.kind}. Fix: data=stdlib, data=text_file "
