@@ -26,7 +26,7 @@ class GPTConfig:
     sparse_attention: dict[str, Any] | None = None
 
 
-# Parameter counts (tied weights, vocab 256) are listed in the comments; see tests/test_experiments.py.
+# Parameter counts (tied weights, vocab 256) are listed in the comments; see tests/unit/test_experiments.py.
 GPT_PRESETS: dict[str, GPTConfig] = {
     "gpt_tiny": GPTConfig(seq_len=64, n_layer=2, n_head=4, n_embd=64),  # 0.12M
     "gpt_1m": GPTConfig(seq_len=256, n_layer=5, n_head=4, n_embd=128),  # 1.06M

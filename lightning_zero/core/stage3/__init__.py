@@ -8,7 +8,7 @@ construction (``materialize``: ``initialize_modules``, ``has_meta_parameters``) 
 Not named here, import them from their modules: ``apply_stage3`` / ``Stage3Runtime`` (``runtime``),
 ``ShardedUnit`` (``sharded_unit``), streamed loading (``loading``) and the end-of-fit gather (``teardown``).
 They import ``core/zero``'s ``flat_param``, which imports ``materialize`` from here: naming them here would be
-an import cycle through this ``__init__`` (``tests/test_import_graph.py`` refuses it).
+an import cycle through this ``__init__`` (``tests/unit/test_import_graph.py`` refuses it).
 """
 
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing

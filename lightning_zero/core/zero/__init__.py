@@ -8,7 +8,7 @@ Not named here, import them from their modules: the engine (``ZeroEngine``, ``St
 ``StepState`` in ``engine_step``), the gradient hooks and buckets (``grad_reducer``: ``ReductionMode``) and the
 optimizer re-pointed at shards (``optimizer``, ``optimizer_state``). They import ``core/stage3``, ``core/offload``
 and ``core/comm``, whose modules import this package's ``config`` / ``flat_param``: naming them here would be an
-import cycle through this ``__init__`` (``tests/test_import_graph.py`` refuses it).
+import cycle through this ``__init__`` (``tests/unit/test_import_graph.py`` refuses it).
 """
 
 from lightning_zero.core.zero.config import DtypePolicy, NonFinitePolicy, StrChoice, ZeroConfig, ZeroStage
