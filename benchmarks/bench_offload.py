@@ -11,7 +11,7 @@ Three parts, each printing a markdown table (docs/benchmarks.md holds a run's ou
   (what offload uses), torch's foreach, and DeepSpeed's ``DeepSpeedCPUAdam`` when DeepSpeed can be
   imported (an optional peer, never a dependency: run this script with an interpreter that has it).
 * ``disk``: raw sequential write (+ fsync) and cold read of a file, beside the swap files' write-out
-  and cold read-in of the same bytes (Note [swap files] in core/offload/store.py), interleaved.
+  and cold read-in of the same bytes (Note [swap files] in core/offload/file_store.py), interleaved.
 
     python benchmarks/bench_offload.py memory --model gpt_125m --rounds 3
     python benchmarks/bench_offload.py memory --model gpt_125m --stage 3 --modes none,param_nvme
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_zero.core.offload.config import OffloadConfig
-from lightning_zero.core.offload.store import return_freed_memory
+from lightning_zero.core.offload.host_store import return_freed_memory
 from lightning_zero.core.offload.swap_file import SwapFile
 from lightning_zero.core.zero.config import ZeroStage
 

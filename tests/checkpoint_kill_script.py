@@ -1,4 +1,4 @@
-"""Run under ``torch.distributed.run`` (2 ranks) by tests/test_checkpoints.py: saves ``last.ckpt`` at
+"""Run under ``torch.distributed.run`` (2 ranks) by tests/e2e/test_checkpoints.py: saves ``last.ckpt`` at
 step 2, then rank 1 SIGKILLs itself in the middle of the step-4 save."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import sys
 from lightning.pytorch.callbacks import Callback
 
 from lightning_zero import ZeroStrategy
+from tests.e2e.test_checkpoints import _FaultAfter, _fit, _saver
 from tests.models import TinyTransformer
-from tests.test_checkpoints import _FaultAfter, _fit, _saver
 
 
 class _Report(Callback):

@@ -15,7 +15,7 @@ def gloo_pool() -> Iterator[GlooPool]:
     """A 2-rank gloo worker pool shared by the whole session; started by the first test that asks for it.
 
     Mark such tests ``@pytest.mark.distributed`` and put their bodies in module-level functions, run with
-    ``gloo_pool.run("tests.test_x:body", **kwargs)``.
+    ``gloo_pool.run("tests.distributed.test_x:body", **kwargs)`` (the module path of the test file).
     """
     pool = GlooPool(world_size=2)
     try:

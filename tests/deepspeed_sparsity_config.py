@@ -3,7 +3,7 @@
 
 # DeepSpeed Team
 # Vendored unchanged below this block as a TEST FIXTURE (the reference layouts of
-# tests/test_sparse_layouts.py), from github.com/microsoft/DeepSpeed,
+# tests/unit/test_sparse_layouts.py), from github.com/microsoft/DeepSpeed,
 # deepspeed/ops/sparse_attention/sparsity_config.py at commit 38327e07f6cd39b63418f60cedd1651b0be3e7c3.
 # Licensed under the Apache License 2.0 (above). Not part of lightning_zero.
 # ruff: noqa

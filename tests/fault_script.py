@@ -1,4 +1,4 @@
-"""One rank of a fault-injection run for tests/test_hang_watchdog.py:
+"""One rank of a fault-injection run for tests/e2e/test_hang_watchdog.py:
 ``python tests/fault_script.py MODE ROOT`` with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and
 LOCAL_RANK, NODE_RANK) set, by torchrun or by the test itself. It joins the gloo group first (so the
 data is split by rank exactly as in the test pool), then fits TinyTransformer under ZeroStrategy:
@@ -29,8 +29,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.core.reliability.progress_record import parse_progress
+from tests.e2e.test_checkpoints import _fit, _saver
 from tests.models import TinyTransformer
-from tests.test_checkpoints import _fit, _saver
 
 
 class Fault(Callback):

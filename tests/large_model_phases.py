@@ -1,4 +1,4 @@
-"""Phases of the "model bigger than a rank" test (tests/test_large_models.py), each run as fresh
+"""Phases of the "model bigger than a rank" test (tests/e2e/test_large_models.py), each run as fresh
 processes under a per-process ``RLIMIT_DATA`` that DDP's per-rank state exceeds:
 
     train   2 ranks (``torch.distributed.run``): build in ``configure_model`` at the default
@@ -145,8 +145,8 @@ class Phases(pl.Callback):
 
 def run(phase: str, root: str) -> None:
     from lightning_zero import ZeroStrategy
+    from tests.e2e.test_checkpoints import ResumableLoader
     from tests.models import make_trainer, token_loader
-    from tests.test_checkpoints import ResumableLoader
 
     info = limit_memory()
     torch.manual_seed(0)

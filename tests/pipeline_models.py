@@ -1,5 +1,5 @@
 """A tiny language model following the pipeline protocol, its data and a plain-PyTorch reference
-(shared by tests/test_pipeline.py and its worker processes)."""
+(shared by tests/e2e/test_pipeline.py and its worker processes)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """docs/sequence_parallel.md's example: the tiny GPT trained with each sequence split over 2 ranks
 (DeepSpeed-Ulysses) at ZeRO stage 3, on CPU / gloo; ``python docs/examples/sequence_parallel.py 1`` runs the
-same fit unsplit on 1 rank, with the same losses (tests/test_sequence_parallel.py checks them to 1e-5)."""
+same fit unsplit on 1 rank, with the same losses (tests/e2e/test_sequence_parallel.py checks them to 1e-5)."""
 
 from __future__ import annotations
 

@@ -22,14 +22,14 @@ from lightning_zero.config.schema import (
 
 def preset_known(m: GPTModelSchema) -> bool:
     """Whether ``m.preset`` names a GPT preset."""
-    from lightning_zero.models.gpt import GPT_PRESETS
+    from lightning_zero.models.gpt_config import GPT_PRESETS
 
     return m.preset in GPT_PRESETS
 
 
 def gpt_config(m: GPTModelSchema) -> Any:
     """The ``lightning_zero.models.gpt.GPTConfig`` of a GPT model option (preset + non-null shape overrides)."""
-    from lightning_zero.models.gpt import resolve_config
+    from lightning_zero.models.gpt_config import resolve_config
 
     return resolve_config(m.preset, gpt_overrides(m))
 

@@ -24,6 +24,7 @@ from lightning_zero.checkpoint.format import (
     save_sharded,
 )
 from lightning_zero.checkpoint.format import remove as remove_sharded
+from lightning_zero.checkpoint.own_bytes import own_bytes
 from lightning_zero.checkpoint.owned import load_owned_optimizer_state, load_owned_state_dict, load_whole_module
 from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.core.comm.data_parallel import DataParallelComm
@@ -35,7 +36,6 @@ from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
-from lightning_zero.lightning.own_bytes import own_bytes
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.state_files import open_state_dict
 from lightning_zero.lightning.steps import StepDispatch

@@ -38,7 +38,7 @@ EXECUTORS = ("auto", "row_groups", "block_sparse", "flex")
 # gradient is needed, e.g. inference) and the row-group executor otherwise (CPU training: groups of
 # query-block rows batched through torch's CPU flash kernel, row_groups.py), which beats the
 # pure-torch block-sparse kernel at every length measured (docs/benchmarks.md). All three are exact
-# (tests/test_sparse_attention.py, tests/test_sparse_row_groups.py), so switching between them
+# (tests/unit/test_sparse_attention.py, tests/unit/test_sparse_row_groups.py), so switching between them
 # changes nothing but speed and memory. "row_groups", "block_sparse" and "flex" force one; "flex"
 # refuses a CPU call that needs grad, "row_groups" a CUDA call.
 

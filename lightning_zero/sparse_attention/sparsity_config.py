@@ -2,7 +2,7 @@
 ``(num_heads, num_blocks, num_blocks)`` 0/1 layout of which key blocks each query block attends to.
 
 The names, constructor arguments and layouts are DeepSpeed's (``deepspeed/ops/sparse_attention/
-sparsity_config.py``, checked block for block in tests/test_sparse_layouts.py). Random blocks are
+sparsity_config.py``, checked block for block in tests/unit/test_sparse_layouts.py). Random blocks are
 drawn with Python's ``random`` in DeepSpeed's order, so the same ``random.seed`` gives the same
 layout; ``seed=`` (our addition) draws them from a private ``random.Random(seed)`` instead, which
 is what every rank of a run needs (Note [same layout on every rank]).

@@ -98,7 +98,7 @@ def slice_param(param: nn.Parameter, dim: int, chunks: int, tp: TPGroup, memo: S
         blocks = param.detach().chunk(chunks, dim=dim)
         part = size // (chunks * tp.size)
         # one copy: torch.cat always returns new storage (a clone after it held a second slice-sized copy at
-        # the moment the whole weight is still alive: tests/test_tensor_parallel_memory.py's memory limit)
+        # the moment the whole weight is still alive: tests/distributed/test_tensor_parallel_memory.py's memory limit)
         local = torch.cat([b.narrow(dim, tp.rank * part, part) for b in blocks], dim=dim)
     out = nn.Parameter(local, requires_grad=param.requires_grad)
     out.tp_split_dim = dim  # type: ignore[attr-defined]

@@ -44,7 +44,7 @@ TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 def refuse_combinations(tp: TensorParallelConfig, *, pipeline: bool, offload: bool) -> None:
     """The compositions not built in this slice, refused at construction with the reason. Offload composes: TP
     only changes what the rank's flat buffers hold, and the engine offloads their shards as any others."""
-    del offload  # composes (tests/test_tensor_parallel.py: parity with offload against the unsplit model)
+    del offload  # composes (tests/distributed/test_tensor_parallel.py: parity with offload against the unsplit model)
     if not tp.enabled:
         return
     if pipeline:

@@ -1,7 +1,7 @@
 """Where partitioned state lives: the offload policy (ZeRO-Offload / ZeRO-Infinity) and its checks.
 
 The fields are those of DeepSpeed's ``zero_optimization.offload_optimizer`` / ``offload_param``
-and of the Hydra ``offload/`` group. The mechanism is in ``store.py`` (optimizer shards)
+and of the Hydra ``offload/`` group. The mechanism is in ``store.py`` and its stores (optimizer shards)
 and ``param_offload.py`` (stage-3 parameter shards); see docs/offload.md.
 """
 

@@ -4,7 +4,7 @@ Note [asynchronous host copies]
     ``copy_(non_blocking=True)`` between pinned host memory and a GPU returns before the bytes have
     moved: the copy is queued on the device's current stream. Offload issues three of them:
 
-    * the reduced gradient shard, device -> pinned host buffer (``OptimizerOffload.receive_grad``),
+    * the reduced gradient shard, device -> pinned host buffer (``HostStore.receive_grad``),
       which the CPU then unscales, measures and steps on (``ZeroEngine.prepare_step``);
     * a stage-3 parameter shard, pinned host -> the device's gather buffer (``ParamOffload.read``),
       which the CPU optimizer later overwrites with the stepped values (``write_back``);

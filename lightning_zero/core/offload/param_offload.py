@@ -5,7 +5,7 @@ Note [parameter offload]
     per flat group. With ``offload_param`` those shards are moved once, at setup, into storage of
     their own: ``"cpu"``, a host buffer per shard (pinned when ``pin_memory`` and an accelerator);
     ``"nvme"``, a view of a run-private swap file per shard (``SwapFile``, Note [swap files] in
-    ``store.py``: unlinked at once, space reserved, never read as state after a crash).
+    ``file_store.py``: unlinked at once, space reserved, never read as state after a crash).
     The persistent unit (parameters below ``param_persistence_threshold``) stays whole with the
     module, as it is gathered every step anyway.
 
@@ -17,7 +17,7 @@ Note [parameter offload]
     read ahead the shards of the neighbouring units (index +-1: the next unit in forward and in
     backward; ``POSIX_FADV_WILLNEED``, asynchronous), so that the prefetch finds them in the page cache.
 
-    Out: the optimizer offload (``OptimizerOffload.write_back``) casts each stepped master range into
+    Out: the optimizer's store (``HostStore.write_back``) casts each stepped master range into
     the shard and calls :meth:`ParamOffload.written`; with ``"nvme"`` those pages leave the process
     at once, and at the end of the step the writer thread writes the files to disk and drops them
     from the page cache (as for the optimizer's swap files). Reads and writes outside a step (a

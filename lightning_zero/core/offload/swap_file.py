@@ -1,4 +1,4 @@
-"""The storage of ``"nvme"`` offload (Note [swap files] in ``store.py``): one run-private swap file
+"""The storage of ``"nvme"`` offload (Note [swap files] in ``file_store.py``): one run-private swap file
 mapped as a tensor (unlinked as soon as it is created, its disk space reserved, mapped ``MAP_SHARED``, read
 ahead and written out in element ranges), and the removal of run directories that killed runs left."""
 
@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 
-# <nvme_path>/lightning_zero-<pid>-r<rank>-<tempfile's random suffix>: one run's directory (store.py)
+# <nvme_path>/lightning_zero-<pid>-r<rank>-<tempfile's random suffix>: one run's directory (host_store.py)
 RUN_DIR = re.compile(r"lightning_zero-(\d+)-r\d+-[a-z0-9_]+")
 
 

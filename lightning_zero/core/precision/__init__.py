@@ -1,5 +1,11 @@
 """16-bit training inside the core: the fp16 loss scale and the non-finite gradient search, torch only.
 
-Public pieces: ``LossScaler``, ``LossScalerConfig`` (``loss_scaler``),
+Public pieces: ``LossScaler``, ``LossScalerConfig``, ``MinLossScaleError`` (``loss_scaler``),
 ``first_nonfinite_parameter``, ``NonFiniteGradientError`` (``nonfinite``).
 """
+
+from lightning_zero.core.precision.loss_scaler import LossScaler, LossScalerConfig, MinLossScaleError
+from lightning_zero.core.precision.nonfinite import NonFiniteGradientError, first_nonfinite_parameter
+
+__all__ = ["LossScaler", "LossScalerConfig", "MinLossScaleError", "NonFiniteGradientError",
+           "first_nonfinite_parameter"]

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
-from lightning_zero.core.offload.store import OptimizerOffload, swap_bytes
+from lightning_zero.core.offload.store import open_shard_store
 from lightning_zero.core.stage3 import gathered
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.stage3.materialize import ParamInitFn
@@ -174,14 +174,11 @@ class ZeroEngine:
             if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
                 master_init = broadcast_master_init(master_init, [p for p in self.names if p in managed],
                                                     self.dtypes.master_dtype, self.comm)
-            store = None
-            if self.offload_config.optimizer_device is not OffloadDevice.none:
-                need = swap_bytes(self.offload_config, self.groups, self.units, self.dtypes.master_dtype)
-                self.offload_config.check_path(need)
-                store = OptimizerOffload(self.offload_config, self.comm.rank, self.units)
+            store = open_shard_store(self.offload_config, self.comm.rank, self.units, self.groups,
+                                     self.dtypes.master_dtype)  # where the shards live, chosen once
             self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
                                             whole=not config.stage.shards_optimizer, master_init=master_init,
-                                            offload=store)
+                                            store=store)
         if optimizer is None:
             self.offload_config.warn_unused()
         self._user_zero_grad: Callable[..., None] | None = None

@@ -24,7 +24,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.offload.store import OptimizerOffload, SubGroup, use_fused_kernels
+from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.offload.shard_store import DeviceStore, ShardStore, SubGroup
 from lightning_zero.core.zero.config import ZeroStage
 from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
 
@@ -100,9 +101,10 @@ class ShardedOptimizer:
             that of a plain optimizer.
         master_init: initial master values per parameter (e.g. the fp32 weights before the module
             was cast to 16 bits); parameters not in it start from their current values.
-        offload: where the masters, their gradients and the optimizer state live when offloaded
-            (stage >= 1; docs/offload.md): the masters are then always a separate copy, and the
-            optimizer's ``step`` runs through it (fused CPU kernels, sub-groups for ``"nvme"``).
+        store: where the masters, their gradients and the optimizer state live (Note [one storage
+            interface] in ``core/offload/shard_store.py``; default: on the device, with the parameters).
+            An offloaded store (stage >= 1; docs/offload.md) keeps the masters as a separate copy and
+            runs the optimizer's ``step`` (fused CPU kernels, sub-groups for ``"nvme"``).
 
     Note [master shards]
         ``masters[i]`` is the 1-D master of flat group ``i`` covering ``master_range(i)`` of the
@@ -110,7 +112,7 @@ class ShardedOptimizer:
         optimizer's param groups hold ``stepped[j]``: the master pieces (Note [master pieces]) of
         every flat group of param group ``j``, or with ``whole`` the per-parameter views.
         Stepping never touches the module: :meth:`write_back` casts the masters into the
-        parameter shards.
+        parameter shards. Every step calls :attr:`store` the same way, wherever the shards live.
     """
 
     def __init__(
@@ -120,15 +122,16 @@ class ShardedOptimizer:
         master_dtype: torch.dtype,
         whole: bool = False,
         master_init: Mapping[nn.Parameter, torch.Tensor] | None = None,
-        offload: OptimizerOffload | None = None,
+        store: ShardStore | None = None,
     ) -> None:
-        if offload is not None and whole:
+        store = store if store is not None else DeviceStore()
+        if store.device is not OffloadDevice.none and whole:
             raise ValueError("Optimizer offload needs ZeRO stage >= 1 (it offloads this rank's shard).")
         self.optimizer = optimizer
         self.groups = groups
         self.whole = whole
-        self.offload = offload
-        self._written_back = False  # the offloaded step already cast the masters into the params
+        self.store: ShardStore = store
+        self._written_back = False  # the store's step already cast the masters into the params
         self.piece_numel = MASTER_PIECE_NUMEL
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         self.masters: list[torch.Tensor] = []  # 1-D master of this rank, per flat group
@@ -136,13 +139,9 @@ class ShardedOptimizer:
         self.stepped: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]  # per param group
         for fi, fg in enumerate(groups):
             own = self._own(fi)
-            if offload is not None:
-                master = offload.new_master(fi, own.numel(), master_dtype)
-                _fill_master(master, fg, own, *self.master_range(fi), master_init, offload.released(fi))
-            elif master_dtype == fg.dtype:
-                master = own
-            else:
-                master = _fill_master(own.to(master_dtype, copy=True), fg, own, *self.master_range(fi), master_init)
+            master = store.new_master(fi, own, master_dtype)
+            if master is not own:
+                _fill_master(master, fg, own, *self.master_range(fi), master_init, store.released(fi))
             self.masters.append(master)
             if whole:  # stage 0: one flat group per param group
                 views = {s.param: v for s, v in zip(fg.slots, fg.views(master))}
@@ -154,10 +153,9 @@ class ShardedOptimizer:
             self.stepped[fg.optimizer_group].extend(pieces)
         for pg, stepped in zip(optimizer.param_groups, self.stepped):
             pg["params"] = list(stepped)
-        self._fused_before: dict[int, tuple] = {}
-        if offload is not None:
-            self._fused_before = use_fused_kernels(optimizer)
-            self._own_step = optimizer.__dict__.get("step")  # e.g. an LR scheduler's wrapper
+        self._fused_before: dict[int, tuple] = store.use_kernels(optimizer)
+        self._own_step = optimizer.__dict__.get("step")  # e.g. an LR scheduler's wrapper
+        if store.runs_step:
             self._user_step = optimizer.step
 
             def step(closure: Callable[[], Any] | None = None) -> Any:
@@ -166,7 +164,12 @@ class ShardedOptimizer:
             if hasattr(self._user_step, "_wrapped_by_lr_sched"):  # still counts for the LR scheduler's check
                 step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             optimizer.step = step  # type: ignore[method-assign]
-            self._settle()  # the masters' fill read the parameter shards (offload_param: their files)
+        self._settle()  # the masters' fill read the parameter shards (offload_param: their files)
+
+    @property
+    def offload(self) -> ShardStore | None:
+        """The store when the shards are offloaded (its ``counters``, docs/offload.md), else ``None``."""
+        return None if self.store.device is OffloadDevice.none else self.store
 
     def master_range(self, flat_group: int) -> tuple[int, int]:
         fg = self.groups[flat_group]
@@ -180,10 +183,7 @@ class ShardedOptimizer:
     def set_grads(self, grads: list[torch.Tensor]) -> None:
         """Give the masters these gradients (1-D, laid out like the masters; cast when needed)."""
         for fi, (master, grad) in enumerate(zip(self.masters, grads)):
-            if self.offload is not None:
-                grad = self.offload.receive_grad(fi, grad, master)
-            elif grad.dtype != master.dtype:
-                grad = grad.to(master.dtype)
+            grad = self.store.receive_grad(fi, grad, master)
             if self.whole:
                 master.grad = grad
                 fg = self.groups[fi]
@@ -194,8 +194,7 @@ class ShardedOptimizer:
             else:
                 for piece, g in zip(self.pieces_of[fi], grad.split(self.piece_numel)):
                     piece.grad = g
-        if self.offload is not None:  # pinned copies from the device: landed before the CPU reads them
-            self.offload.grads_ready()
+        self.store.grads_ready()  # pinned copies from the device: landed before the CPU reads them
 
     def master_grads(self) -> list[torch.Tensor]:
         """The gradient tensors the optimizer steps on (unscaling, norms and clipping act on these)."""
@@ -205,42 +204,39 @@ class ShardedOptimizer:
 
     def write_back(self) -> None:
         """Copy (cast) stepped masters into the parameter shards (when not a view)."""
-        if self._written_back:  # the offloaded step did it, sub-group by sub-group
+        if self._written_back:  # the store's step did it, sub-group by sub-group
             self._written_back = False
             return
         for fi, master in enumerate(self.masters):
             own = self._own(fi)
             if own.data_ptr() != master.data_ptr():
-                own.copy_(master)
+                self.store.write_back(own, master, self.groups[fi], 0)
 
     def write_masters_from_params(self, changed: list[FlatParamGroup]) -> None:
         """After parameters were changed outside the optimizer: refresh the master copies of the
         ``changed`` groups (where they are not views of the parameter shards)."""
         ids = {id(g) for g in changed}
-        if self.offload is not None:  # the last write-backs have read the masters (Note [asynchronous host copies])
-            self.offload.fence.wait_all()
+        self.store.masters_free()  # the last write-backs have read the masters (Note [asynchronous host copies])
         for fi, (master, fg) in enumerate(zip(self.masters, self.groups)):
             own = self._own(fi)
             if id(fg) in ids and own.data_ptr() != master.data_ptr():
                 master.copy_(own)
         self._settle()
 
-    # ------------------------------------------------------------------ offloaded step
+    # ------------------------------------------------------------------ a step the store runs
     def _offloaded_step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """The optimizer's ``step`` while offloaded: the user's step per sub-group of master pieces,
-        each stepped sub-group's state moved into the store and cast back into the parameters."""
-        assert self.offload is not None
+        """The optimizer's ``step`` where the store runs it: the user's step per sub-group of master
+        pieces, each stepped sub-group's state moved into the store and cast back into the parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sub_groups = self.offload.sub_groups([m.numel() for m in self.masters], self.piece_numel)
-        self.offload.step(sub_groups, self._step_sub_group)
+        sub_groups = self.store.sub_groups([m.numel() for m in self.masters], self.piece_numel)
+        self.store.step(sub_groups, self._step_sub_group)
         self._written_back = True
         return loss
 
     def _step_sub_group(self, sg: SubGroup) -> None:
-        assert self.offload is not None
         n = self.piece_numel
         pieces = [(fi, k) for fi, lo, hi in sg for k in range(lo // n, -(-hi // n))]
         everything = len(pieces) == sum(len(p) for p in self.pieces_of)
@@ -261,16 +257,15 @@ class ShardedOptimizer:
             self._home(fi, k)
         for fi, lo, hi in sg:
             own = self._own(fi)
-            self.offload.write_back(own[lo:hi], self.masters[fi][lo:hi], self.groups[fi], lo)
+            self.store.write_back(own[lo:hi], self.masters[fi][lo:hi], self.groups[fi], lo)
 
     def _home(self, fi: int, k: int) -> None:
         """Move piece ``k`` of flat group ``fi``'s per-element state into the store (Note [swap files])."""
-        assert self.offload is not None
         piece = self.pieces_of[fi][k]
         state = self.optimizer.state.get(piece)
         for key, value in (state or {}).items():
             if isinstance(value, torch.Tensor) and value.shape == piece.shape and key not in SCALAR_STATE_KEYS:
-                state[key] = self.offload.place(fi, key, k * self.piece_numel, value, self.masters[fi].numel())
+                state[key] = self.store.place(fi, key, k * self.piece_numel, value, self.masters[fi].numel())
 
     def group_options(self, index: int) -> dict:
         """Param group ``index``'s options (no ``params``) as the user's optimizer holds them: what a state
@@ -281,11 +276,9 @@ class ShardedOptimizer:
         return out
 
     def adopt_loaded_state(self) -> None:
-        """After ``optimizer.load_state_dict``: move the loaded state into the offload's storage; the loaded
-        ``fused`` / ``foreach`` become the user's flags (restored after fit) and the offload's kernel is used."""
-        if self.offload is None:
-            return
-        self._fused_before = use_fused_kernels(self.optimizer)
+        """After ``optimizer.load_state_dict``: move the loaded state into the store; the loaded ``fused`` /
+        ``foreach`` become the user's flags (restored after fit) and the store's kernel is used."""
+        self._fused_before = self.store.use_kernels(self.optimizer)
         for fi, pieces in enumerate(self.pieces_of):
             for k in range(len(pieces)):
                 self._home(fi, k)
@@ -293,8 +286,7 @@ class ShardedOptimizer:
 
     def _settle(self) -> None:
         """After reading or writing swapped tensors outside a step: take them out of memory again."""
-        if self.offload is not None:
-            self.offload.release_all()
+        self.store.release_all()
 
     def clear_grads(self) -> None:
         for m, pieces in zip(self.masters, self.pieces_of):
@@ -316,19 +308,19 @@ class ShardedOptimizer:
 
     def restore(self) -> None:
         """Put the original parameters back into the param groups (master state is dropped, and an
-        offload's buffers and swap files with it)."""
+        store's buffers and swap files with it)."""
         for pg, params, stepped in zip(self.optimizer.param_groups, self.original_params, self.stepped):
             for t in stepped:
                 if not any(t is p for p in params):
                     self.optimizer.state.pop(t, None)
             pg["params"] = params
-        if self.offload is not None:
+        if self.store.runs_step:
             self.optimizer.__dict__.pop("step", None)  # the class's step again, or the wrapper it had
             if self._own_step is not None:
                 self.optimizer.step = self._own_step  # type: ignore[method-assign]
-            for i, (fused, foreach) in self._fused_before.items():
-                self.optimizer.param_groups[i]["fused"], self.optimizer.param_groups[i]["foreach"] = fused, foreach
-            self.offload.close()
+        for i, (fused, foreach) in self._fused_before.items():
+            self.optimizer.param_groups[i]["fused"], self.optimizer.param_groups[i]["foreach"] = fused, foreach
+        self.store.close()
 
     def shard_state(self, flat_group: int) -> dict:
         """The optimizer state of one flat group's master shard, pieces joined into 1-D tensors."""

@@ -1,0 +1,231 @@
+"""The host store (``"cpu"``): offloaded optimizer shards in separate host memory, stepped by fused CPU kernels.
+
+:class:`HostStore` is the :class:`~lightning_zero.core.offload.shard_store.ShardStore` of
+``optimizer_device="cpu"`` and the base of the file store (``file_store.py``): it owns the master shards
+(``new_master``), receives the reduced gradient shards (``receive_grad``) and runs the user's optimizer
+step (``step``), then the stepped masters are cast back into the parameter shards (``write_back``).
+Masters, gradients and state live in their own host buffers (pinned with an accelerator) and are
+stepped all at once with torch's fused CPU kernels. It also owns stage 3's offloaded parameter shards
+(``ParamOffload``) and, when either device is ``"nvme"``, the run's private swap directory and its
+writer thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
+from lightning_zero.core.offload.copy_fence import CopyFence
+from lightning_zero.core.offload.param_offload import ParamOffload
+from lightning_zero.core.offload.shard_store import SubGroup
+from lightning_zero.core.offload.swap_file import remove_stale_run_dirs
+
+if TYPE_CHECKING:
+    from lightning_zero.core.stage3.sharded_unit import ShardedUnit
+    from lightning_zero.core.zero.flat_param import FlatParamGroup
+
+MMAP_THRESHOLD_BYTES = 1 << 20  # Note [freed memory]
+
+
+def return_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Note [freed memory]
+        glibc serves an allocation above its mmap threshold with its own mapping, returned to the OS when
+        freed; but the first such free raises the threshold (up to 32 MiB), and from then on those buffers
+        come from the heap, which keeps freed memory. Offload to disk creates and frees shard-sized
+        temporaries (a sub-group's lazily created optimizer state before it moves to the files, backward's
+        buffers): with the dynamic threshold a GPT-125M rank kept ~200 MiB it no longer used, most of the
+        relief. Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops the adjustment) keeps
+        the resident set at what is live (docs/offload.md, docs/benchmarks.md). Process-wide, set once
+        when ``"nvme"`` offload starts; glibc only (returns whether it was set).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except OSError:
+        return False
+
+
+# optimizer classes whose CPU step has a fused kernel in torch (``fused=True``)
+FUSED_CPU_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
+)
+
+
+@dataclass
+class OffloadCounters:
+    """What moved, cumulative over the run (the tests and the monitor read these)."""
+
+    grad_bytes_in: int = 0  # gradient bytes copied into the host buffers
+    param_bytes_out: int = 0  # master bytes cast / copied back into the parameter shards
+    bytes_read: int = 0  # bytes this process read from storage during the steps ("nvme"; Note [measured I/O])
+    bytes_written: int = 0  # bytes this process sent to storage during the steps ("nvme"; Note [measured I/O])
+    steps: int = 0  # offloaded optimizer steps
+    step_s: float = 0.0  # seconds inside those steps (I/O waits included)
+
+
+class HostStore:
+    """This rank's optimizer shards in host memory (``"cpu"``; Note [one storage interface] in ``shard_store.py``).
+
+    Args:
+        config: the offload policy.
+        rank: the data-parallel rank (names its swap directory).
+        units: stage 3's units; with ``config.param_device`` set their shards are offloaded too
+            (:class:`~lightning_zero.core.offload.param_offload.ParamOffload`, sharing the swap directory).
+    """
+
+    device = OffloadDevice.cpu
+    runs_step = True
+    nvme = False  # the optimizer state is in swap files (``FileStore``)
+
+    def __init__(self, config: OffloadConfig, rank: int = 0, units: list[ShardedUnit] | None = None) -> None:
+        if config.optimizer_device is not self.device:
+            raise ValueError(f"{type(self).__name__} keeps optimizer_device={self.device.value!r} state, "
+                             f"not {config.optimizer_device!r}: choose the store with open_shard_store(config).")
+        self.config = config
+        self.pin = config.pin()
+        self.counters = OffloadCounters()
+        self.host_grads: dict[int, torch.Tensor] = {}
+        self.fence = CopyFence()  # pinned copies in flight (Note [asynchronous host copies] in copy_fence.py)
+        self.directory: tempfile.TemporaryDirectory | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        if config.uses_nvme:
+            return_freed_memory()  # Note [freed memory]
+            remove_stale_run_dirs(str(config.nvme_path))  # killed runs' empty directories (Note [swap files])
+            self.directory = tempfile.TemporaryDirectory(prefix=f"lightning_zero-{os.getpid()}-r{rank}-",
+                                                         dir=config.nvme_path)
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-write")
+        self.params: ParamOffload | None = None  # offload_param (Note [parameter offload])
+        if config.param_device is not OffloadDevice.none:
+            directory = self.directory.name if self.directory is not None else None
+            self.params = ParamOffload(config.param_device, list(units or []), directory, self.pin)
+
+    # ------------------------------------------------------------------ storage
+    def new_master(self, fi: int, own: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer of its own for the master of flat group ``fi`` (the caller fills it)."""
+        return torch.empty(own.numel(), dtype=dtype, pin_memory=self.pin)
+
+    def released(self, fi: int) -> Callable[[int, int], None] | None:
+        return None  # host buffers stay in memory
+
+    def receive_grad(self, fi: int, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """The gradient shard the master of ``fi`` steps on: copied (cast) into a host buffer."""
+        host = self.host_grads.get(fi)
+        if host is None or host.numel() != master.numel():
+            host = self.host_grads[fi] = torch.empty(master.numel(), dtype=master.dtype, pin_memory=self.pin)
+        host.copy_(grad, non_blocking=self.pin)
+        self.fence.record(("grad", fi), self.pin, grad, host)  # the CPU reads it after grads_ready()
+        self.counters.grad_bytes_in += grad.numel() * grad.element_size()
+        return host
+
+    def grads_ready(self) -> None:
+        """Block until every gradient copy of ``receive_grad`` has landed in host memory (before the
+        CPU unscales, measures or steps on them; Note [asynchronous host copies])."""
+        for fi in self.host_grads:
+            self.fence.wait(("grad", fi))
+
+    def masters_free(self) -> None:
+        """Block until the last write-backs have read the masters (Note [asynchronous host copies])."""
+        self.fence.wait_all()
+
+    def use_kernels(self, optimizer: Optimizer) -> dict[int, tuple]:
+        return use_fused_kernels(optimizer)
+
+    def write_back(self, own: torch.Tensor, master: torch.Tensor, group: FlatParamGroup, lo: int) -> None:
+        """Cast the stepped ``master`` into ``own``: elements ``[lo, lo + own.numel())`` of ``group``'s shard."""
+        if self.params is not None:  # an offloaded shard may still be read by its last gather's copy
+            self.params.before_write(group)
+        own.copy_(master, non_blocking=self.pin)
+        self.fence.record(("master", id(group), lo), self.pin, master, own)  # the next step overwrites master
+        self.counters.param_bytes_out += own.numel() * own.element_size()
+        if self.params is not None:
+            self.params.written(group, lo, lo + own.numel())
+
+    def place(self, fi: int, key: str, lo: int, tensor: torch.Tensor, numel: int) -> torch.Tensor:
+        return tensor  # the optimizer's own state tensors are host tensors already
+
+    # ------------------------------------------------------------------ step
+    def sub_groups(self, numels: list[int], piece: int) -> list[SubGroup]:
+        """Every master in one sub-group: host memory holds them all."""
+        return [[(fi, 0, n) for fi, n in enumerate(numels)]]
+
+    def step(self, sub_groups: list[SubGroup], step_one: Callable[[SubGroup], None]) -> None:
+        """Run ``step_one`` on every sub-group, then wait for the parameter shards' writes."""
+        start = time.perf_counter()
+        io_before = self._io()  # Note [measured I/O]
+        self.fence.wait_all()  # the last step's write-backs have read the masters the CPU overwrites now
+        for k, sg in enumerate(sub_groups):
+            self._before_sub_group(k, sub_groups)
+            step_one(sg)
+            self._after_sub_group(sg)
+        if self.params is not None:
+            self._pending += self.params.flush(self._writer)
+        self.wait()
+        io_after = self._io() if io_before is not None else None
+        if io_before is not None and io_after is not None:
+            self.counters.bytes_read += io_after[0] - io_before[0]
+            self.counters.bytes_written += io_after[1] - io_before[1]
+        self.counters.steps += 1
+        self.counters.step_s += time.perf_counter() - start
+
+    def _io(self) -> tuple[int, int] | None:
+        """This process's storage traffic so far, where the store measures it (Note [measured I/O])."""
+        return None
+
+    def _before_sub_group(self, k: int, sub_groups: list[SubGroup]) -> None:
+        """Before sub-group ``k`` steps: its state is in memory."""
+
+    def _after_sub_group(self, sg: SubGroup) -> None:
+        """After ``sg`` stepped: host memory keeps it."""
+
+    def release_all(self) -> None:
+        """Take every swapped tensor out of this process (after a checkpoint or a load read them)."""
+        if self.params is not None:
+            self.params.release_all()
+
+    def wait(self) -> None:
+        """Wait for the writer thread (raises its error, e.g. a full disk)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def _stop_writer(self) -> None:
+        if self._writer is not None:
+            self.wait()
+            self._writer.shutdown()
+            self._writer = None
+
+    def close(self) -> None:
+        """Stop the writer and remove the run's swap files (also done at exit)."""
+        self._stop_writer()
+        if self.params is not None:
+            self.params.close()
+        if self.directory is not None:
+            self.directory.cleanup()
+            self.directory = None
+
+
+def use_fused_kernels(optimizer: Optimizer) -> dict[int, tuple]:
+    """Switch the param groups of a torch optimizer with a fused CPU kernel to it; returns what to
+    restore (param group index -> previous ``(fused, foreach)``)."""
+    if type(optimizer) not in FUSED_CPU_OPTIMIZERS:
+        return {}
+    previous = {}
+    for i, pg in enumerate(optimizer.param_groups):
+        if pg.get("differentiable") or pg.get("fused"):
+            continue
+        previous[i] = (pg.get("fused"), pg.get("foreach"))
+        pg["fused"], pg["foreach"] = True, False
+    return previous

@@ -1,0 +1,58 @@
+"""The small shared helpers of the core: interval overlap (flat_param.overlap) and the all-ranks agreement
+(DataParallelComm.extremes; its 2-rank path is exercised by the stage-3 divergent-units test)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.zero.flat_param import overlap
+
+bounds = st.tuples(st.integers(0, 50), st.integers(0, 50)).map(sorted)
+
+
+@given(bounds, bounds)
+def test_overlap_is_the_intersection_of_two_ranges(a: list[int], b: list[int]) -> None:
+    lo, hi = overlap(a[0], a[1], b[0], b[1])
+    common = set(range(*a)) & set(range(*b))
+    assert set(range(lo, hi)) == common
+    if common:
+        assert (lo, hi) == (min(common), max(common) + 1)
+    else:
+        assert hi <= lo
+
+
+def test_extremes_without_a_group_is_the_value_itself() -> None:
+    comm = DataParallelComm()
+    assert not comm.active and comm.extremes(7) == (7, 7) and comm.extremes(-3) == (-3, -3)
+
+
+def collectives_body() -> dict[str, object]:
+    """Every gather / reduce-scatter path of ``DataParallelComm`` with FutureWarnings turned into errors."""
+    import warnings
+
+    import torch
+
+    comm = DataParallelComm(collective="reduce_scatter")  # the gather / reduce-scatter path, also on gloo
+    rank = comm.rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13: all_gather_into_tensor is deprecated
+        flat = torch.zeros(4)
+        flat[2 * rank:2 * rank + 2] = torch.tensor([1.0, 2.0]) + 10 * rank
+        comm.all_gather_flat(flat, 2 * rank, 2 * rank + 2)
+        out = torch.zeros(2)
+        comm.reduce_scatter_pieces(out, [torch.full((2,), 1.0 + rank), torch.full((2,), 3.0 + rank)])
+        gathered = torch.zeros(2)
+        comm.all_gather(gathered, torch.tensor([5.0 + rank]))
+    return {"flat": flat.tolist(), "scattered": out.tolist(), "gathered": gathered.tolist()}
+
+
+@pytest.mark.distributed
+def test_gathers_and_reduce_scatters_use_torchs_current_names(gloo_pool) -> None:
+    """No ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` deprecation warning on any run."""
+    rank0, rank1 = gloo_pool.run("tests.distributed.test_core_helpers:collectives_body")
+    assert rank0["flat"] == rank1["flat"] == [1.0, 2.0, 11.0, 12.0]
+    assert rank0["scattered"] == [3.0, 3.0] and rank1["scattered"] == [7.0, 7.0]
+    assert rank0["gathered"] == rank1["gathered"] == [5.0, 6.0]

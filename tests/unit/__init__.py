@@ -1,0 +1,1 @@
+"""Unit tests: one process, no process group (docs/design.md, "Tests")."""

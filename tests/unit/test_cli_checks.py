@@ -1,0 +1,96 @@
+"""What a newcomer's mistakes and outputs look like without a launch: every checkable config value is
+rejected before anything starts (exit 2, one line per problem, the root problem only), and every file
+written for a user holds each tensor's own bytes (sizes against the parameter bytes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_zero.checkpoint.own_bytes import own_bytes
+from lightning_zero.cli import main
+from lightning_zero.config.build import fit
+from lightning_zero.config.launch import compose_config
+from lightning_zero.config.validate import count_model_parameters, validate_config
+
+
+@pytest.mark.parametrize(("args", "lines"), [
+    (["model.lr=-0.01"], ["model.lr=-0.01 must be > 0. Fix: a positive learning rate, e.g. model.lr=3e-4."]),
+    (["model.betas=[0.9,1.5]", "model.weight_decay=-1", "model.warmup_steps=-5"],
+     ["model.weight_decay=-1 must be >= 0.", "model.betas[1]=1.5 must be in [0, 1).",
+      "model.warmup_steps=-5 must be >= 0."]),
+    (["data.micro_batch_size=0", "model.dropout=1.5", "data.seq_len=512"],
+     ["model.dropout=1.5 must be in [0, 1).", "data.micro_batch_size=0 must be >= 1.",
+      "data.seq_len=512 exceeds the model's context 256 (gpt_small). Fix: data.seq_len=256 or less, "
+      "or model.seq_len=512."]),
+    (["trainer.max_steps=0", "trainer.accumulate_grad_batches=0", "trainer.max_time=5min",
+      "trainer.log_every_n_steps=0"],
+     ["trainer.max_steps=0 must be >= 1, or -1 (no step limit).", "trainer.accumulate_grad_batches=0 must be >= 1.",
+      "trainer.log_every_n_steps=0 must be >= 1.",
+      "trainer.max_time=5min must be DD:HH:MM:SS, e.g. trainer.max_time=00:01:30:00."]),
+    (["model.min_lr_ratio=2", "trainer.gradient_clip_val=-1", "trainer.val_check_interval=0"],
+     ["model.min_lr_ratio=2 must be in [0, 1].", "trainer.val_check_interval=0 must be > 0.",
+      "trainer.gradient_clip_val=-1 must be >= 0."]),
+    # the root problem only: no offload / pipeline advice that follows from an impossible stage
+    (["zero.stage=7"],
+     ["zero.stage=7: ZeRO stage must be 0, 1, 2 or 3, got 7. Fix: zero=stage0, stage1, stage2 or stage3."]),
+])
+def test_bad_values_stop_before_launch_one_line_each(args: list[str], lines: list[str], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "lightning-zero train: error: invalid configuration:"
+    assert sorted(err[1:]) == sorted(f"  - {line}" for line in lines)
+    assert not list(tmp_path.iterdir())  # no output directory, no process
+
+
+def test_own_bytes_copies_views_only_and_keeps_ties() -> None:
+    flat = torch.arange(100.0)
+    a, b, whole = flat[:10].view(2, 5), flat[10:30], torch.ones(3)
+    out = own_bytes({"a": a, "tied": [a, a], "b": (b,), "whole": whole, "n": 3})
+    assert out["a"].untyped_storage().nbytes() == 40 and torch.equal(out["a"], a)
+    assert out["tied"][0] is out["a"] and out["tied"][1] is out["a"]  # one copy for one region: ties survive
+    assert out["b"][0].untyped_storage().nbytes() == 80 and out["whole"] is whole and out["n"] == 3
+
+
+TINY_ONE_RANK = ["experiment=gpt_tiny", "trainer.devices=1", "trainer.max_steps=2", "trainer.validate_at_start=false",
+                 "trainer.validate_at_end=false", "trainer.val_check_interval=null", "logger=none",
+                 "trainer.enable_model_summary=false", "trainer.enable_progress_bar=false", "data.max_bytes=50000"]
+
+
+@pytest.mark.slow
+def test_every_file_written_for_a_user_holds_the_parameter_bytes_only(tmp_path: Path) -> None:
+    cfg = validate_config(compose_config([*TINY_ONE_RANK, "zero=stage2"]))
+    params = count_model_parameters(cfg) * 4  # fp32
+    fit(cfg, tmp_path / "s2")
+    sharded = tmp_path / "s2" / "checkpoints" / "last.ckpt"
+    assert sharded.resolve().is_dir()  # stage >= 1: last.ckpt is a symlink to a versioned directory
+    limits = {"model.pt": params, "model.safetensors": params, "model.ckpt": 3 * params}  # + AdamW's two moments
+    for name, limit in limits.items():
+        out = tmp_path / name
+        assert main(["convert", str(sharded), str(out), *(["--lightning"] if name.endswith(".ckpt") else [])]) == 0
+        assert limit <= out.stat().st_size <= limit * 1.05 + 64_000, (name, out.stat().st_size, limit)
+    # stage 0 writes Lightning's single file (the consolidated format) through trainer.save_checkpoint
+    cfg = validate_config(compose_config([*TINY_ONE_RANK, "zero=stage0"]))
+    fit(cfg, tmp_path / "s0")
+    single = tmp_path / "s0" / "checkpoints" / "last.ckpt"
+    assert single.is_file() and 3 * params <= single.stat().st_size <= 3 * params * 1.05 + 64_000
+
+
+def test_progress_is_on_by_default_lines_off_a_terminal_and_off_by_option(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_zero.config.build import trainer_kwargs
+    from lightning_zero.observability.progress import LineProgress
+
+    def progress(overrides: list[str], tty: bool) -> tuple[bool, list[type]]:
+        monkeypatch.setattr("sys.stdout.isatty", lambda: tty)
+        kwargs = trainer_kwargs(validate_config(compose_config(["experiment=gpt_tiny", *overrides])), tmp_path)
+        return kwargs["enable_progress_bar"], [type(c) for c in kwargs["callbacks"] if isinstance(c, LineProgress)]
+
+    assert progress([], tty=False) == (True, [LineProgress])  # a pipe or a log: a line per log_every_n_steps
+    assert progress([], tty=True) == (True, [])  # a terminal: Lightning's bar
+    assert progress(["trainer.enable_progress_bar=false"], tty=False) == (False, [])
