@@ -10,9 +10,8 @@ from typing import Any
 import torch
 
 from lightning_zero.checkpoint.layout import parse_dtype
-from lightning_zero.checkpoint.own_bytes import own_bytes
 from lightning_zero.checkpoint.reader import ShardedCheckpoint, materialize_optimizer_state
-from lightning_zero.checkpoint.tensor_file import Entry, write_file
+from lightning_zero.checkpoint.tensor_file import Entry, own_bytes, write_file
 
 
 def consolidate_checkpoint(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:

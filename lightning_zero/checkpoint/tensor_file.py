@@ -1,4 +1,5 @@
-"""Safetensors files written and read a bounded piece at a time: no whole copy of what is saved.
+"""Safetensors files written and read a bounded piece at a time: no whole copy of what is saved; and
+:func:`own_bytes`, which gives views their own storage before ``torch.save`` (Note [own bytes]).
 
 Note [streamed safetensors]
     The file layout is safetensors' own (an 8-byte little-endian header length, a JSON header
@@ -27,7 +28,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -268,3 +269,42 @@ class TensorFile:
             if got <= 0:
                 raise OSError(f"unexpected end of file at byte {offset + done}")
             done += got
+
+# Note [own bytes]: ``torch.save`` writes a tensor's whole storage: a parameter that views a slice of a flat
+# ZeRO buffer would drag the buffer along (a 26 MB model saved as 433 MB). :func:`own_bytes` copies such views
+# into tensors of their own size, keeping tensors that shared one storage region shared (tied weights).
+
+
+def _needs_copy(t: torch.Tensor) -> bool:
+    storage = t.untyped_storage()
+    return storage.nbytes() > t.numel() * t.element_size() or not t.is_contiguous()
+
+
+def own_bytes(obj: Any, _memo: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every tensor that views a larger storage replaced by a
+    compact copy; other values and already-compact tensors are returned as they are (not copied)."""
+    memo = {} if _memo is None else _memo
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "meta" or not _needs_copy(obj):
+            return obj
+        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype)
+        if key not in memo:
+            copy = obj.detach().clone(memory_format=torch.contiguous_format)
+            memo[key] = torch.nn.Parameter(copy, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else copy
+        return memo[key]
+    if isinstance(obj, dict):
+        out = {k: own_bytes(v, memo) for k, v in obj.items()}
+        if type(obj) is dict:
+            return out
+        try:
+            rebuilt = type(obj)(out)  # OrderedDict and friends, with a state dict's _metadata
+        except TypeError:
+            return out
+        if hasattr(obj, "_metadata"):
+            rebuilt._metadata = obj._metadata
+        return rebuilt
+    if isinstance(obj, list):
+        return [own_bytes(v, memo) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(own_bytes(v, memo) for v in obj)
+    return obj

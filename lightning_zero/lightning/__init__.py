@@ -5,7 +5,7 @@ parallelism (``compose``: ``apply_parallelisms``, ``release_parallelisms``). Its
 runs (``steps``: ``StepDispatch``), state dicts and checkpoint files (``state``: ``StrategyCheckpointing``;
 ``state_files``), the mesh (``mesh_setup``), the registered names (``registry``), models built in
 ``configure_model`` (``sharded_build``) and uneven batches (``uneven``). ``own_bytes`` is a former path
-(now ``lightning_zero.checkpoint.own_bytes``).
+(now ``lightning_zero.checkpoint.tensor_file``).
 """
 
 from lightning_zero.lightning.compose import apply_parallelisms, release_parallelisms

@@ -24,9 +24,9 @@ from lightning_zero.checkpoint.format import (
     save_sharded,
 )
 from lightning_zero.checkpoint.format import remove as remove_sharded
-from lightning_zero.checkpoint.own_bytes import own_bytes
 from lightning_zero.checkpoint.owned import load_owned_optimizer_state, load_owned_state_dict, load_whole_module
 from lightning_zero.checkpoint.plain import CheckpointError
+from lightning_zero.checkpoint.tensor_file import own_bytes
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.stage3.loading import load_full_state_dict
 from lightning_zero.core.stage3.materialize import has_meta_parameters

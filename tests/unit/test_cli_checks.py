@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero.checkpoint.own_bytes import own_bytes
+from lightning_zero.checkpoint.tensor_file import own_bytes
 from lightning_zero.cli import main
 from lightning_zero.config.build import fit
 from lightning_zero.config.launch import compose_config
