@@ -110,6 +110,8 @@ class DataParallelComm:
         )
         # gloo's all-reduce is faster than its reduce-scatter + all-gather (docs/benchmarks.md).
         self.use_all_reduce: bool = collective == "all_reduce" or (collective == "auto" and self.backend == "gloo")
+        # stages 2-3 on gloo with "auto": gradients go to their owners point to point (exchange_to_owners)
+        self.use_owner_exchange: bool = collective == "auto" and self.backend == "gloo"
         self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
         self.bytes_sent: int = 0  # bytes this rank sent, ever, under the ring model (see the module doc)
 
@@ -188,6 +190,27 @@ class DataParallelComm:
             else:
                 work = dist.reduce_scatter(out, list(pieces), group=self.group, async_op=async_op)
         return self._issued(work, async_op)
+
+    def exchange_to_owners(self, pieces: Sequence[torch.Tensor], received: Sequence[torch.Tensor],
+                           tag: int = 0) -> Handle:
+        """Point-to-point half of a reduce-scatter (asynchronous): ``pieces[q]`` goes to rank q and rank q's
+        piece for this rank arrives in ``received[q]``, for every other rank q (this rank's entries are not
+        touched). Empty pieces are skipped on both sides, so every rank passes the sizes its peers expect.
+        The caller adds the parts up in rank order (Note [owner exchange] in ``core/zero/exchange.py``).
+        Sends (N-1)/N of a whole message, half of what a ring all-reduce sends."""
+        if not self.active:
+            return DONE
+        works: list[Handle] = []
+        with self.blocking("send/recv (gradient exchange)"):
+            for q in range(self.world_size):
+                if q == self.rank:
+                    continue
+                if pieces[q].numel():
+                    self.bytes_sent += pieces[q].numel() * pieces[q].element_size()
+                    works.append(dist.isend(pieces[q], dst=self._global_rank(q), group=self.group, tag=tag))
+                if received[q].numel():
+                    works.append(dist.irecv(received[q], src=self._global_rank(q), group=self.group, tag=tag))
+        return self._issued(_AllOf(works), async_op=True)
 
     def all_gather_flat(self, flat: torch.Tensor, start: int, end: int, async_op: bool = False) -> Handle:
         """Make ``flat`` whole on every rank from each rank's ``flat[start:end]`` (equal shards)."""
