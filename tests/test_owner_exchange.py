@@ -199,3 +199,55 @@ def test_the_exchange_equals_the_all_reduce_within_rounding_at_three_ranks() -> 
             torch.testing.assert_close(r["exchange"], r["all_reduce"], rtol=1e-6, atol=1e-6)
     finally:
         pool.close()
+
+
+# ---------------------------------------------------------------------------- the step-error agreement
+def agreement_body(stage: int) -> dict[str, Any]:
+    """A fit with accumulation; counts blocking ``ranks_with`` and deferred agreements made during training."""
+    import lightning.pytorch as pl
+
+    from lightning_zero import ZeroStrategy
+    from tests.models import TinyTransformer, make_trainer, token_loader
+
+    calls = {"blocking": 0, "deferred": 0}
+    blocking, deferred = DataParallelComm.ranks_with, DataParallelComm.ranks_with_later
+
+    def count(name: str, fn: Any) -> Any:
+        def wrapped(self: DataParallelComm, *args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(self, *args, **kwargs)
+        return wrapped
+
+    during: dict[str, int] = {}
+
+    class Snapshot(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            during.update({f"start_{k}": v for k, v in calls.items()})
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            during.update({f"end_{k}": v for k, v in calls.items()})
+
+    DataParallelComm.ranks_with = count("blocking", blocking)  # type: ignore[method-assign]
+    DataParallelComm.ranks_with_later = count("deferred", deferred)  # type: ignore[method-assign]
+    try:
+        make_trainer(ZeroStrategy(stage=stage), accumulate_grad_batches=2, max_steps=2,
+                     callbacks=[Snapshot()]).fit(TinyTransformer("adamw"), token_loader())
+    finally:
+        DataParallelComm.ranks_with, DataParallelComm.ranks_with_later = blocking, deferred  # type: ignore[method-assign]
+    return during
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_step_error_agreement_makes_no_blocking_call_per_micro_step(gloo_pool, stage: int) -> None:
+    for r in gloo_pool.run("tests.test_owner_exchange:agreement_body", stage=stage):
+        assert r["end_blocking"] == r["start_blocking"]  # no blocking agreement during training
+        assert r["end_deferred"] - r["start_deferred"] == 4  # one deferred agreement per micro-step
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_error_on_one_rank_still_raises_on_every_rank(gloo_pool, stage: int) -> None:
+    results = gloo_pool.run("tests.test_strategy:bad_input_body", kind="raise_on_rank1", stage=stage)
+    assert "boom on rank 1" in results[1]["message"], results[1]
+    assert "raised on data-parallel rank(s) [1]" in results[0]["message"], results[0]
