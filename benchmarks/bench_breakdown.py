@@ -14,6 +14,8 @@ rounds (the median for the step time):
   ``core/comm/data_parallel.py`` (an all-reduce of B bytes sends 2(N-1)/N B). ZeroStrategy: the strategy's
   numbered collectives (the hang watchdog's record) and ``DataParallelComm.bytes_sent``; DDP: its gradient
   buckets, counted by a communication hook around torch's all-reduce hook;
+* ``main page faults``: minor page faults of the main thread (``/proc/self/task/<tid>/stat``): first touches of
+  freshly allocated buffers cost main-thread CPU;
 * ``blocked ms``: ZeroStrategy's ``DataParallelComm.wait_seconds`` (host time blocked in its collectives); DDP's
   waits happen inside autograd's C++ reducer and are only seen in ``main waits``.
 
@@ -54,6 +56,12 @@ def other_threads_cpu_s() -> float:
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
     return total * _TICK_S
+
+
+def main_minor_faults() -> int:
+    """Minor page faults of the calling thread so far (first touches of fresh memory, among others)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])  # minflt (field 10 of stat)
 
 
 def _strategy(system: str, config: Any, counters: dict[str, float]) -> Any:
@@ -111,13 +119,14 @@ def body(system: str, config: dict[str, Any]) -> dict[str, Any]:
     class Breakdown(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
             self.start = (time.perf_counter(), time.thread_time(), other_threads_cpu_s(), counters(trainer))
+            self.faults = main_minor_faults()
 
         def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
             wall, cpu, others, before = self.start
             after = counters(trainer)
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             rows.append({"wall": wall, "main_cpu": cpu, "main_wait": max(wall - cpu, 0.0),
-                         "others_cpu": other_threads_cpu_s() - others,
+                         "others_cpu": other_threads_cpu_s() - others, "faults": main_minor_faults() - self.faults,
                          **{k: after[k] - before[k] for k in after}})
 
     trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, precision="32-true",
@@ -139,20 +148,21 @@ def summarize(results: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, 
                     "main_cpu_ms": 1e3 * mean["main_cpu"], "main_wait_ms": 1e3 * mean["main_wait"],
                     "others_cpu_ms": 1e3 * mean["others_cpu"], "collectives": mean["collectives"],
                     "mb": mean["bytes"] / 2**20, "blocked_ms": 1e3 * mean["blocked"] if system != "ddp" else None,
-                    "loss": rounds[-1][0]["loss"]})
+                    "faults": mean["faults"], "loss": rounds[-1][0]["loss"]})
     return out
 
 
 def table(summary: list[dict[str, Any]]) -> str:
     base = next((s["step_ms"] for s in summary if s["system"] == "ddp"), None)
     lines = ["| system | step ms | vs ddp | main CPU ms | main waits ms | other threads CPU ms | collectives "
-             "/ step | MB sent / step | blocked ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "/ step | MB sent / step | blocked ms | main page faults / step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         ratio = f"{s['step_ms'] / base:.3f}x" if base else "-"
         blocked = f"{s['blocked_ms']:.1f}" if s["blocked_ms"] is not None else "-"
         lines.append(f"| {s['system']} | {s['step_ms']:.1f} | {ratio} | {s['main_cpu_ms']:.1f} | "
                      f"{s['main_wait_ms']:.1f} | {s['others_cpu_ms']:.1f} | {s['collectives']:.1f} | "
-                     f"{s['mb']:.1f} | {blocked} |")
+                     f"{s['mb']:.1f} | {blocked} | {s['faults']:.0f} |")
     return "\n".join(lines)
 
 

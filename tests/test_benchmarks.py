@@ -204,6 +204,7 @@ def test_bench_breakdown_quick_counts_every_part_of_a_step(tmp_path: Path) -> No
     ddp, zero2 = json.loads(path.read_text())
     for row in (ddp, zero2):
         assert row["step_ms"] > 0 and row["main_cpu_ms"] > 0 and row["collectives"] >= 1 and row["mb"] > 0, row
+        assert row["faults"] >= 0, row
     assert ddp["blocked_ms"] is None and zero2["blocked_ms"] > 0  # DDP's waits are inside its C++ reducer
     # the owner exchange sends half a ring all-reduce's bytes; ZeRO 2 also all-gathers the parameters once
     assert zero2["mb"] == pytest.approx(ddp["mb"], rel=0.05)
