@@ -62,6 +62,13 @@ class StepHost(Protocol):
     def num_processes(self) -> int: ...
 
 
+def _step_failed(ranks: list[int]) -> RuntimeError:
+    return RuntimeError(
+        f"training_step raised on data-parallel rank(s) {ranks}; stopping this rank too. "
+        "The traceback of the failing rank(s) says why."
+    )
+
+
 class StepDispatch:
     """The steps of a :class:`~lightning_zero.ZeroStrategy` (``host``), and the random streams a resumed
     run continues at its first training step (:meth:`resume_rng`)."""
@@ -110,15 +117,20 @@ class StepDispatch:
             output = self._training_step(step, *args, **kwargs)
         except Exception as exc:
             error = exc
-        failed = comm.ranks_with(error is not None)
+        # Note [deferred agreement] in core/comm/data_parallel.py: no synchronisation of its own per micro-step
+        agreement = comm.ranks_with_later(error is not None)
+        agreement.error_for = _step_failed
         if error is not None:
+            agreement.ranks()  # the others learn of it before they wait on this rank
             raise error
-        if failed:
-            raise RuntimeError(
-                f"training_step raised on data-parallel rank(s) {failed}; stopping this rank too. "
-                "The traceback of the failing rank(s) says why."
-            )
+        comm.defer(agreement)
         return output
+
+    def settle_step_errors(self) -> None:
+        """Raise here a step error of another rank not yet settled (before Lightning's own collectives)."""
+        comm = self._host._comm
+        if comm is not None:
+            comm.settle_deferred()
 
     def _training_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         host = self._host

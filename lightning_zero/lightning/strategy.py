@@ -91,7 +91,8 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         loss_scaler: fp16 loss-scaler policy when ``precision="16-mixed"`` is given as a string.
         check_step_errors: after every ``training_step`` the ranks agree on whether any of them
             raised, so an error in one rank's step is raised on every rank instead of leaving the
-            others waiting in a collective (one tiny all-reduce per micro-step).
+            others waiting in a collective (one tiny asynchronous all-reduce per micro-step, read when the
+            rank next issues a collective: Note [deferred agreement] in core/comm/data_parallel.py).
         param_init_fn: stage 3 with ``configure_model``: ``fn(module, name)`` initialises a
             module's own parameters, which were built on the meta device (default: the module's
             ``reset_parameters()``). See docs/large_models.md.
@@ -407,6 +408,27 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._steps.training_step(super().training_step, *args, **kwargs)
+
+    # Lightning's own collectives and the end of training settle the step-error agreement first
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._steps.settle_step_errors()
+        super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._steps.settle_step_errors()
+        return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        self._steps.settle_step_errors()
+        return super().reduce(*args, **kwargs)
+
+    @override
+    def on_train_end(self) -> None:
+        self._steps.settle_step_errors()
+        super().on_train_end()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -104,12 +104,15 @@ def test_each_unit_is_gathered_and_released_once_per_pass(results, run: tuple[st
         got = r["zero3"]
         assert [name for name, _ in got["units"]] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
         assert [n for _, n in got["units"]][:3] == [BLOCK_NUMEL] * 3
+        # Note [kept tail]: once the forward order is recorded (after the first micro-step), the last blocks
+        # within prefetch_bucket_size stay gathered from forward into backward
+        kept = {"blocks.2"} if run[1] == BLOCK_NUMEL else {"blocks.0", "blocks.1", "blocks.2"}
         for micro_step, counts in enumerate(got["counts"], start=1):
             for name, (gathers, releases) in counts.items():
                 # blocks: once for forward, once for backward (the frozen one too: its input
                 # gradient needs its weights); the root stays gathered from forward to backward
-                per_pass = 1 if name == "<root>" else 2
-                assert (gathers, releases) == (per_pass * micro_step, per_pass * micro_step), (name, counts)
+                expected = micro_step if name == "<root>" else micro_step + 1 if name in kept else 2 * micro_step
+                assert (gathers, releases) == (expected, expected), (name, counts)
 
 
 @pytest.mark.distributed

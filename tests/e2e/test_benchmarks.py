@@ -190,3 +190,21 @@ def test_a_sweep_reading_says_whether_the_knob_stands_out_of_the_spread() -> Non
     assert pages.sweep_reading(overlapping).endswith("overlap: in this run the knob's effect is within the spread "
                                                      "between rounds.")  # fmt: skip
     assert pages.sweep_reading(apart[:2]) == ""  # one setting: nothing to compare
+
+
+@pytest.mark.slow
+def test_bench_breakdown_quick_counts_every_part_of_a_step(tmp_path: Path) -> None:
+    """benchmarks/bench_breakdown.py on the tiny GPT: a row per system, each part measured (issue 35)."""
+    path = tmp_path / "breakdown.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_breakdown.py"), "--quick", "--systems", "ddp,zero2",
+               "--json", str(path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert "| ddp | " in done.stdout and "| zero2 | " in done.stdout and "load average" in done.stdout
+    ddp, zero2 = json.loads(path.read_text())
+    for row in (ddp, zero2):
+        assert row["step_ms"] > 0 and row["main_cpu_ms"] > 0 and row["collectives"] >= 1 and row["mb"] > 0, row
+        assert row["faults"] >= 0, row
+    assert ddp["blocked_ms"] is None and zero2["blocked_ms"] > 0  # DDP's waits are inside its C++ reducer
+    # the owner exchange sends half a ring all-reduce's bytes; ZeRO 2 also all-gathers the parameters once
+    assert zero2["mb"] == pytest.approx(ddp["mb"], rel=0.05)

@@ -19,7 +19,7 @@ collectives (``compressed_allreduce.py``) compare on one scale.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Protocol
 
@@ -110,8 +110,11 @@ class DataParallelComm:
         )
         # gloo's all-reduce is faster than its reduce-scatter + all-gather (docs/benchmarks.md).
         self.use_all_reduce: bool = collective == "all_reduce" or (collective == "auto" and self.backend == "gloo")
+        # stages 2-3 on gloo with "auto": gradients go to their owners point to point (exchange_to_owners)
+        self.use_owner_exchange: bool = collective == "auto" and self.backend == "gloo"
         self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
         self.bytes_sent: int = 0  # bytes this rank sent, ever, under the ring model (see the module doc)
+        self._deferred: list[DeferredFlags] = []  # agreements settled before this rank next issues a collective
 
     def _count(self, tensor: torch.Tensor, hops: int) -> None:
         """Add ``hops``/N of ``tensor``'s bytes to :attr:`bytes_sent` (2(N-1) for an all-reduce, else N-1)."""
@@ -121,6 +124,7 @@ class DataParallelComm:
         """Destroy this comm's process group now and stop communicating (world size 1 from here on).
         Only for a group this comm's owner created (``owned_groups``); Note [clean exit] in
         ``core/comm/process_groups.py``."""
+        self._deferred.clear()  # their peers are gone with the group
         group, self.group = self.group, None
         self.world_size, self.rank = 1, 0
         if group is not None and dist.is_available() and dist.is_initialized():
@@ -130,7 +134,10 @@ class DataParallelComm:
     @contextmanager
     def blocking(self, kind: str = "") -> Iterator[None]:
         """Count the time spent in the block into :attr:`wait_seconds`; ``kind``: the block issues that
-        collective, recorded for the hang watchdog (Note [progress record] in core/reliability/progress_record.py)."""
+        collective, recorded for the hang watchdog (Note [progress record] in core/reliability/progress_record.py),
+        after the deferred agreements are settled (Note [deferred agreement])."""
+        if kind:
+            self.settle_deferred()
         start = time.perf_counter()
         try:
             if kind:
@@ -188,6 +195,27 @@ class DataParallelComm:
             else:
                 work = dist.reduce_scatter(out, list(pieces), group=self.group, async_op=async_op)
         return self._issued(work, async_op)
+
+    def exchange_to_owners(self, pieces: Sequence[torch.Tensor], received: Sequence[torch.Tensor],
+                           tag: int = 0) -> Handle:
+        """Point-to-point half of a reduce-scatter (asynchronous): ``pieces[q]`` goes to rank q and rank q's
+        piece for this rank arrives in ``received[q]``, for every other rank q (this rank's entries are not
+        touched). Empty pieces are skipped on both sides, so every rank passes the sizes its peers expect.
+        The caller adds the parts up in rank order (Note [owner exchange] in ``core/zero/exchange.py``).
+        Sends (N-1)/N of a whole message, half of what a ring all-reduce sends."""
+        if not self.active:
+            return DONE
+        works: list[Handle] = []
+        with self.blocking("send/recv (gradient exchange)"):
+            for q in range(self.world_size):
+                if q == self.rank:
+                    continue
+                if pieces[q].numel():
+                    self.bytes_sent += pieces[q].numel() * pieces[q].element_size()
+                    works.append(dist.isend(pieces[q], dst=self._global_rank(q), group=self.group, tag=tag))
+                if received[q].numel():
+                    works.append(dist.irecv(received[q], src=self._global_rank(q), group=self.group, tag=tag))
+        return self._issued(_AllOf(works), async_op=True)
 
     def all_gather_flat(self, flat: torch.Tensor, start: int, end: int, async_op: bool = False) -> Handle:
         """Make ``flat`` whole on every rank from each rank's ``flat[start:end]`` (equal shards)."""
@@ -270,3 +298,56 @@ class DataParallelComm:
         largest, smallest = self.extremes(value)
         if largest != smallest:
             raise ValueError(f"{what} differs between data-parallel ranks. {fix}")
+
+    def ranks_with_later(self, flag: bool) -> DeferredFlags:
+        """:meth:`ranks_with` without waiting: the all-reduce is issued now, its answer read later
+        (Note [deferred agreement])."""
+        flags = torch.zeros(max(self.world_size, 1), dtype=torch.int32, device=self.device)
+        flags[self.rank] = int(flag)
+        handle: Handle = DONE
+        if self.active:
+            self._count(flags, 2 * (self.world_size - 1))
+            with self.blocking("all_reduce (step errors)"):
+                handle = self._issued(dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+                                      async_op=True)
+        return DeferredFlags(flags, handle)
+
+    def defer(self, pending: DeferredFlags) -> None:
+        """Settle ``pending`` (raise its error) before this rank next issues a collective of this group."""
+        self._deferred.append(pending)
+
+    def settle_deferred(self) -> None:
+        """Wait for the deferred agreements and raise the first one's error (Note [deferred agreement])."""
+        while self._deferred:
+            self._deferred.pop(0).raise_if_any()
+
+
+class DeferredFlags:
+    """An issued all-reduce of one flag per rank (:meth:`DataParallelComm.ranks_with_later`).
+
+    Note [deferred agreement]
+        An agreement that must hold before a rank waits on the others (did any rank's step raise?)
+        needs no synchronisation of its own: the flags are all-reduced asynchronously and read when
+        this rank next issues a collective of the group (``DataParallelComm.blocking`` settles them
+        first), or one of Lightning's (the strategy's ``barrier`` / ``broadcast`` / ``reduce``), or at
+        the end of training. A rank that is going to raise waits for the answer itself; the others
+        learn it before they wait on a collective the raising rank never joins, so every rank raises
+        and none hangs. The all-reduce is numbered like the strategy's other collectives, so the hang
+        watchdog names a rank waiting in it.
+    """
+
+    def __init__(self, flags: torch.Tensor, handle: Handle) -> None:
+        self.flags, self.handle = flags, handle
+        # the error raise_if_any raises when some ranks' flags are set, made from those ranks
+        self.error_for: Callable[[list[int]], BaseException] | None = None
+
+    def ranks(self) -> list[int]:
+        """The ranks whose flag is set (waits for the all-reduce; the same on every rank)."""
+        handle, self.handle = self.handle, DONE
+        handle.wait()
+        return [r for r in range(self.flags.numel()) if self.flags[r].item()]
+
+    def raise_if_any(self) -> None:
+        failed = self.ranks()
+        if failed and self.error_for is not None:
+            raise self.error_for(failed)

@@ -8,11 +8,21 @@ Communication plan, per micro-step with units U_1..U_k (Note [units]) on N ranks
   in flight and ``max_live_parameters`` gathered. After U_i's forward the storage is freed (the
   ``nn.Parameter`` objects and the autograd graph keep views of it).
 * backward: when the gradient of U_i's output arrives, U_i is gathered again into the same
-  storage (the saved views become valid again), U_{i-1} is prefetched; once every trainable
+  storage (the saved views become valid again) unless it stayed gathered (Note [kept tail]),
+  U_{i-1} is prefetched; once every trainable
   parameter of U_i has its gradient, the gradients are reduced in buckets as in stage 2 (into
   this rank's gradient shard) and U_i's storage is freed.
 * the root unit is gathered on first use and freed after backward (or after an evaluation
   step); the persistent unit is never freed and is all-gathered after each optimizer step.
+
+Note [kept tail]
+    Backward starts with the units forward ran last. Once the forward order is recorded, the last
+    units of it whose elements add up to at most ``prefetch_bucket_size``, and with the root to at
+    most ``max_live_parameters``, are not released after their forward: backward finds them
+    gathered, which saves one gather (a shard copy and N broadcasts) per kept unit per micro-step.
+    Memory: those units stay gathered from their forward to their backward, within the bound the
+    prefetch settings already allow (``live_bound``), so the gathered peak stays within
+    ``max_live_parameters`` whenever the running unit does; docs/tuning.md.
 
 Note [gather agreement]
     While a pass's unit order is being recorded (the first step, and after a re-trace) every
@@ -101,6 +111,7 @@ class Stage3Runtime:
         self.holding: bool = False  # hold_all(): nothing is released until release_held()
         self.agreement: Agreement = Agreement.WHILE_RECORDING  # Note [gather agreement]
         self.agreements: int = 0  # agreement all-reduces issued (tests count them)
+        self._tail: tuple[list[int], frozenset[int]] = ([], frozenset())  # Note [kept tail]: (trace, its kept units)
         self.pool = GatherPool()  # Note [gather buffer pool]
         for unit in units:
             if not unit.persistent:
@@ -203,6 +214,23 @@ class Stage3Runtime:
         ahead = min(self.prefetch_numel, sum(blocks[1:]))
         return max(running, min(running + ahead, self.max_live_numel))
 
+    def _kept(self, unit: ShardedUnit) -> bool:
+        """Whether ``unit`` stays gathered from its forward into its backward (Note [kept tail])."""
+        trace = self.traces[Phase.FORWARD]
+        if not trace or not torch.is_grad_enabled():
+            return False
+        if self._tail[0] is not trace:
+            budget = min(self.prefetch_numel, self.max_live_numel - (self.root.numel if self.root else 0))
+            kept: set[int] = set()
+            for index in reversed(trace):
+                u = self.units[index]
+                if u.persistent or u is self.root or trace.count(index) > 1 or u.numel > budget:
+                    break
+                budget -= u.numel
+                kept.add(index)
+            self._tail = (trace, frozenset(kept))
+        return unit.index in self._tail[1]
+
     def _drop_prefetched(self, keep: ShardedUnit) -> None:
         for u in self.blocks:
             if u is not keep and u.state is not UnitState.SHARDED:
@@ -226,7 +254,8 @@ class Stage3Runtime:
 
     def _post_forward_hook(self, unit: ShardedUnit) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            self._release(unit)
+            if not self._kept(unit):
+                self._release(unit)
             if torch.is_grad_enabled():
                 tensors = [t for t in _tensors(output) if t.requires_grad]
                 fired = [False]

@@ -7,10 +7,14 @@ Communication plan, per optimizer step of A micro-steps on N data-parallel ranks
   last micro-step (``sync`` true) a bucket is scaled by 1/N and all-reduced as soon as its last
   parameter reported; with ``collective="reduce_scatter"`` stage 1 reduce-scatters it instead and
   keeps only its own shard's part.
-* stages 2 and 3: on every micro-step the hook copies the gradient into a staging buffer of its bucket
-  (no rank keeps a whole gradient); a full bucket is reduced asynchronously and this rank's part
-  is added into its gradient shard, then the staging buffer is dropped. At most two staging
-  buffers are in flight, which bounds the extra memory by two buckets.
+* stages 2 and 3: on every micro-step the hook copies the gradient into the staging buffer of its
+  bucket's message (no rank keeps a whole gradient; ``exchange.py``); a message whose buckets are all
+  complete is reduced asynchronously and this rank's part is written into (first reduction since
+  ``zero()``, Note [written shard]) or added to its gradient shard. On gloo with ``collective="auto"``
+  the reduction is an exchange to the owners and buckets of several units share a message (Note
+  [owner exchange]); otherwise a reduce-scatter, or an all-reduce with ``collective="all_reduce"``, of
+  one bucket. At most two messages are in flight; staging and receive buffers are reused (Note
+  [reused buffers]).
 
 Note [fixed launch order]
     Buckets are launched in one order computed from the module's parameter order, the same on
@@ -31,6 +35,7 @@ from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm, Handle
 from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.zero.exchange import BufferPool, GradShards, Message, MessageStaging, ModuleOrder, Segment
 from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
 
 
@@ -64,6 +69,9 @@ class _InFlight:
     source: torch.Tensor  # the reduced bucket (staging buffer, view of the flat gradient, or a cast copy)
     output: torch.Tensor | None  # reduce-scatter output (this rank's part), else None
     home: torch.Tensor | None = None  # flat-gradient slice that ``source`` is a cast copy of (stages 0-1)
+    message: Message | None = None  # stages 2-3
+    received: list[torch.Tensor] | None = None  # owner exchange: per rank, its part for this rank
+    pooled: tuple[tuple[BufferPool, torch.Tensor], ...] = ()  # given back at retirement
 
 
 class GradReducer:
@@ -106,9 +114,6 @@ class GradReducer:
         self.max_in_flight = 2 if self.stage.shards_gradients else 1 << 30
         # whole gradients of the accumulation window (stages 0-1), one per group, padded layout
         self.flat_grads: list[torch.Tensor | None] = [None] * len(groups)
-        # this rank's reduced gradient shard (stages 2-3), one per group; allocated by the first
-        # backward that reduces into it (_grad_shard), so setup holds no gradient memory
-        self.grad_shards: list[torch.Tensor | None] = [None] * len(groups)
         for i, g in enumerate(groups):
             if not self.stage.shards_gradients:
                 self.flat_grads[i] = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
@@ -120,7 +125,14 @@ class GradReducer:
                 self._where[groups[b.group_index].slots[s].param] = (b.order, s)
         self._pending: list[int] = []  # parameters still to report, per bucket
         self._reported: set[nn.Parameter] = set()
-        self._staging: dict[int, torch.Tensor] = {}  # bucket order -> staging buffer (stage 2)
+        self._exchange = self.stage.shards_gradients and comm.use_owner_exchange and comm.world_size > 1
+        # stages 2-3: messages and their buffers, and this rank's gradient shards (core/zero/exchange.py)
+        self.staged = MessageStaging(self.buckets if self.stage.shards_gradients else [], groups, bucket_numel,
+                                     self._exchange, comm.rank, comm.world_size, grad_dtype, self.max_in_flight,
+                                     self._module_order)
+        self.messages: list[Message] = self.staged.messages
+        self.shards = GradShards(groups, self.buckets, self.accum_dtype)
+        self.grad_shards: list[torch.Tensor | None] = self.shards.tensors  # one per group (stages 2-3)
         self._launched: list[bool] = []
         self._next_launch = 0
         self._in_flight: deque[_InFlight] = deque()
@@ -139,6 +151,15 @@ class GradReducer:
         # A bucket is complete when its first-registered parameter reports, which backward
         # reaches last: launch first the bucket whose first parameter comes latest in the module.
         raw.sort(key=lambda r: -r[0])
+        # where each bucket's gradients arrive: its span in module order (Note [owner-major message])
+        prefix = [0]
+        for p in self.names:
+            prefix.append(prefix[-1] + p.numel())
+        spans = []
+        for _, gi, _, _, slots in raw:
+            where = [position[self.groups[gi].slots[s].param] for s in slots]
+            spans.append((min(where), max(where)))
+        self._module_order = ModuleOrder(tuple(spans), tuple(prefix))
         return [Bucket(gi, start, end, slots, order) for order, (_, gi, start, end, slots) in enumerate(raw)]
 
     def _reset_backward(self) -> None:
@@ -196,16 +217,8 @@ class GradReducer:
     # ---------------------------------------------------------------- backward
     def _destination(self, bucket: Bucket, slot_index: int) -> torch.Tensor:
         slot = self.groups[bucket.group_index].slots[slot_index]
-        if not self.stage.shards_gradients:
-            flat = self.flat_grads[bucket.group_index]
-            return flat[slot.offset : slot.offset + slot.numel]
-        staging = self._staging.get(bucket.order)
-        if staging is None:
-            staging = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype,
-                                  device=self.groups[bucket.group_index].device)
-            self._staging[bucket.order] = staging
-        lo = slot.offset - bucket.start
-        return staging[lo : lo + slot.numel]
+        flat = self.flat_grads[bucket.group_index]
+        return flat[slot.offset : slot.offset + slot.numel]
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -225,9 +238,14 @@ class GradReducer:
                 "checkpointing): use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
             )
         self._dirty = True
-        dest = self._destination(bucket, slot_index)
-        if grad.data_ptr() != dest.data_ptr():  # else autograd accumulated into our view in place
-            dest.add_(grad.reshape(-1))
+        if self.stage.shards_gradients:  # a reused staging buffer is written, not zero-filled
+            slot = self.groups[bucket.group_index].slots[slot_index]
+            self.staged.write(bucket, slot.offset, slot.offset + slot.numel, grad.reshape(-1),
+                              param not in self._reported)
+        else:
+            dest = self._destination(bucket, slot_index)
+            if grad.data_ptr() != dest.data_ptr():  # else autograd accumulated into our view in place
+                dest.add_(grad.reshape(-1))
         if param not in self._reported:
             self._reported.add(param)
             self._pending[order] -= 1
@@ -243,19 +261,50 @@ class GradReducer:
                 self._on_grad_ready(param)
 
     def _launch_ready(self, force: bool) -> None:
+        if self.stage.shards_gradients:  # messages, in the fixed order (Note [owner-major message])
+            while self._next_launch < len(self.messages) and (
+                force or all(self._pending[o] == 0 for o in self.messages[self._next_launch].buckets)
+            ):
+                self._launch_message(self._next_launch)
+                self._next_launch += 1
+            return
         while self._next_launch < len(self.buckets) and (force or self._pending[self._next_launch] == 0):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
+    def _launch_message(self, index: int) -> None:
+        """Stages 2-3: zero what no gradient wrote, scale by 1/N and reduce one message."""
+        message = self.messages[index]
+        for o in message.buckets:
+            self._launched[o] = True
+        source = self.staged.complete(index, self.buckets, self._reported)
+        while len(self._in_flight) >= self.max_in_flight:  # first: its buffers serve this message
+            self._retire(self._in_flight.popleft())
+        if self.comm.world_size > 1:
+            source.mul_(1.0 / self.comm.world_size)
+        pooled: tuple[tuple[BufferPool, torch.Tensor], ...] = ((self.staged.staging_pool, source._base),)
+        output = received = None
+        ranges = message.owner_ranges
+        lo, hi = ranges[self.comm.rank]
+        if self._exchange:
+            recv = self.staged.receive_pool.take((self.comm.world_size - 1) * (hi - lo))
+            pooled += ((self.staged.receive_pool, recv._base),)
+            peers = [q for q in range(self.comm.world_size) if q != self.comm.rank]
+            received = [source[lo:hi]] * self.comm.world_size  # own entry: this rank's own part
+            for i, q in enumerate(peers):
+                received[q] = recv[i * (hi - lo) : (i + 1) * (hi - lo)]
+            handle = self.comm.exchange_to_owners([source[a:b] for a, b in ranges], received, tag=index)
+        elif self.comm.use_all_reduce:
+            handle = self.comm.all_reduce_sum(source, async_op=True)
+        else:
+            output = torch.empty(hi - lo, dtype=source.dtype, device=source.device)
+            handle = self.comm.reduce_scatter_pieces(output, [source[a:b] for a, b in ranges], async_op=True)
+        self._in_flight.append(_InFlight(self.buckets[message.buckets[0]], handle, source, output,
+                                         message=message, received=received, pooled=pooled))
+
     def _launch(self, bucket: Bucket) -> None:
         self._launched[bucket.order] = True
-        g = self.groups[bucket.group_index]
-        if not self.stage.shards_gradients:
-            source = self.flat_grads[bucket.group_index][bucket.start : bucket.end]
-        else:
-            source = self._staging.pop(bucket.order, None)
-            if source is None:  # no parameter of the bucket got a gradient on this rank
-                source = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype, device=g.device)
+        source = self.flat_grads[bucket.group_index][bucket.start : bucket.end]
         if self.comm.world_size > 1:
             source.mul_(1.0 / self.comm.world_size)
         home = None
@@ -265,6 +314,7 @@ class GradReducer:
         if not self.stage.shards_optimizer or self.comm.use_all_reduce:
             handle = self.comm.all_reduce_sum(source, async_op=True)
         else:
+            g = self.groups[bucket.group_index]
             pieces = [self._clip_to(source, bucket, g.shard_range(r)) for r in range(self.comm.world_size)]
             output = torch.empty_like(pieces[self.comm.rank])
             handle = self.comm.reduce_scatter_pieces(output, pieces, async_op=True)
@@ -279,6 +329,13 @@ class GradReducer:
 
     def _retire(self, item: _InFlight) -> None:
         item.handle.wait()
+        if item.message is not None:
+            try:
+                self._write_shard(item, item.message)
+            finally:
+                for pool, buffer in item.pooled:
+                    pool.give(buffer)
+            return
         if item.home is not None and item.output is None:
             item.home.copy_(item.source)
         if not self.stage.shards_optimizer:
@@ -291,11 +348,22 @@ class GradReducer:
             return
         reduced = item.source[lo - b.start : hi - b.start] if item.output is None else item.output
         self._dirty = True
-        if not self.stage.shards_gradients:
+        if item.output is not None:
+            self.flat_grads[b.group_index][lo:hi].copy_(reduced)
+
+    def _write_shard(self, item: _InFlight, message: Message) -> None:
+        """Stages 2-3: this rank's parts of a reduced message into its gradient shards (Note [written shard])."""
+        self._dirty = True
+
+        def terms(seg: Segment, lo: int) -> list[torch.Tensor]:
+            hi = lo + seg.end - seg.start
+            if item.received is not None:  # Note [owner exchange]: in rank order
+                return [part[lo:hi] for part in item.received]
             if item.output is not None:
-                self.flat_grads[b.group_index][lo:hi].copy_(reduced)
-        else:
-            self._grad_shard(b.group_index)[lo - own_start : hi - own_start].add_(reduced)
+                return [item.output[lo:hi]]
+            return [item.source[seg.offset : seg.offset + seg.end - seg.start]]
+
+        self.shards.write(message, self.comm.rank, terms)
 
     def finish(self) -> None:
         """End of a backward: launch what is left in the fixed order and wait for all of it."""
@@ -303,7 +371,9 @@ class GradReducer:
             self._launch_ready(force=True)
             while self._in_flight:
                 self._retire(self._in_flight.popleft())
-            self._staging.clear()
+            self.staged.staging.clear()
+            if self.sync:  # the step's last backward: no pooled memory between steps (Note [reused buffers])
+                self.staged.release()
         self._reset_backward()
         self.state = BackwardState.IDLE
 
@@ -311,7 +381,7 @@ class GradReducer:
     def shard_grad(self, group_index: int) -> torch.Tensor:
         """This rank's reduced gradient shard of a group (stages 1-2)."""
         if self.stage.shards_gradients:
-            return self._grad_shard(group_index)
+            return self.shards.read(group_index)
         start, end = self.groups[group_index].shard_range()
         return self.flat_grads[group_index][start:end]
 
@@ -325,26 +395,22 @@ class GradReducer:
             return [g for g in self.flat_grads if g is not None]
         return [self.shard_grad(i) for i in range(len(self.groups))]
 
-    def _grad_shard(self, group_index: int) -> torch.Tensor:
-        shard = self.grad_shards[group_index]
-        if shard is None:
-            g = self.groups[group_index]
-            shard = self.grad_shards[group_index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
-        return shard
-
     def zero(self) -> None:
         if not self._dirty:
             return
-        for t in (*self.flat_grads, *self.grad_shards):
+        for t in self.flat_grads:
             if t is not None:
                 t.zero_()
+        self.shards.forget()  # the shards are written by the next reduction (Note [written shard])
         self._dirty = False
 
     def live_buffers(self) -> list[torch.Tensor]:
-        """Staging buffers and reduce-scatter outputs alive right now."""
-        out = list(self._staging.values())
+        """Staging, receive and idle reused buffers and reduce-scatter outputs alive right now."""
+        out = self.staged.held()
         for item in self._in_flight:
-            out.append(item.source)
+            out.extend(buffer for _, buffer in item.pooled)
+            if not item.pooled:
+                out.append(item.source)
             if item.output is not None:
                 out.append(item.output)
         return out

@@ -1,0 +1,48 @@
+"""Stage 3 keeps the last units of forward gathered into backward (Note [kept tail] in
+core/stage3/runtime.py): fewer gathers, the same losses bitwise, the gathered peak within
+``max_live_parameters``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_zero import ZeroStrategy
+from tests.models import StackedLM, make_trainer, token_loader
+
+BLOCK_NUMEL = 688  # one block's flat groups, padded to the world size (687 -> 688)
+
+
+def kept_body(keep: bool) -> dict[str, Any]:
+    probe: dict[str, Any] = {}
+
+    class Probe(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            engine = trainer.strategy.engine
+            probe.update(gathers={u.name: u.gathers for u in engine.units},
+                         live=trainer.strategy.gathered_peak_numel)
+
+    model = StackedLM("adamw", num_blocks=4)
+    root = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.blocks.parameters())
+    max_live = root + 1 + 2 * BLOCK_NUMEL + 1  # the root (padded) and two blocks, not three
+    strategy = ZeroStrategy(stage=3, param_persistence_threshold=0, max_live_parameters=max_live,
+                            prefetch_bucket_size=10_000_000 if keep else 1)
+    make_trainer(strategy, max_steps=4, callbacks=[Probe()]).fit(model, token_loader())
+    return {"losses": model.losses, "max_live": max_live, **probe}
+
+
+@pytest.mark.distributed
+def test_the_last_units_stay_gathered_into_backward_within_max_live_parameters(gloo_pool) -> None:
+    kept = gloo_pool.run("tests.test_kept_tail:kept_body", keep=True)
+    plain = gloo_pool.run("tests.test_kept_tail:kept_body", keep=False)
+    for k, p in zip(kept, plain):
+        assert k["losses"] == p["losses"]  # gathering less changes no value
+        steps = 4
+        # without keeping: every block twice a step (forward, backward)
+        assert all(p["gathers"][f"blocks.{i}"] == 2 * steps for i in range(4)), p["gathers"]
+        # kept: the last two blocks (what max_live_parameters allows beside the root) once a step after
+        # the first, whose forward recorded the order
+        assert [k["gathers"][f"blocks.{i}"] for i in range(4)] == [2 * steps] * 2 + [steps + 1] * 2, k["gathers"]
+        assert k["live"] <= k["max_live"], (k["live"], k["max_live"])
