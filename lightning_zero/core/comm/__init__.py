@@ -3,3 +3,12 @@
 Public pieces: ``DataParallelComm`` (``data_parallel``), ``OneBitAdam`` (``onebit_adam``) with its compressed
 all-reduce (``compressed_allreduce``, ``compression``), and the groups closed before exit (``process_groups``).
 """
+
+from lightning_zero.core.comm.compressed_allreduce import CompressedAllReduce
+from lightning_zero.core.comm.compression import Compressed, ErrorFeedback, compress
+from lightning_zero.core.comm.data_parallel import DataParallelComm, DeferredFlags
+from lightning_zero.core.comm.onebit_adam import OneBitAdam
+from lightning_zero.core.comm.process_groups import close_all, own, reusable
+
+__all__ = ["Compressed", "CompressedAllReduce", "DataParallelComm", "DeferredFlags", "ErrorFeedback", "OneBitAdam",
+           "close_all", "compress", "own", "reusable"]

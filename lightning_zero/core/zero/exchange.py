@@ -11,7 +11,7 @@ Note [owner-major message]
     module-order span of the message hold at most twice the message's elements: a bucket whose
     parameters are spread over the model (stage 3's group of persistent parameters, a root unit
     holding the embedding and the head) fills during most of the backward, and merged it would
-    keep a large staging buffer alive that long (it raised tests/test_large_models.py's peak),
+    keep a large staging buffer alive that long (it raised tests/e2e/test_large_models.py's peak),
     while a unit's weights and biases (two optimizer param groups) merge. Its staging buffer holds, for
     rank q = 0..N-1 in turn, every bucket's elements inside q's shard of that bucket's group: what
     goes to rank q is then one contiguous slice, sent with one ``isend``. For a message of one
@@ -31,7 +31,7 @@ Note [reused buffers]
     at most that many elements and at least half of them, instead of a new allocation; at most
     ``keep`` idle buffers are kept. The pools are emptied when the step's last backward finishes,
     so between steps (optimizer step, checkpoint save) no pooled memory is held: a persistent pool
-    raised the peak of the first optimizer step (Adam's moments) past tests/test_large_models.py's
+    raised the peak of the first optimizer step (Adam's moments) past tests/e2e/test_large_models.py's
     memory limit. Memory: while a backward runs, at most two messages in flight (staging plus
     (N-1)/N of a message received) and the messages filling, each of at most ``reduce_bucket_size``
     elements or one larger bucket; the all-reduce path had the same staging and no receive buffer.

@@ -151,7 +151,7 @@ def exchange_body(stage: int) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_exchange_equals_the_all_reduce_bitwise_at_two_ranks(gloo_pool, stage: int) -> None:
-    results = gloo_pool.run("tests.test_owner_exchange:exchange_body", stage=stage)
+    results = gloo_pool.run("tests.distributed.test_owner_exchange:exchange_body", stage=stage)
     for r in results:
         ref, got = r["all_reduce"], r["auto"]
         assert ref["exchanges"] == 0 and got["exchanges"] > 0  # each path ran what it names
@@ -194,7 +194,7 @@ def test_the_exchange_equals_the_all_reduce_within_rounding_at_three_ranks() -> 
 
     pool = GlooPool(world_size=3)
     try:
-        for r in pool.run("tests.test_owner_exchange:three_rank_body"):
+        for r in pool.run("tests.distributed.test_owner_exchange:three_rank_body"):
             assert r["merged"] and r["exchange"].abs().sum() > 0
             torch.testing.assert_close(r["exchange"], r["all_reduce"], rtol=1e-6, atol=1e-6)
     finally:
@@ -240,7 +240,7 @@ def agreement_body(stage: int) -> dict[str, Any]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 3])
 def test_the_step_error_agreement_makes_no_blocking_call_per_micro_step(gloo_pool, stage: int) -> None:
-    for r in gloo_pool.run("tests.test_owner_exchange:agreement_body", stage=stage):
+    for r in gloo_pool.run("tests.distributed.test_owner_exchange:agreement_body", stage=stage):
         assert r["end_blocking"] == r["start_blocking"]  # no blocking agreement during training
         assert r["end_deferred"] - r["start_deferred"] == 4  # one deferred agreement per micro-step
 
@@ -248,6 +248,6 @@ def test_the_step_error_agreement_makes_no_blocking_call_per_micro_step(gloo_poo
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_step_error_on_one_rank_still_raises_on_every_rank(gloo_pool, stage: int) -> None:
-    results = gloo_pool.run("tests.test_strategy:bad_input_body", kind="raise_on_rank1", stage=stage)
+    results = gloo_pool.run("tests.distributed.test_strategy:bad_input_body", kind="raise_on_rank1", stage=stage)
     assert "boom on rank 1" in results[1]["message"], results[1]
     assert "raised on data-parallel rank(s) [1]" in results[0]["message"], results[0]

@@ -35,8 +35,8 @@ def kept_body(keep: bool) -> dict[str, Any]:
 
 @pytest.mark.distributed
 def test_the_last_units_stay_gathered_into_backward_within_max_live_parameters(gloo_pool) -> None:
-    kept = gloo_pool.run("tests.test_kept_tail:kept_body", keep=True)
-    plain = gloo_pool.run("tests.test_kept_tail:kept_body", keep=False)
+    kept = gloo_pool.run("tests.distributed.test_kept_tail:kept_body", keep=True)
+    plain = gloo_pool.run("tests.distributed.test_kept_tail:kept_body", keep=False)
     for k, p in zip(kept, plain):
         assert k["losses"] == p["losses"]  # gathering less changes no value
         steps = 4
