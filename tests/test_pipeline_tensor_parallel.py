@@ -1,0 +1,105 @@
+"""Pipeline x tensor parallel on one mesh (issue 31): pipeline 2 x TP 2 on 4 ranks and pipeline 2 x TP 2 x data 2
+on 8 processes follow the unsplit model trained in one process (fp32 AdamW, clipping active every step,
+accumulation 2): the same losses and global gradient norms within 1e-5 relative."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_zero import PipelineConfig, ZeroStrategy
+from lightning_zero.core.mesh import Axis, ParallelDims
+from lightning_zero.models.gpt import GPTLightningModule
+from lightning_zero.tensor_parallel import split_dim
+from tests.models import make_trainer
+from tests.pool import GlooPool
+from tests.test_tensor_parallel import ACCUMULATE, CLIP, CONFIG, STEPS, _loader, _reference
+
+
+class _PipelinedRecorded(GPTLightningModule):
+    """The tests' GPT (lr 1e-2, tied embedding and head) with each pipelined batch's loss recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(CONFIG, lr=1e-2, warmup_steps=0)
+        self.losses: list[float] = []
+
+    def on_pipeline_loss(self, stage: str, loss: torch.Tensor, batch: Any) -> None:
+        if stage == "train":
+            self.losses.append(float(loss))
+
+
+def pipeline_tp_body(zero_stage: int, schedule: str = "1f1b") -> dict[str, Any]:
+    """One pipelined TP fit on this rank against the plain reference of its data replica."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dims = ParallelDims(world, pipeline=2, tensor=2)
+    ref = _reference(dims.data)  # seeds 0 and builds the whole model first, as _fit below
+    norms: list[float] = []
+
+    class Norms(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if (batch_idx + 1) % ACCUMULATE == 0:  # after the optimizer step: the norm it clipped by
+                norms.append(float(trainer.strategy.engine.last_grad_norm))
+
+    torch.manual_seed(0)
+    module = _PipelinedRecorded()
+    pipeline = PipelineConfig(stages=2, micro_batches=2, schedule=schedule, partition_method="uniform")
+    strategy = ZeroStrategy(stage=zero_stage, tensor_parallel=2, pipeline=pipeline, param_persistence_threshold=0,
+                            reduce_bucket_size=500)
+    trainer = make_trainer(strategy, devices=world, max_steps=STEPS, gradient_clip_val=CLIP,
+                           accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=True, callbacks=[Norms()])
+    trainer.fit(module, _loader(1))
+    data_rank = dims.coordinates(rank)[Axis.DATA]
+    ref_losses = [step[data_rank] for step in ref["losses"]]
+    # the state the user is left with: the whole (TP-split) module on every rank, this TP rank's slices
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    return {
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(module.losses, ref_losses, strict=True)),
+        "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)),
+        "clipped": min(ref["norms"]) > CLIP, "steps": len(norms), "shapes": shapes,
+        "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()),
+        "split": sorted(n for n, p in module.named_parameters() if split_dim(p) is not None),
+        "losses": (module.losses, ref_losses), "norms": (norms, ref["norms"]),
+    }
+
+
+def _check(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        assert r["steps"] == STEPS and r["clipped"], (rank, r)
+        assert r["loss_rel"] < 1e-5 and r["norm_rel"] < 1e-5, (rank, r)
+        assert r["finite"], rank  # the other stage's trained slices came back at teardown
+        shapes = r["shapes"]
+        assert shapes["model.tok_emb.weight"] == (CONFIG.vocab_size // 2, CONFIG.n_embd)
+        assert shapes["model.blocks.1.mlp.fc.weight"] == (4 * CONFIG.n_embd // 2, CONFIG.n_embd)
+        assert shapes["model.ln_f.weight"] == (CONFIG.n_embd,)
+
+
+@pytest.mark.slow
+def test_pipeline2_by_tp2_on_four_ranks_follows_the_unsplit_model() -> None:
+    """Ranks {0, 1} hold stage 0 split over TP, {2, 3} stage 1; p2p goes 0 <-> 2 and 1 <-> 3. The tied embedding
+    and head (vocabulary-parallel on both stages) count once in the norm, the replicated layer norms once over
+    TP; ZeRO 1 and 3, both schedules."""
+    pool = GlooPool(world_size=4)
+    try:
+        results = [pool.run("tests.test_pipeline_tensor_parallel:pipeline_tp_body", zero_stage=stage,
+                            schedule=schedule, _timeout_s=600) for stage, schedule in ((1, "1f1b"), (3, "gpipe"))]
+    finally:
+        pool.close()
+    for per_rank in results:
+        _check(per_rank)
+
+
+@pytest.mark.slow
+def test_pipeline2_by_tp2_by_data2_on_eight_processes_follows_the_unsplit_model() -> None:
+    """8 processes: each data replica's losses and the global norms match the whole model fed by 2 data ranks
+    (ZeRO 2 partitions over the data axis only)."""
+    pool = GlooPool(world_size=8)
+    try:
+        results = pool.run("tests.test_pipeline_tensor_parallel:pipeline_tp_body", zero_stage=2, _timeout_s=600)
+    finally:
+        pool.close()
+    _check(results)
