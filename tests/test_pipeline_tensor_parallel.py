@@ -103,3 +103,43 @@ def test_pipeline2_by_tp2_by_data2_on_eight_processes_follows_the_unsplit_model(
     finally:
         pool.close()
     _check(results)
+
+
+# ------------------------------------------------------------------------- the same seed, the same model
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def test_one_seed_gives_the_same_gpt_built_whole_by_pipeline_stages_or_by_zero3_units() -> None:
+    """The GPT built whole (one rank, data or tensor parallel) gets the weights a meta-device build gets from
+    each pipeline stage or ZeRO-3 unit (every module from the base seed and its name): they used to differ,
+    so a pipelined run started from another model than the same run on one rank."""
+    from lightning_zero.core.stage3.materialize import parameters_on_meta
+    from lightning_zero.models.gpt import gpt_param_init
+    from lightning_zero.pipeline.build import materialize_local, materialize_whole, prepare_meta_module
+    from lightning_zero.pipeline.model import split_module
+
+    torch.manual_seed(7)
+    whole = _state(GPTLightningModule("gpt_tiny"))
+    again = _state(GPTLightningModule("gpt_tiny"))  # built after other RNG use: the same weights
+    assert all(torch.equal(again[n], whole[n]) for n in whole)
+
+    def meta_built() -> GPTLightningModule:
+        module = GPTLightningModule("gpt_tiny", build_in_configure_model=True)
+        with parameters_on_meta():
+            module.configure_model()
+        return module
+
+    seed = torch.initial_seed() % 2**63
+    init = gpt_param_init(GPTLightningModule("gpt_tiny").config)
+    by_units = meta_built()
+    torch.manual_seed(123)  # the global RNG's state plays no part: only the base seed does
+    materialize_whole(by_units, init, seed)
+    for name, value in _state(by_units).items():
+        assert torch.equal(value, whole[name]), name
+    last = meta_built()  # the last of 2 stages materialises only its own layers: the same values
+    prepare_meta_module(last, torch.device("cpu"))
+    local = split_module(last, PipelineConfig(stages=2, partition_method="uniform"), 1, 0)
+    materialize_local(last, set(local.names), init, seed)
+    for param, name in local.names.items():
+        assert torch.equal(param.detach(), whole[name]), name
