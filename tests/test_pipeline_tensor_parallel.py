@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_zero import PipelineConfig, ZeroStrategy
+from lightning_zero import PipelineConfig, TensorParallelConfig, ZeroStrategy
 from lightning_zero.core.mesh import Axis, ParallelDims
 from lightning_zero.models.gpt import GPTLightningModule
 from lightning_zero.tensor_parallel import split_dim
@@ -173,3 +173,50 @@ def test_the_cli_reports_the_same_step0_validation_loss_on_one_rank_two_stages_a
         assert result["global_step"] == 1, (name, result)
         start[name] = result["val_loss_start"]
     assert all(abs(v - start["one"]) <= 1e-5 * start["one"] for v in start.values()), start
+
+
+def slicing_body() -> None:
+    """On each of 2 ranks, TP rank r of 2 (asserts; the test fails with the rank's traceback)."""
+    import torch.distributed as dist
+
+    from lightning_zero.core.mesh import ProcessMesh
+    from lightning_zero.tensor_parallel.layers import has_storage
+    from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
+
+    torch.manual_seed(0)
+    module = GPTLightningModule(CONFIG)
+    assert module.model is not None
+    fc = module.model.blocks[1].mlp.fc
+    rows = slice(dist.get_rank() * 2 * CONFIG.n_embd, (dist.get_rank() + 1) * 2 * CONFIG.n_embd)
+    whole_fc = fc.weight.detach().clone()
+    whole_qkv = module.model.blocks[0].attn.qkv.weight.detach().clone()
+    originals = {p: p.detach().double() for p in module.parameters()}  # stand-ins for the fp32 weights
+    with torch.no_grad():  # block 1's fc bias as another stage's: a placeholder (one element expanded)
+        fc.bias.data = torch.full((), float("nan")).expand(fc.bias.shape)
+    mesh = ProcessMesh(ParallelDims(2, tensor=2), dist.get_rank(), [(Axis.TENSOR,)])
+    try:
+        tp = StrategyTensorParallel(TensorParallelConfig(2), mesh)
+        tp.apply(module)
+        new_fc = module.model.blocks[1].mlp.fc
+        assert new_fc.bias.shape == (2 * CONFIG.n_embd,) and not has_storage(new_fc.bias)
+        assert has_storage(new_fc.weight) and torch.equal(new_fc.weight.detach(), whole_fc[rows])
+        sliced = tp.slice_originals(originals)
+        assert set(sliced) <= set(module.parameters()) and new_fc.bias not in sliced
+        assert torch.equal(sliced[new_fc.weight], whole_fc[rows].double())
+        qkv = module.model.blocks[0].attn.qkv.weight  # three fused blocks (q, k, v): this rank's half of each
+        half = CONFIG.n_embd // 2
+        mine = torch.cat([b[dist.get_rank() * half:(dist.get_rank() + 1) * half] for b in whole_qkv.chunk(3)])
+        assert torch.equal(sliced[qkv], mine.double()) and torch.equal(qkv.detach(), mine)
+        ln = module.model.ln_f.weight  # replicated: its own original, untouched
+        assert sliced[ln] is originals[ln]
+    finally:
+        mesh.close()
+
+
+@pytest.mark.distributed
+def test_tp_slices_placeholders_into_placeholders_and_the_pre_cast_weights_like_their_parameters(
+        gloo_pool: GlooPool) -> None:
+    """Under a pipeline TP slices after the split: another stage's placeholder must stay storage-less (slicing it
+    by value allocated it), and the precision plugin's fp32 pre-cast weights must be cut like their parameters,
+    keyed by the slices, so that 16-bit masters start from the exact fp32 slices."""
+    gloo_pool.run("tests.test_pipeline_tensor_parallel:slicing_body")
