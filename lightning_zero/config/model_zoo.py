@@ -47,9 +47,10 @@ def gpt_overrides(m: GPTModelSchema) -> dict[str, Any]:
 
 
 def param_init_fn(cfg: TrainConfig) -> Any:
-    """The strategy's ``param_init_fn``: a pipelined GPT is built on the meta device and each stage
-    initialises its layers with GPT's own initialisation (``None`` otherwise: ``reset_parameters``)."""
-    if isinstance(cfg.model, GPTModelSchema) and cfg.pipeline.stages > 1:
+    """The strategy's ``param_init_fn``: a GPT built on the meta device (pipelined, or ``build_in_configure_model``
+    at stage 3) is initialised by each stage / unit with GPT's own initialisation, the values a whole build gets
+    (``None`` for other models: ``reset_parameters``)."""
+    if isinstance(cfg.model, GPTModelSchema):
         from lightning_zero.models.gpt import gpt_param_init
 
         return gpt_param_init(gpt_config(cfg.model))

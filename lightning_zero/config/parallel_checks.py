@@ -27,9 +27,6 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
         out.append(f"trainer.devices x num_nodes = {world} is not a multiple of pipeline.stages x "
                    f"tensor_parallel.size = {cfg.pipeline.stages} x {size}. Fix: trainer.devices="
                    f"{size * cfg.pipeline.stages} (or a multiple).")
-    if cfg.pipeline.stages > 1:
-        out.append("tensor_parallel with pipeline.stages > 1 is not built yet. Fix: pipeline=none or "
-                   "tensor_parallel=none.")
     if cfg.model.optimizer is OptimizerName.onebit_adam:
         out.append("tensor_parallel with model.optimizer=onebit_adam is not built yet. Fix: model.optimizer=adamw.")
     if cfg.pipeline.stages > 1 and (cfg.trainer.checkpoint.enabled or cfg.trainer.resume_from):

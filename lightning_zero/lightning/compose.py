@@ -1,8 +1,9 @@
 """The one composition function: every parallelism and wrapper applied to the module, in a fixed order.
 
 ``ZeroStrategy.setup`` builds the process mesh, then calls :func:`apply_parallelisms`; each step
-below states why it comes where it does (as torchtitan's ``parallelize_*`` functions do): tensor parallel
-first, precision, the pipeline split, sequence parallel, then ZeRO; :func:`release_parallelisms` undoes it.
+below states why it comes where it does (as torchtitan's ``parallelize_*`` functions do): precision, the
+pipeline split, tensor parallel, sequence parallel, then ZeRO (coupled to the other pipeline stages and TP
+ranks by :func:`model_parallel_coupling`); :func:`release_parallelisms` undoes it.
 """
 
 from __future__ import annotations
@@ -15,20 +16,21 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.mesh import ProcessMesh
+from lightning_zero.core.mesh import Axis, ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.teardown import plan_teardown
 from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.engine import StageCoupling, ZeroEngine
+from lightning_zero.core.zero.engine_step import weighted_norm_excess
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.sequence_parallel.checks import check_sequence_parallel
 from lightning_zero.sequence_parallel.lightning import StrategySequenceParallel
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
-from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, refuse_combinations
+from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,10 @@ class ParallelPlan:
 def check_parallel_options(tensor_parallel: int | TensorParallelConfig | None, sequence_parallel: int,
                            pipeline: PipelineConfig | None, offload: OffloadConfig) -> TensorParallelConfig:
     """The strategy's parallel sizes checked at construction, before any process starts: the combinations not
-    built are refused with the reason. Returns the tensor-parallel config."""
+    built are refused with the reason (tensor parallel composes with pipelines and offload). Returns the
+    tensor-parallel config."""
     tensor = TensorParallelConfig.coerce(tensor_parallel)
     stages = pipeline.stages if pipeline is not None else 1
-    refuse_combinations(tensor, pipeline=stages > 1, offload=offload.enabled)
     check_sequence_parallel(sequence_parallel, pipeline=stages, tensor=tensor.size)
     return tensor
 
@@ -91,21 +93,25 @@ def apply_parallelisms(
             evaluating.
         setup_settings: settings that must agree on every rank (checked with the model's structure).
     """
-    # 0. Tensor parallel before everything that records parameters: it replaces the planned layers by their
-    #    slices (Note [TP composition order] in tensor_parallel/lightning.py), so the precision plugin keeps
-    #    the slices' fp32 weights for the masters and ZeRO flattens the slices' shapes. (With a pipeline it
-    #    would follow the split, which picks the layers to slice; pipeline x TP is refused at construction.)
-    if plan.tensor_parallel is not None:
-        plan.tensor_parallel.apply(module)
     # 1. Precision first: every later step takes the dtype the parameters have (the pipeline's placeholders,
-    #    ZeRO's flat buffers); the plugin keeps the pre-cast weights the fp32 masters start from.
+    #    which a later cast would allocate whole; ZeRO's flat buffers); the plugin keeps the pre-cast weights
+    #    the fp32 masters start from.
     precision.convert_module(module)  # in place
     # 2. The pipeline split: which layers this rank holds decides what every later step sees (the other
     #    stages' weights become storage-less placeholders; a meta-built model materialises only its layers).
+    # 2a. Tensor parallel inside it, once the stage's layers exist: the plan replaces the planned layers by this
+    #    rank's slices (the other stages' by storage-less slices) before anything records parameters (ZeRO's
+    #    flat buffers, the optimizer); the precision plugin's pre-cast weights are sliced alike (Note [TP
+    #    composition order] in tensor_parallel/lightning.py). Unpipelined, it slices the whole module here.
+    tp = plan.tensor_parallel
     pipeline = None
     if plan.pipeline is not None:
         pipeline = StrategyPipeline(plan.pipeline, module, device, mesh, plan.zero.timeout_s, plan.param_init_fn,
-                                    torch.initial_seed() % 2**63)
+                                    torch.initial_seed() % 2**63, slice_layers=tp.apply if tp is not None else None)
+    elif tp is not None:
+        tp.apply(module)
+    if tp is not None:
+        precision.replace_originals(tp.slice_originals)
     # 2b. Sequence parallel: the model takes its sequence group (its attention then runs between the all-to-alls
     #     over mesh.group(Axis.SEQUENCE)); after tensor parallel (whose heads it would split) and before ZeRO
     #     applies activation checkpointing to stage 3's units, so a recomputed forward runs the wrapper too.
@@ -134,9 +140,9 @@ def apply_parallelisms(
     if plan.tensor_parallel is not None and optimizer is not None:
         plan.tensor_parallel.check_optimizer(optimizer)
     # 6. ZeRO last: it flattens and shards what the rank holds after every rewrite above (stage 3 per unit,
-    #    then activation checkpointing of the units), offloads the shards, and couples a pipeline stage's
-    #    norms and overflow checks over the pipeline group. Outside fit it is needed only for a model that
-    #    exists as shards; else the ranks start from rank 0's weights.
+    #    then activation checkpointing of the units), offloads the shards, and couples its norms and overflow
+    #    checks to the other pipeline stages and TP ranks (model_parallel_coupling). Outside fit it is needed
+    #    only for a model that exists as shards; else the ranks start from rank 0's weights.
     engine = None
     if optimizer is not None or built_sharded:
         engine = ZeroEngine(
@@ -145,8 +151,7 @@ def apply_parallelisms(
             master_init=precision.master_init() if optimizer is not None else None,
             param_init_fn=plan.param_init_fn, init_seed=torch.initial_seed() % 2**63, setup_settings=setup_settings,
             offload=plan.offload,
-            coupling=(pipeline.stage_coupling(plan.zero) if pipeline is not None
-                      else plan.tensor_parallel.coupling() if plan.tensor_parallel is not None else None),
+            coupling=model_parallel_coupling(mesh, pipeline, tp, plan.zero),
         )
     elif pipeline is not None:
         pipeline.broadcast_local(comm)
@@ -158,6 +163,23 @@ def apply_parallelisms(
         precision.release_originals({s.param for g in engine.groups for s in g.slots})
         precision.bind_engine(engine)
     return Composed(pipeline, engine, built_sharded)
+
+
+def model_parallel_coupling(mesh: ProcessMesh, pipeline: StrategyPipeline | None,
+                            tensor: StrategyTensorParallel | None, zero: ZeroConfig) -> StageCoupling | None:
+    """The engine's one :class:`StageCoupling`: the gradient norm and the fp16 overflow flag are combined over
+    the ranks holding the rest of the model (``mesh.group`` along the pipeline and tensor axes that are on: one
+    all-reduce after the data group's; Note [rank order]); each rank leaves out the share of a parameter that
+    another holder counts too, the largest of the pipeline's (a tie another stage owns: all) and tensor
+    parallel's (a replicated parameter: ``1 - 1/tp``) (Note [counting a parameter once])."""
+    axes = tuple(a for a, on in ((Axis.PIPELINE, pipeline is not None and mesh.dims.pipeline_enabled),
+                                 (Axis.TENSOR, tensor is not None)) if on)
+    weights = [w for w in (pipeline.norm_weight if pipeline is not None else None,
+                           tensor.norm_weight if tensor is not None else None) if w is not None]
+    if not weights:
+        return None
+    comm = DataParallelComm(mesh.group(*axes), zero.collective) if axes else None
+    return StageCoupling(comm, weighted_norm_excess(lambda p: max(w(p) for w in weights)))
 
 
 @dataclass(frozen=True)

@@ -46,10 +46,12 @@ def build_mesh(dims: ParallelDims, rank: int, tensor: TensorParallelConfig, zero
     """Create the groups (collective over the world: every rank calls it with the same arguments); Note [one mesh
     per strategy]. The groups use the strategy's ``timeout_s``."""
     axis_sets = [dims.zero_axes] + [(a,) for a in (Axis.PIPELINE, Axis.SEQUENCE, Axis.TENSOR) if dims.enabled(a)]
+    if dims.pipeline_enabled and dims.tensor_enabled:  # the engine's norm and overflow agreement: one group
+        axis_sets.append((Axis.PIPELINE, Axis.TENSOR))
     mesh = own(ProcessMesh(dims, rank, axis_sets, zero.timeout_s))
     comm = own(DataParallelComm(mesh.group(*dims.zero_axes), zero.collective))
     return StrategyMesh(
         mesh, comm,
-        StrategyTensorParallel(tensor, mesh, zero.collective) if dims.tensor_enabled else None,
+        StrategyTensorParallel(tensor, mesh) if dims.tensor_enabled else None,
         StrategySequenceParallel(mesh) if dims.sequence_enabled else None,
     )

@@ -166,6 +166,11 @@ class ZeroPrecision(Precision):
         """The pre-cast weights the engine's masters start from (empty outside the mixed modes)."""
         return dict(self._originals)
 
+    def replace_originals(self, remap: Callable[[dict[nn.Parameter, Tensor]], dict[nn.Parameter, Tensor]]) -> None:
+        """The pre-cast weights after a rewrite replaced parameters (tensor parallel's slices): ``remap`` gives
+        the new mapping from the current one."""
+        self._originals = remap(dict(self._originals))
+
     def release_originals(self, params: set[nn.Parameter]) -> None:
         """Forget the pre-cast weights of ``params`` (their master holds them now)."""
         self._originals = {p: t for p, t in self._originals.items() if p not in params}

@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.core.stage3.materialize import ParamInitFn, default_init
+from lightning_zero.core.stage3.materialize import ParamInitFn, default_init, initialize_like_sharded
 from lightning_zero.models.data import log_train_loss
 from lightning_zero.models.gpt_blocks import MLP, Block, CausalSelfAttention
 from lightning_zero.models.gpt_config import GPT_PRESETS, GPTConfig, resolve_config
@@ -30,9 +30,18 @@ __all__ = ["GPT", "GPT_PRESETS", "MLP", "Block", "CausalSelfAttention", "GPTConf
 
 
 class GPT(nn.Module):
-    """Decoder-only LM: token + learned position embeddings, ``blocks``, final LN, (tied) LM head."""
+    """Decoder-only LM: token + learned position embeddings, ``blocks``, final LN, (tied) LM head.
 
-    def __init__(self, config: GPTConfig) -> None:
+    Args:
+        config: the shape.
+        init_prefix: this model's name inside the module a strategy trains (``"model"`` in
+            :class:`GPTLightningModule`). Every module is initialised from ``(torch.initial_seed(), its
+            qualified name)`` (:func:`gpt_param_init`'s values), as a build on the meta device is by each pipeline
+            stage or ZeRO-3 unit: one seed gives the same weights whatever the layout (two models built after one
+            ``torch.manual_seed`` are equal).
+    """
+
+    def __init__(self, config: GPTConfig, init_prefix: str = "") -> None:
         super().__init__()
         self.config = config
         self.sequence_group: SequenceGroup | None = None  # sequence parallel (use_sequence_group)
@@ -44,18 +53,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        resid_std = 0.02 / math.sqrt(2 * config.n_layer)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, std=resid_std)
-            nn.init.normal_(block.mlp.proj.weight, std=resid_std)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        initialize_like_sharded(self, gpt_param_init(config), torch.initial_seed() % 2**63, init_prefix)
 
     def use_sequence_group(self, group: SequenceGroup | None) -> None:
         """Run on this rank's slice of each sequence (``None``: whole sequences again)."""
@@ -213,12 +211,12 @@ class GPTLightningModule(LightningModule):
                 "freeze_step": freeze_step,
             }
         )
-        self.model: GPT | None = None if build_in_configure_model else GPT(self.config)
+        self.model: GPT | None = None if build_in_configure_model else GPT(self.config, init_prefix="model")
 
     def configure_model(self) -> None:
         """Build the network if not built yet (idempotent); runs inside the strategy's init context."""
         if self.model is None:
-            self.model = GPT(self.config)
+            self.model = GPT(self.config, init_prefix="model")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits for token ids ``idx``."""

@@ -2,7 +2,8 @@
 
 ``ZeroStrategy.setup`` builds a :class:`StrategyPipeline` (its groups from the strategy's process mesh,
 this rank's chunks, the schedules); the engine then partitions only the local chunks over the stage's
-data-parallel group, and takes :meth:`StrategyPipeline.stage_coupling` in its constructor.
+data-parallel group, and its constructor takes the coupling ``lightning/compose.py`` makes of the stage's
+:meth:`StrategyPipeline.norm_weight` (and tensor parallel's) over the model-parallel group.
 ``training_step`` / evaluation steps run the schedules instead of the module's step methods and log
 ``<stage>_loss`` (or call the module's ``on_pipeline_loss(stage, loss, batch)`` when it has one); while a
 ``ZeroStatsMonitor`` runs, ``train_loss`` goes to ``callback_metrics`` only (the monitor logs the loss).
@@ -10,13 +11,13 @@ data-parallel group, and takes :meth:`StrategyPipeline.stage_coupling` in its co
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
@@ -26,7 +27,7 @@ from lightning_zero.core.mesh import ProcessMesh
 from lightning_zero.core.stage3.loading import load_full_state_dict
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.core.zero.engine import StageCoupling, ZeroEngine
+from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.observability.callbacks import ZeroStatsMonitor
 from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
@@ -48,10 +49,14 @@ class StrategyPipeline:
         init_fn: ``param_init_fn`` of a module built on the meta device (``configure_model``): only
             this rank's layers are materialised (Note [local construction] in ``pipeline/build.py``).
         init_seed: the base seed of that initialisation (rank 0's is used everywhere).
+        slice_layers: tensor parallel's plan, applied to ``module`` once this rank's layers exist (Note [TP
+            composition order] in tensor_parallel/lightning.py); the split is then re-read with the same
+            bounds, since the plan replaced modules inside the layers.
     """
 
     def __init__(self, config: PipelineConfig, module: pl.LightningModule, device: torch.device,
-                 mesh: ProcessMesh, timeout_s: float, init_fn: ParamInitFn | None = None, init_seed: int = 0) -> None:
+                 mesh: ProcessMesh, timeout_s: float, init_fn: ParamInitFn | None = None, init_seed: int = 0,
+                 slice_layers: Callable[[nn.Module], None] | None = None) -> None:
         if mesh.dims.pipeline != config.stages:
             raise ValueError(f"the process mesh has {mesh.dims.pipeline} pipeline stages, the PipelineConfig "
                              f"{config.stages}: build the mesh from ParallelDims(world, pipeline=config.stages)")
@@ -69,6 +74,10 @@ class StrategyPipeline:
             if dist.is_initialized():
                 dist.broadcast(seed, src=0)  # every stage initialises its layers from the same base seed
             materialize_local(module, set(self.local.names), init_fn, int(seed))
+        if slice_layers is not None:
+            slice_layers(module)
+            self.local = split_module(module, config, self.mesh.stage, config.activation_checkpoint_interval,
+                                      self.local.bounds)
         self.local.module.to(device)
         self.runner = PipelineRunner(config, self.local, self.groups, module.pipeline_loss, device)  # type: ignore[arg-type]
         self.checkpoint: PipelineCheckpoint | None = None  # set by restrict_optimizer (fit)
@@ -122,11 +131,9 @@ class StrategyPipeline:
                              f"(stages {self.tie_sets}): their gradients are summed over the stages once per step. "
                              "Fix: untie them (e.g. GPT tie_weights=False), or reduce_per_micro_batch=False.")
 
-    def stage_coupling(self, config: ZeroConfig) -> StageCoupling:
-        """What the engine of this stage takes in its constructor: the pipeline group over which it combines
-        gradient norms and overflow checks, and the norm share of tied parameters another stage counts."""
-        model_parallel = DataParallelComm(self.groups.pp, config.collective) if self.config.stages > 1 else None
-        return StageCoupling(model_parallel, self.runner.tied_norm_excess)
+    def norm_weight(self, param: nn.Parameter) -> float:
+        """The share of ``param``'s gradient-norm terms this stage leaves out (a tie another stage owns)."""
+        return self.runner.norm_weight(param)
 
     @torch.no_grad()
     def broadcast_local(self, comm: DataParallelComm) -> None:

@@ -9,6 +9,9 @@ Note [rank layout]
     the pipeline axis outermost of Note [rank order] in ``core/mesh/dims.py``; :class:`PipelineMesh`
     is that arithmetic, :func:`pipeline_groups` takes the stage's data-parallel group and the
     replica's pipeline group from the strategy's :class:`~lightning_zero.core.mesh.ProcessMesh`.
+    With tensor parallelism ``dp`` counts the ranks of a stage (data x tensor) and ``r % dp`` is the
+    index inside it, so ``global_rank(stage, r % dp)`` is the same TP rank of another stage: the
+    mesh's pipeline group, over which activations and tied gradients go.
 
 The groups of tied parameters depend on the model (which stages share a parameter), so they are
 created here, from the mesh's sizes: every rank creates every one (``dist.new_group`` is collective

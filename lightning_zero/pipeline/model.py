@@ -136,9 +136,12 @@ def _placeholder(p: torch.Tensor) -> torch.Tensor:
     return torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
 
 
-def split_module(module: nn.Module, config: PipelineConfig, stage: int, interval: int) -> LocalModel:
-    """Keep this stage's chunks; the other stages' parameters become storage-less placeholders."""
-    layers, bounds, _ = plan_split(module, config)
+def split_module(module: nn.Module, config: PipelineConfig, stage: int, interval: int,
+                 bounds: list[int] | None = None) -> LocalModel:
+    """Keep this stage's chunks; the other stages' parameters become storage-less placeholders. ``bounds``:
+    the chunk boundaries of an earlier split of the same layers (default: partitioned now)."""
+    layers, planned, _ = plan_split(module, config)
+    bounds = planned if bounds is None else bounds
     unsplit = {}
     for name, p in module.named_parameters():
         unsplit.setdefault(p, name)

@@ -22,7 +22,6 @@ with as many micro-batches as divide the batch (at most ``micro_batches``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +30,6 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from lightning_zero.core.reliability.progress_record import RECORD
-from lightning_zero.core.zero.flat_param import overlap
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.mesh import PipelineGroups
 from lightning_zero.pipeline.model import LocalModel
@@ -190,23 +188,11 @@ class PipelineRunner:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=group)
 
-    def tied_norm_excess(self, grads: list[torch.Tensor], groups: list[Any], norm_type: float) -> float:
-        """Sum of ``|g|^norm_type`` over this rank's elements of tied parameters whose gradient another
-        stage owns: subtracted so that a tied gradient counts once in the global norm."""
-        stage = self.groups.mesh.stage
-        if not self.local.ties or math.isinf(norm_type):
-            return 0.0
-        total = 0.0
-        for g, t in zip(groups, grads):
-            whole = t.numel() == g.padded_numel
-            start, end = (0, g.padded_numel) if whole else g.shard_range()
-            for s in g.slots:
-                if self.local.owner_stage[s.param] == stage:
-                    continue
-                lo, hi = overlap(s.offset, s.offset + s.numel, start, end)
-                if hi > lo:
-                    total += float(t[lo - start : hi - start].float().abs().pow(norm_type).sum())
-        return total
+    def norm_weight(self, param: torch.Tensor) -> float:
+        """The share of ``param``'s norm terms this rank leaves out: all of a tied parameter's whose gradient
+        another stage owns, so that it counts once in the global norm (Note [counting a parameter once] in
+        core/zero/engine_step.py); nothing of the others."""
+        return 0.0 if self.local.owner_stage.get(param, self.groups.mesh.stage) == self.groups.mesh.stage else 1.0
 
 
 def _batch_size(inputs: Any) -> int:

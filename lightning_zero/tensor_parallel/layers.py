@@ -73,6 +73,27 @@ def unslice_tensors(parts: list[torch.Tensor], dim: int, chunks: int) -> torch.T
     return torch.cat([b[c] for c in range(chunks) for b in blocks], dim=dim)
 
 
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds its own values: not a storage-less placeholder (another pipeline stage's weight, one
+    element expanded to its shape)."""
+    return t.numel() == 0 or t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+
+
+def slice_local(t: torch.Tensor, dim: int, chunks: int, tp: TPGroup) -> torch.Tensor:
+    """This rank's part of ``t`` along ``dim``: ``chunks`` equal blocks, each cut into ``tp.size`` parts and
+    this rank's parts concatenated (a new tensor). A placeholder is cut into a placeholder (no storage)."""
+    part = t.size(dim) // (chunks * tp.size)
+    if not has_storage(t):
+        shape = list(t.shape)
+        shape[dim] = part * chunks
+        return torch.full((), float("nan"), dtype=t.dtype, device=t.device).expand(shape)
+    with torch.no_grad():
+        blocks = t.detach().chunk(chunks, dim=dim)
+        # one copy: torch.cat always returns new storage (a clone after it held a second slice-sized copy at the
+        # moment the whole weight is still alive: tests/distributed/test_tensor_parallel_memory.py's memory limit)
+        return torch.cat([b.narrow(dim, tp.rank * part, part) for b in blocks], dim=dim)
+
+
 def slice_param(param: nn.Parameter, dim: int, chunks: int, tp: TPGroup, memo: SliceMemo, name: str) -> nn.Parameter:
     """This rank's slice of ``param`` along ``dim``: ``chunks`` equal blocks, each cut into ``tp.size`` parts.
 
@@ -94,13 +115,7 @@ def slice_param(param: nn.Parameter, dim: int, chunks: int, tp: TPGroup, memo: S
     if size % (chunks * tp.size):
         raise ValueError(f"{name}: dimension {dim} of size {size} does not split into {chunks} block(s) x "
                          f"{tp.size} tensor-parallel ranks: choose a tensor-parallel size dividing {size // chunks}")
-    with torch.no_grad():
-        blocks = param.detach().chunk(chunks, dim=dim)
-        part = size // (chunks * tp.size)
-        # one copy: torch.cat always returns new storage (a clone after it held a second slice-sized copy at
-        # the moment the whole weight is still alive: tests/distributed/test_tensor_parallel_memory.py's memory limit)
-        local = torch.cat([b.narrow(dim, tp.rank * part, part) for b in blocks], dim=dim)
-    out = nn.Parameter(local, requires_grad=param.requires_grad)
+    out = nn.Parameter(slice_local(param, dim, chunks, tp), requires_grad=param.requires_grad)
     out.tp_split_dim = dim  # type: ignore[attr-defined]
     out.tp_chunks = chunks  # type: ignore[attr-defined]
     out.tp_size = tp.size  # type: ignore[attr-defined]

@@ -1,91 +1,67 @@
-"""The strategy's side of tensor parallelism: the mesh's groups, applying the plan, the engine's norm over
-tensor x data, and the combinations refused (the sampler over data only is the strategy's, from the mesh).
+"""The strategy's side of tensor parallelism: the mesh's groups, applying the plan, its share of the engine's
+norm over tensor x pipeline x data, and the combinations refused (the sampler over data only is the
+strategy's, from the mesh).
 
 Note [TP composition order]
-    Inside ``ZeroStrategy.setup``: the plan is applied first (before the precision plugin casts the
-    module, so the fp32 masters start from the sliced weights; the pipeline split would come before it
-    once pipeline x TP is built), then ZeRO flattens what the rank holds: its TP slices and the
-    replicated parameters. TP changes parameter shapes, so it must run before anything records them.
-    ZeRO partitions over the data axis only (``ParallelDims.zero_axes``): the TP ranks of one data
-    replica hold different tensors, never shards of the same buffer.
+    Inside ``ZeroStrategy.setup`` (``lightning/compose.py``): the precision plugin converts the module, the
+    pipeline split picks the layers this rank's stage holds (materialising only those of a module built on
+    the meta device), then the plan slices the planned layers: every TP rank of a stage builds the same
+    whole layers and keeps its slices (Note [slice after build]); the other stages' layers, storage-less
+    placeholders, are sliced into placeholders of the slices' shapes, so the pipeline reassembles the
+    module at teardown with every rank's shapes agreeing. The pipeline then re-reads its layers (the
+    plan replaced modules inside them) and the precision plugin its pre-cast weights (each sliced like
+    its parameter, so the fp32 masters start from the exact slices). ZeRO comes last: it flattens what
+    the rank holds, its TP slices and the replicated parameters. TP changes parameter shapes, so it runs
+    before anything records them. ZeRO partitions over the data axis only (``ParallelDims.zero_axes``):
+    the TP ranks of one data replica hold different tensors, never shards of the same buffer.
 
 Note [norm over tensor x data]
     Each rank's squared gradient norm is over its data shard of its TP slices and of the replicated
-    parameters. Summed over data, then over the TP group, a split parameter counts once (its slices
-    are disjoint) and a replicated one ``tp`` times (every TP rank holds the same gradient, Note
-    [conjugate functions]): ``replicated_norm_excess`` subtracts ``(1 - 1/tp)`` of each replicated
-    element's term before the sums. The fp16 overflow flag is agreed over data, then over TP: all ranks.
+    parameters. Summed over data, then over the TP group (with a pipeline: over pipeline x tensor, one
+    group), a split parameter counts once (its slices are disjoint) and a replicated one ``tp`` times
+    (every TP rank holds the same gradient, Note [conjugate functions]): :meth:`StrategyTensorParallel.norm_weight`
+    leaves out ``(1 - 1/tp)`` of each replicated element's term before the sums (Note [counting a parameter
+    once] in core/zero/engine_step.py). The fp16 overflow flag is agreed over data, then over the same
+    model-parallel group: all ranks.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.mesh.groups import ProcessMesh
-from lightning_zero.core.zero.engine import StageCoupling
-from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
 from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
-from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, split_dim
+from lightning_zero.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SliceMemo,
+    has_storage,
+    slice_local,
+    split_dim,
+)
 from lightning_zero.tensor_parallel.plan import apply_plan, check_heads, find_plan, resolve_plan
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
 TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
-def refuse_combinations(tp: TensorParallelConfig, *, pipeline: bool, offload: bool) -> None:
-    """The compositions not built in this slice, refused at construction with the reason. Offload composes: TP
-    only changes what the rank's flat buffers hold, and the engine offloads their shards as any others."""
-    del offload  # composes (tests/distributed/test_tensor_parallel.py: parity with offload against the unsplit model)
-    if not tp.enabled:
-        return
-    if pipeline:
-        raise ValueError("tensor_parallel with a pipeline is not built yet (the pipeline's stage groups and the TP "
-                         "groups are not composed on one mesh): use tensor_parallel or pipeline, not both")
-
-
-def replicated_norm_excess(tp_size: int) -> Any:
-    """The engine's ``norm_excess`` hook for TP (Note [norm over tensor x data])."""
-    keep = 1.0 - 1.0 / tp_size
-
-    def excess(grads: list[torch.Tensor], groups: list[FlatParamGroup], norm_type: float) -> float:
-        if math.isinf(norm_type):
-            return 0.0
-        total = 0.0
-        for g, t in zip(groups, grads):
-            whole = t.numel() == g.padded_numel
-            start, end = (0, g.padded_numel) if whole else g.shard_range()
-            for s in g.slots:
-                if split_dim(s.param) is not None:
-                    continue
-                lo, hi = overlap(s.offset, s.offset + s.numel, start, end)
-                if hi > lo:
-                    total += float(t[lo - start : hi - start].float().abs().pow(norm_type).sum())
-        return keep * total
-
-    return excess
-
-
 class StrategyTensorParallel:
     """One strategy's tensor-parallel state: the mesh (created once), its two groups, the applied plan."""
 
-    def __init__(self, config: TensorParallelConfig, mesh: ProcessMesh, collective: Any) -> None:
+    def __init__(self, config: TensorParallelConfig, mesh: ProcessMesh) -> None:
         self.config = config
         self.dims = mesh.dims
         self.tp = TPGroup(mesh.group(Axis.TENSOR), config.size, mesh.index(Axis.TENSOR))
-        # the TP group's own comm: the engine combines norms and the overflow flag over it (a group of the
-        # strategy's mesh, which closes it at exit)
-        self.tp_comm = DataParallelComm(mesh.group(Axis.TENSOR), collective)
         self.split: list[str] = []
         self.checkpoint = TensorParallelCheckpoint(self.tp, mesh.dims, mesh.rank)  # unsplit states (checkpoint.py)
+        self.sliced: dict[nn.Parameter, nn.Parameter] = {}  # each whole parameter split -> this rank's slice
         self._module: nn.Module | None = None  # the module split (a later fit of the same run keeps it)
 
     def apply(self, module: nn.Module) -> None:
@@ -102,12 +78,27 @@ class StrategyTensorParallel:
                              "tensor_parallel")
         check_heads(module, self.config.size)
         plan, source = find_plan(module, self.config.plan)
-        self.split = apply_plan(module, resolve_plan(module, plan, source), self.tp)
+        memo: SliceMemo = {}
+        self.split = apply_plan(module, resolve_plan(module, plan, source), self.tp, memo)
+        self.sliced = {whole: part for whole, _, part in memo.values()}
         self._module = module
 
     def splits(self, module: nn.Module) -> bool:
         """Whether ``module`` is the one this strategy split (its states are slices)."""
         return bool(self.split) and module is self._module
+
+    def slice_originals(self, originals: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """The precision plugin's pre-cast weights after :meth:`apply`: each split parameter's cut like it, keyed
+        by its slice (the fp32 masters start from the exact slices: Note [TP composition order]); a slice
+        without storage (another pipeline stage's placeholder) keeps none."""
+        out = {}
+        for param, whole in originals.items():
+            part = self.sliced.get(param)
+            if part is None:
+                out[param] = whole
+            elif has_storage(part):
+                out[part] = slice_local(whole, split_dim(part), part.tp_chunks, self.tp)  # type: ignore[arg-type,attr-defined]
+        return out
 
     def check_optimizer(self, optimizer: Any) -> None:
         """Refuse an optimizer that does not compose with TP yet (before the engine is built)."""
@@ -118,10 +109,9 @@ class StrategyTensorParallel:
                              "error-feedback residuals are composed with the TP slices): use AdamW / Adam / SGD, or "
                              "drop tensor_parallel")
 
-    def coupling(self) -> StageCoupling:
-        """The engine's norm and overflow agreement over tensor x data (Note [norm over tensor x data]), given
-        to the engine's constructor."""
-        return StageCoupling(model_parallel=self.tp_comm, norm_excess=replicated_norm_excess(self.config.size))
+    def norm_weight(self, param: nn.Parameter) -> float:
+        """The share of ``param``'s norm terms this rank leaves out (Note [norm over tensor x data])."""
+        return 0.0 if split_dim(param) is not None else 1.0 - 1.0 / self.config.size
 
 
 def refuse_pipeline_checkpoint(config: TensorParallelConfig, pipelined: bool, what: str) -> None:

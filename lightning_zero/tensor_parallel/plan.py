@@ -17,8 +17,10 @@ Note [slice after build]
     A plan is applied to the whole, initialised model: each rank builds every weight with the same seed
     and keeps its slice. So a run's weights do not depend on the tensor-parallel size. The price is one
     whole copy of the model per rank for the moment between construction and slicing (the whole copy is
-    freed when the plan is applied, before ZeRO flattens); a model too big for that must be built on the
-    meta device, which is refused with TP for now (slicing at construction is a later slice).
+    freed when the plan is applied, before ZeRO flattens). Under a pipeline the plan is applied after the
+    split, so a rank builds whole only its own stage's layers (a model built in ``configure_model`` on the
+    meta device materialises only those; Note [local construction] in pipeline/build.py). Unpipelined, a
+    model built on the meta device is refused with TP for now (slicing at construction is a later slice).
 """
 
 from __future__ import annotations
@@ -164,10 +166,11 @@ def check_heads(root: nn.Module, size: int) -> None:
         return
 
 
-def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup) -> list[str]:
+def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: SliceMemo | None = None) -> list[str]:
     """Replace each planned module with its parallel version holding this rank's slices (Note [slice after
-    build]); returns the names split. Parameters shared between modules stay shared (``slice_param``)."""
-    memo: SliceMemo = {}
+    build]); returns the names split. Parameters shared between modules stay shared (``slice_param``);
+    ``memo`` (filled) records each whole parameter and its slice."""
+    memo = {} if memo is None else memo
     split = []
     rng = SplitRegionRNG(torch.initial_seed() + SPLIT_SEED_OFFSET + tp.rank)  # Note [dropout streams]
     for name, style in resolved.entries:

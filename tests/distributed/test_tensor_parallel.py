@@ -78,8 +78,8 @@ def test_the_strategy_refuses_what_it_does_not_compose_with_tp_yet() -> None:
     from lightning_zero import PipelineConfig
 
     assert ZeroStrategy(stage=1, tensor_parallel=2).tensor_parallel == TensorParallelConfig(2)
-    with pytest.raises(ValueError, match="tensor_parallel with a pipeline is not built yet"):
-        ZeroStrategy(stage=1, tensor_parallel=2, pipeline=PipelineConfig(stages=2))
+    both = ZeroStrategy(stage=1, tensor_parallel=2, pipeline=PipelineConfig(stages=2))  # built: issue 31
+    assert both.tensor_parallel.size == 2 and both.pipeline_config is not None
     assert ZeroStrategy(stage=3, tensor_parallel=2, offload_optimizer="cpu", offload_param="cpu").offload.enabled
     with pytest.raises(ValueError, match="sequence_parallel=True is not built yet"):
         TensorParallelConfig(2, sequence_parallel=True)
@@ -382,7 +382,7 @@ def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() 
     cases = {
         "trainer.devices=3": "not a multiple of pipeline.stages x tensor_parallel.size",
         "tensor_parallel=tp4": "",  # see below
-        "pipeline=pp2_gpipe": "with pipeline.stages > 1 is not built yet",
+        "pipeline=pp2_gpipe": "not a multiple of pipeline.stages x tensor_parallel.size",  # 2 ranks for 2 x 2
         "model.optimizer=onebit_adam": "onebit_adam is not built yet",
         "tensor_parallel.size=3": "model.n_head (attention heads) = 4 does not split over tensor_parallel.size=3",
     }

@@ -134,6 +134,18 @@ def initialize_modules(
             delattr(p, _UNINITIALIZED)
 
 
+@torch.no_grad()
+def initialize_like_sharded(module: nn.Module, init_fn: ParamInitFn | None, base_seed: int, prefix: str = "") -> None:
+    """Initialise a module built whole with the values a meta-device build of it gets (Note [sharded
+    construction]: each module from ``(base_seed, its qualified name)``, ``prefix`` naming ``module`` inside
+    the root the strategy sees, e.g. ``"model"``). So a run's initial weights are the same whether the model is
+    built whole, by each pipeline stage or unit by unit at stage 3, for any world size. Meta parameters stay
+    meta (nothing to write)."""
+    for p in module.parameters():
+        setattr(p, _UNINITIALIZED, True)
+    initialize_modules(list(module.named_modules(prefix=prefix)), init_fn, base_seed)
+
+
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Inside the block every ``nn.Parameter`` registered on a module is moved to the meta device

@@ -19,11 +19,40 @@ from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.precision.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.precision.nonfinite import first_nonfinite_parameter
 from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
-from lightning_zero.core.zero.flat_param import FlatParamGroup
+from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
 from lightning_zero.core.zero.grad_reducer import GradReducer
 from lightning_zero.core.zero.optimizer import ShardedOptimizer
 
 NormExcess = Callable[[list[torch.Tensor], list[FlatParamGroup], float], float]
+
+
+def weighted_norm_excess(weight: Callable[[nn.Parameter], float]) -> NormExcess:
+    """A ``norm_excess`` leaving out ``weight(param)`` of each parameter's ``|g|^p`` terms on this rank.
+
+    Note [counting a parameter once]
+        The global norm sums every rank's terms over the data group, then over the model-parallel ranks
+        (pipeline stages, tensor-parallel ranks). A parameter held by ``k`` of those ranks with the same
+        gradient (a weight tied across stages, a parameter replicated over a tensor-parallel group) is then
+        counted ``k`` times; each holder subtracting ``weight`` of its terms before the sums makes it count
+        once (a tie: 1 on every stage but its owner; a replicated parameter: ``1 - 1/tp`` everywhere). The
+        maximum norm needs no correction. Zero weights cost nothing: the pipeline's and tensor parallel's
+        weights compose as their maximum (``lightning/compose.py``).
+    """
+
+    def excess(grads: list[torch.Tensor], groups: list[FlatParamGroup], norm_type: float) -> float:
+        if math.isinf(norm_type):
+            return 0.0
+        total = 0.0
+        for g, t in zip(groups, grads):
+            start, end = (0, g.padded_numel) if t.numel() == g.padded_numel else g.shard_range()
+            for s in g.slots:
+                share = weight(s.param)
+                lo, hi = overlap(s.offset, s.offset + s.numel, start, end)
+                if share and hi > lo:
+                    total += share * float(t[lo - start : hi - start].float().abs().pow(norm_type).sum())
+        return total
+
+    return excess
 
 
 class StepState(enum.Enum):
