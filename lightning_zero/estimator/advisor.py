@@ -17,8 +17,9 @@ Note [TP as the last resort]
     TP adds activation all-reduces inside every layer (Megatron: 4 per block per step) where ZeRO's traffic
     is per step and offload's is per step too; so TP is proposed only when no ZeRO stage or offload fits
     without it, at the smallest size that fits, and kept inside a node (its traffic is per layer). At that
-    size the configurations are tried in :data:`PREFERENCE`'s order, so a TP + offload candidate (e.g. stage 2
-    + optimizer_cpu + TP 2) is chosen only when no configuration without offload fits at that size.
+    size every configuration is tried in :data:`PREFERENCE`'s order, offload included (offload composes with
+    TP), so a TP + offload candidate (e.g. stage 2 + optimizer_cpu + TP 2) is chosen when no faster one fits at
+    that size, before any larger TP size is tried.
 """
 
 from __future__ import annotations
