@@ -222,7 +222,7 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
                      hidden=g.n_embd, heads=g.n_head)
     params, precision = count_model_parameters(cfg), cfg.precision.name.value
 
-    tp = cfg.tensor_parallel.size  # offload with TP is not built: no offload settings are offered with it
+    tp = cfg.tensor_parallel.size  # offload composes with TP: its settings are offered as without it
 
     def host(stage: int, offload: str, **change: int) -> float:
         c = estimate_memory(params, world_size=t.devices * t.num_nodes, gpus_per_node=t.devices,
@@ -235,11 +235,11 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
         now = host(stage, offload)
         options: list[tuple[str, float]] = [(f"zero=stage{s}", host(s, offload)) for s in range(stage + 1, 4)
                                             if s in OFFLOAD_STAGES[offload]]
-        if tp == 1 and offload in ("none", "optimizer_cpu") and (on_cpu or offload == "optimizer_cpu"):
+        if offload in ("none", "optimizer_cpu") and (on_cpu or offload == "optimizer_cpu"):
             s = max(stage, 1)
             options.append(("offload=optimizer_nvme offload.nvme_path=<fast disk>"
                             + ("" if s == stage else f" zero=stage{s}"), host(s, "optimizer_nvme")))
-        if tp == 1 and offload != "param_nvme" and (on_cpu or offload == "param_cpu"):
+        if offload != "param_nvme" and (on_cpu or offload == "param_cpu"):
             options.append(("offload=param_nvme offload.nvme_path=<fast disk> zero=stage3", host(3, "param_nvme")))
         if shape.get("micro_batch", 1) > 1:
             half = shape["micro_batch"] // 2

@@ -6,17 +6,20 @@ needs fit the memory given, less ``headroom``. Every memory need is linear in th
 count Ψ for a fixed architecture, so the largest model each configuration holds is found in
 closed form from two evaluations.
 
-Tensor parallelism (Note [TP as the last resort]): with ``tensor_parallel`` given, every configuration is
-estimated at that size (offload with TP is not built, so those rows are left out). Without it, when nothing
-fits, the advisor tries TP 2, 4, ... (dividing the world size and the heads, within a node) at stages 0-3
-and says why TP is what makes the model fit: a layer whose 16-bit parameters and gradients exceed a rank
-(ZeRO shards a layer's storage but gathers it whole to compute it), or model states ZeRO and offload
-cannot bring under the device memory.
+Tensor parallelism (Note [TP as the last resort]): with ``tensor_parallel`` given, every configuration of
+:data:`PREFERENCE` is estimated at that size, offload included (it composes with TP: a rank offloads its share of
+its slice's state). Without it, when nothing fits, the advisor tries TP 2, 4, ... (dividing the world size and
+the heads, within a node) with every configuration of :data:`PREFERENCE` and says why TP is what makes the model
+fit: a layer whose 16-bit parameters and gradients exceed a rank (ZeRO shards a layer's storage but gathers it
+whole to compute it), or model states ZeRO and offload cannot bring under the device memory.
 
 Note [TP as the last resort]
     TP adds activation all-reduces inside every layer (Megatron: 4 per block per step) where ZeRO's traffic
-    is per step, and offload does not compose with TP yet; so TP is proposed only when no ZeRO stage or
-    offload fits, at the smallest size that fits, and kept inside a node (its traffic is per layer).
+    is per step and offload's is per step too; so TP is proposed only when no ZeRO stage or offload fits
+    without it, at the smallest size that fits, and kept inside a node (its traffic is per layer). At that
+    size every configuration is tried in :data:`PREFERENCE`'s order, offload included (offload composes with
+    TP), so a TP + offload candidate (e.g. stage 2 + optimizer_cpu + TP 2) is chosen when no faster one fits at
+    that size, before any larger TP size is tried.
 """
 
 from __future__ import annotations
@@ -243,7 +246,7 @@ def advise(
     if tensor_parallel is None and not any(c.fits for c in candidates):  # Note [TP as the last resort]
         heads = options.get("heads") or base.model.heads
         for tp in _tensor_parallel_sizes(base.cluster, heads):
-            with_tp = _candidates(estimate_memory(num_params, offload="none", tensor_parallel=tp, **options), hw,
+            with_tp = _candidates(estimate_memory(num_params, offload="all", tensor_parallel=tp, **options), hw,
                                   activation_checkpointing)
             candidates += with_tp
             if any(c.fits for c in with_tp):
@@ -258,8 +261,6 @@ def _candidates(est: MemoryEstimate, hw: Hardware, checkpointing: bool) -> tuple
     tp = est.tensor_parallel
     out = []
     for stage, offload in PREFERENCE:
-        if tp > 1 and offload != "none":  # not built with TP (the strategy refuses it)
-            continue
         c = est.config(stage, offload)
         needs = needs_of(c, checkpointing)
         short = tuple(Shortfall(m, need, hw.usable(m)) for m, need in needs if need > hw.usable(m))

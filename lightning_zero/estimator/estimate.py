@@ -87,12 +87,11 @@ def estimate_config(
 
     With ``tensor_parallel`` = t > 1 a rank holds ``model.rank_params(t)`` parameters (Note [model state with
     TP]) and ZeRO partitions them over the ``world / t`` data ranks; stage 3 gathers a layer's slice, not the
-    layer. Offload with TP is not built (the strategy refuses it), so it is refused here too.
+    layer. Offload composes with TP as in the strategy (the engine offloads the shards of the rank's flat buffers):
+    the offload split applies to the rank's own parameters, so a rank offloads its share, over the data ranks, of
+    the optimizer state (and, with ``param_*``, the parameters) of its TP slice.
     """
     formula = formula_precision(precision)
-    if tensor_parallel > 1 and offload != "none":
-        raise ValueError(f"offload={offload!r} with tensor_parallel={tensor_parallel} is not built (the strategy "
-                         "refuses it): use offload 'none' with tensor parallelism")
     data = cluster.world_size // tensor_parallel
     on_device, moved = offloaded_model_state(
         stage, model.rank_params(tensor_parallel), data, formula, offload, optimizer_state_per_param
@@ -191,7 +190,8 @@ def estimate_memory(
         replicated_params: parameters tensor parallelism keeps whole on every rank (default: counted from
             ``model``'s plan, else 0).
         tensor_parallel: ranks per tensor-parallel group t; ``world_size`` counts every rank, so ZeRO
-            partitions over ``world_size / t`` data ranks (offload rows are left out: not built with TP).
+            partitions over ``world_size / t`` data ranks, offload rows included (DeepSpeed's figures are not:
+            its estimators take no tensor-parallel size).
     """
     if (num_params is None) == (model is None):
         raise ValueError("Give exactly one of the parameter count (--params) and the model (--model).")
@@ -219,14 +219,11 @@ def estimate_memory(
                              "(or a --model preset that knows the shape).")
         elem = 4 if formula_precision(precision) == "fp32" else 2
         acts = activation_memory(layers, hidden, seq_len, micro_batch, heads, elem, flash_attention, tensor_parallel)
-    if tensor_parallel > 1 and offload not in ("all", "none"):
-        estimate_config(0, offload, spec, cluster, precision, acts, optimizer_state_per_param, tensor_parallel)
     configs = tuple(
         estimate_config(stage, off, spec, cluster, precision, acts, optimizer_state_per_param, tensor_parallel)
         for stage in range(4)
         for off in OFFLOADS
         if stage in OFFLOAD_STAGES[off] and (offload == "all" or off in ("none", offload))
-        and (tensor_parallel == 1 or off == "none")
     )
     return MemoryEstimate(spec, cluster, precision, optimizer_state_per_param, acts, configs, tensor_parallel)
 

@@ -62,4 +62,4 @@ def tensor_parallel_lines(model: ModelSpec, cluster: Cluster, tp: int) -> list[s
     return [wrap(
         f"Tensor parallel: {tp} ranks per group, {cluster.world_size // tp} data-parallel ranks; a rank holds "
         f"Psi_split / {tp} + Psi_rep = {format_count(model.rank_params(tp))} parameters{known}. ZeRO partitions "
-        "over the data ranks only; offload with tensor parallelism is not built (no offload rows).")]
+        "over the data ranks only; offload moves this rank's share of its slice's state.")]

@@ -96,7 +96,8 @@ def test_a_rank_stopped_by_the_hang_watchdog_is_summarised_as_such(tmp_path: Pat
 
 def test_the_host_memory_note_and_the_advice_of_a_tensor_parallel_run_count_its_tp_size() -> None:
     """With tensor_parallel=tp2 the figure is the estimator's at TP 2 (a rank's slices plus the replicated
-    parameters, activations split), and no offload setting is offered (offload with TP is not built)."""
+    parameters, activations split), and the offload settings are offered as without TP (they compose), each with
+    its figure at TP 2."""
     from lightning_zero.config.console import oom_advice
     from lightning_zero.config.launch import compose_config
     from lightning_zero.config.validate import validate_config
@@ -105,7 +106,7 @@ def test_the_host_memory_note_and_the_advice_of_a_tensor_parallel_run_count_its_
     cfg = validate_config(compose_config(["experiment=gpt_tiny", "zero=stage2", "tensor_parallel=tp2",
                                           "trainer.devices=2", "trainer.checkpoint.enabled=false"]))
     note = host_memory_note(cfg)
-    assert note is not None and "tensor parallel 2" in note and "offload=" not in note, note
+    assert note is not None and "tensor parallel 2" in note and "offload=param_nvme" in note, note
     g = gpt_config(cfg.model)
     expected = estimate_memory(count_model_parameters(cfg), world_size=2, gpus_per_node=2, precision="fp32",
                                offload="none", layers=g.n_layer, hidden=g.n_embd, heads=g.n_head,

@@ -143,9 +143,14 @@ GRID = list(itertools.product([1.3e9, 7.5e9, 30e9, 175e9], ["16GB", "40GB", "80G
 def test_advisor_choice_fits_and_faster_ones_do_not(params: float, device: str, world: int) -> None:
     adv = advise(params, device_memory=device, cpu_memory="512GB", nvme="2TB", world_size=world, headroom=0.1)
     limits = {"device": parse_size(device) * 0.9, "CPU": 512e9 * 0.9, "NVMe": 2e12 * 0.9}
-    # then, only when none of those fits, TP 2, 4, ... at stages 0-3 (tests/unit/test_estimator_tensor_parallel.py)
+    # then, only when none of those fits, TP 2, 4, ... with every configuration of PREFERENCE, offload included
+    # (tests/unit/test_estimator_tensor_parallel.py)
     untouched = [(c.estimate.stage, c.estimate.offload) for c in adv.candidates if c.tensor_parallel == 1]
     assert untouched == list(PREFERENCE)
+    for tp in {c.tensor_parallel for c in adv.candidates} - {1}:
+        assert not any(c.fits for c in adv.candidates if c.tensor_parallel == 1)
+        assert [(c.estimate.stage, c.estimate.offload) for c in adv.candidates if c.tensor_parallel == tp] == \
+            list(PREFERENCE)
     choice = adv.choice
     faster = adv.candidates if choice is None else adv.candidates[: adv.candidates.index(choice)]
     for c in faster:  # every faster option is short of some memory, by the amount reported
