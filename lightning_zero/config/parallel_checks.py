@@ -33,6 +33,11 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
         out.append("checkpoints of pipeline x tensor_parallel are not built yet (a stage's TP slices are not merged "
                    "into the pipeline's checkpoint). Fix: trainer.checkpoint.enabled=false (and no "
                    "trainer.resume_from), or pipeline=none.")
+    if getattr(cfg.model, "build_in_configure_model", False) and cfg.pipeline.stages == 1:
+        out.append("tensor_parallel with a model built on the meta device (model.build_in_configure_model=true, "
+                   "unpipelined) is not built yet: the plan slices whole layers (Note [slice after build]). Fix: "
+                   "model.build_in_configure_model=false, or a pipeline (pipeline=pp2_gpipe builds each stage "
+                   "alone), or tensor_parallel=none.")
     if not isinstance(cfg.model, GPTModelSchema):
         out.append("tensor_parallel needs a model with a plan: model=mlp has none. Fix: a GPT model "
                    "(model=gpt_tiny ..).")

@@ -153,15 +153,17 @@ def test_one_seed_gives_the_same_gpt_built_whole_by_pipeline_stages_or_by_zero3_
 @pytest.mark.slow
 def test_the_cli_reports_the_same_step0_validation_loss_on_one_rank_two_stages_and_pp2_tp2_zero3_on_8(
         tmp_path: Path) -> None:
-    """Issue 31's CLI must-show: with data.deterministic_order=true the 1-rank run, pipeline=pp2_gpipe on 2 ranks
-    and tensor_parallel=tp2 pipeline=pp2_1f1b zero=stage3 on 8 start from the same model (the pipelined run used
-    to report 5.4716 against 5.4946). The whole validation set on every layout (limit_val_batches=1.0: the default
-    2 batches per data rank would be 16 samples on one data replica, 32 on two)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    """Issue 31's CLI must-show: with data.deterministic_order=true the 1-rank run, pipeline=pp2_gpipe on 2 ranks,
+    tensor_parallel=tp2 on 2 and tensor_parallel=tp2 pipeline=pp2_1f1b zero=stage3 on 8 start from the same model
+    (the pipelined run used to report 5.4716 against 5.4946). The whole validation set on every layout
+    (limit_val_batches=1.0: the default 2 batches per data rank would be 16 samples on one data replica, 32 on
+    two)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     base = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "data.deterministic_order=true",
             "trainer.max_steps=1", "trainer.validate_at_end=false", "trainer.limit_val_batches=1.0",
             "trainer.checkpoint.enabled=false"]
     layouts = {"one": ["trainer.devices=1"], "pp2": ["pipeline=pp2_gpipe", "trainer.devices=2"],
+               "tp2": ["tensor_parallel=tp2", "trainer.devices=2"],
                "pp2_tp2_z3": ["tensor_parallel=tp2", "pipeline=pp2_1f1b", "zero=stage3", "trainer.devices=8"]}
     start = {}
     for name, extra in layouts.items():
