@@ -79,7 +79,7 @@ def apply_parallelisms(
     make_optimizer: Callable[[], Optimizer] | None,
     setup_settings: Mapping[str, str],
 ) -> Composed:
-    """Apply tensor parallel, precision, the pipeline split, sequence parallel, ZeRO (with stage 3 and offload)
+    """Apply precision, the pipeline split, tensor parallel, sequence parallel, ZeRO (with stage 3 and offload)
     and the precision wiring to ``module``, in that order (the comment beside each step says why).
 
     Args:

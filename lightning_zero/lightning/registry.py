@@ -4,12 +4,12 @@ the offload shortcuts."""
 from __future__ import annotations
 
 import tempfile
-from typing import Any
 
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.strategies import Strategy
 
 
-def register_zero_strategies(cls: Any, strategy_registry: _StrategyRegistry) -> None:
+def register_zero_strategies(cls: type[Strategy], strategy_registry: _StrategyRegistry) -> None:
     """Register ``cls`` (``ZeroStrategy`` or a subclass) under every name of the table."""
     for stage in (0, 1, 2, 3):
         for suffix, method in (("", "popen"), ("_spawn", "spawn")):

@@ -3,14 +3,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import Precision
 
 PER_NODE = frozenset({"trainer.node_rank", "trainer.rdzv_endpoint"})  # config keys that differ between nodes
 
 
-def setup_settings(strategy: Any, trainer: pl.Trainer) -> dict[str, str]:
+class AgreedSettings(Protocol):
+    """What :func:`setup_settings` reads of the strategy."""
+
+    @property
+    def zero_config(self) -> object: ...
+
+    @property
+    def precision_plugin(self) -> Precision: ...
+
+    @property
+    def resolved_config(self) -> Mapping[str, Any] | None: ...
+
+
+def setup_settings(strategy: AgreedSettings, trainer: pl.Trainer) -> dict[str, str]:
     """What must agree across ranks besides the model (Note [setup agreement] in core/reliability/agreement.py):
     the ZeRO config, precision, the Trainer's step settings and the resolved config the CLI ran."""
     out = {f"zero.{k}": repr(v) for k, v in vars(strategy.zero_config).items()}

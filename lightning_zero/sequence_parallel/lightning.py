@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
 from lightning_zero.sequence_parallel.checks import check_sequence_parallel
 from lightning_zero.sequence_parallel.group import SequenceGroup
@@ -34,7 +36,7 @@ class StrategySequenceParallel:
     def sampler_kwargs(self) -> dict[str, Any]:
         return sampler_kwargs(self.dims, self.rank)
 
-    def attach(self, module: Any) -> None:
+    def attach(self, module: nn.Module) -> None:
         """Tell ``module`` its sequence group; refuse a module that cannot take it."""
         hook = getattr(module, HOOK, None)
         if hook is None:
@@ -47,7 +49,7 @@ class StrategySequenceParallel:
         hook(self.group)
 
     @staticmethod
-    def detach(module: Any) -> None:
+    def detach(module: nn.Module) -> None:
         hook = getattr(module, HOOK, None)
         if hook is not None:
             hook(None)

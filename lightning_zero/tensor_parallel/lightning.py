@@ -27,8 +27,6 @@ Note [norm over tensor x data]
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -100,7 +98,7 @@ class StrategyTensorParallel:
                 out[part] = slice_local(whole, split_dim(part), part.tp_chunks, self.tp)  # type: ignore[arg-type,attr-defined]
         return out
 
-    def check_optimizer(self, optimizer: Any) -> None:
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer that does not compose with TP yet (before the engine is built)."""
         if isinstance(optimizer, OneBitAdam):
             raise ValueError("tensor_parallel with 1-bit Adam is not built yet (after its warm-up each rank keeps its "
