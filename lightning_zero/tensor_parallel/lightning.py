@@ -88,7 +88,9 @@ class StrategyTensorParallel:
     def slice_originals(self, originals: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """The precision plugin's pre-cast weights after :meth:`apply`: each split parameter's cut like it, keyed
         by its slice (the fp32 masters start from the exact slices: Note [TP composition order]); a slice
-        without storage (another pipeline stage's placeholder) keeps none."""
+        without storage (another pipeline stage's placeholder) keeps none. Called once after :meth:`apply`; it
+        then forgets the whole parameters, which the map kept alive (a whole layer per rank for the whole fit:
+        tests/distributed/test_tensor_parallel_memory.py's limit)."""
         out = {}
         for param, whole in originals.items():
             part = self.sliced.get(param)
@@ -96,6 +98,7 @@ class StrategyTensorParallel:
                 out[param] = whole
             elif has_storage(part):
                 out[part] = slice_local(whole, split_dim(part), part.tp_chunks, self.tp)  # type: ignore[arg-type,attr-defined]
+        self.sliced = {}
         return out
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
