@@ -29,10 +29,10 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
                    f"{size * cfg.pipeline.stages} (or a multiple).")
     if cfg.model.optimizer is OptimizerName.onebit_adam:
         out.append("tensor_parallel with model.optimizer=onebit_adam is not built yet. Fix: model.optimizer=adamw.")
-    if cfg.pipeline.stages > 1 and (cfg.trainer.checkpoint.enabled or cfg.trainer.resume_from):
-        out.append("checkpoints of pipeline x tensor_parallel are not built yet (a stage's TP slices are not merged "
-                   "into the pipeline's checkpoint). Fix: trainer.checkpoint.enabled=false (and no "
-                   "trainer.resume_from), or pipeline=none.")
+    if cfg.pipeline.stages > 1 and not ZeroStage.of(cfg.zero.stage).shards_optimizer and cfg.trainer.checkpoint.enabled:
+        out.append("checkpoints of pipeline x tensor_parallel at zero.stage=0 are not built yet (they are written "
+                   "from the shards of ZeRO stage >= 1, in the sharded format). Fix: zero.stage=1 (or higher), or "
+                   "trainer.checkpoint.enabled=false.")
     if getattr(cfg.model, "build_in_configure_model", False) and cfg.pipeline.stages == 1:
         out.append("tensor_parallel with a model built on the meta device (model.build_in_configure_model=true, "
                    "unpipelined) is not built yet: the plan slices whole layers (Note [slice after build]). Fix: "

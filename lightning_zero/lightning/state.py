@@ -44,6 +44,7 @@ from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
 from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
+from lightning_zero.tensor_parallel.pipeline_checkpoint import pipelined_sharded_parts
 
 Fallback = Callable[..., Any]  # Lightning's own implementation of the hook (the strategy's super())
 
@@ -211,8 +212,10 @@ class StrategyCheckpointing:
         states = checkpoint.get("optimizer_states", [])
         engine, pipeline = self._host._engine, self._host._pipeline
         if pipeline is not None and pipeline.checkpoint is not None and engine is not None:
+            tp = self._tensor_parallel()  # with TP, whole entries cut to this rank's slices
             for state in states[:1]:  # this stage's entries only (a sharded checkpoint's read lazily)
-                pipeline.checkpoint.load_optimizer_state(engine, dict(state))
+                pipeline.checkpoint.load_optimizer_state(engine, dict(state),
+                                                         tp.split_optimizer_state if tp is not None else None)
             return None
         tp = self._tensor_parallel()
         if engine is None or engine.sharded is None or engine.sharded.whole:
@@ -266,10 +269,12 @@ class StrategyCheckpointing:
                 "`trainer.save_checkpoint` in a callback or `ModelCheckpoint`."
             )
         comm, layout, merge, pipeline = self._host._comm, None, None, self._host._pipeline
-        if pipeline is not None and pipeline.checkpoint is not None and self._writes_shards:
-            layout, merge = pipeline.checkpoint.sharded_parts(self._host._engine, module)  # each stage its shards
-        tp = self._tensor_parallel()
-        if tp is not None and self._writes_shards:  # each TP rank its slices (Note [TP slices in checkpoints])
+        tp, staged = self._tensor_parallel(), pipeline.checkpoint if pipeline is not None else None
+        if staged is not None and tp is not None and self._writes_shards:  # Note [pipeline x TP shards]
+            layout, merge = pipelined_sharded_parts(staged, tp, self._host._engine, module)
+        elif staged is not None and self._writes_shards:
+            layout, merge = staged.sharded_parts(self._host._engine, module)  # each stage its shards
+        elif tp is not None and self._writes_shards:  # each TP rank its slices (Note [TP slices in checkpoints])
             layout, merge = tp.sharded_parts(self._host._engine, module)
         if self._host.pipeline_config is not None or self._host._tp is not None:  # every stage / TP rank writes
             comm = DataParallelComm()  # into one directory: the world's group agrees

@@ -286,7 +286,8 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        refuse_pipeline_checkpoint(self.tensor_parallel, self.pipeline_config is not None, "saving")
+        refuse_pipeline_checkpoint(self.tensor_parallel, self.pipeline_config is not None,
+                                   self._checkpointing._writes_shards)
         self._checkpointing.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
@@ -295,7 +296,6 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        refuse_pipeline_checkpoint(self.tensor_parallel, self.pipeline_config is not None, "loading")
         return self._checkpointing.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint)
 
     @property

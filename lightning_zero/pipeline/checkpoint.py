@@ -18,6 +18,7 @@ of the optimizer state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.pipeline.mesh import PipelineGroups
 from lightning_zero.pipeline.model import LocalModel
+
+Cut = Callable[[dict[str, Any], list[nn.Parameter]], dict[str, Any]]
 
 
 def _numbering(groups: list[list[nn.Parameter]]) -> dict[nn.Parameter, int]:
@@ -162,8 +165,9 @@ class PipelineCheckpoint:
             merged["optimizers"] = [{**parts[0]["optimizers"][0], "state": state}]
         return merged
 
-    def load_optimizer_state(self, engine: ZeroEngine, full: dict[str, Any]) -> None:
-        """Load an unsplit optimizer state: this stage's entries, renumbered for its optimizer."""
+    def load_optimizer_state(self, engine: ZeroEngine, full: dict[str, Any], cut: Cut | None = None) -> None:
+        """Load an unsplit optimizer state: this stage's entries, renumbered for its optimizer; ``cut`` (tensor
+        parallelism) takes that state and its parameters in index order and returns it cut to this rank's slices."""
         groups = engine.sharded.original_params if engine.sharded is not None else [
             list(g["params"]) for g in engine.optimizer.param_groups]
         restricted = _numbering(groups)
@@ -180,6 +184,8 @@ class PipelineCheckpoint:
         param_groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": [restricted[p] for p in ps]}
                         for saved, ps in zip(saved_groups, groups)]
         local = {"state": state, "param_groups": param_groups}
+        if cut is not None:
+            local = cut(local, list(restricted))
         if engine.sharded is not None:
             load_full_optimizer_state(engine.sharded, local)
         else:

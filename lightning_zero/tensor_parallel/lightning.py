@@ -115,11 +115,13 @@ class StrategyTensorParallel:
         return 0.0 if split_dim(param) is not None else 1.0 - 1.0 / self.config.size
 
 
-def refuse_pipeline_checkpoint(config: TensorParallelConfig, pipelined: bool, what: str) -> None:
-    """Checkpoints with tensor parallelism are built (tensor_parallel/checkpoint.py), but not of a pipeline whose
-    stages are split by TP: refused in every format, before anything is written or read."""
-    if config.enabled and pipelined:
+def refuse_pipeline_checkpoint(config: TensorParallelConfig, pipelined: bool, from_shards: bool) -> None:
+    """A checkpoint of a pipeline whose stages are split by TP is written from the engine's shards only (Note
+    [pipeline x TP shards] in pipeline_checkpoint.py): the consolidated format (and the sharded one at ZeRO
+    stage 0, or after fit) is refused before anything is written. Loading any checkpoint is built."""
+    if config.enabled and pipelined and not from_shards:
         raise NotImplementedError(
-            f"{what} a checkpoint of pipeline x tensor_parallel={config.size} is not built yet (a stage's TP slices "
-            "are not merged into the pipeline's checkpoint): train without checkpoints (enable_checkpointing=False; "
-            "the CLI: trainer.checkpoint.enabled=false), or without the pipeline")
+            f"saving a consolidated checkpoint of pipeline x tensor_parallel={config.size} is not built yet (only "
+            "the sharded format, written during fit from the shards of ZeRO stage >= 1): use "
+            "checkpoint_format='sharded' or 'auto' with ZeRO stage >= 1 and save during fit (ModelCheckpoint, or "
+            "trainer.save_checkpoint in a callback)")

@@ -87,13 +87,14 @@ def test_the_strategy_refuses_what_it_does_not_compose_with_tp_yet() -> None:
         ZeroStrategy(tensor_parallel="2")  # type: ignore[arg-type]
 
 
-def test_checkpoints_of_pipeline_x_tp_stay_refused_before_anything_is_written() -> None:
+def test_consolidated_checkpoints_of_pipeline_x_tp_stay_refused_before_anything_is_written() -> None:
     from lightning_zero.tensor_parallel.lightning import refuse_pipeline_checkpoint
 
-    with pytest.raises(NotImplementedError, match="saving a checkpoint of pipeline x tensor_parallel=2 is not built"):
-        refuse_pipeline_checkpoint(TensorParallelConfig(2), True, "saving")
-    refuse_pipeline_checkpoint(TensorParallelConfig(2), False, "saving")  # TP alone: built
-    refuse_pipeline_checkpoint(TensorParallelConfig(1), True, "loading")  # a pipeline alone: built
+    with pytest.raises(NotImplementedError, match="consolidated checkpoint of pipeline x tensor_parallel=2 is not"):
+        refuse_pipeline_checkpoint(TensorParallelConfig(2), True, False)
+    refuse_pipeline_checkpoint(TensorParallelConfig(2), True, True)  # from the shards: built (issue 31)
+    refuse_pipeline_checkpoint(TensorParallelConfig(2), False, False)  # TP alone: built
+    refuse_pipeline_checkpoint(TensorParallelConfig(1), True, False)  # a pipeline alone: built
 
 
 def test_one_rank_cannot_hold_two_tensor_parallel_ranks() -> None:
@@ -398,9 +399,10 @@ def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() 
             assert problems and all("not a multiple" in p for p in problems), problems
             continue
         assert any(message in p for p in problems), (override, problems)
-    piped = OmegaConf.to_object(compose_config([*ok, "pipeline=pp2_gpipe", "trainer.devices=4"]))
-    assert any("checkpoints of pipeline x tensor_parallel are not built yet" in p
-               for p in tensor_parallel_problems(piped))
+    piped = [*ok, "pipeline=pp2_gpipe", "trainer.devices=4", "trainer.checkpoint.enabled=true"]
+    assert not tensor_parallel_problems(OmegaConf.to_object(compose_config([*piped, "zero=stage1"])))  # sharded
+    assert any("checkpoints of pipeline x tensor_parallel at zero.stage=0 are not built yet" in p
+               for p in tensor_parallel_problems(OmegaConf.to_object(compose_config([*piped, "zero=stage0"]))))
     unpiped = OmegaConf.to_object(compose_config([*ok, "trainer.checkpoint.enabled=true"]))
     assert not tensor_parallel_problems(unpiped)  # checkpoints with TP are built
     offloaded = OmegaConf.to_object(compose_config([*ok, "offload=optimizer_cpu"]))
