@@ -63,11 +63,16 @@ def reusable(comm: DataParallelComm | None) -> bool:
     return True
 
 
-def close_all() -> None:
-    """Close every registered holder, then destroy the default group (run by ``atexit``)."""
+def close_owned() -> None:
+    """Close every registered holder (their groups are destroyed); the default group stays."""
     for holder in list(_owned):
         holder.close()
     _owned.clear()
+
+
+def close_all() -> None:
+    """Close every registered holder, then destroy the default group (run by ``atexit``)."""
+    close_owned()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
