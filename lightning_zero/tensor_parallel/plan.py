@@ -30,12 +30,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
-from lightning_zero.tensor_parallel.rng import SPLIT_SEED_OFFSET, SplitRegionRNG
+from lightning_zero.tensor_parallel.rng import SplitRegionRNG
 from lightning_zero.tensor_parallel.styles import Colwise, Replicate, Rowwise, Style, VocabEmbedding, resolve_style
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
@@ -172,7 +171,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
     ``memo`` (filled) records each whole parameter and its slice."""
     memo = {} if memo is None else memo
     split = []
-    rng = SplitRegionRNG(torch.initial_seed() + SPLIT_SEED_OFFSET + tp.rank)  # Note [dropout streams]
+    rng = SplitRegionRNG(tp.rank)  # Note [dropout streams]
     for name, style in resolved.entries:
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root

