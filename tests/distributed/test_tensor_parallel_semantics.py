@@ -97,3 +97,75 @@ def test_replicated_parameters_stay_identical_across_tp_ranks_with_dropout(gloo_
     differ = {n: float((a["replicated"][n] - b["replicated"][n]).abs().max())
               for n in a["replicated"] if not torch.equal(a["replicated"][n], b["replicated"][n])}
     assert not differ, differ
+
+
+POISONED = "model.blocks.0.mlp.fc.weight"  # column-parallel: each TP rank holds its own half
+
+
+class _Poisoned(GPTLightningModule):
+    """The GPT whose TP rank 1 alone gets an inf in its slice of a split weight's gradient at batch 1."""
+
+    def __init__(self) -> None:
+        super().__init__(CONFIG, lr=1e-2, warmup_steps=0)
+        self._poison_now = False
+
+    def on_train_start(self) -> None:  # after the plan replaced the layer: hook this rank's slice
+        self.get_parameter(POISONED).register_hook(self._poison)
+
+    def _poison(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._poison_now:
+            return grad
+        self._poison_now = False
+        grad = grad.clone()
+        grad[0, 1] = float("inf")
+        return grad
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self._poison_now = batch_idx == 1 and dist.get_rank() == 1
+        return self.loss(batch)
+
+
+def overflow_body(stage: int) -> list[dict[str, Any]]:
+    """fp16, TP 2 on 2 ranks, 3 steps, hysteresis 1: per step, whether this rank's parameters changed, its
+    loss scale before and after, its skipped-step count, and its split weight's shape."""
+    import lightning.pytorch as pl
+
+    from lightning_zero import ZeroPrecision
+    from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+
+    steps: list[dict[str, Any]] = []
+
+    class Recorder(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
+            steps.append({"before": [p.detach().clone() for p in module.parameters()],
+                          "scale_before": trainer.strategy.loss_scale})
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            before = steps[-1].pop("before")
+            after = [p.detach().clone() for p in module.parameters()]
+            steps[-1].update(same=all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+                             scale_after=trainer.strategy.loss_scale, skipped=trainer.strategy.skipped_steps,
+                             shape=tuple(module.get_parameter(POISONED).shape))
+
+    torch.manual_seed(0)
+    scaler = LossScalerConfig(initial_scale_power=8, hysteresis=1)  # 2**8: the tiny GPT never overflows
+    strategy = ZeroStrategy(stage=stage, tensor_parallel=2, precision=ZeroPrecision("16-mixed", loss_scaler=scaler))
+    make_trainer(strategy, devices=2, max_steps=3, callbacks=[Recorder()]).fit(_Poisoned(), _loader(1))
+    return steps
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_inf_in_one_tp_ranks_slice_skips_the_step_and_backs_off_on_every_rank(gloo_pool: GlooPool,
+                                                                                  stage: int) -> None:
+    """fp16: TP rank 1 alone sees an inf in its slice of a split gradient at step 1; both ranks skip that step
+    (no parameter changes) and halve the scale together, and both step before and after."""
+    results = gloo_pool.run("tests.distributed.test_tensor_parallel_semantics:overflow_body", stage=stage)
+    for rank, steps in enumerate(results):
+        assert [s["same"] for s in steps] == [False, True, False], (rank, steps)
+        assert [(s["scale_before"], s["scale_after"]) for s in steps] == [(256.0, 256.0), (256.0, 128.0),
+                                                                          (128.0, 128.0)], (rank, steps)
+        assert [s["skipped"] for s in steps] == [0, 1, 1], (rank, steps)
+        assert steps[0]["shape"] == (2 * CONFIG.n_embd, CONFIG.n_embd)  # the slice: (4 n_embd) x n_embd cut in two
