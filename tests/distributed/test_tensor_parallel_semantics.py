@@ -169,3 +169,50 @@ def test_an_inf_in_one_tp_ranks_slice_skips_the_step_and_backs_off_on_every_rank
                                                                           (128.0, 128.0)], (rank, steps)
         assert [s["skipped"] for s in steps] == [0, 1, 1], (rank, steps)
         assert steps[0]["shape"] == (2 * CONFIG.n_embd, CONFIG.n_embd)  # the slice: (4 n_embd) x n_embd cut in two
+
+
+# ------------------------------------------------------------------------------------------- refusals
+def test_heads_or_kv_heads_that_do_not_split_are_refused_with_the_sizes_that_would() -> None:
+    """``check_heads`` (run by the strategy before the plan changes anything): the GPT's ``n_head`` and a
+    Hugging Face config's ``num_attention_heads`` / ``num_key_value_heads``, each naming the fix."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lightning_zero.tensor_parallel.plan import check_heads
+
+    gpt = GPTLightningModule(CONFIG)  # 4 heads
+    check_heads(gpt, 2)
+    check_heads(gpt, 4)
+    with pytest.raises(ValueError, match=r"4 attention heads do not split over tensor_parallel=3: choose a "
+                                         r"tensor-parallel size dividing 4"):
+        check_heads(gpt, 3)
+    hf = nn.Module()
+    hf.model = nn.Module()
+    hf.model.config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2)  # GQA, HF's names
+    check_heads(hf, 2)
+    with pytest.raises(ValueError, match=r"^model: 2 KV heads do not split over tensor_parallel=4: choose a "
+                                         r"tensor-parallel size dividing 2$"):
+        check_heads(hf, 4)
+    hf.model.config.num_key_value_heads = None  # HF: no GQA, as many KV heads as heads
+    check_heads(hf, 8)
+
+
+def onebit_body() -> str:
+    """A fit of the GPT with 1-bit Adam at TP 2: the error it stops with (before any step)."""
+    import torch.distributed as dist
+
+    module = GPTLightningModule(CONFIG, optimizer="onebit_adam", warmup_steps=0)
+    trainer = make_trainer(ZeroStrategy(stage=0, tensor_parallel=2), devices=2, max_steps=1)
+    try:
+        trainer.fit(module, _loader(1))
+    except ValueError as e:
+        return f"{dist.get_rank()}: {e}"
+    return "trained"
+
+
+@pytest.mark.distributed
+def test_one_bit_adam_with_tp_is_refused_at_setup_naming_the_fix(gloo_pool: GlooPool) -> None:
+    for rank, message in enumerate(gloo_pool.run("tests.distributed.test_tensor_parallel_semantics:onebit_body")):
+        assert message.startswith(f"{rank}: tensor_parallel with 1-bit Adam is not built yet"), message
+        assert "use AdamW / Adam / SGD, or drop tensor_parallel" in message, message
