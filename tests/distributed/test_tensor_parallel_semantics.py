@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -16,7 +17,7 @@ from lightning_zero.models.gpt import GPTLightningModule
 from lightning_zero.models.gpt_blocks import CausalSelfAttention
 from lightning_zero.tensor_parallel import split_dim
 from lightning_zero.tensor_parallel.rng import SplitRegionRNG
-from tests.distributed.test_tensor_parallel import CONFIG, _loader
+from tests.distributed.test_tensor_parallel import CONFIG, _loader, _Recorded
 from tests.models import make_trainer
 from tests.pool import GlooPool
 
@@ -216,3 +217,84 @@ def test_one_bit_adam_with_tp_is_refused_at_setup_naming_the_fix(gloo_pool: Gloo
     for rank, message in enumerate(gloo_pool.run("tests.distributed.test_tensor_parallel_semantics:onebit_body")):
         assert message.startswith(f"{rank}: tensor_parallel with 1-bit Adam is not built yet"), message
         assert "use AdamW / Adam / SGD, or drop tensor_parallel" in message, message
+
+
+# ------------------------------------------------------------------------------------------- plans
+class _Stack(pl.LightningModule):
+    """Two column- then row-parallel pairs for ``plan='auto'`` in an ``nn.Sequential`` (a LayerNorm between)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch import nn
+
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), nn.LayerNorm(8), nn.Linear(8, 16),
+                                 nn.Tanh(), nn.Linear(16, 4))
+        self.losses: list[float] = []
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def plans_body() -> dict[str, Any]:
+    """TP 2, 3 steps each: the GPT under its own plan and under the same plan written by a user in torch's
+    styles (and ours where torch has none), and an ``nn.Sequential`` stack under ``plan='auto'`` with the
+    unsplit stack trained in this process on the same batches."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zero import TensorParallelConfig
+    from lightning_zero.tensor_parallel import Colwise, VocabEmbedding
+
+    torch_style = {"model.tok_emb": VocabEmbedding(), "model.blocks.*.attn.qkv": Colwise(chunks=3),
+                   "model.blocks.*.attn.proj": RowwiseParallel(), "model.blocks.*.mlp.fc": ColwiseParallel(),
+                   "model.blocks.*.mlp.proj": RowwiseParallel(), "model.lm_head": ColwiseParallel()}
+    out: dict[str, Any] = {}
+    for name, plan in (("named", None), ("torch", torch_style)):
+        torch.manual_seed(0)
+        module = _Recorded()
+        strategy = ZeroStrategy(stage=1, tensor_parallel=TensorParallelConfig(2, plan=plan))
+        make_trainer(strategy, devices=2, max_steps=3).fit(module, _loader(1))
+        out[name] = {"losses": module.losses, "split": list(strategy._tp.split) if strategy._tp else []}
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g))
+    torch.manual_seed(0)
+    reference = _Stack()
+    opt = reference.configure_optimizers()
+    for batch in DataLoader(data, batch_size=4):
+        loss = reference.loss(batch)
+        reference.losses.append(float(loss))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    stack = _Stack()
+    strategy = ZeroStrategy(stage=1, tensor_parallel=TensorParallelConfig(2, plan="auto"))
+    make_trainer(strategy, devices=2, max_steps=3).fit(stack, DataLoader(data, batch_size=4))
+    out["auto"] = {"losses": stack.losses, "reference": reference.losses, "split": list(strategy._tp.split),
+                   "shapes": {n: tuple(p.shape) for n, p in stack.named_parameters()}}
+    return out
+
+
+@pytest.mark.distributed
+def test_a_torch_style_plan_and_auto_train_as_the_named_plan_and_the_unsplit_model(gloo_pool: GlooPool) -> None:
+    """The GPT's plan given as a dict in torch's vocabulary splits the same modules and gives the very losses of
+    the named plan; ``plan='auto'`` on a Sequential stack splits both Linear pairs and follows the unsplit
+    stack (losses within 1e-6 relative)."""
+    for out in gloo_pool.run("tests.distributed.test_tensor_parallel_semantics:plans_body"):
+        assert out["torch"]["split"] == out["named"]["split"] and len(out["named"]["split"]) == 10, out
+        assert out["torch"]["losses"] == out["named"]["losses"] and len(out["named"]["losses"]) == 3, out
+        auto = out["auto"]
+        assert auto["split"] == ["net.0", "net.2", "net.4", "net.6"], auto
+        assert auto["shapes"]["net.0.weight"] == (16, 8) and auto["shapes"]["net.6.weight"] == (4, 8), auto
+        assert auto["shapes"]["net.6.bias"] == (4,)  # added once, after the row-parallel sum
+        rel = [abs(a - b) / abs(b) for a, b in zip(auto["losses"], auto["reference"], strict=True)]
+        assert len(rel) == 3 and max(rel) < 1e-6, (auto["losses"], auto["reference"])
