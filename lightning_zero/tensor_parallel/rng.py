@@ -86,5 +86,5 @@ def agree_default_rng(tp: TPGroup, device: torch.device) -> None:
         states.append((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
     for get, put in states:
         state = get().to(device)
-        dist.broadcast(state, group=tp.group, group_src=0)
+        dist.broadcast(state, src=dist.get_global_rank(tp.group, 0), group=tp.group)
         put(state.cpu())
