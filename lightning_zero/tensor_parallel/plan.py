@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
-from lightning_zero.tensor_parallel.rng import SplitRegionRNG
+from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG
 from lightning_zero.tensor_parallel.styles import Colwise, Replicate, Rowwise, Style, VocabEmbedding, resolve_style
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
@@ -189,7 +189,22 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         setattr(parent, attr, new)
         split.append(name)
     _retie(root, memo)
+    _split_region_dropouts(root, rng)
     return split
+
+
+def _split_region_dropouts(root: nn.Module, rng: SplitRegionRNG) -> None:
+    """Each ``nn.Dropout`` of an ``nn.Sequential`` between a column-parallel layer's split output and the next
+    row-parallel layer, across element-wise modules only, draws this TP rank's masks (Note [dropout streams])."""
+    for seq in [m for m in root.modules() if isinstance(m, nn.Sequential)]:
+        inside = False
+        for name, child in list(seq.named_children()):
+            if isinstance(child, ColumnParallelLinear):
+                inside = not child.gather_output
+            elif inside and type(child) is nn.Dropout:
+                setattr(seq, name, SplitRegionDropout(child, rng))
+            elif not isinstance(child, ELEMENTWISE):
+                inside = False
 
 
 def _retie(root: nn.Module, memo: SliceMemo) -> None:

@@ -19,9 +19,12 @@ Note [dropout streams]
     aside would have moved on, and backward would use other masks than the forward did).
 
     Masks are therefore not the unsplit model's: parity with it holds at dropout 0, as for any change of
-    layout. Hugging Face models draw their attention dropout from the default stream (we do not reach
-    inside their attention functions): the replicated state stays in sync, but head ``h`` of every TP rank
-    shares its mask with the same-numbered head of the other ranks.
+    layout. Where the split regions are: the GPT's attention (``split_region_rng``), and any ``nn.Dropout``
+    between a column-parallel layer with a split output and a row-parallel one inside an ``nn.Sequential``
+    (``plan='auto'``'s pairs, or a user's plan on such a stack), which ``apply_plan`` wraps in
+    ``SplitRegionDropout``. Hugging Face models draw their attention dropout from the default stream (we
+    do not reach inside their attention functions): the replicated state stays in sync, but head ``h`` of
+    every TP rank shares its mask with the same-numbered head of the other ranks.
 """
 
 from __future__ import annotations
@@ -66,6 +69,21 @@ class SplitRegionRNG:
             yield
         finally:
             self._set_default(device, outside)
+
+
+class SplitRegionDropout(nn.Module):
+    """An ``nn.Dropout`` that ``apply_plan`` found between a column-parallel layer (split output) and a
+    row-parallel one in an ``nn.Sequential``: its activations are split, so it draws this TP rank's masks
+    (Note [dropout streams]); ``dropout`` is the module it replaced."""
+
+    def __init__(self, dropout: nn.Dropout, rng: SplitRegionRNG) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.tp_rng = rng
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.tp_rng.fork(x.device):
+            return self.dropout(x)
 
 
 def split_region_rng(module: nn.Module) -> Any:

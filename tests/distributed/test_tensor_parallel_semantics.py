@@ -298,3 +298,27 @@ def test_a_torch_style_plan_and_auto_train_as_the_named_plan_and_the_unsplit_mod
         assert auto["shapes"]["net.6.bias"] == (4,)  # added once, after the row-parallel sum
         rel = [abs(a - b) / abs(b) for a, b in zip(auto["losses"], auto["reference"], strict=True)]
         assert len(rel) == 3 and max(rel) < 1e-6, (auto["losses"], auto["reference"])
+
+
+def test_a_dropout_between_a_column_and_a_row_parallel_layer_draws_the_tp_ranks_masks() -> None:
+    """``plan='auto'`` on a stack: the dropout inside the split region draws per-TP-rank masks (TP rank 1's
+    differ from rank 0's on the same input), the one after the row-parallel sum stays on the default stream,
+    which both ranks leave in the same state."""
+    from torch import nn
+
+    from lightning_zero.tensor_parallel.collectives import TPGroup
+    from lightning_zero.tensor_parallel.plan import apply_plan, auto_plan, resolve_plan
+    from lightning_zero.tensor_parallel.rng import SplitRegionDropout
+
+    stack = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Dropout(0.5), nn.Linear(64, 8), nn.Dropout(0.5))
+    apply_plan(stack, resolve_plan(stack, auto_plan(stack), "plan='auto'"), TPGroup.single())
+    assert isinstance(stack[2], SplitRegionDropout) and type(stack[4]) is nn.Dropout
+    x = torch.randn(4, 8)
+    outputs, states = [], []
+    for rank in (0, 1):
+        stack[2].tp_rng = SplitRegionRNG(rank)
+        torch.manual_seed(5)
+        outputs.append(stack[:3](x))  # the split activations after their dropout
+        states.append(torch.get_rng_state())
+    assert not torch.equal(outputs[0] == 0, outputs[1] == 0)  # different masks
+    assert torch.equal(states[0], states[1])
