@@ -45,6 +45,7 @@ from lightning_zero.tensor_parallel.layers import (
     split_dim,
 )
 from lightning_zero.tensor_parallel.plan import apply_plan, check_heads, find_plan, resolve_plan
+from lightning_zero.tensor_parallel.rng import agree_default_rng
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
 TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
@@ -80,6 +81,11 @@ class StrategyTensorParallel:
         self.split = apply_plan(module, resolve_plan(module, plan, source), self.tp, memo)
         self.sliced = {whole: part for whole, _, part in memo.values()}
         self._module = module
+
+    def agree_rng(self, device: torch.device) -> None:
+        """Every TP rank of the group takes TP rank 0's default generator states, so the replicated activations'
+        dropout masks agree (Note [dropout streams] in rng.py); a collective over the TP group."""
+        agree_default_rng(self.tp, device)
 
     def splits(self, module: nn.Module) -> bool:
         """Whether ``module`` is the one this strategy split (its states are slices)."""

@@ -30,12 +30,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
-from lightning_zero.tensor_parallel.rng import SPLIT_SEED_OFFSET, SplitRegionRNG
+from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG
 from lightning_zero.tensor_parallel.styles import Colwise, Replicate, Rowwise, Style, VocabEmbedding, resolve_style
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
@@ -172,7 +171,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
     ``memo`` (filled) records each whole parameter and its slice."""
     memo = {} if memo is None else memo
     split = []
-    rng = SplitRegionRNG(torch.initial_seed() + SPLIT_SEED_OFFSET + tp.rank)  # Note [dropout streams]
+    rng = SplitRegionRNG(tp.rank)  # Note [dropout streams]
     for name, style in resolved.entries:
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
@@ -190,7 +189,22 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         setattr(parent, attr, new)
         split.append(name)
     _retie(root, memo)
+    _split_region_dropouts(root, rng)
     return split
+
+
+def _split_region_dropouts(root: nn.Module, rng: SplitRegionRNG) -> None:
+    """Each ``nn.Dropout`` of an ``nn.Sequential`` between a column-parallel layer's split output and the next
+    row-parallel layer, across element-wise modules only, draws this TP rank's masks (Note [dropout streams])."""
+    for seq in [m for m in root.modules() if isinstance(m, nn.Sequential)]:
+        inside = False
+        for name, child in list(seq.named_children()):
+            if isinstance(child, ColumnParallelLinear):
+                inside = not child.gather_output
+            elif inside and type(child) is nn.Dropout:
+                setattr(seq, name, SplitRegionDropout(child, rng))
+            elif not isinstance(child, ELEMENTWISE):
+                inside = False
 
 
 def _retie(root: nn.Module, memo: SliceMemo) -> None:

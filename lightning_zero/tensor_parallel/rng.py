@@ -2,14 +2,29 @@
 rank where they are split.
 
 Note [dropout streams]
-    Every rank of a TP group runs the same replicated computation with the same seed and the same tensor
-    shapes, so the default generator stays identical across the group: dropout on replicated activations
-    (after a row-parallel layer, on the embeddings) draws the same mask on every TP rank, as it must.
-    Dropout on split activations (attention probabilities of this rank's heads) must differ between TP
-    ranks, or head ``h`` and head ``h + heads/tp`` would share a mask: inside ``split_region_rng`` the
-    default generator is swapped for this TP rank's own stream (seeded from the run's seed and the TP
-    rank), whose state is kept across steps, and swapped back after (Megatron's RNG tracker). Masks are
-    therefore not the unsplit model's: parity holds at dropout 0, as for any change of layout.
+    Replicated activations (after a row-parallel layer's all-reduce, the embeddings, the residual stream)
+    are computed on every rank of a TP group and must draw the same dropout mask everywhere, or the copies
+    (and the replicated parameters they train) drift apart silently while the loss, all-reduced, still
+    agrees. They draw from the default generator, which ``agree_default_rng`` makes identical across the
+    group at setup (TP rank 0's state broadcast: processes nobody seeded alike start from different
+    states); every TP rank then consumes it alike (the same replicated computation, the same shapes).
+
+    Split activations (attention probabilities of this rank's heads) must draw different masks per TP
+    rank, or head ``h`` and head ``h + heads/tp`` would share one: inside ``split_region_rng`` the default
+    generator is swapped for a generator seeded from one number drawn from the CPU default stream (the
+    same on every TP rank) and the TP rank, and swapped back after (Megatron's model-parallel RNG tracker).
+    Deriving the split stream from the default one, rather than keeping a state of its own, makes
+    activation checkpointing exact: ``torch.utils.checkpoint`` restores the default CPU and device states
+    before recomputing, so the recompute draws the same number and the forward's masks (a stream kept
+    aside would have moved on, and backward would use other masks than the forward did).
+
+    Masks are therefore not the unsplit model's: parity with it holds at dropout 0, as for any change of
+    layout. Where the split regions are: the GPT's attention (``split_region_rng``), and any ``nn.Dropout``
+    between a column-parallel layer with a split output and a row-parallel one inside an ``nn.Sequential``
+    (``plan='auto'``'s pairs, or a user's plan on such a stack), which ``apply_plan`` wraps in
+    ``SplitRegionDropout``. Hugging Face models draw their attention dropout from the default stream (we
+    do not reach inside their attention functions): the replicated state stays in sync, but head ``h`` of
+    every TP rank shares its mask with the same-numbered head of the other ranks.
 """
 
 from __future__ import annotations
@@ -19,17 +34,20 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lightning_zero.tensor_parallel.collectives import TPGroup
+
 SPLIT_SEED_OFFSET = 2718  # Megatron's offset of the model-parallel stream
+_RANK_STRIDE = 0x9E3779B97F4A7C15  # an odd 64-bit constant: the TP ranks' seeds are far apart
 
 
 class SplitRegionRNG:
-    """This TP rank's dropout stream for split activations (Note [dropout streams])."""
+    """TP rank ``rank``'s dropout stream for split activations (Note [dropout streams])."""
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self._states: dict[torch.device, torch.Tensor] = {}
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
 
     def _default(self, device: torch.device) -> torch.Tensor:
         return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
@@ -42,17 +60,30 @@ class SplitRegionRNG:
 
     @contextmanager
     def fork(self, device: torch.device) -> Iterator[None]:
-        if device not in self._states:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed)
-            self._states[device] = gen.get_state()
+        draw = int(torch.randint(0, 2**62, (1,)))  # the CPU default stream: the same on every TP rank
+        gen = torch.Generator(device=device)
+        gen.manual_seed((draw + SPLIT_SEED_OFFSET + self.rank * _RANK_STRIDE) % 2**63)
         outside = self._default(device)
-        self._set_default(device, self._states[device])
+        self._set_default(device, gen.get_state())
         try:
             yield
         finally:
-            self._states[device] = self._default(device)
             self._set_default(device, outside)
+
+
+class SplitRegionDropout(nn.Module):
+    """An ``nn.Dropout`` that ``apply_plan`` found between a column-parallel layer (split output) and a
+    row-parallel one in an ``nn.Sequential``: its activations are split, so it draws this TP rank's masks
+    (Note [dropout streams]); ``dropout`` is the module it replaced."""
+
+    def __init__(self, dropout: nn.Dropout, rng: SplitRegionRNG) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.tp_rng = rng
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.tp_rng.fork(x.device):
+            return self.dropout(x)
 
 
 def split_region_rng(module: nn.Module) -> Any:
@@ -61,3 +92,17 @@ def split_region_rng(module: nn.Module) -> Any:
     if rng is None:
         return nullcontext()
     return rng.fork(next(module.parameters()).device)
+
+
+def agree_default_rng(tp: TPGroup, device: torch.device) -> None:
+    """Give every rank of the TP group TP rank 0's default generator states (CPU, and ``device``'s when it is a
+    GPU): the replicated activations' dropout masks then agree (Note [dropout streams]). A collective."""
+    if tp.size == 1:
+        return
+    states = [(torch.get_rng_state, torch.set_rng_state)]
+    if device.type == "cuda":
+        states.append((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
+    for get, put in states:
+        state = get().to(device)
+        dist.broadcast(state, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+        put(state.cpu())

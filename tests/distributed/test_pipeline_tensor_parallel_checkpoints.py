@@ -1,6 +1,6 @@
 """Checkpoints of pipeline x tensor parallel (issue 31): pipeline 2 x TP 2 on 4 ranks saved in the sharded format
-(each rank its slices of its stage), resumed at the same layout and at TP 1 without a pipeline on one rank, the
-losses following the uninterrupted pipeline 2 x TP 2 run."""
+(each rank its slices of its stage), resumed at the same layout, at pipeline 2 x TP 1 on 2 ranks and at TP 1
+without a pipeline on one rank, the losses following the uninterrupted pipeline 2 x TP 2 run."""
 
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ class _PipelinedRecorded(_Recorded):
             self.losses.append(float(loss))
 
 
-def _pipelined(epochs: int, resume: Path | None = None, save: Path | None = None) -> list[float]:
+def _pipelined(epochs: int, resume: Path | None = None, save: Path | None = None, tp: int = 2) -> list[float]:
     torch.manual_seed(0)
     module = _PipelinedRecorded()
     pipeline = PipelineConfig(stages=2, micro_batches=2, schedule="1f1b", partition_method="uniform")
-    strategy = ZeroStrategy(stage=1, tensor_parallel=2, pipeline=pipeline)
-    trainer = make_trainer(strategy, devices=4, max_steps=TOTAL, max_epochs=epochs, gradient_clip_val=0.3,
+    strategy = ZeroStrategy(stage=1, tensor_parallel=tp, pipeline=pipeline)
+    trainer = make_trainer(strategy, devices=2 * tp, max_steps=TOTAL, max_epochs=epochs, gradient_clip_val=0.3,
                            accumulate_grad_batches=ACCUMULATE, callbacks=[_SaveAtEpochEnd(save)] if save else [])
     trainer.fit(module, _loader(1, 0), ckpt_path=resume)
     return module.losses
@@ -59,9 +59,15 @@ def resume_body(tmp: str) -> dict[str, Any]:
     return {"rank": dist.get_rank(), "whole": whole, "first": first, "same": same}
 
 
+def resume_tp1_body(tmp: str) -> list[float]:
+    """On 2 ranks (one per stage): the pipeline 2 x TP 2 checkpoint resumed at pipeline 2 x TP 1 for epoch 2."""
+    return _pipelined(2, resume=Path(tmp) / "pp2tp2", tp=1)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_pipeline2_by_tp2_checkpoint_resumes_at_the_same_layout_and_at_tp1_on_one_rank(tmp_path: Path) -> None:
+def test_a_pipeline2_by_tp2_checkpoint_resumes_at_the_same_layout_and_at_tp1_on_one_rank(
+        tmp_path: Path, gloo_pool: GlooPool) -> None:
     pool = GlooPool(world_size=4)
     try:
         results = pool.run("tests.distributed.test_pipeline_tensor_parallel_checkpoints:resume_body",
@@ -85,6 +91,12 @@ def test_a_pipeline2_by_tp2_checkpoint_resumes_at_the_same_layout_and_at_tp1_on_
     assert "model.ln_f.weight" not in ckpt.tensor_parallel.split
     state = ckpt.state_dict()
     assert state["model.blocks.1.attn.qkv.weight"].shape == (3 * CONFIG.n_embd, CONFIG.n_embd)
+
+    # pipeline 2 x TP 2 -> pipeline 2 x TP 1 on the session's 2-rank pool (no new launch): epoch 2 follows
+    pp2tp1 = gloo_pool.run("tests.distributed.test_pipeline_tensor_parallel_checkpoints:resume_tp1_body",
+                           tmp=str(tmp_path))
+    for losses in pp2tp1:  # both stages' ranks record the pipelined loss
+        assert _close(losses, recorded[0]["whole"][per_epoch : 2 * per_epoch]) < 1e-6, (losses, recorded[0]["whole"])
 
     # pipeline 2 x TP 2 -> TP 1 without a pipeline on one rank (this process): epochs 2-3 follow the whole run
     single, _, _ = _segment(2, 1, EPOCHS, 1, resume=tmp_path / "pp2tp2")
