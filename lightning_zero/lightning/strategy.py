@@ -76,7 +76,7 @@ from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, ref
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(RecordedCollectives, DDPStrategy):
+class ZeroStrategy(DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -216,6 +216,7 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         self.resolved_config: dict[str, Any] | None = resolved_config  # compared across ranks at setup
         self._steps = StepDispatch(self)  # how each Lightning step runs (steps.py)
         self._checkpointing = StrategyCheckpointing(self)  # state dicts and checkpoint files (state.py)
+        self._collectives = RecordedCollectives()  # Lightning's own collectives in the hang watchdog's record
         self._after_fit_refusal: tuple[str, bool] | None = None  # a pipelined fit's teardown: why a save is incomplete
 
     # ------------------------------------------------------------------ state (its part: state.py)
@@ -411,19 +412,22 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
 
     # Lightning's own collectives and the end of training settle the step-error agreement first
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None) -> None:
         self._steps.settle_step_errors()
-        super().barrier(*args, **kwargs)
+        with self._collectives.barrier(name):
+            super().barrier(name)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._steps.settle_step_errors()
-        return super().broadcast(obj, src)
+        with self._collectives.broadcast():
+            return super().broadcast(obj, src)
 
     @override
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         self._steps.settle_step_errors()
-        return super().reduce(*args, **kwargs)
+        with self._collectives.reduce():
+            return super().reduce(tensor, *args, **kwargs)
 
     @override
     def on_train_end(self) -> None:

@@ -47,7 +47,7 @@ from lightning_zero.core.zero.engine_setup import (
     module_dtype,
     self_reducing,
 )
-from lightning_zero.core.zero.engine_step import NormExcess, StepPreparation
+from lightning_zero.core.zero.engine_step import GradReduction, NormExcess, StepPreparation
 from lightning_zero.core.zero.engine_views import WholeModelViews, unit_modules
 from lightning_zero.core.zero.flat_param import FlatParamGroup
 from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer, ReductionMode
@@ -215,7 +215,7 @@ class ZeroEngine:
         self.preparation.begin_backward()
         if (self._self_reducing is not None and self.reducer.sync and not self.config.stage.shards_optimizer
                 and self._self_reducing.reduces_gradients_itself()):
-            self.preparation.grads_local = True
+            self.preparation.grad_reduction = GradReduction.BY_OPTIMIZER
             self.reducer.set_boundary_mode(ReductionMode.AT_BOUNDARY)  # accumulates locally, like no_sync
         # stage 0 hands the optimizer per-parameter views of the reduced gradients; detach them
         # so the next backward's gradients arrive fresh (grad_reducer adds them to the buffer)
@@ -254,7 +254,7 @@ class ZeroEngine:
 
     def finish_backward(self) -> None:
         self.reducer.finish()
-        if self.preparation.grads_local:
+        if self.preparation.grad_reduction is GradReduction.BY_OPTIMIZER:
             self.reducer.set_boundary_mode(ReductionMode.IMMEDIATE)  # complete: handed on as reduced ones
         self.preparation.end_backward(boundary=self.reducer.sync)
         if self.runtime is not None:
