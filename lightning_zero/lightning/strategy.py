@@ -269,6 +269,21 @@ class ZeroStrategy(DDPStrategy):
         """Global gradient norm (unscaled) of the last step that measured it."""
         return self._checkpointing.last_grad_norm
 
+    @property
+    def engine_comm(self) -> DataParallelComm | None:
+        """The running engine's data-parallel collectives (``None`` without an engine): what the monitor times
+        and counts (Note [the monitor reads a view, not the engine] in observability/stats_source.py)."""
+        return self._engine.comm if self._engine is not None else None
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the module is split into pipeline stages."""
+        return self.pipeline_config is not None
+
+    def measure_grad_norm(self) -> float | None:
+        """The global norm of the gradients held now (a collective), ``None`` without an engine."""
+        return float(self._engine.grad_norm()) if self._engine is not None else None
+
     def step_stats(self) -> dict[str, float]:
         """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known (the monitor's names)."""
         return self._checkpointing.step_stats()
