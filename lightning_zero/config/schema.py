@@ -376,16 +376,3 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
 def to_yaml(cfg: TrainConfig) -> str:
     """YAML text of a typed config (enums by name); :func:`to_train_config` reads it back."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def __getattr__(name: str) -> object:
-    if name in ("SCHEMAS", "register_configs"):  # moved to paths.py (issue 30's file-size split)
-        import warnings
-
-        warnings.warn(f"lightning_zero.config.schema.{name} moved to lightning_zero.config.paths; import from there "
-                      "(or register_configs from lightning_zero.config); this path goes away in the next release",
-                      DeprecationWarning, stacklevel=2)
-        from lightning_zero.config import paths
-
-        return getattr(paths, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pytest
@@ -67,3 +68,15 @@ def test_model_summary_moved_and_its_former_path_warns() -> None:
         warnings.simplefilter("error")
         from lightning_zero.observability import ZeroModelSummary as public
     assert public is ZeroModelSummary
+
+
+@pytest.mark.parametrize(("former", "name", "now"), [
+    ("lightning_zero.deepspeed.strategy", "precision_plugin_args", "lightning_zero.deepspeed.strategy_args"),
+    ("lightning_zero.deepspeed.strategy", "build_precision_plugin", "lightning_zero.deepspeed.strategy_args"),
+])
+def test_names_the_file_size_split_moved_still_import_and_warn(former: str, name: str, now: str) -> None:
+    with pytest.warns(DeprecationWarning, match=now):
+        found = getattr(importlib.import_module(former), name)
+    assert found is getattr(importlib.import_module(now), name)
+    with pytest.raises(AttributeError):
+        importlib.import_module(former).no_such_name  # noqa: B018

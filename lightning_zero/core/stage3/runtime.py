@@ -361,15 +361,3 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for o in output.values() for t in _tensors(o)]
     return []
-
-
-def __getattr__(name: str) -> object:
-    if name == "apply_stage3":  # moved to sharding.py (issue 30's file-size split); kept for one release
-        import warnings
-
-        warnings.warn("lightning_zero.core.stage3.runtime.apply_stage3 moved to lightning_zero.core.stage3.sharding; "
-                      "import from there (this path goes away in the next release)", DeprecationWarning, stacklevel=2)
-        from lightning_zero.core.stage3.sharding import apply_stage3
-
-        return apply_stage3
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
