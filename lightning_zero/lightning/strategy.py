@@ -40,7 +40,6 @@ from typing_extensions import override
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.core.comm.process_groups import reusable
 from lightning_zero.core.mesh import ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
@@ -55,8 +54,8 @@ from lightning_zero.lightning.compose import (
     check_parallel_options,
     release_parallelisms,
 )
-from lightning_zero.lightning.mesh_setup import build_mesh, parallel_dims
-from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.mesh_setup import new_strategy_mesh
+from lightning_zero.lightning.precision import ZeroPrecision, strategy_precision, to_zero_precision
 from lightning_zero.lightning.registry import register_zero_strategies
 from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
 from lightning_zero.lightning.state import StrategyCheckpointing
@@ -173,14 +172,7 @@ class ZeroStrategy(DDPStrategy):
         self._tp: StrategyTensorParallel | None = None  # the applied plan (from the mesh, when tensor parallel)
         self.sequence_parallel = sequence_parallel
         self._sequence: StrategySequenceParallel | None = None  # the sequence groups (setup, when > 1)
-        if isinstance(precision, ZeroPrecision):
-            if loss_scaler is not None:
-                raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
-            precision_plugin = precision
-        elif precision is not None:
-            precision_plugin = ZeroPrecision(precision, loss_scaler=loss_scaler)
-        elif loss_scaler is not None:
-            raise ValueError("`loss_scaler` needs precision='16-mixed' on the strategy.")
+        precision_plugin = strategy_precision(precision, loss_scaler, precision_plugin)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -398,15 +390,12 @@ class ZeroStrategy(DDPStrategy):
         return self.optimizers[0]
 
     def _process_mesh(self) -> ProcessMesh:
-        """The strategy's mesh, ZeRO's comm over it and the dimensions built on it: made at the first setup and
-        reused by the next ones while their groups live (mesh_setup.py)."""
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        dims = parallel_dims(world, self.pipeline_config, self.tensor_parallel, self.sequence_parallel)
-        if self._mesh is not None and self._mesh.dims == dims and reusable(self._comm):
-            return self._mesh
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        made = build_mesh(dims, rank, self.tensor_parallel, self.zero_config)
-        self._mesh, self._comm, self._tp, self._sequence = made.mesh, made.comm, made.tensor, made.sequence
+        """The strategy's mesh, ZeRO's comm over it and the dimensions built on it (Note [one mesh per strategy])."""
+        made = new_strategy_mesh(self._mesh, self._comm, self.pipeline_config, self.tensor_parallel,
+                                 self.sequence_parallel, self.zero_config)
+        if made is not None:
+            self._mesh, self._comm, self._tp, self._sequence = made.mesh, made.comm, made.tensor, made.sequence
+        assert self._mesh is not None
         return self._mesh
 
     @contextmanager
@@ -470,51 +459,21 @@ class ZeroStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         return self._steps.process_dataloader(dataloader)
 
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ training (the engine around Lightning's)
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._engine is None:
-            yield
-            return
-        with self._engine.no_sync():
+        with self._steps.backward_sync_blocked():
             yield
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is not None and self._engine is not None:
-            self._pipeline.backward(self._engine)  # the schedule ran the backwards in training_step
-            return closure_loss
-        if self._engine is not None:
-            self._engine.before_backward()
-        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._engine is not None:
-            self._engine.finish_backward()
-        return loss
+        return self._steps.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        engine = self._engine
-        if engine is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def checked_closure() -> Any:
-            result = closure()
-            engine.before_step()
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            self._nonfinite.check(engine, trainer, fp16=self.precision_plugin.scaler is not None)
-            return result
-
-        output = self.precision_plugin.optimizer_step(optimizer, model=model or self.lightning_module,
-                                                      closure=checked_closure, **kwargs)
-        engine.after_step()
-        return output
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        return self._steps.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
 
     @override
     def teardown(self) -> None:

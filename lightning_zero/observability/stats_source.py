@@ -10,7 +10,8 @@ Note [the monitor reads a view, not the engine]
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from functools import cache
+from typing import Protocol, cast, runtime_checkable
 
 import lightning.pytorch as pl
 
@@ -53,7 +54,17 @@ class StepStatsSource(Protocol):
         ...
 
 
+_MEMBERS = tuple(name for name in vars(StepStatsSource) if not name.startswith("_"))
+
+
+@cache
+def _provides(kind: type) -> bool:
+    """Whether instances of ``kind`` are :class:`StepStatsSource`: checked on the class, once per class (an
+    ``isinstance`` against the Protocol would run every property on each of the monitor's hook calls)."""
+    return all(hasattr(kind, name) for name in _MEMBERS)
+
+
 def stats_source(trainer: pl.Trainer) -> StepStatsSource | None:
     """The trainer's strategy when it provides the step's numbers, else ``None``."""
     strategy = trainer.strategy
-    return strategy if isinstance(strategy, StepStatsSource) else None
+    return cast(StepStatsSource, strategy) if _provides(type(strategy)) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from types import SimpleNamespace
 
 import pytest
 from lightning.pytorch.strategies import DDPStrategy
@@ -19,7 +20,7 @@ from lightning_zero.core.offload.config import OffloadDevice
 from lightning_zero.core.offload.param_offload import ParamOffload
 from lightning_zero.core.reliability.progress_record import ProgressRecord
 from lightning_zero.core.zero.engine_step import GradReduction
-from lightning_zero.observability.stats_source import StepStatsSource
+from lightning_zero.observability.stats_source import StepStatsSource, stats_source
 from lightning_zero.reliability.hang_watchdog import RecordedCollectives
 
 
@@ -40,6 +41,8 @@ def test_the_monitor_reads_the_strategy_through_a_narrow_view() -> None:
     assert isinstance(strategy, StepStatsSource)
     assert not isinstance(DDPStrategy(), StepStatsSource)
     assert strategy.engine_comm is None and strategy.measure_grad_norm() is None and not strategy.pipelined
+    zero, ddp = SimpleNamespace(strategy=strategy), SimpleNamespace(strategy=DDPStrategy())
+    assert stats_source(zero) is strategy and stats_source(ddp) is None  # type: ignore[arg-type]
 
 
 def test_grad_reduction_names_who_averages_the_gradients() -> None:
