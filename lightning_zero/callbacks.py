@@ -3,11 +3,8 @@ release and warns where it moved."""
 
 import warnings
 
-from lightning_zero.observability.callbacks import (
-    ZeroModelSummary,
-    ZeroStatsMonitor,
-    add_monitor,
-)
+from lightning_zero.observability.callbacks import ZeroStatsMonitor, add_monitor
+from lightning_zero.observability.model_summary import ZeroModelSummary
 
 warnings.warn("lightning_zero.callbacks moved to lightning_zero.observability.callbacks"
               "; import from there (this path goes away in the next release)",

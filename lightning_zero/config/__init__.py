@@ -9,7 +9,8 @@
 Only this package imports Hydra / OmegaConf; :mod:`lightning_zero.core` never does.
 """
 
-from lightning_zero.config.schema import TrainConfig, register_configs, to_train_config
+from lightning_zero.config.paths import register_configs
+from lightning_zero.config.schema import TrainConfig, to_train_config
 from lightning_zero.config.validate import describe, validate_config
 
 __all__ = ["TrainConfig", "describe", "register_configs", "to_train_config", "validate_config"]

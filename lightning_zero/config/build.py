@@ -35,8 +35,8 @@ from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.strategy import ZeroStrategy
-from lightning_zero.observability.callbacks import ZeroModelSummary
 from lightning_zero.observability.dashboard import ZeroTensorBoardLogger
+from lightning_zero.observability.model_summary import ZeroModelSummary
 from lightning_zero.observability.monitoring import ProfilerWindow, log_hyperparams
 from lightning_zero.observability.progress import LineProgress
 from lightning_zero.pipeline import PipelineConfig
@@ -174,8 +174,8 @@ def build_logger(cfg: TrainConfig, run_dir: Path) -> Logger | bool:
 
 def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
     """``ModelCheckpoint`` into ``run_dir/checkpoints`` when checkpointing is enabled, Lightning's model summary
-    without unmeasured FLOPs (:class:`~lightning_zero.observability.callbacks.ZeroModelSummary`), and the progress lines
-    of :class:`~lightning_zero.observability.progress.LineProgress` when stdout is not a terminal
+    without unmeasured FLOPs (:class:`~lightning_zero.observability.model_summary.ZeroModelSummary`), and the
+    progress lines of :class:`~lightning_zero.observability.progress.LineProgress` when stdout is not a terminal
     (on one, Lightning's bar)
     unless ``trainer.enable_progress_bar=false`` (the strategy adds the :class:`~lightning_zero.ZeroStatsMonitor`
     itself, ``logger.monitor``)."""

@@ -37,15 +37,8 @@ import lightning_zero
 from lightning_zero.config.build import RESULT_FILE, FitResult, register_run_name
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
-from lightning_zero.config.paths import CONFIG_NAME, conf_dir
-from lightning_zero.config.schema import (
-    SCHEMAS,
-    TextDataSchema,
-    TrainConfig,
-    register_configs,
-    to_train_config,
-    to_yaml,
-)
+from lightning_zero.config.paths import CONFIG_NAME, SCHEMAS, conf_dir, register_configs
+from lightning_zero.config.schema import TextDataSchema, TrainConfig, to_train_config, to_yaml
 from lightning_zero.config.validate import config_warnings, describe, validate_config
 
 CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory

@@ -1,4 +1,4 @@
-"""Typed schemas of the Hydra config groups in ``conf/``, registered in Hydra's ConfigStore.
+"""Typed schemas of the Hydra config groups in ``conf/``, registered in Hydra's ConfigStore by ``paths.py``.
 
 Every YAML option of a group starts with ``defaults: [<group schema>, _self_]``, so a misspelt key
 or a value of the wrong type fails when Hydra composes the config, naming the key. The root schema
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from enum import Enum
 from typing import Any, get_args, get_type_hints
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_zero.core.offload.config import OffloadDevice
@@ -348,31 +347,6 @@ class TrainConfig:
     deepspeed_config: str | None = None  # a DeepSpeed JSON over the groups (lightning_zero/config/deepspeed.py)
     deepspeed_strict: bool = False  # unsupported keys in that JSON are an error, not a warning
     profiler: ProfilerSchema = field(default_factory=ProfilerSchema)
-
-
-# (group, name) -> schema; a YAML option lists its group's schema name first in its defaults.
-SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
-    (None, "train_schema"): TrainConfig,
-    ("zero", "zero_schema"): ZeroSchema,
-    ("offload", "offload_schema"): OffloadSchema,
-    ("precision", "precision_schema"): PrecisionSchema,
-    ("pipeline", "pipeline_schema"): PipelineSchema,
-    ("tensor_parallel", "tensor_parallel_schema"): TensorParallelSchema,
-    ("sequence_parallel", "sequence_parallel_schema"): SequenceParallelSchema,
-    ("model", "gpt_schema"): GPTModelSchema,
-    ("model", "mlp_schema"): MLPModelSchema,
-    ("data", "text_schema"): TextDataSchema,
-    ("data", "teacher_schema"): TeacherDataSchema,
-    ("trainer", "trainer_schema"): TrainerSchema,
-    ("logger", "logger_schema"): LoggerSchema,
-}
-
-
-def register_configs() -> None:
-    """Store every schema in Hydra's ConfigStore (idempotent; call before composing ``conf/``)."""
-    cs = ConfigStore.instance()
-    for (group, name), node in SCHEMAS.items():
-        cs.store(group=group, name=name, node=node)
 
 
 MODEL_SCHEMAS: dict[str, type[ModelSchema]] = {"gpt": GPTModelSchema, "mlp": MLPModelSchema}

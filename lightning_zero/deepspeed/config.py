@@ -11,7 +11,6 @@ precedence checks of the strategy and of ``lightning-zero train`` use it.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,13 +24,13 @@ from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.memory import OFFLOAD_STAGES
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
+from lightning_zero.deepspeed.json_section import AUTO, JsonSection, load_json, refuse_nulls
 from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import PipelineSpec, parse_pipeline
 from lightning_zero.deepspeed.refused import REFUSED, refusal_message, refuse_unbuilt, refused_keys
 from lightning_zero.deepspeed.schedulers import check_scheduler_params
 from lightning_zero.deepspeed.tensor_parallel import SECTION, parse_tensor_parallel
 
-AUTO = "auto"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # key -> values lightning_zero accepts as "what it does anyway"; any other value is unsupported
@@ -111,79 +110,6 @@ class DeepSpeedConfig:
                 "to make this an error. See docs/deepspeed_config.md for the supported keys.")
 
 
-class _Section:
-    """A dict being read: remembers which keys were used, so the rest can be reported."""
-
-    def __init__(self, data: Any, path: str, unsupported: list[str]) -> None:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"DeepSpeed config: `{path or 'the config'}` must be a JSON object, got {data!r}.")
-        self.data, self.path, self.used, self.unsupported = dict(data), path, set(), unsupported
-
-    def key(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def get(self, name: str, kind: type, default: Any = None) -> Any:
-        """The value of ``name`` checked against ``kind`` (``None`` when absent or ``"auto"``)."""
-        self.used.add(name)
-        value = self.data.get(name)
-        if value is None or value == AUTO:
-            return default
-        return _typed(value, kind, self.key(name))
-
-    def section(self, name: str) -> _Section | None:
-        self.used.add(name)
-        value = self.data.get(name)
-        return None if value is None else _Section(value, self.key(name), self.unsupported)
-
-    def noop(self, table: dict[str, tuple[Any, ...]]) -> None:
-        for name, ok in table.items():
-            if name in self.data:
-                self.used.add(name)
-                value = self.data[name]
-                if value != AUTO and not any(value == v and type(value) is type(v) for v in ok):
-                    self.unsupported.append(f"{self.key(name)}={json.dumps(value)}")
-
-    def finish(self) -> None:
-        self.unsupported.extend(self.key(k) for k in self.data if k not in self.used)
-
-
-def _typed(value: Any, kind: type, key: str) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)  # 5e8 in JSON is a float
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif isinstance(value, kind):
-        return value
-    raise ValueError(f"DeepSpeed config: `{key}` must be {kind.__name__}, got {value!r}.")
-
-
-def _load(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    if isinstance(source, Mapping):
-        return dict(source), "<dict>"
-    path = Path(source).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"DeepSpeed config {path} does not exist (relative to {Path.cwd()}).")
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in pairs]
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        if dup:
-            raise ValueError(f"DeepSpeed config {path}: duplicate key(s) {dup}.")
-        return dict(pairs)
-
-    try:
-        return json.loads(path.read_text(), object_pairs_hook=no_duplicates), str(path)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
-
-
 def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bool = False,
                            warn: bool = True) -> DeepSpeedConfig:
     """Parse and validate a DeepSpeed config file or dict.
@@ -197,12 +123,12 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
         ValueError: invalid values or combinations (each naming the key), a feature that is not built and would
             change what is computed or stored (``deepspeed/refused.py``), or unsupported keys with ``strict``.
     """
-    data, origin = _load(source)
+    data, origin = load_json(source)
     refused = refused_keys(data)  # Note [refused, warned, accepted] in deepspeed/refused.py
     if refused:
         raise ValueError(refusal_message(origin, refused))
     unsupported: list[str] = []
-    root = _Section(data, "", unsupported)
+    root = JsonSection(data, "", unsupported)
     root.used.update(r.path[0] for r in REFUSED if len(r.path) == 1 and r.path[0] in data)  # present, switched off
     given: dict[str, str] = {}
     zero, offload = _zero(root, given, unsupported)
@@ -252,7 +178,7 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
     return config
 
 
-def _sparse_attention(root: _Section, given: dict[str, str]) -> dict[str, Any] | None:
+def _sparse_attention(root: JsonSection, given: dict[str, str]) -> dict[str, Any] | None:
     """The ``sparse_attention`` section, its mode and keys checked (lightning_zero.sparse_attention)."""
     from lightning_zero.sparse_attention import check_section
 
@@ -268,7 +194,7 @@ def _sparse_attention(root: _Section, given: dict[str, str]) -> dict[str, Any] |
     return section
 
 
-def _spec(root: _Section, name: str) -> SectionSpec | None:
+def _spec(root: JsonSection, name: str) -> SectionSpec | None:
     section = root.section(name)
     if section is None:
         return None
@@ -281,14 +207,14 @@ def _spec(root: _Section, name: str) -> SectionSpec | None:
     return SectionSpec(kind, {k: v for k, v in params.items() if v != AUTO})
 
 
-def _zero(root: _Section, given: dict[str, str], unsupported: list[str]) -> tuple[ZeroConfig, OffloadConfig]:
+def _zero(root: JsonSection, given: dict[str, str], unsupported: list[str]) -> tuple[ZeroConfig, OffloadConfig]:
     root.used.add("zero_optimization")
     raw = root.data.get("zero_optimization")
     if isinstance(raw, bool):  # DeepSpeed's legacy form: true = stage 1
         raw = {"stage": int(raw)}
     if raw is None:
         return ZeroConfig(), OffloadConfig()
-    z = _Section(raw, "zero_optimization", unsupported)
+    z = JsonSection(raw, "zero_optimization", unsupported)
     kwargs: dict[str, Any] = {}
     for key, name in _ZERO_KEYS.items():
         value = z.get(key, bool if name == "overlap_comm" else int)
@@ -309,7 +235,7 @@ def _zero(root: _Section, given: dict[str, str], unsupported: list[str]) -> tupl
     return zero, offload
 
 
-def _offload(z: _Section, stage: int, given: dict[str, str]) -> OffloadConfig:
+def _offload(z: JsonSection, stage: int, given: dict[str, str]) -> OffloadConfig:
     values: dict[str, Any] = {}
     sub_group = z.get("sub_group_size", int)
     if sub_group is not None:  # elements stepped and swapped at once (docs/offload.md)
@@ -363,7 +289,7 @@ def _check_offload(offload: OffloadConfig, stage: int) -> None:
         raise ValueError("DeepSpeed config: offload to nvme needs `nvme_path` (a directory on a local NVMe drive).")
 
 
-def _precision(root: _Section, given: dict[str, str]) -> tuple[str | None, LossScalerConfig | None,
+def _precision(root: JsonSection, given: dict[str, str]) -> tuple[str | None, LossScalerConfig | None,
                                                               torch.dtype | None, torch.dtype | None]:
     nulls = [k for k in ("fp16", "bf16", "bfloat16") if k in root.data and root.data[k] is None]
     if nulls:
@@ -377,7 +303,7 @@ def _precision(root: _Section, given: dict[str, str]) -> tuple[str | None, LossS
         raise ValueError("DeepSpeed config: both `bf16` and `bfloat16` sections; keep one (`bf16`).")
     precision, scaler = None, None
     for section in (fp16, bf16):
-        _refuse_nulls(section)
+        refuse_nulls(section)
     fp16_on = fp16 is not None and fp16.get("enabled", bool, False)
     bf16_on = bf16 is not None and bf16.get("enabled", bool, False)
     if fp16_on and bf16_on:
@@ -414,14 +340,6 @@ def _precision(root: _Section, given: dict[str, str]) -> tuple[str | None, LossS
     if grad_accum is not None:
         given["precision.grad_accum_dtype"] = "data_types.grad_accum_dtype"
     return precision, scaler, reduce_dtype, grad_accum
-
-
-def _refuse_nulls(section: _Section | None) -> None:
-    """DeepSpeed refuses ``null`` in its fp16 / bf16 sections (it is not "absent"): so do we."""
-    nulls = [section.key(k) for k, v in (section.data.items() if section is not None else ()) if v is None]
-    if nulls:
-        raise ValueError(f"DeepSpeed config: {', '.join(f'`{k}`' for k in nulls)} is null. Give a value, or leave "
-                         "the key out to get the default.")
 
 
 def _dtype(name: str | None, key: str) -> torch.dtype | None:

@@ -71,7 +71,7 @@ class PipelineSpec:
 
 
 def parse_pipeline(section: Any, given: dict[str, str]) -> PipelineSpec | None:
-    """The ``pipeline`` section (a ``config._Section``; ``None``: absent), recording ``given`` keys."""
+    """The ``pipeline`` section (a ``json_section.JsonSection``; ``None``: absent), recording ``given`` keys."""
     if section is None:
         return None
     stages = section.get("stages", int)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.comm.process_groups import own
+from lightning_zero.core.comm.process_groups import own, reusable
 from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.pipeline.config import PipelineConfig
@@ -55,3 +57,14 @@ def build_mesh(dims: ParallelDims, rank: int, tensor: TensorParallelConfig, zero
         StrategyTensorParallel(tensor, mesh) if dims.tensor_enabled else None,
         StrategySequenceParallel(mesh) if dims.sequence_enabled else None,
     )
+
+
+def new_strategy_mesh(mesh: ProcessMesh | None, comm: DataParallelComm | None, pipeline: PipelineConfig | None,
+                      tensor: TensorParallelConfig, sequence: int, zero: ZeroConfig) -> StrategyMesh | None:
+    """A setup's groups: ``None`` when the strategy's ``mesh`` (and ``comm``) has these dimensions and its groups
+    live, to be reused; else a new mesh (collective over the world). Note [one mesh per strategy]."""
+    initialized = dist.is_available() and dist.is_initialized()
+    dims = parallel_dims(dist.get_world_size() if initialized else 1, pipeline, tensor, sequence)
+    if mesh is not None and mesh.dims == dims and reusable(comm):
+        return None
+    return build_mesh(dims, dist.get_rank() if initialized else 0, tensor, zero)

@@ -318,6 +318,21 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         torch.set_default_dtype(previous)
 
 
+def strategy_precision(precision: str | ZeroPrecision | None, loss_scaler: LossScalerConfig | None,
+                       plugin: Precision | None) -> Precision | None:
+    """``ZeroStrategy(precision=, loss_scaler=, precision_plugin=)`` as the one plugin the strategy starts with
+    (``None``: the Trainer's, converted at setup); ``loss_scaler`` only with a precision given as a string."""
+    if isinstance(precision, ZeroPrecision):
+        if loss_scaler is not None:
+            raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
+        return precision
+    if precision is not None:
+        return ZeroPrecision(precision, loss_scaler=loss_scaler)
+    if loss_scaler is not None:
+        raise ValueError("`loss_scaler` needs precision='16-mixed' on the strategy.")
+    return plugin
+
+
 def to_zero_precision(plugin: Precision | None) -> ZeroPrecision:
     """Convert a stock Lightning precision plugin (as the Trainer selects it) to ours.
 

@@ -5,17 +5,23 @@ the micro-batches), with an agreement across ranks so that an exception on one r
 rank. Evaluation steps: the forward-only pipeline schedule, or the step followed by the release
 of what stage 3 gathered for it; evaluation loaders of stage 3 join the other ranks' gathers when
 this rank runs out of batches (``uneven.py``). The sampler shards over the data-parallel group.
+The engine around Lightning's own training pieces: ``block_backward_sync`` (no communication before the
+accumulation boundary), ``backward`` (the reduction; pipelined, the schedule already ran the backwards) and
+``optimizer_step`` (prepare, the non-finite check, then the shards written back and all-gathered).
 The strategy's Lightning hooks delegate here, passing Lightning's own step where it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.rng import restore_rng
 from lightning_zero.core.comm.data_parallel import DataParallelComm
@@ -26,6 +32,7 @@ from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.uneven import JoinedEvalLoader
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
+from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
 
 
@@ -37,6 +44,7 @@ class StepHost(Protocol):
     _engine: ZeroEngine | None
     _pipeline: StrategyPipeline | None
     _comm: DataParallelComm | None
+    _nonfinite: NonFiniteGuard
     sequence_parallel: int
     tensor_parallel: TensorParallelConfig
 
@@ -145,6 +153,51 @@ class StepDispatch:
         return host._pipeline.training_step(module, host._engine, scaler.scale if scaler is not None else 1.0,
                                             args[0], accumulate)
 
+    # ------------------------------------------------------------------ training: the engine around Lightning's
+    @contextmanager
+    def backward_sync_blocked(self) -> Iterator[None]:
+        """``block_backward_sync``: micro-steps before the accumulation boundary (stages 0-1 do not communicate)."""
+        engine = self._host._engine
+        if engine is None:
+            yield
+            return
+        with engine.no_sync():
+            yield
+
+    def backward(self, backward: Callable[..., Tensor], closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's ``backward`` between the engine's ``before_backward`` and ``finish_backward`` (the reduction)."""
+        engine, pipeline = self._host._engine, self._host._pipeline
+        if pipeline is not None and engine is not None:
+            pipeline.backward(engine)  # the schedule ran the backwards in training_step
+            return closure_loss
+        if engine is not None:
+            engine.before_backward()
+        loss = backward(closure_loss, *args, **kwargs)
+        if engine is not None:
+            engine.finish_backward()
+        return loss
+
+    def optimizer_step(self, step: Callable[..., Any], optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Any, **kwargs: Any) -> Any:
+        """With an engine: the precision plugin's step, its closure followed by the engine's ``before_step`` and the
+        non-finite check, then ``after_step``; without one, Lightning's ``step``."""
+        host, engine = self._host, self._host._engine
+        if engine is None:
+            return step(optimizer, closure, model, **kwargs)
+
+        def checked_closure() -> Any:
+            result = closure()
+            engine.before_step()
+            trainer = host.lightning_module.trainer if host.lightning_module is not None else None
+            host._nonfinite.check(engine, trainer, fp16=host.precision_plugin.scaler is not None)
+            return result
+
+        output = host.precision_plugin.optimizer_step(optimizer, model=model or host.lightning_module,
+                                                      closure=checked_closure, **kwargs)
+        engine.after_step()
+        return output
+
+    # ------------------------------------------------------------------ data
     def sampler_kwargs(self) -> dict[str, Any] | None:
         """The sampler's replicas and rank: the data dimension of the mesh only (the ranks of a pipeline, a
         tensor-parallel or a sequence group see the same samples; Note [rank order]); ``None``: Lightning's

@@ -40,7 +40,6 @@ from typing_extensions import override
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.core.comm.process_groups import reusable
 from lightning_zero.core.mesh import ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
@@ -55,8 +54,8 @@ from lightning_zero.lightning.compose import (
     check_parallel_options,
     release_parallelisms,
 )
-from lightning_zero.lightning.mesh_setup import build_mesh, parallel_dims
-from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.mesh_setup import new_strategy_mesh
+from lightning_zero.lightning.precision import ZeroPrecision, strategy_precision, to_zero_precision
 from lightning_zero.lightning.registry import register_zero_strategies
 from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
 from lightning_zero.lightning.state import StrategyCheckpointing
@@ -76,7 +75,7 @@ from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, ref
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(RecordedCollectives, DDPStrategy):
+class ZeroStrategy(DDPStrategy):
     """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
 
     Args:
@@ -173,14 +172,7 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         self._tp: StrategyTensorParallel | None = None  # the applied plan (from the mesh, when tensor parallel)
         self.sequence_parallel = sequence_parallel
         self._sequence: StrategySequenceParallel | None = None  # the sequence groups (setup, when > 1)
-        if isinstance(precision, ZeroPrecision):
-            if loss_scaler is not None:
-                raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
-            precision_plugin = precision
-        elif precision is not None:
-            precision_plugin = ZeroPrecision(precision, loss_scaler=loss_scaler)
-        elif loss_scaler is not None:
-            raise ValueError("`loss_scaler` needs precision='16-mixed' on the strategy.")
+        precision_plugin = strategy_precision(precision, loss_scaler, precision_plugin)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -216,6 +208,7 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         self.resolved_config: dict[str, Any] | None = resolved_config  # compared across ranks at setup
         self._steps = StepDispatch(self)  # how each Lightning step runs (steps.py)
         self._checkpointing = StrategyCheckpointing(self)  # state dicts and checkpoint files (state.py)
+        self._collectives = RecordedCollectives()  # Lightning's own collectives in the hang watchdog's record
         self._after_fit_refusal: tuple[str, bool] | None = None  # a pipelined fit's teardown: why a save is incomplete
 
     # ------------------------------------------------------------------ state (its part: state.py)
@@ -267,6 +260,21 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
     def last_grad_norm(self) -> float | None:
         """Global gradient norm (unscaled) of the last step that measured it."""
         return self._checkpointing.last_grad_norm
+
+    @property
+    def engine_comm(self) -> DataParallelComm | None:
+        """The running engine's data-parallel collectives (``None`` without an engine): what the monitor times
+        and counts (Note [the monitor reads a view, not the engine] in observability/stats_source.py)."""
+        return self._engine.comm if self._engine is not None else None
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the module is split into pipeline stages."""
+        return self.pipeline_config is not None
+
+    def measure_grad_norm(self) -> float | None:
+        """The global norm of the gradients held now (a collective), ``None`` without an engine."""
+        return float(self._engine.grad_norm()) if self._engine is not None else None
 
     def step_stats(self) -> dict[str, float]:
         """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known (the monitor's names)."""
@@ -382,15 +390,12 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
         return self.optimizers[0]
 
     def _process_mesh(self) -> ProcessMesh:
-        """The strategy's mesh, ZeRO's comm over it and the dimensions built on it: made at the first setup and
-        reused by the next ones while their groups live (mesh_setup.py)."""
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        dims = parallel_dims(world, self.pipeline_config, self.tensor_parallel, self.sequence_parallel)
-        if self._mesh is not None and self._mesh.dims == dims and reusable(self._comm):
-            return self._mesh
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        made = build_mesh(dims, rank, self.tensor_parallel, self.zero_config)
-        self._mesh, self._comm, self._tp, self._sequence = made.mesh, made.comm, made.tensor, made.sequence
+        """The strategy's mesh, ZeRO's comm over it and the dimensions built on it (Note [one mesh per strategy])."""
+        made = new_strategy_mesh(self._mesh, self._comm, self.pipeline_config, self.tensor_parallel,
+                                 self.sequence_parallel, self.zero_config)
+        if made is not None:
+            self._mesh, self._comm, self._tp, self._sequence = made.mesh, made.comm, made.tensor, made.sequence
+        assert self._mesh is not None
         return self._mesh
 
     @contextmanager
@@ -411,19 +416,22 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
 
     # Lightning's own collectives and the end of training settle the step-error agreement first
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None) -> None:
         self._steps.settle_step_errors()
-        super().barrier(*args, **kwargs)
+        with self._collectives.barrier(name):
+            super().barrier(name)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._steps.settle_step_errors()
-        return super().broadcast(obj, src)
+        with self._collectives.broadcast():
+            return super().broadcast(obj, src)
 
     @override
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         self._steps.settle_step_errors()
-        return super().reduce(*args, **kwargs)
+        with self._collectives.reduce():
+            return super().reduce(tensor, *args, **kwargs)
 
     @override
     def on_train_end(self) -> None:
@@ -451,51 +459,21 @@ class ZeroStrategy(RecordedCollectives, DDPStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         return self._steps.process_dataloader(dataloader)
 
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ training (the engine around Lightning's)
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._engine is None:
-            yield
-            return
-        with self._engine.no_sync():
+        with self._steps.backward_sync_blocked():
             yield
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is not None and self._engine is not None:
-            self._pipeline.backward(self._engine)  # the schedule ran the backwards in training_step
-            return closure_loss
-        if self._engine is not None:
-            self._engine.before_backward()
-        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._engine is not None:
-            self._engine.finish_backward()
-        return loss
+        return self._steps.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        engine = self._engine
-        if engine is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def checked_closure() -> Any:
-            result = closure()
-            engine.before_step()
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            self._nonfinite.check(engine, trainer, fp16=self.precision_plugin.scaler is not None)
-            return result
-
-        output = self.precision_plugin.optimizer_step(optimizer, model=model or self.lightning_module,
-                                                      closure=checked_closure, **kwargs)
-        engine.after_step()
-        return output
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        return self._steps.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
 
     @override
     def teardown(self) -> None:

@@ -1,5 +1,6 @@
-"""Lightning callbacks of lightning_zero: :class:`ZeroStatsMonitor`, the training dashboard (and
-:class:`ZeroModelSummary`, Lightning's model summary without a column of unmeasured FLOPs).
+"""The Lightning callback :class:`ZeroStatsMonitor`: the training dashboard's scalars, per optimizer step.
+
+(``ZeroModelSummary`` moved to ``model_summary.py``; importing it from here warns for one release.)
 
 Note [per-rank scalars through rank 0]
     Lightning's loggers write on rank 0 only. Per-rank values (step-time split, model-state bytes,
@@ -22,9 +23,9 @@ Note [no split for pipelines]
 
 from __future__ import annotations
 
-import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 from torch import Tensor
 from typing_extensions import override
 
@@ -48,6 +47,7 @@ from lightning_zero.observability.monitoring import (
     peak_memory_bytes,
     rank_tag,
 )
+from lightning_zero.observability.stats_source import stats_source
 
 # the per-rank vector that is all-gathered: step sums, then TIME_KEYS, then MEMORY_KEYS
 _SUMS = ("loss_sum", "micro_batches", "samples", "tokens")
@@ -131,7 +131,7 @@ class ZeroStatsMonitor(pl.Callback):
     def _engine_comm(trainer: pl.Trainer) -> DataParallelComm | None:
         """The engine's collectives when their blocked time means exposed communication: CPU tensors
         (gloo, or one rank with none); with NCCL ``wait()`` does not block the host (None then)."""
-        comm = getattr(getattr(trainer.strategy, "engine", None), "comm", None)
+        comm = _comm_of(trainer)
         return comm if comm is not None and comm.device.type == "cpu" else None
 
     def _now(self, trainer: pl.Trainer, sync: bool = False) -> tuple[float, float]:
@@ -166,10 +166,10 @@ class ZeroStatsMonitor(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._cuda = trainer.strategy.root_device.type == "cuda"
         self._comm = self._engine_comm(trainer)
-        self._pipelined = getattr(trainer.strategy, "pipeline_config", None) is not None
+        self._pipelined = (source := stats_source(trainer)) is not None and source.pipelined
         self._active = bool(trainer.loggers) or (self.prog_bar and trainer.progress_bar_callback is not None)
         self._last_step = trainer.global_step
-        engine_comm = getattr(getattr(trainer.strategy, "engine", None), "comm", None)
+        engine_comm = _comm_of(trainer)
         self._bytes_mark = (trainer.global_step, engine_comm.bytes_sent) if engine_comm is not None else None
         self._reset()
         self._ref = self._now(trainer, sync=True)
@@ -206,11 +206,10 @@ class ZeroStatsMonitor(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if not self._active:
             return
-        strategy = trainer.strategy
-        engine = getattr(strategy, "engine", None)
-        if (engine is not None and getattr(strategy, "last_grad_norm", 0.0) is None
+        source = stats_source(trainer)
+        if (source is not None and source.engine_comm is not None and source.last_grad_norm is None
                 and self._logs_at(trainer, trainer.global_step + 1)):
-            self._grad_norm = float(engine.grad_norm())  # fp32 without clipping: nobody measured it
+            self._grad_norm = source.measure_grad_norm()  # fp32 without clipping: nobody measured it
         self._lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the step's (schedulers step before batch end)
         self._mark(trainer, "optimizer")
 
@@ -274,8 +273,8 @@ class ZeroStatsMonitor(pl.Callback):
     def _local_row(self, trainer: pl.Trainer) -> list[float]:
         """This rank's numbers in the order of ``_FIELDS`` (NaN: not known here)."""
         memory = dict.fromkeys(MEMORY_KEYS, math.nan)
-        if getattr(trainer.strategy, "engine", None) is not None:
-            state = trainer.strategy.model_state_bytes()
+        if (source := stats_source(trainer)) is not None and source.engine_comm is not None:
+            state = source.model_state_bytes()
             memory.update(params=state.params, grads=state.grads, optimizer=state.optimizer, buffers=state.comm_buffers)
         memory["peak"] = peak_memory_bytes(trainer.strategy.root_device)
         return [float(self._sums[k]) for k in _SUMS] + [self._phase[k] for k in TIME_KEYS] + \
@@ -300,14 +299,14 @@ class ZeroStatsMonitor(pl.Callback):
             metrics["train/loss"] = sum(r["loss_sum"] for r in rows) / micro
         for i, lr in enumerate(self._lrs):
             metrics["train/lr" if i == 0 else f"train/lr_pg{i}"] = lr
-        strategy = trainer.strategy
-        norm = getattr(strategy, "last_grad_norm", None)
+        source = stats_source(trainer)
+        norm = source.last_grad_norm if source is not None else None
         norm = self._grad_norm if norm is None else norm
-        if norm is not None and math.isfinite(norm) and not getattr(strategy, "last_step_skipped", False):
+        if norm is not None and math.isfinite(norm) and not (source is not None and source.last_step_skipped):
             metrics["train/grad_norm"] = float(norm)
-        if getattr(strategy, "loss_scale", None) is not None:
-            metrics["train/loss_scale"] = float(strategy.loss_scale)
-            metrics["train/skipped_steps"] = float(strategy.skipped_steps)
+        if source is not None and source.loss_scale is not None:
+            metrics["train/loss_scale"] = float(source.loss_scale)
+            metrics["train/skipped_steps"] = float(source.skipped_steps)
         seconds = max(r["time/step"] for r in rows)
         if seconds > 0:
             metrics["throughput/samples_per_s"] = sum(r["samples"] for r in rows) / seconds
@@ -328,7 +327,7 @@ class ZeroStatsMonitor(pl.Callback):
         """``traffic/bytes_per_step``: bytes this rank sent per optimizer step since the last log (the ring
         model of ``DataParallelComm.bytes_sent``; checkpoint saves in between count too); with a
         compressing optimizer (1-bit Adam), ``traffic/compression_ratio`` of its last step."""
-        comm = getattr(getattr(trainer.strategy, "engine", None), "comm", None)
+        comm = _comm_of(trainer)
         out: dict[str, float] = {}
         if comm is None or not comm.active:
             return out
@@ -345,7 +344,7 @@ class ZeroStatsMonitor(pl.Callback):
         bar: dict[str, float] = {}
         if self._sums["micro_batches"]:
             bar["loss"] = self._sums["loss_sum"] / self._sums["micro_batches"]
-        scale = getattr(trainer.strategy, "loss_scale", None)
+        scale = source.loss_scale if (source := stats_source(trainer)) is not None else None
         if scale is not None:
             bar["loss_scale"] = float(scale)
         if self._sums["tokens"] and self._phase["step"] > 0:
@@ -366,6 +365,12 @@ def add_monitor(trainer: pl.Trainer, monitor: bool, profiler: ProfilerWindow | N
         trainer.callbacks.insert(0, ZeroStatsMonitor(profiler=profiler))
 
 
+def _comm_of(trainer: pl.Trainer) -> DataParallelComm | None:
+    """The running engine's collectives, through the strategy's stats view (Note [the monitor reads a view, not
+    the engine] in stats_source.py)."""
+    return source.engine_comm if (source := stats_source(trainer)) is not None else None
+
+
 def _micro_batch_loss(outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor | None:
     """The loss ``training_step`` returned for this micro-batch (Lightning hands on_train_batch_end the
     loss divided by ``accumulate_grad_batches`` in automatic optimization: undone here)."""
@@ -376,25 +381,12 @@ def _micro_batch_loss(outputs: Any, trainer: pl.Trainer, pl_module: pl.Lightning
     return loss * trainer.accumulate_grad_batches if pl_module.automatic_optimization else loss
 
 
-class ZeroModelSummary(ModelSummary):
-    """Lightning's ``ModelSummary``, without the ``FLOPs`` column and the ``Total Flops`` line when no FLOPs
-    were measured (Lightning counts them only for a module with an ``example_input_array``, and prints a
-    column of zeros otherwise); with measured FLOPs, Lightning's table. ``lightning-zero train`` uses it.
+def __getattr__(name: str) -> object:
+    if name == "ZeroModelSummary":  # moved in issue 30's file-size split
+        warnings.warn("lightning_zero.observability.callbacks.ZeroModelSummary moved to "
+                      "lightning_zero.observability.model_summary; import from there (or from lightning_zero."
+                      "observability); this path goes away in the next release", DeprecationWarning, stacklevel=2)
+        from lightning_zero.observability.model_summary import ZeroModelSummary
 
-    Args:
-        max_depth, summarize_kwargs: those of ``lightning.pytorch.callbacks.ModelSummary``.
-    """
-
-    @staticmethod
-    def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
-                  model_size: float, total_training_modes: dict[str, int], total_flops: int,
-                  **summarize_kwargs: Any) -> None:
-        if total_flops:
-            ModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
-                                   total_training_modes, total_flops, **summarize_kwargs)
-            return
-        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
-        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
-                                      total_flops, *columns)
-        table = "\n".join(line for line in table.splitlines() if not line.endswith("Total Flops"))
-        logging.getLogger("lightning.pytorch.callbacks.model_summary").info("\n" + table)
+        return ZeroModelSummary
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

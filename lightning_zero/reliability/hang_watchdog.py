@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -151,20 +151,25 @@ def _cuda_event() -> torch.cuda.Event:
 
 
 class RecordedCollectives:
-    """Strategy mixin: Lightning's own barrier, broadcast and reduce are recorded as strategy collectives
-    (Note [progress record] in core/reliability/progress_record.py)."""
+    """Strategy part: the progress record's entry around each of Lightning's own collectives (barrier,
+    broadcast, reduce), so the hang watchdog can name them (Note [progress record] in
+    core/reliability/progress_record.py). The strategy wraps its ``super()`` call in the one it runs::
 
-    def barrier(self, name: str | None = None) -> None:
-        with RECORD.collective(f"barrier({name})" if name else "barrier"):
-            super().barrier(name)  # type: ignore[misc]
+        with self._collectives.barrier(name):
+            super().barrier(name)
+    """
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with RECORD.collective("broadcast (Lightning)"):
-            return super().broadcast(obj, src)  # type: ignore[misc]
+    def __init__(self, record: ProgressRecord = RECORD) -> None:
+        self._record = record
 
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        with RECORD.collective("reduce (Lightning, e.g. self.log sync_dist)"):
-            return super().reduce(tensor, *args, **kwargs)  # type: ignore[misc]
+    def barrier(self, name: str | None = None) -> AbstractContextManager[Any]:
+        return self._record.collective(f"barrier({name})" if name else "barrier")
+
+    def broadcast(self) -> AbstractContextManager[Any]:
+        return self._record.collective("broadcast (Lightning)")
+
+    def reduce(self) -> AbstractContextManager[Any]:
+        return self._record.collective("reduce (Lightning, e.g. self.log sync_dist)")
 
 
 def add_hang_watchdog(trainer: pl.Trainer, timeout_s: float) -> HangWatchdog | None:

@@ -316,7 +316,7 @@ def test_the_cli_model_summary_has_no_column_of_unmeasured_flops(tmp_path: Path)
     from lightning_zero.config.build import build_callbacks
     from lightning_zero.config.launch import compose_config
     from lightning_zero.config.validate import validate_config
-    from lightning_zero.observability.callbacks import ZeroModelSummary
+    from lightning_zero.observability.model_summary import ZeroModelSummary
 
     cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.devices=1"]))
     summaries = [c for c in build_callbacks(cfg, tmp_path) if isinstance(c, ModelSummary)]

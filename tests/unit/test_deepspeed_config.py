@@ -23,7 +23,7 @@ from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.deepspeed import BatchSizes, parse_deepspeed_config
 from lightning_zero.deepspeed import strategy as ds_strategy
-from lightning_zero.deepspeed.strategy import precision_plugin_args
+from lightning_zero.deepspeed.strategy_args import precision_plugin_args
 from lightning_zero.lightning.precision import ZeroPrecision
 
 # The two DeepSpeed configs the project started from, exactly as written there.

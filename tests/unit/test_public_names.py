@@ -41,7 +41,8 @@ DEPRECATED = (*DEPRECATED_MODULES, "lightning_zero.DynamicLossScaler",
               "lightning_zero.callbacks.ZeroModelSummary", "lightning_zero.monitoring.dashboard_layout",
               "lightning_zero.progress.LineProgress", "lightning_zero.core.memory.model_state_formula",
               "lightning_zero.core.memory.offloaded_model_state", "lightning_zero.core.offload.nvme_path_problem",
-              "lightning_zero.lightning.own_bytes.own_bytes")
+              "lightning_zero.lightning.own_bytes.own_bytes",
+              "lightning_zero.observability.callbacks.ZeroModelSummary")
 # former names that warn when called, not when looked up (a page must not show them either; calling
 # ZeroStrategy.from_deepspeed_config is tests/unit/test_deepspeed_config.py's old-name test)
 DEPRECATED_ON_CALL = ("lightning_zero.ZeroStrategy.from_deepspeed_config",)

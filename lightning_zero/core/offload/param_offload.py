@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_zero.core.offload.config import OffloadDevice
 from lightning_zero.core.offload.copy_fence import CopyFence
 from lightning_zero.core.offload.swap_file import SwapFile
 from lightning_zero.core.zero.flat_param import FlatParamGroup
@@ -56,16 +57,18 @@ class ParamOffload:
     """The offloaded parameter shards of this rank's stage-3 units (Note [parameter offload]).
 
     Args:
-        device: ``"cpu"`` or ``"nvme"``.
+        device: :attr:`OffloadDevice.cpu` or :attr:`OffloadDevice.nvme` (or its string, ``"cpu"`` / ``"nvme"``).
         units: the engine's units; all but the persistent one are offloaded.
         directory: the run's private swap directory (``"nvme"``).
         pin: pin the host buffers (``"cpu"``; only with an accelerator).
     """
 
-    def __init__(self, device: str, units: list[ShardedUnit], directory: str | None, pin: bool = False) -> None:
-        if device not in ("cpu", "nvme"):
+    def __init__(self, device: OffloadDevice | str, units: list[ShardedUnit], directory: str | None,
+                 pin: bool = False) -> None:
+        if device not in (OffloadDevice.cpu, OffloadDevice.nvme):
             raise ValueError(f"param offload device must be 'cpu' or 'nvme', not {device!r}.")
-        self.nvme = device == "nvme"
+        self.device = OffloadDevice(device)
+        self.nvme = self.device is OffloadDevice.nvme
         self.pin = pin and not self.nvme
         self.counters = ParamOffloadCounters()
         self.fence = CopyFence()  # pinned shard -> device copies in flight (Note [asynchronous host copies])

@@ -5,7 +5,7 @@ are gathered together), ``GatherPool`` (``gather_pool``: gathered memory reused 
 construction (``materialize``: ``initialize_modules``, ``has_meta_parameters``) and activation recomputation
 (``activation_checkpointing``: ``apply_activation_checkpointing``).
 
-Not named here, import them from their modules: ``apply_stage3`` / ``Stage3Runtime`` (``runtime``),
+Not named here, import them from their modules: ``apply_stage3`` (``sharding``), ``Stage3Runtime`` (``runtime``),
 ``ShardedUnit`` (``sharded_unit``), streamed loading (``loading``) and the end-of-fit gather (``teardown``).
 They import ``core/zero``'s ``flat_param``, which imports ``materialize`` from here: naming them here would be
 an import cycle through this ``__init__`` (``tests/unit/test_import_graph.py`` refuses it).

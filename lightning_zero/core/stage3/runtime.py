@@ -53,11 +53,8 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.stage3.gather_pool import GatherPool
-from lightning_zero.core.stage3.materialize import ParamInitFn, initialize_modules
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.stage3.units import PERSISTENT, ROOT
-from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 
 class Phase(enum.Enum):
@@ -364,60 +361,3 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for o in output.values() for t in _tensors(o)]
     return []
-
-
-def apply_stage3(
-    module: nn.Module,
-    names: dict[nn.Parameter, str],
-    optimizer_groups: list[list[nn.Parameter]],
-    comm: DataParallelComm,
-    config: ZeroConfig,
-    param_init_fn: ParamInitFn | None = None,
-    init_seed: int = 0,
-) -> tuple[list[ShardedUnit], Stage3Runtime, list[FlatParamGroup]]:
-    """Plan the units of ``module`` and shard them one at a time.
-
-    For each unit: one flat group per optimizer param group present (parameters in no group,
-    e.g. frozen ones, get a group with ``optimizer_group == -1``: sharded, never stepped) is
-    bound; parameters built on the meta device are initialised in it (Note [sharded
-    construction]); the buffers are broadcast from rank 0, this rank's shard is kept and the
-    buffer freed. So at most one unit is whole at any time.
-
-    Returns:
-        The units, the runtime whose hooks drive them, and every flat group (unit order).
-    """
-    from lightning_zero.core.stage3.units import direct_owners, plan_units
-
-    group_of = {p: gi for gi, params in enumerate(optimizer_groups) for p in params}
-    plans = plan_units(module, names, config.unit_classes, config.param_persistence_threshold)
-    module_names = {m: n for n, m in module.named_modules()}
-    units: list[ShardedUnit] = []
-    all_groups: list[FlatParamGroup] = []
-    for index, plan in enumerate(plans):
-        groups = []
-        for gi in [*range(len(optimizer_groups)), -1]:
-            params = [p for p in plan.params if group_of.get(p, -1) == gi]
-            if not params:
-                continue
-            fg = FlatParamGroup(params, comm.world_size, comm.rank)
-            fg.optimizer_group = gi
-            fg.bind()
-            groups.append(fg)
-        owners = direct_owners(module, set(plan.params))
-        initialize_modules([(module_names[m], m) for m in owners], param_init_fn, init_seed, set(plan.params))
-        for fg in groups:
-            comm.broadcast(fg.flat)
-        unit = ShardedUnit(plan.name, index, groups)
-        unit.shard()
-        units.append(unit)
-        all_groups.extend(groups)
-    root_params = {p for plan in plans if plan.name == ROOT for p in plan.params}
-    runtime = Stage3Runtime(
-        units,
-        [plan.modules for plan in plans],
-        direct_owners(module, root_params),
-        comm,
-        config.prefetch_bucket_size,
-        config.max_live_parameters,
-    )
-    return units, runtime, all_groups

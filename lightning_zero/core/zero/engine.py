@@ -33,11 +33,10 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
-from lightning_zero.core.offload.store import open_shard_store
 from lightning_zero.core.stage3 import gathered
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.stage3.materialize import ParamInitFn
-from lightning_zero.core.stage3.runtime import Stage3Runtime, apply_stage3
+from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
 from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.zero.engine_setup import (
@@ -45,15 +44,16 @@ from lightning_zero.core.zero.engine_setup import (
     broadcast_from_rank0,
     check_same_structure,
     module_dtype,
+    partition_parameters,
     self_reducing,
+    sharded_optimizer,
 )
-from lightning_zero.core.zero.engine_step import NormExcess, StepPreparation
+from lightning_zero.core.zero.engine_step import GradReduction, NormExcess, StepPreparation
 from lightning_zero.core.zero.engine_views import WholeModelViews, unit_modules
 from lightning_zero.core.zero.flat_param import FlatParamGroup
 from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer, ReductionMode
 from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.core.zero.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
-from lightning_zero.core.zero.optimizer_state import broadcast_master_init
 
 
 @dataclass(frozen=True)
@@ -136,18 +136,11 @@ class ZeroEngine:
         # trainable parameters no optimizer group holds: they are never updated nor reduced
         self.unmanaged: list[nn.Parameter] = [p for p in self.names if p.requires_grad and p not in managed]
         self.frozen_at_setup: list[nn.Parameter] = [p for p in self.names if not p.requires_grad]
-        self.units: list[ShardedUnit] = []  # stage 3 only
-        self.runtime: Stage3Runtime | None = None  # stage 3's gather / release hooks
-        if config.stage.shards_parameters:
-            # binds, initialises (meta-built models), broadcasts and shards one unit at a time
-            self.units, self.runtime, self.all_groups = apply_stage3(
-                module, self.names, groups, self.comm, config, param_init_fn, init_seed
-            )
-        else:
-            self.all_groups = [FlatParamGroup(g, self.comm.world_size, self.comm.rank) for g in groups]
-            for i, g in enumerate(self.all_groups):
-                g.optimizer_group = i
-                g.bind()
+        # stage 3: units (sharded one at a time) and the runtime's gather / release hooks; else no units
+        self.units: list[ShardedUnit]
+        self.runtime: Stage3Runtime | None
+        self.units, self.runtime, self.all_groups = partition_parameters(module, self.names, groups, self.comm, config,
+                                                                         param_init_fn, init_seed)
         # the flat groups of trainable parameters (stage 3 also has groups of frozen ones)
         self.groups: list[FlatParamGroup] = [g for g in self.all_groups if g.optimizer_group >= 0]
         broadcast_from_rank0(module, self.names, self.all_groups, self.comm)
@@ -156,29 +149,14 @@ class ZeroEngine:
             if config.activation_checkpointing else None
         )
         gathered.register(self)
-        self.reducer = GradReducer(
-            self.groups,
-            self.comm,
-            config.stage,
-            config.reduce_bucket_size,
-            config.overlap_comm,
-            self.dtypes.grad_dtype,
-            {p: n for p, n in self.names.items() if p in managed},
-            self.dtypes.grad_accum_dtype,
-        )
-        # stage >= 1: the optimizer steps this rank's master shards; stage 0: the whole params, or
+        self.reducer = GradReducer(self.groups, self.comm, config.stage, config.reduce_bucket_size, config.overlap_comm,
+                                   self.dtypes.grad_dtype, {p: n for p, n in self.names.items() if p in managed},
+                                   self.dtypes.grad_accum_dtype)
+        # stage >= 1: the optimizer steps this rank's master shards; stage 0: the whole params (None), or
         # with a separate master (mixed precision) per-parameter views of a whole master
-        separate_master = not self.dtypes.master_is_param_view
-        self.sharded: ShardedOptimizer | None = None
-        if optimizer is not None and (config.stage.shards_optimizer or separate_master):
-            if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
-                master_init = broadcast_master_init(master_init, [p for p in self.names if p in managed],
-                                                    self.dtypes.master_dtype, self.comm)
-            store = open_shard_store(self.offload_config, self.comm.rank, self.units, self.groups,
-                                     self.dtypes.master_dtype)  # where the shards live, chosen once
-            self.sharded = ShardedOptimizer(optimizer, self.groups, self.dtypes.master_dtype,
-                                            whole=not config.stage.shards_optimizer, master_init=master_init,
-                                            store=store)
+        self.sharded: ShardedOptimizer | None = sharded_optimizer(
+            optimizer, config, self.dtypes, self.offload_config, self.comm, self.units, self.groups,
+            [p for p in self.names if p in managed], master_init)
         if optimizer is None:
             self.offload_config.warn_unused()
         self._user_zero_grad: Callable[..., None] | None = None
@@ -215,7 +193,7 @@ class ZeroEngine:
         self.preparation.begin_backward()
         if (self._self_reducing is not None and self.reducer.sync and not self.config.stage.shards_optimizer
                 and self._self_reducing.reduces_gradients_itself()):
-            self.preparation.grads_local = True
+            self.preparation.grad_reduction = GradReduction.BY_OPTIMIZER
             self.reducer.set_boundary_mode(ReductionMode.AT_BOUNDARY)  # accumulates locally, like no_sync
         # stage 0 hands the optimizer per-parameter views of the reduced gradients; detach them
         # so the next backward's gradients arrive fresh (grad_reducer adds them to the buffer)
@@ -254,7 +232,7 @@ class ZeroEngine:
 
     def finish_backward(self) -> None:
         self.reducer.finish()
-        if self.preparation.grads_local:
+        if self.preparation.grad_reduction is GradReduction.BY_OPTIMIZER:
             self.reducer.set_boundary_mode(ReductionMode.IMMEDIATE)  # complete: handed on as reduced ones
         self.preparation.end_backward(boundary=self.reducer.sync)
         if self.runtime is not None:

@@ -1,7 +1,8 @@
 """What :class:`~lightning_zero.core.zero.engine.ZeroEngine` checks and does once, at construction.
 
-The same model and settings on every rank (before the first collective), rank 0's values broadcast,
-the optimizer that reduces its own gradients (1-bit Adam), and the module's dtype.
+The same model and settings on every rank (before the first collective), the parameters partitioned into flat
+groups (stage 3: sharded units), rank 0's values broadcast, the optimizer over this rank's masters, the optimizer
+that reduces its own gradients (1-bit Adam), and the module's dtype.
 """
 
 from __future__ import annotations
@@ -14,9 +15,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.offload.store import open_shard_store
 from lightning_zero.core.reliability.agreement import check_same_everywhere
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.stage3.materialize import ParamInitFn
+from lightning_zero.core.stage3.runtime import Stage3Runtime
+from lightning_zero.core.stage3.sharded_unit import ShardedUnit
+from lightning_zero.core.stage3.sharding import apply_stage3
+from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig, ZeroStage
 from lightning_zero.core.zero.flat_param import FlatParamGroup
+from lightning_zero.core.zero.optimizer import ShardedOptimizer
+from lightning_zero.core.zero.optimizer_state import broadcast_master_init
 
 
 def check_same_structure(names: Mapping[nn.Parameter, str], optimizer: Optimizer | None,
@@ -33,6 +42,37 @@ def check_same_structure(names: Mapping[nn.Parameter, str], optimizer: Optimizer
         "Build the same model with the same configuration on every rank: set the seed before constructing "
         "it, do not make layers or settings depend on the rank, and give every node the same config.",
     )
+
+
+def partition_parameters(module: nn.Module, names: dict[nn.Parameter, str], groups: list[list[nn.Parameter]],
+                         comm: DataParallelComm, config: ZeroConfig, param_init_fn: ParamInitFn | None,
+                         init_seed: int) -> tuple[list[ShardedUnit], Stage3Runtime | None, list[FlatParamGroup]]:
+    """``(units, runtime, all flat groups)``: stage 3 binds, initialises (meta-built models), broadcasts and shards
+    one unit at a time (``core/stage3/sharding.py``); the other stages bind one flat group per optimizer param
+    group, with no units and no runtime."""
+    if config.stage.shards_parameters:
+        return apply_stage3(module, names, groups, comm, config, param_init_fn, init_seed)
+    flat = [FlatParamGroup(g, comm.world_size, comm.rank) for g in groups]
+    for i, g in enumerate(flat):
+        g.optimizer_group = i
+        g.bind()
+    return [], None, flat
+
+
+def sharded_optimizer(optimizer: Optimizer | None, config: ZeroConfig, dtypes: DtypePolicy, offload: OffloadConfig,
+                      comm: DataParallelComm, units: list[ShardedUnit], groups: list[FlatParamGroup],
+                      managed: list[nn.Parameter], master_init: Mapping[nn.Parameter, torch.Tensor] | None,
+                      ) -> ShardedOptimizer | None:
+    """Stage >= 1: the optimizer over this rank's master shards; stage 0: over per-parameter views of a whole
+    separate master (mixed precision), or ``None`` when the optimizer steps the parameters themselves."""
+    separate_master = not dtypes.master_is_param_view
+    if optimizer is None or not (config.stage.shards_optimizer or separate_master):
+        return None
+    if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
+        master_init = broadcast_master_init(master_init, managed, dtypes.master_dtype, comm)
+    store = open_shard_store(offload, comm.rank, units, groups, dtypes.master_dtype)  # where the shards live, once
+    return ShardedOptimizer(optimizer, groups, dtypes.master_dtype, whole=not config.stage.shards_optimizer,
+                            master_init=master_init, store=store)
 
 
 @torch.no_grad()

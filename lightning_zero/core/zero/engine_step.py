@@ -91,6 +91,16 @@ ALLOWED_TRANSITIONS: dict[StepState, frozenset[StepState]] = {
 }
 
 
+class GradReduction(enum.Enum):
+    """Who averages this step's gradients over the data-parallel group."""
+
+    BY_ENGINE = "by_engine"
+    """The engine's reducer (the default): every rank steps on the averaged gradient or its shard of it."""
+    BY_OPTIMIZER = "by_optimizer"
+    """Left local on each rank for an optimizer that reduces them itself (1-bit Adam after its warm-up):
+    the gradient norm is then that of the local gradients (Note [norm of local gradients])."""
+
+
 class StepStateError(RuntimeError):
     """A step took a transition the table of Note [step states] does not allow."""
 
@@ -139,7 +149,7 @@ class StepPreparation:
         self.last_grad_norm: float | None = None  # global gradient norm of the last step that computed one
         self.state = StepState.IDLE
         self._norm: torch.Tensor | None = None
-        self.grads_local = False  # this step's gradients were left unreduced for a self-reducing optimizer
+        self.grad_reduction = GradReduction.BY_ENGINE  # who averages this step's gradients
         # stage 0 without a separate master, gradients accumulated in another dtype than the params:
         # prepare_step casts them into these param-dtype buffers, which the params' .grad views
         self._cast_grads: list[torch.Tensor] | None = None
@@ -148,7 +158,7 @@ class StepPreparation:
         """A new step: nothing prepared, nothing skipped (``zero_grad``)."""
         self.move(StepState.IDLE)
         self._norm = None
-        self.grads_local = False
+        self.grad_reduction = GradReduction.BY_ENGINE
         self._cast_grads = None
 
     def move(self, new: StepState) -> None:
@@ -231,7 +241,7 @@ class StepPreparation:
             return True
         if self._norm_is_partial:
             self.comm.all_reduce_sum(sumsq)
-            if self.grads_local:
+            if self.grad_reduction is GradReduction.BY_OPTIMIZER:
                 sumsq /= self.comm.world_size  # Note [norm of local gradients]
         if self.model_parallel is not None:
             self.model_parallel.all_reduce_sum(sumsq)
@@ -304,7 +314,7 @@ class StepPreparation:
         total = parts.pow(norm_type).sum() - self._norm_excess(norm_type)
         if self._norm_is_partial and self.comm.active:
             self.comm.all_reduce_sum(total)
-            if self.grads_local:
+            if self.grad_reduction is GradReduction.BY_OPTIMIZER:
                 total /= self.comm.world_size  # Note [norm of local gradients]
         if self.model_parallel is not None:
             self.model_parallel.all_reduce_sum(total)
@@ -321,7 +331,7 @@ class StepPreparation:
             every rank (so every rank clips by the same factor), and never below the norm of the
             averaged gradient, so clipping is at least as strict as before the freeze.
         """
-        return self.config.stage.shards_optimizer or self.grads_local
+        return self.config.stage.shards_optimizer or self.grad_reduction is GradReduction.BY_OPTIMIZER
 
     def comm_max(self, value: torch.Tensor) -> None:
         self.comm.all_reduce_max(value)

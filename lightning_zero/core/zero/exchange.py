@@ -1,4 +1,5 @@
-"""Stages 2-3 gradient messages: buckets merged across units up to ``reduce_bucket_size``, laid out
+"""The gradient buckets in their fixed launch order (:func:`plan_buckets`, every stage), and stages 2-3 gradient
+messages: buckets merged across units up to ``reduce_bucket_size``, laid out
 owner by owner, the buffers they are staged and received in, their sum in a fixed rank order, and the
 gradient shards they are written into.
 
@@ -49,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
 
@@ -101,6 +103,30 @@ class ModuleOrder:
         lo = min(self.spans[b.order][0] for b in run)
         hi = max(self.spans[b.order][1] for b in run)
         return self.prefix[hi + 1] - self.prefix[lo]
+
+
+def plan_buckets(groups: list[FlatParamGroup], names: dict[nn.Parameter, str],
+                 bucket_numel: int) -> tuple[list[Bucket], ModuleOrder]:
+    """The gradient buckets of ``groups`` in launch order, the same on every rank (Note [fixed launch order] in
+    grad_reducer.py), and where each sits in module order (``names`` is in module order)."""
+    position = {p: i for i, p in enumerate(names)}  # module order
+    raw = []
+    for gi, g in enumerate(groups):
+        for start, end, slots, first in g.make_buckets(bucket_numel):
+            raw.append((position[g.slots[first].param], gi, start, end, slots))
+    # A bucket is complete when its first-registered parameter reports, which backward
+    # reaches last: launch first the bucket whose first parameter comes latest in the module.
+    raw.sort(key=lambda r: -r[0])
+    # where each bucket's gradients arrive: its span in module order (Note [owner-major message])
+    prefix = [0]
+    for p in names:
+        prefix.append(prefix[-1] + p.numel())
+    spans = []
+    for _, gi, _, _, slots in raw:
+        where = [position[groups[gi].slots[s].param] for s in slots]
+        spans.append((min(where), max(where)))
+    buckets = [Bucket(gi, start, end, slots, order) for order, (_, gi, start, end, slots) in enumerate(raw)]
+    return buckets, ModuleOrder(tuple(spans), tuple(prefix))
 
 
 def plan_messages(buckets: list[Bucket], groups: list[FlatParamGroup], bucket_numel: int, merge: bool,

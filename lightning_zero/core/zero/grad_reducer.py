@@ -35,7 +35,7 @@ from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm, Handle
 from lightning_zero.core.zero.config import ZeroStage
-from lightning_zero.core.zero.exchange import BufferPool, GradShards, Message, MessageStaging, ModuleOrder, Segment
+from lightning_zero.core.zero.exchange import BufferPool, GradShards, Message, MessageStaging, Segment, plan_buckets
 from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
 
 
@@ -117,7 +117,7 @@ class GradReducer:
         for i, g in enumerate(groups):
             if not self.stage.shards_gradients:
                 self.flat_grads[i] = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
-        self.buckets = self._plan_buckets(bucket_numel)
+        self.buckets, self._module_order = plan_buckets(groups, names, bucket_numel)  # Note [fixed launch order]
         # parameter -> (bucket order, slot index)
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
         for b in self.buckets:
@@ -142,26 +142,6 @@ class GradReducer:
         ]
 
     # ---------------------------------------------------------------- setup
-    def _plan_buckets(self, bucket_numel: int) -> list[Bucket]:
-        position = {p: i for i, p in enumerate(self.names)}  # module order
-        raw = []
-        for gi, g in enumerate(self.groups):
-            for start, end, slots, first in g.make_buckets(bucket_numel):
-                raw.append((position[g.slots[first].param], gi, start, end, slots))
-        # A bucket is complete when its first-registered parameter reports, which backward
-        # reaches last: launch first the bucket whose first parameter comes latest in the module.
-        raw.sort(key=lambda r: -r[0])
-        # where each bucket's gradients arrive: its span in module order (Note [owner-major message])
-        prefix = [0]
-        for p in self.names:
-            prefix.append(prefix[-1] + p.numel())
-        spans = []
-        for _, gi, _, _, slots in raw:
-            where = [position[self.groups[gi].slots[s].param] for s in slots]
-            spans.append((min(where), max(where)))
-        self._module_order = ModuleOrder(tuple(spans), tuple(prefix))
-        return [Bucket(gi, start, end, slots, order) for order, (_, gi, start, end, slots) in enumerate(raw)]
-
     def _reset_backward(self) -> None:
         self._pending = [len(b.slots) for b in self.buckets]
         self._reported.clear()
