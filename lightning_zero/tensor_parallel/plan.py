@@ -34,8 +34,17 @@ from torch import nn
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
+from lightning_zero.tensor_parallel.regions import check_split_regions, sum_grads_over_tp
 from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG
-from lightning_zero.tensor_parallel.styles import Colwise, Replicate, Rowwise, Style, VocabEmbedding, resolve_style
+from lightning_zero.tensor_parallel.styles import (
+    Colwise,
+    Replicate,
+    ReplicateGradSum,
+    Rowwise,
+    Style,
+    VocabEmbedding,
+    resolve_style,
+)
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout, nn.Identity, nn.Mish)
@@ -140,12 +149,13 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, Any], source: str) -> Resol
     for name, style in chosen.items():
         module = modules[name]
         need = nn.Embedding if isinstance(style, VocabEmbedding) else nn.Linear
-        if not isinstance(style, Replicate) and not isinstance(module, need):
+        if not isinstance(style, (Replicate, ReplicateGradSum)) and not isinstance(module, need):
             raise ValueError(f"tensor_parallel plan ({source}): {name!r} is a {type(module).__name__}, but style "
                              f"{style} splits an {need.__name__}: leave it out of the plan")
     order = [n for n in modules if n in chosen]
     entries = tuple((n, chosen[n]) for n in order)
-    if not any(not isinstance(s, Replicate) for _, s in entries):
+    check_split_regions(root, chosen, source)
+    if not any(not isinstance(s, (Replicate, ReplicateGradSum)) for _, s in entries):
         raise ValueError(f"tensor_parallel plan ({source}) splits no module: every rank would hold the whole model")
     return ResolvedPlan(entries, source)
 
@@ -178,6 +188,9 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         module = getattr(parent, attr)
         new: nn.Module
         if isinstance(style, Replicate):
+            continue
+        if isinstance(style, ReplicateGradSum):
+            sum_grads_over_tp(module, tp)
             continue
         if isinstance(style, Colwise):
             new = ColumnParallelLinear(module, tp, memo, name, style.chunks, style.gather_output)

@@ -39,7 +39,16 @@ class Replicate:
     """Leave the module whole on every rank (its gradients are counted once in the norm)."""
 
 
-Style = Colwise | Rowwise | VocabEmbedding | Replicate
+@dataclass(frozen=True)
+class ReplicateGradSum:
+    """Leave the module whole on every rank, but sum its parameters' gradients over the TP group: for a module
+    that acts on split activations with a whole parameter (Qwen3's per-head ``q_norm`` / ``k_norm`` after a
+    column-parallel projection: each rank's gradient covers only its own heads). Hugging Face's
+    ``"replicated_with_grad_allreduce"``; counted once in the gradient norm, as a replicated parameter."""
+
+
+Style = Colwise | Rowwise | VocabEmbedding | Replicate | ReplicateGradSum
+STYLES = (Colwise, Rowwise, VocabEmbedding, Replicate, ReplicateGradSum)
 
 HF_STYLES: dict[str, Style] = {
     "colwise": Colwise(),
@@ -52,6 +61,7 @@ HF_STYLES: dict[str, Style] = {
     "embedding_rowwise": VocabEmbedding(),
     "vocab_parallel": VocabEmbedding(),
     "replicate": Replicate(),
+    "replicated_with_grad_allreduce": ReplicateGradSum(),
 }
 
 NOT_BUILT: dict[str, str] = {
@@ -109,7 +119,7 @@ def resolve_style(style: Any, name: str) -> Style:
     Raises:
         ValueError: an unknown style (the message lists the known ones) or one not built (with the reason).
     """
-    if isinstance(style, (Colwise, Rowwise, VocabEmbedding, Replicate)):
+    if isinstance(style, STYLES):
         return style
     if isinstance(style, str):
         if style in HF_STYLES:

@@ -1,0 +1,115 @@
+"""Tensor parallel (issue 31) styles beyond plain column / row splits: Hugging Face's
+``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm`` / ``k_norm``), replicated parameters acting on
+split activations, the embedding's settings under a vocabulary split, torch's input layouts and the plan's
+refusals. Cheap: one process, or the 2-rank gloo pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from tests.distributed.test_tensor_parallel import CONFIG, MODELS, _fit, _reference
+from tests.pool import GlooPool
+
+
+class _Qwen3(pl.LightningModule):
+    """A Hugging Face Qwen3 built from a config (no download): 4 heads, 2 KV heads, per-head q/k norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(vocab_size=CONFIG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             max_position_embeddings=CONFIG.seq_len)
+        self.model = Qwen3ForCausalLM(config)
+        with torch.no_grad():  # HF initialises the norms to ones: make each head's scale count
+            for name, p in self.model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
+        self.losses: list[float] = []
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+MODELS["qwen3"] = _Qwen3
+
+
+def qwen3_body(stage: int) -> dict[str, Any]:
+    """TP 2 at ``stage``, 3 steps of 2 accumulated batches, clipped: the losses and norms against the unsplit
+    model trained in this process, and this rank's replicated parameters."""
+    ref = _reference(1, "qwen3")
+    run = _fit(stage, 2, "qwen3", steps=3)
+    n = len(run["losses"])
+    ref_losses = [step[0] for step in ref["losses"][:n]]  # one data rank
+    return {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref_losses, strict=True)),
+            "norm_rel": max(abs(a - b) / b for a, b in zip(run["norms"], ref["norms"], strict=False)),
+            "steps": len(run["norms"]), "losses": n, "split": run["split"], "replicated": run["replicated"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 3])
+def test_qwen3_q_and_k_norms_on_split_heads_follow_the_unsplit_run(gloo_pool: GlooPool, stage: int) -> None:
+    """Qwen3's own plan names its per-head ``q_norm`` / ``k_norm`` ``replicated_with_grad_allreduce``: each TP
+    rank holds the whole norm but applies it to its own heads only, so its gradient is summed over the TP group.
+    The losses and clipped norms follow the unsplit model (1e-5), and every replicated parameter (q/k norms and
+    layer norms alike) stays bitwise equal on both TP ranks."""
+    pytest.importorskip("transformers")
+    a, b = gloo_pool.run("tests.distributed.test_tensor_parallel_styles:qwen3_body", stage=stage)
+    for r in (a, b):
+        assert r["steps"] == 3 and r["losses"] == 6, r
+        assert r["loss_rel"] < 1e-5 and r["norm_rel"] < 1e-5, r
+        assert "model.model.layers.1.self_attn.o_proj" in r["split"], r["split"]
+    names = a["replicated"].keys()
+    assert names == b["replicated"].keys() and "model.model.layers.0.self_attn.q_norm.weight" in names
+    differ = {n: float((a["replicated"][n] - b["replicated"][n]).abs().max())
+              for n in names if not torch.equal(a["replicated"][n], b["replicated"][n])}
+    assert not differ, differ
+
+
+def test_a_whole_parameter_on_split_activations_must_sum_its_gradient_or_is_refused() -> None:
+    """Note [replicated parameters on split activations]: Qwen3's q_norm planned 'replicate' or left out is refused
+    naming 'replicated_with_grad_allreduce'; that style where nothing beside it is split is refused (it would
+    double the gradient); an nn.Sequential is read in order (a LayerNorm after the row-parallel sum is fine)."""
+    pytest.importorskip("transformers")
+    from torch import nn
+
+    from lightning_zero.tensor_parallel.plan import find_plan, resolve_plan
+    from lightning_zero.tensor_parallel.styles import ReplicateGradSum
+
+    qwen = _Qwen3()
+    plan, source = find_plan(qwen, None)
+    norms = [n for n, s in resolve_plan(qwen, plan, source).entries if isinstance(s, ReplicateGradSum)]
+    assert norms == [f"model.model.layers.{i}.self_attn.{k}_norm" for i in (0, 1) for k in "qk"]
+    replicated = {**plan, "model.model.layers.*.self_attn.q_norm": "replicate"}
+    with pytest.raises(ValueError, match=r"'model.model.layers.0.self_attn.q_norm' \(Qwen3RMSNorm\) is planned "
+                                         r"'replicate' but sits beside the split layers .*Fix: plan it "
+                                         r"'replicated_with_grad_allreduce'"):
+        resolve_plan(qwen, replicated, source)
+    dropped = {k: v for k, v in plan.items() if not k.endswith("k_norm")}
+    with pytest.raises(ValueError, match=r"self_attn.k_norm' \(Qwen3RMSNorm\) is left whole \(not in the plan\)"):
+        resolve_plan(qwen, dropped, source)
+    doubled = {**plan, "model.model.layers.*.input_layernorm": "replicated_with_grad_allreduce"}
+    with pytest.raises(ValueError, match=r"input_layernorm' is planned 'replicated_with_grad_allreduce' but no "
+                                         r"module beside it has a split output.*Fix: plan it 'replicate'"):
+        resolve_plan(qwen, doubled, source)
+    stack = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 4), nn.LayerNorm(4))
+    with pytest.raises(ValueError, match=r"'1' \(LayerNorm\) is left whole"):
+        resolve_plan(stack, {"0": "colwise", "2": "rowwise"}, "the given plan")
+    ok = resolve_plan(stack, {"0": "colwise", "1": "replicated_with_grad_allreduce", "2": "rowwise"}, "the given plan")
+    assert [n for n, _ in ok.entries] == ["0", "1", "2"]
+    resolve_plan(stack, {"2": "colwise"}, "the given plan")  # nothing split before the LayerNorm at 3
