@@ -113,3 +113,55 @@ def test_a_whole_parameter_on_split_activations_must_sum_its_gradient_or_is_refu
     ok = resolve_plan(stack, {"0": "colwise", "1": "replicated_with_grad_allreduce", "2": "rowwise"}, "the given plan")
     assert [n for n, _ in ok.entries] == ["0", "1", "2"]
     resolve_plan(stack, {"2": "colwise"}, "the given plan")  # nothing split before the LayerNorm at 3
+
+
+def embedding_body() -> dict[str, Any]:
+    """An ``nn.Embedding`` with a padding row split over the 2-rank pool: the output and every row's gradient
+    (the slices gathered) against the unsplit embedding on the same ids, pad ids among them."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_zero.tensor_parallel.collectives import TPGroup
+    from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
+
+    out: dict[str, Any] = {}
+    for pad in (5, 0, -1):  # rank 1's rows, rank 0's first row, the last row (nn.Embedding makes it 7)
+        torch.manual_seed(0)
+        whole = nn.Embedding(8, 4, padding_idx=pad)
+        ids = torch.tensor([[5, 0, 7, 1], [5, 5, 2, 7]])
+        split = VocabParallelEmbedding(whole, TPGroup(dist.group.WORLD, 2, dist.get_rank()), {}, "emb")
+        y = split(ids)
+        (y * torch.arange(4.0)).sum().backward()
+        ref = nn.Embedding(8, 4, padding_idx=pad)
+        with torch.no_grad():
+            torch.manual_seed(0)
+            ref.weight.copy_(nn.Embedding(8, 4, padding_idx=pad).weight)
+        y_ref = ref(ids)
+        (y_ref * torch.arange(4.0)).sum().backward()
+        parts = [torch.empty_like(split.weight.grad) for _ in range(2)]
+        dist.all_gather(parts, split.weight.grad)
+        out[pad] = {"out": torch.equal(y, y_ref), "grad": torch.equal(torch.cat(parts), ref.weight.grad),
+                    "pad_grad": float(torch.cat(parts)[ref.padding_idx].abs().sum())}
+    return out
+
+
+@pytest.mark.distributed
+def test_a_vocabulary_parallel_embedding_keeps_its_padding_row_out_of_the_gradient(gloo_pool: GlooPool) -> None:
+    """``padding_idx`` in either rank's rows (or negative): the outputs and gradients of the unsplit embedding,
+    the padding row's gradient zero."""
+    for per_rank in gloo_pool.run("tests.distributed.test_tensor_parallel_styles:embedding_body"):
+        for pad, r in per_rank.items():
+            assert r == {"out": True, "grad": True, "pad_grad": 0.0}, (pad, r)
+
+
+def test_embedding_settings_a_vocabulary_split_cannot_honour_are_refused_with_the_fix() -> None:
+    from torch import nn
+
+    from lightning_zero.tensor_parallel.collectives import TPGroup
+    from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
+
+    for kwargs, what in (({"scale_grad_by_freq": True}, "scale_grad_by_freq"), ({"sparse": True}, "sparse"),
+                         ({"max_norm": 1.0}, "max_norm")):
+        with pytest.raises(ValueError, match=rf"^emb: a vocabulary-parallel embedding with {what}=.* is not built.*"
+                                             r"Fix: .*leave 'emb' out of the tensor-parallel plan"):
+            VocabParallelEmbedding(nn.Embedding(8, 4, **kwargs), TPGroup.single(), {}, "emb")
