@@ -148,6 +148,8 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, Any], source: str) -> Resol
             chosen[name] = style
     for name, style in chosen.items():
         module = modules[name]
+        if isinstance(module, nn.Embedding) and isinstance(style, (Rowwise, Colwise)):
+            chosen[name] = style = _embedding_style(name, style)
         need = nn.Embedding if isinstance(style, VocabEmbedding) else nn.Linear
         if not isinstance(style, (Replicate, ReplicateGradSum)) and not isinstance(module, need):
             raise ValueError(f"tensor_parallel plan ({source}): {name!r} is a {type(module).__name__}, but style "
@@ -158,6 +160,16 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, Any], source: str) -> Resol
     if not any(not isinstance(s, (Replicate, ReplicateGradSum)) for _, s in entries):
         raise ValueError(f"tensor_parallel plan ({source}) splits no module: every rank would hold the whole model")
     return ResolvedPlan(entries, source)
+
+
+def _embedding_style(name: str, style: Rowwise | Colwise) -> VocabEmbedding:
+    """torch's styles on an ``nn.Embedding``: ``RowwiseParallel`` splits its rows, the vocabulary (torchtitan's
+    ``tok_embeddings``): our :class:`VocabEmbedding`; ``ColwiseParallel`` would split the embedding dimension."""
+    if isinstance(style, Colwise):
+        raise ValueError(f"tensor_parallel plan: {name!r} is an nn.Embedding: ColwiseParallel would split its "
+                         "embedding dimension, which is not built. Fix: RowwiseParallel(input_layouts=Replicate()) or "
+                         "'embedding_rowwise' (a vocabulary-parallel embedding), or leave it out of the plan")
+    return VocabEmbedding()
 
 
 def check_heads(root: nn.Module, size: int) -> None:

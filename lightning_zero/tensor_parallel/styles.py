@@ -103,8 +103,13 @@ def _from_torch(style: Any, name: str) -> Style:
         if out != "replicate":
             raise ValueError(f"plan entry {name!r}: RowwiseParallel(output_layouts={out}) splits the output over "
                              "the sequence (sequence parallelism): not built yet; use RowwiseParallel()")
-        if inp == "replicate":
+        if inp == "replicate":  # on an nn.Embedding (torchtitan's tok_embeddings): VocabEmbedding (plan.py)
             return Rowwise(input_is_parallel=False)
+        if inp not in ("shard-1", "shard2"):  # the hidden (last) dimension of a [batch, seq, hidden] activation
+            raise ValueError(f"plan entry {name!r}: RowwiseParallel(input_layouts={inp}) takes an input split over "
+                             "the batch or sequence (sequence parallelism, not built yet): use RowwiseParallel() "
+                             "(its input split along the last dimension, after a ColwiseParallel) or "
+                             "RowwiseParallel(input_layouts=Replicate())")
         return Rowwise()
     if kind in ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"):
         raise ValueError(f"plan entry {name!r}: torch's {kind} is not built yet (sequence parallelism and layout "

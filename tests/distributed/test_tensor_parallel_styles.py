@@ -165,3 +165,30 @@ def test_embedding_settings_a_vocabulary_split_cannot_honour_are_refused_with_th
         with pytest.raises(ValueError, match=rf"^emb: a vocabulary-parallel embedding with {what}=.* is not built.*"
                                              r"Fix: .*leave 'emb' out of the tensor-parallel plan"):
             VocabParallelEmbedding(nn.Embedding(8, 4, **kwargs), TPGroup.single(), {}, "emb")
+
+
+def test_torch_input_layouts_we_do_not_build_are_refused_and_an_embedding_rowwise_is_vocabulary_parallel() -> None:
+    """``RowwiseParallel(input_layouts=Shard(0 or 1))`` (a batch or sequence split input) is refused naming
+    sequence parallelism (it became a plain rowwise and failed later on a shape); torchtitan's
+    ``RowwiseParallel(input_layouts=Replicate())`` on its token embedding is our vocabulary-parallel embedding,
+    and a ``ColwiseParallel`` on an embedding (a split embedding dimension) is refused naming the fix."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_zero.models.gpt import GPTLightningModule
+    from lightning_zero.tensor_parallel.plan import resolve_plan
+    from lightning_zero.tensor_parallel.styles import Rowwise, VocabEmbedding, resolve_style
+
+    for dim in (0, 1):
+        with pytest.raises(ValueError, match=rf"RowwiseParallel\(input_layouts=shard{dim}\) takes an input split "
+                                             r"over the batch or sequence \(sequence parallelism, not built yet\)"):
+            resolve_style(RowwiseParallel(input_layouts=Shard(dim)), "o_proj")
+    assert resolve_style(RowwiseParallel(input_layouts=Shard(-1)), "o_proj") == Rowwise()
+    gpt = GPTLightningModule(CONFIG)
+    plan = {"model.tok_emb": RowwiseParallel(input_layouts=Replicate()), "model.blocks.*.mlp.fc": "colwise",
+            "model.blocks.*.mlp.proj": "rowwise"}
+    assert dict(resolve_plan(gpt, plan, "the given plan").entries)["model.tok_emb"] == VocabEmbedding()
+    with pytest.raises(ValueError, match=r"'model.tok_emb' is an nn.Embedding: ColwiseParallel would split its "
+                                         r"embedding dimension, which is not built. Fix: "
+                                         r"RowwiseParallel\(input_layouts=Replicate\(\)\) or 'embedding_rowwise'"):
+        resolve_plan(gpt, {**plan, "model.tok_emb": ColwiseParallel()}, "the given plan")
