@@ -9,9 +9,10 @@ Note [plan order]
       ``parallelize_module``; styles are HF strings, torch objects or ours: ``styles.py``);
     * ``"auto"``: AutoTP's rule for plain ``nn.Linear`` stacks: inside an ``nn.Sequential``, two
       ``nn.Linear`` separated only by element-wise modules become column- then row-parallel;
-    * ``None`` (default): a Hugging Face model's own ``_tp_plan`` / ``config.base_model_tp_plan``, found
-      among the LightningModule's submodules and prefixed with its name; else the LightningModule's
-      ``tensor_parallel_plan()`` (method or dict attribute); else it is refused, naming both fixes.
+    * ``None`` (default): the LightningModule's ``tensor_parallel_plan()`` (method or dict attribute) when it
+      defines one: written for this model, it wins over a Hugging Face submodule's plan (logged, naming
+      both); else a Hugging Face model's own ``_tp_plan`` / ``config.base_model_tp_plan``, found among the
+      LightningModule's submodules and prefixed with its name; else it is refused, naming both fixes.
 
 Note [slice after build]
     A plan is applied to the whole, initialised model: each rank builds every weight with the same seed
@@ -25,6 +26,7 @@ Note [slice after build]
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,6 +48,8 @@ from lightning_zero.tensor_parallel.styles import (
     resolve_style,
 )
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
+
+log = logging.getLogger(__name__)
 
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout, nn.Identity, nn.Mish)
 
@@ -110,11 +114,18 @@ def find_plan(root: nn.Module, plan: Mapping[str, Any] | str | None) -> tuple[Ma
     if plan is not None:
         raise ValueError(f"tensor_parallel plan must be a dict, 'auto' or None, got {plan!r}")
     found = hf_plan(root)
-    if found:
-        return found, "the Hugging Face model's _tp_plan"
     method = getattr(root, "tensor_parallel_plan", None)
     if method is not None:
-        return (method() if callable(method) else method), "the LightningModule's tensor_parallel_plan"
+        own = method() if callable(method) else method
+        if not found:
+            return own, "the LightningModule's tensor_parallel_plan"
+        hf = next(n for n, m in root.named_modules() if hasattr(m, "base_model_prefix"))
+        log.info(f"tensor_parallel: {type(root).__name__}.tensor_parallel_plan() is used instead of the _tp_plan of "
+                 f"the Hugging Face model {hf!r} (the LightningModule's own plan wins; return that model's plan "
+                 "from it, or delete the method, to use the Hugging Face one)")
+        return own, "the LightningModule's tensor_parallel_plan (over the Hugging Face model's _tp_plan)"
+    if found:
+        return found, "the Hugging Face model's _tp_plan"
     raise ValueError(f"{type(root).__name__} carries no tensor-parallel plan: define `tensor_parallel_plan()` on it "
                      "(a dict of module-name patterns to styles), pass TensorParallelConfig(plan={...}), or "
                      "plan='auto' for plain nn.Linear stacks")
@@ -144,7 +155,9 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, Any], source: str) -> Resol
                              + ": fix the pattern (dotted names from the LightningModule, '*' for one name)")
         for name in hits:
             if chosen.get(name, style) != style:
-                raise ValueError(f"tensor_parallel plan ({source}): {name!r} is matched as {chosen[name]} and {style}")
+                raise ValueError(f"tensor_parallel plan ({source}): {name!r} is matched as {chosen[name]} and {style} "
+                                 "by two entries. Fix: give it one style (narrow one pattern so that it no longer "
+                                 "matches, or give both entries the same style)")
             chosen[name] = style
     for name, style in chosen.items():
         module = modules[name]
@@ -158,7 +171,9 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, Any], source: str) -> Resol
     entries = tuple((n, chosen[n]) for n in order)
     check_split_regions(root, chosen, source)
     if not any(not isinstance(s, (Replicate, ReplicateGradSum)) for _, s in entries):
-        raise ValueError(f"tensor_parallel plan ({source}) splits no module: every rank would hold the whole model")
+        raise ValueError(f"tensor_parallel plan ({source}) splits no module: every rank would hold the whole model. "
+                         "Fix: split at least one nn.Linear ('colwise' / 'rowwise') or nn.Embedding "
+                         "('embedding_rowwise'), or drop tensor_parallel")
     return ResolvedPlan(entries, source)
 
 

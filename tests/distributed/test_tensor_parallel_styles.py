@@ -192,3 +192,34 @@ def test_torch_input_layouts_we_do_not_build_are_refused_and_an_embedding_rowwis
                                          r"embedding dimension, which is not built. Fix: "
                                          r"RowwiseParallel\(input_layouts=Replicate\(\)\) or 'embedding_rowwise'"):
         resolve_plan(gpt, {**plan, "model.tok_emb": ColwiseParallel()}, "the given plan")
+
+
+def test_the_lightning_modules_own_plan_wins_over_a_hugging_face_submodules_and_refusals_name_the_fix(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A LightningModule that defines ``tensor_parallel_plan()`` around a Hugging Face model with a ``_tp_plan``:
+    its own plan is used (it was silently ignored), and the choice is logged naming both. Two patterns giving
+    one module two styles, and a plan that splits nothing, are refused naming the fix."""
+    pytest.importorskip("transformers")
+    import logging
+
+    from lightning_zero.tensor_parallel.plan import find_plan, resolve_plan
+
+    class Own(_Qwen3):
+        def tensor_parallel_plan(self) -> dict[str, str]:
+            return {"model.model.layers.*.mlp.gate_proj": "colwise", "model.model.layers.*.mlp.up_proj": "colwise",
+                    "model.model.layers.*.mlp.down_proj": "rowwise"}
+
+    module = Own()
+    with caplog.at_level(logging.INFO):
+        plan, source = find_plan(module, None)
+    assert plan == module.tensor_parallel_plan(), plan
+    assert source == "the LightningModule's tensor_parallel_plan (over the Hugging Face model's _tp_plan)"
+    assert "tensor_parallel_plan() is used instead of the _tp_plan of the Hugging Face model 'model'" in caplog.text
+    resolve_plan(module, plan, source)  # the attention stays whole: its q/k norms see whole activations
+    twice = {**plan, "model.model.layers.0.mlp.gate_proj": "rowwise"}
+    with pytest.raises(ValueError, match=r"'model.model.layers.0.mlp.gate_proj' is matched as Colwise.* and "
+                                         r"Rowwise.* by two entries. Fix: give it one style"):
+        resolve_plan(module, twice, source)
+    with pytest.raises(ValueError, match=r"splits no module: every rank would hold the whole model. Fix: split at "
+                                         r"least one nn.Linear \('colwise' / 'rowwise'\)"):
+        resolve_plan(module, {"model.model.norm": "replicate"}, source)
