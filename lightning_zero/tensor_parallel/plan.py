@@ -36,7 +36,7 @@ from torch import nn
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
-from lightning_zero.tensor_parallel.regions import check_split_regions, sum_grads_over_tp
+from lightning_zero.tensor_parallel.regions import check_split_regions, sum_grads_over_tp, watch_replicated_grads
 from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG
 from lightning_zero.tensor_parallel.styles import (
     Colwise,
@@ -208,6 +208,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
     ``memo`` (filled) records each whole parameter and its slice."""
     memo = {} if memo is None else memo
     split = []
+    summed: set[int] = set()  # ids of the parameters whose gradients are summed over the group
     rng = SplitRegionRNG(tp.rank)  # Note [dropout streams]
     for name, style in resolved.entries:
         parent_name, _, attr = name.rpartition(".")
@@ -218,6 +219,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
             continue
         if isinstance(style, ReplicateGradSum):
             sum_grads_over_tp(module, tp)
+            summed.update(id(p) for p in module.parameters())
             continue
         if isinstance(style, Colwise):
             new = ColumnParallelLinear(module, tp, memo, name, style.chunks, style.gather_output)
@@ -230,6 +232,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         split.append(name)
     _retie(root, memo)
     _split_region_dropouts(root, rng)
+    watch_replicated_grads(root, tp, summed)  # Note [replicated parameters on split activations]
     return split
 
 

@@ -12,27 +12,33 @@ Note [replicated parameters on split activations]
     the unsplit model's gradient, the same bits everywhere (counted once in the norm, as any replicated
     parameter).
 
-    Which modules act on split activations cannot be read from the module tree in general, so the plan is
-    checked by position: a module with parameters that sits beside (in the same parent as) a column-parallel
-    layer with a split output and a row-parallel layer taking a split input is taken to act on the split
-    activations, and must be planned ``replicated_with_grad_allreduce`` or split; an ``nn.Sequential`` is
-    read in order instead (only the modules between the two layers). Unplanned, or planned ``"replicate"``,
-    it is refused with the fix. Conversely ``replicated_with_grad_allreduce`` on a module with no
-    column-parallel sibling is refused: there its gradient is already whole on every rank and summing it
-    would multiply it by the TP size.
+    Which modules act on split activations cannot be read from the module tree in general (a flat block holds
+    its layer norms beside its split layers, as Qwen3's attention holds its q/k norms), so it is checked where
+    it shows: at the first backward every replicated parameter's gradient is compared across the TP group (its
+    sum and sum of squares in float64, one small all-reduce per parameter, once), before the gradient
+    accumulates. A replicated parameter gets the same gradient bits on every TP rank (``copy_to_tp`` made the
+    gradients flowing into the replicated region whole, Note [conjugate functions]); one that does not acts on
+    split activations, and the step is refused on every rank with the fix. A first backward whose gradients
+    are not finite (an fp16 overflow) is inconclusive: the check waits for the next. Conversely
+    ``replicated_with_grad_allreduce`` on a module with no column-parallel sibling is refused before
+    anything changes: there its gradient is already whole on every rank and summing it would multiply it by
+    the TP size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.styles import Colwise, Replicate, ReplicateGradSum, Rowwise, Style
+from lightning_zero.tensor_parallel.layers import split_dim
+from lightning_zero.tensor_parallel.styles import Colwise, ReplicateGradSum, Style
 
-FIX = ("plan it 'replicated_with_grad_allreduce' (a whole parameter applied to each rank's own heads or "
+FIX = ("plan its module 'replicated_with_grad_allreduce' (a whole parameter applied to each rank's own heads or "
        "features, e.g. Qwen3's per-head q_norm: its gradient is summed over the TP group), or split it")
 
 
@@ -40,52 +46,16 @@ def _splits_out(style: Style | None) -> bool:
     return isinstance(style, Colwise) and not style.gather_output
 
 
-def _takes_split(style: Style | None) -> bool:
-    return isinstance(style, Rowwise) and style.input_is_parallel
-
-
-def _inside(parent: nn.Module, styles: dict[str, Style | None]) -> list[str]:
-    """The children of ``parent`` (by name) that act on split activations (Note [replicated parameters on split
-    activations]): between a split-output column layer and the next split-input row layer of an
-    ``nn.Sequential``; in any other parent, every child beside both kinds."""
-    if isinstance(parent, nn.Sequential):
-        out, region = [], False
-        for name in styles:
-            if _splits_out(styles[name]):
-                region, pending = True, []
-            elif _takes_split(styles[name]) and region:
-                out += pending
-                region = False
-            elif region:
-                pending.append(name)
-        return out
-    if any(map(_splits_out, styles.values())) and any(map(_takes_split, styles.values())):
-        return [n for n, s in styles.items() if not (_splits_out(s) or _takes_split(s))]
-    return []
-
-
 def check_split_regions(root: nn.Module, chosen: Mapping[str, Style], source: str) -> None:
-    """Refuse a whole parameter left on split activations, and a gradient sum where none is split.
+    """Refuse ``replicated_with_grad_allreduce`` where nothing beside the module is split (Note [replicated
+    parameters on split activations]).
 
     Raises:
-        ValueError: naming the module, the split layers beside it and the fix.
+        ValueError: naming the module and the fix.
     """
     for prefix, parent in root.named_modules():
         children = {n: f"{prefix}.{n}" if prefix else n for n, _ in parent.named_children()}
         styles = {n: chosen.get(full) for n, full in children.items()}
-        for name in _inside(parent, styles):
-            module = getattr(parent, name)
-            if isinstance(styles[name], ReplicateGradSum) or not any(True for _ in module.parameters()):
-                continue
-            if styles[name] is None or isinstance(styles[name], Replicate):
-                col = next(children[n] for n, s in styles.items() if _splits_out(s))
-                row = next(children[n] for n, s in styles.items() if _takes_split(s))
-                how = "is planned 'replicate'" if styles[name] is not None else "is left whole (not in the plan)"
-                raise ValueError(
-                    f"tensor_parallel plan ({source}): {children[name]!r} ({type(module).__name__}) {how} but sits "
-                    f"beside the split layers {col!r} and {row!r}, so it acts on their split activations and its "
-                    f"gradient differs per TP rank: its copies would drift apart. Fix: {FIX}. If it only sees the "
-                    f"replicated input, move it out of {prefix or type(root).__name__!r}")
         for name, style in styles.items():
             if isinstance(style, ReplicateGradSum) and not any(map(_splits_out, styles.values())):
                 raise ValueError(
@@ -93,6 +63,41 @@ def check_split_regions(root: nn.Module, chosen: Mapping[str, Style], source: st
                     "but no module beside it has a split output ('colwise'): its gradient is already the whole one "
                     "on every TP rank and summing it would multiply it by the TP size. Fix: plan it 'replicate' or "
                     "leave it out of the plan")
+
+
+def watch_replicated_grads(root: nn.Module, tp: TPGroup, summed: set[int]) -> None:
+    """At the first backward, refuse a replicated parameter whose gradient differs across the TP group (Note
+    [replicated parameters on split activations]); ``summed``: ids of those whose gradients are summed."""
+    if tp.size == 1:
+        return
+    seen: set[int] = set()
+    for name, param in root.named_parameters():
+        if split_dim(param) is not None or id(param) in summed or id(param) in seen or not param.requires_grad:
+            continue
+        seen.add(id(param))
+        handle: list[RemovableHandle] = []
+        handle.append(param.register_hook(_compare(name, tp, handle)))
+
+
+def _compare(name: str, tp: TPGroup, handle: list[RemovableHandle]) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        g = grad.detach().double()
+        v = torch.stack([g.sum(), g.square().sum()])
+        finite = bool(torch.isfinite(v).all())
+        v = v if finite else torch.zeros_like(v)
+        both = tp.all_reduce(torch.cat([v, -v, torch.tensor([0.0 if finite else 1.0], dtype=v.dtype)]),
+                             dist.ReduceOp.MAX)
+        if both[-1] > 0:  # some rank's gradient is not finite: inconclusive, check the next backward
+            return
+        handle[0].remove()
+        if not torch.equal(both[:2], -both[2:4]):
+            raise ValueError(
+                f"tensor_parallel: the gradient of the replicated parameter {name!r} differs between the TP ranks "
+                "of a group at the first backward: its module acts on split activations (e.g. a per-head norm "
+                "after a column-parallel layer: each rank sees only its own heads), so its copies would drift "
+                f"apart. Fix: {FIX}")
+
+    return hook
 
 
 def sum_grads_over_tp(module: nn.Module, tp: TPGroup) -> None:
