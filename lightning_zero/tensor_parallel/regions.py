@@ -15,7 +15,7 @@ Note [replicated parameters on split activations]
     Which modules act on split activations cannot be read from the module tree in general (a flat block holds
     its layer norms beside its split layers, as Qwen3's attention holds its q/k norms), so it is checked where
     it shows: at the first backward every replicated parameter's gradient is compared across the TP group (its
-    sum and sum of squares in float64, one small all-reduce per parameter, once), before the gradient
+    sum and norm in float64, one small all-reduce per parameter, once), before the gradient
     accumulates. A replicated parameter gets the same gradient bits on every TP rank (``copy_to_tp`` made the
     gradients flowing into the replicated region whole, Note [conjugate functions]); one that does not acts on
     split activations, and the step is refused on every rank with the fix. A first backward whose gradients
@@ -81,12 +81,12 @@ def watch_replicated_grads(root: nn.Module, tp: TPGroup, summed: set[int]) -> No
 
 def _compare(name: str, tp: TPGroup, handle: list[RemovableHandle]) -> Callable[[torch.Tensor], None]:
     def hook(grad: torch.Tensor) -> None:
-        g = grad.detach().double()
-        v = torch.stack([g.sum(), g.square().sum()])
+        g = grad.detach()  # a fingerprint in float64, without a float64 copy of the gradient
+        v = torch.stack([g.sum(dtype=torch.float64), torch.linalg.vector_norm(g, dtype=torch.float64)])
         finite = bool(torch.isfinite(v).all())
         v = v if finite else torch.zeros_like(v)
-        both = tp.all_reduce(torch.cat([v, -v, torch.tensor([0.0 if finite else 1.0], dtype=v.dtype)]),
-                             dist.ReduceOp.MAX)
+        flag = torch.tensor([0.0 if finite else 1.0], dtype=v.dtype, device=v.device)
+        both = tp.all_reduce(torch.cat([v, -v, flag]), dist.ReduceOp.MAX)
         if both[-1] > 0:  # some rank's gradient is not finite: inconclusive, check the next backward
             return
         handle[0].remove()
