@@ -8,7 +8,8 @@ docs/benchmarks.md:
     one plan in torch's styles for both;
   - Lightning's ``Trainer``: ``ZeroStrategy(stage=0, tensor_parallel=2)`` against Lightning's
     ``ModelParallelStrategy(tensor_parallel_size=2)`` whose ``configure_model`` calls ``parallelize_module``.
-* ``traffic``: the collectives one rank issues per training step, counted at the call (every
+* ``traffic``: the collectives one rank issues per training step after the first (which also checks the
+  replicated gradients once across the TP group), counted at the call (every
   ``torch.distributed.all_reduce`` / ``all_gather``: its tensor's bytes), against Megatron's formula: 2
   all-reduces of B x T x H per block forward and 2 backward (4 here: this file's model has separate q, k
   and v layers, each column-parallel layer's f all-reduces its input's gradient; the GPT fuses them), and,
@@ -227,6 +228,7 @@ def traffic_body(model_name: str) -> dict[str, Any]:
         tp = TPGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
         apply_plan(module, resolve_plan(module, module.tensor_parallel_plan(), "gpt"), tp)
         loss = lambda: module.loss((x, y))  # noqa: E731
+    loss().backward()  # a first step: the one-time check of the replicated gradients (tensor_parallel/regions.py)
     for name in real:
         setattr(dist, name, counted(name))
     try:

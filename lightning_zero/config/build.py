@@ -13,16 +13,18 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import OmegaConf
 
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
+from lightning_zero.config.parallel_checks import data_parallel_size
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
     GPTModelSchema,
@@ -106,7 +108,7 @@ def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
 
     t, p = cfg.trainer, cfg.pipeline
     model = cfg.model.preset if isinstance(cfg.model, GPTModelSchema) else cfg.model.kind
-    data_parallel = t.devices // max(p.stages, 1)
+    data_parallel = data_parallel_size(cfg)
     micro_batches = p.micro_batches if p.stages > 1 else t.accumulate_grad_batches
     return {
         "zero_stage": cfg.zero.stage, "offload": offload_name(cfg), "precision": cfg.precision.name.value,
@@ -203,11 +205,33 @@ def val_check_batches(cfg: TrainConfig) -> float | None:
     return int(value) * t.accumulate_grad_batches
 
 
+def val_batches_per_rank(cfg: TrainConfig) -> float | int | None:
+    """``trainer.limit_val_batches`` as Lightning counts it (per rank).
+
+    Note [global validation batches]
+        A whole number N (> 1) counts validation batches over all data-parallel replicas together, so that
+        every layout of one run (1 rank, a pipeline, TP, data parallel) validates on the same samples: each of
+        the D replicas takes N / D batches. When D does not divide N, each takes N / D rounded up (D x that in
+        all, said in the log). A fraction (<= 1: 1.0 is all) is passed as it is. ``trainer.limit_train_batches``
+        keeps Lightning's per-rank count.
+    """
+    value = cfg.trainer.limit_val_batches
+    if value is None or value <= 1 or not float(value).is_integer():
+        return value
+    data = data_parallel_size(cfg)
+    per_rank = -(-int(value) // data)  # an int: Lightning reads 1.0 as "all", 1 as one batch
+    if per_rank * data != int(value):
+        rank_zero_info(f"trainer.limit_val_batches={int(value)} counts validation batches over all {data} "
+                       f"data-parallel replicas, which do not divide it: each validates {per_rank} "
+                       f"({per_rank * data} in all); a multiple of {data} avoids the rounding")
+    return per_rank
+
+
 def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
     """``pl.Trainer`` arguments (strategy not included) for one rank of the run."""
     t = cfg.trainer
     optional = {"max_epochs": t.max_epochs, "max_time": t.max_time, "val_check_interval": val_check_batches(cfg),
-                "limit_train_batches": t.limit_train_batches, "limit_val_batches": t.limit_val_batches,
+                "limit_train_batches": t.limit_train_batches, "limit_val_batches": val_batches_per_rank(cfg),
                 "gradient_clip_val": t.gradient_clip_val}
     return {
         "accelerator": t.accelerator, "devices": t.devices, "num_nodes": t.num_nodes, "max_steps": t.max_steps,
@@ -231,6 +255,9 @@ class FitResult:
     val_loss_end: float | None
     checkpoints: list[str]
     resumed_at: int = 0  # the global step the fit resumed from (0: a fresh run)
+    # the layout that ran, read from the strategy's mesh: world_size, data, pipeline, tensor, sequence, and the
+    # modules the tensor-parallel plan split (0: none)
+    layout: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line: steps (those of this run when resumed), fit time, validation loss at start and end."""
@@ -291,6 +318,17 @@ def _validate_at_start(trainer: pl.Trainer, module: pl.LightningModule, data: pl
             printer.enable()
 
 
+def run_layout(strategy: Any) -> dict[str, int]:
+    """The dimensions the strategy's mesh spans and how many modules its tensor-parallel plan split: what ran,
+    whatever the config asked (``result.json``'s ``layout``)."""
+    mesh, tp = getattr(strategy, "_mesh", None), getattr(strategy, "_tp", None)
+    if mesh is None:
+        return {}
+    d = mesh.dims
+    return {"world_size": d.world_size, "data": d.data, "pipeline": d.pipeline, "tensor": d.tensor,
+            "sequence": d.sequence, "tensor_split_modules": len(tp.split) if tp is not None else 0}
+
+
 def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     """Train ``cfg`` in this process (one rank, or the only one) and return what happened.
 
@@ -325,7 +363,8 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
         end = _val_loss(dict(trainer.callback_metrics))
     ckpt_dir = run_dir / "checkpoints"
     ckpts = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
-    result = FitResult(trainer.global_step, seconds, start, end, ckpts, resumed_at=last_validation.started_at)
+    result = FitResult(trainer.global_step, seconds, start, end, ckpts, resumed_at=last_validation.started_at,
+                       layout=run_layout(strategy))
     if trainer.local_rank == 0:  # every node's launcher reads it from its own run directory
         (run_dir / RESULT_FILE).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result

@@ -15,6 +15,13 @@ from lightning_zero.config.schema import (
 from lightning_zero.core.zero.config import ZeroStage
 
 
+def data_parallel_size(cfg: TrainConfig) -> int:
+    """Data-parallel replicas: the world over pipeline x tensor x sequence (the ranks of one replica share its
+    samples; ``ParallelDims.data``)."""
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    return max(1, world // (cfg.pipeline.stages * cfg.tensor_parallel.size * cfg.sequence_parallel.size))
+
+
 def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
     """``tensor_parallel.size``: the sizes and the combinations not built yet, each with its fix."""
     size, out = cfg.tensor_parallel.size, []

@@ -94,7 +94,7 @@ def _tp_counts(model: nn.Module) -> tuple[float, float] | None:
     Face ``_tp_plan`` or ``tensor_parallel_plan()``), or ``None`` when it has none. A row-parallel layer's bias
     is replicated; everything else a planned module owns is split."""
     from lightning_zero.tensor_parallel.plan import find_plan, resolve_plan
-    from lightning_zero.tensor_parallel.styles import Replicate, Rowwise
+    from lightning_zero.tensor_parallel.styles import Replicate, ReplicateGradSum, Rowwise
 
     try:
         plan, source = find_plan(model, None)
@@ -103,7 +103,7 @@ def _tp_counts(model: nn.Module) -> tuple[float, float] | None:
         return None
     split: set[int] = set()
     for name, style in resolved.entries:
-        if isinstance(style, Replicate):
+        if isinstance(style, (Replicate, ReplicateGradSum)):
             continue
         for pname, p in model.get_submodule(name).named_parameters(recurse=False):
             if not (isinstance(style, Rowwise) and pname == "bias"):

@@ -2,20 +2,22 @@
 
 ``config`` (``TensorParallelConfig``), ``collectives`` (the conjugate autograd functions over a TP group),
 ``layers`` (column / row-parallel ``Linear``, split tags), ``vocab`` (vocabulary-parallel embedding and
-cross-entropy), ``styles`` (the plan vocabularies: HF strings, torch styles), ``plan`` (finding, checking
-and applying a plan), ``lightning`` (the strategy's side: mesh, norm, sampler, refusals).
+cross-entropy), ``styles`` (the plan vocabularies: HF strings, torch styles), ``regions`` (whole parameters
+on split activations), ``plan`` (finding, checking and applying a plan), ``lightning`` (the strategy's side:
+mesh, norm, sampler, refusals).
 """
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, split_dim
-from lightning_zero.tensor_parallel.styles import Colwise, Replicate, Rowwise, VocabEmbedding
+from lightning_zero.tensor_parallel.styles import Colwise, Replicate, ReplicateGradSum, Rowwise, VocabEmbedding
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = [
     "ColumnParallelLinear",
     "Colwise",
     "Replicate",
+    "ReplicateGradSum",
     "RowParallelLinear",
     "Rowwise",
     "TPGroup",

@@ -9,9 +9,10 @@ Note [plan order]
       ``parallelize_module``; styles are HF strings, torch objects or ours: ``styles.py``);
     * ``"auto"``: AutoTP's rule for plain ``nn.Linear`` stacks: inside an ``nn.Sequential``, two
       ``nn.Linear`` separated only by element-wise modules become column- then row-parallel;
-    * ``None`` (default): a Hugging Face model's own ``_tp_plan`` / ``config.base_model_tp_plan``, found
-      among the LightningModule's submodules and prefixed with its name; else the LightningModule's
-      ``tensor_parallel_plan()`` (method or dict attribute); else it is refused, naming both fixes.
+    * ``None`` (default): the LightningModule's ``tensor_parallel_plan()`` (method or dict attribute) when it
+      defines one: written for this model, it wins over a Hugging Face submodule's plan (logged, naming
+      both); else a Hugging Face model's own ``_tp_plan`` / ``config.base_model_tp_plan``, found among the
+      LightningModule's submodules and prefixed with its name; else it is refused, naming both fixes.
 
 Note [slice after build]
     A plan is applied to the whole, initialised model: each rank builds every weight with the same seed
@@ -25,6 +26,7 @@ Note [slice after build]
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,9 +36,20 @@ from torch import nn
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
+from lightning_zero.tensor_parallel.regions import check_split_regions, sum_grads_over_tp, watch_replicated_grads
 from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG
-from lightning_zero.tensor_parallel.styles import Colwise, Replicate, Rowwise, Style, VocabEmbedding, resolve_style
+from lightning_zero.tensor_parallel.styles import (
+    Colwise,
+    Replicate,
+    ReplicateGradSum,
+    Rowwise,
+    Style,
+    VocabEmbedding,
+    resolve_style,
+)
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
+
+log = logging.getLogger(__name__)
 
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout, nn.Identity, nn.Mish)
 
@@ -101,11 +114,18 @@ def find_plan(root: nn.Module, plan: Mapping[str, Any] | str | None) -> tuple[Ma
     if plan is not None:
         raise ValueError(f"tensor_parallel plan must be a dict, 'auto' or None, got {plan!r}")
     found = hf_plan(root)
-    if found:
-        return found, "the Hugging Face model's _tp_plan"
     method = getattr(root, "tensor_parallel_plan", None)
     if method is not None:
-        return (method() if callable(method) else method), "the LightningModule's tensor_parallel_plan"
+        own = method() if callable(method) else method
+        if not found:
+            return own, "the LightningModule's tensor_parallel_plan"
+        hf = next(n for n, m in root.named_modules() if hasattr(m, "base_model_prefix"))
+        log.info(f"tensor_parallel: {type(root).__name__}.tensor_parallel_plan() is used instead of the _tp_plan of "
+                 f"the Hugging Face model {hf!r} (the LightningModule's own plan wins; return that model's plan "
+                 "from it, or delete the method, to use the Hugging Face one)")
+        return own, "the LightningModule's tensor_parallel_plan (over the Hugging Face model's _tp_plan)"
+    if found:
+        return found, "the Hugging Face model's _tp_plan"
     raise ValueError(f"{type(root).__name__} carries no tensor-parallel plan: define `tensor_parallel_plan()` on it "
                      "(a dict of module-name patterns to styles), pass TensorParallelConfig(plan={...}), or "
                      "plan='auto' for plain nn.Linear stacks")
@@ -135,19 +155,36 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, Any], source: str) -> Resol
                              + ": fix the pattern (dotted names from the LightningModule, '*' for one name)")
         for name in hits:
             if chosen.get(name, style) != style:
-                raise ValueError(f"tensor_parallel plan ({source}): {name!r} is matched as {chosen[name]} and {style}")
+                raise ValueError(f"tensor_parallel plan ({source}): {name!r} is matched as {chosen[name]} and {style} "
+                                 "by two entries. Fix: give it one style (narrow one pattern so that it no longer "
+                                 "matches, or give both entries the same style)")
             chosen[name] = style
     for name, style in chosen.items():
         module = modules[name]
+        if isinstance(module, nn.Embedding) and isinstance(style, (Rowwise, Colwise)):
+            chosen[name] = style = _embedding_style(name, style)
         need = nn.Embedding if isinstance(style, VocabEmbedding) else nn.Linear
-        if not isinstance(style, Replicate) and not isinstance(module, need):
+        if not isinstance(style, (Replicate, ReplicateGradSum)) and not isinstance(module, need):
             raise ValueError(f"tensor_parallel plan ({source}): {name!r} is a {type(module).__name__}, but style "
                              f"{style} splits an {need.__name__}: leave it out of the plan")
     order = [n for n in modules if n in chosen]
     entries = tuple((n, chosen[n]) for n in order)
-    if not any(not isinstance(s, Replicate) for _, s in entries):
-        raise ValueError(f"tensor_parallel plan ({source}) splits no module: every rank would hold the whole model")
+    check_split_regions(root, chosen, source)
+    if not any(not isinstance(s, (Replicate, ReplicateGradSum)) for _, s in entries):
+        raise ValueError(f"tensor_parallel plan ({source}) splits no module: every rank would hold the whole model. "
+                         "Fix: split at least one nn.Linear ('colwise' / 'rowwise') or nn.Embedding "
+                         "('embedding_rowwise'), or drop tensor_parallel")
     return ResolvedPlan(entries, source)
+
+
+def _embedding_style(name: str, style: Rowwise | Colwise) -> VocabEmbedding:
+    """torch's styles on an ``nn.Embedding``: ``RowwiseParallel`` splits its rows, the vocabulary (torchtitan's
+    ``tok_embeddings``): our :class:`VocabEmbedding`; ``ColwiseParallel`` would split the embedding dimension."""
+    if isinstance(style, Colwise):
+        raise ValueError(f"tensor_parallel plan: {name!r} is an nn.Embedding: ColwiseParallel would split its "
+                         "embedding dimension, which is not built. Fix: RowwiseParallel(input_layouts=Replicate()) or "
+                         "'embedding_rowwise' (a vocabulary-parallel embedding), or leave it out of the plan")
+    return VocabEmbedding()
 
 
 def check_heads(root: nn.Module, size: int) -> None:
@@ -171,6 +208,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
     ``memo`` (filled) records each whole parameter and its slice."""
     memo = {} if memo is None else memo
     split = []
+    summed: set[int] = set()  # ids of the parameters whose gradients are summed over the group
     rng = SplitRegionRNG(tp.rank)  # Note [dropout streams]
     for name, style in resolved.entries:
         parent_name, _, attr = name.rpartition(".")
@@ -178,6 +216,10 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         module = getattr(parent, attr)
         new: nn.Module
         if isinstance(style, Replicate):
+            continue
+        if isinstance(style, ReplicateGradSum):
+            sum_grads_over_tp(module, tp)
+            summed.update(id(p) for p in module.parameters())
             continue
         if isinstance(style, Colwise):
             new = ColumnParallelLinear(module, tp, memo, name, style.chunks, style.gather_output)
@@ -190,6 +232,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         split.append(name)
     _retie(root, memo)
     _split_region_dropouts(root, rng)
+    watch_replicated_grads(root, tp, summed)  # Note [replicated parameters on split activations]
     return split
 
 

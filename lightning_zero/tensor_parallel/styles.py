@@ -39,7 +39,16 @@ class Replicate:
     """Leave the module whole on every rank (its gradients are counted once in the norm)."""
 
 
-Style = Colwise | Rowwise | VocabEmbedding | Replicate
+@dataclass(frozen=True)
+class ReplicateGradSum:
+    """Leave the module whole on every rank, but sum its parameters' gradients over the TP group: for a module
+    that acts on split activations with a whole parameter (Qwen3's per-head ``q_norm`` / ``k_norm`` after a
+    column-parallel projection: each rank's gradient covers only its own heads). Hugging Face's
+    ``"replicated_with_grad_allreduce"``; counted once in the gradient norm, as a replicated parameter."""
+
+
+Style = Colwise | Rowwise | VocabEmbedding | Replicate | ReplicateGradSum
+STYLES = (Colwise, Rowwise, VocabEmbedding, Replicate, ReplicateGradSum)
 
 HF_STYLES: dict[str, Style] = {
     "colwise": Colwise(),
@@ -52,6 +61,7 @@ HF_STYLES: dict[str, Style] = {
     "embedding_rowwise": VocabEmbedding(),
     "vocab_parallel": VocabEmbedding(),
     "replicate": Replicate(),
+    "replicated_with_grad_allreduce": ReplicateGradSum(),
 }
 
 NOT_BUILT: dict[str, str] = {
@@ -93,8 +103,13 @@ def _from_torch(style: Any, name: str) -> Style:
         if out != "replicate":
             raise ValueError(f"plan entry {name!r}: RowwiseParallel(output_layouts={out}) splits the output over "
                              "the sequence (sequence parallelism): not built yet; use RowwiseParallel()")
-        if inp == "replicate":
+        if inp == "replicate":  # on an nn.Embedding (torchtitan's tok_embeddings): VocabEmbedding (plan.py)
             return Rowwise(input_is_parallel=False)
+        if inp not in ("shard-1", "shard2"):  # the hidden (last) dimension of a [batch, seq, hidden] activation
+            raise ValueError(f"plan entry {name!r}: RowwiseParallel(input_layouts={inp}) takes an input split over "
+                             "the batch or sequence (sequence parallelism, not built yet): use RowwiseParallel() "
+                             "(its input split along the last dimension, after a ColwiseParallel) or "
+                             "RowwiseParallel(input_layouts=Replicate())")
         return Rowwise()
     if kind in ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"):
         raise ValueError(f"plan entry {name!r}: torch's {kind} is not built yet (sequence parallelism and layout "
@@ -109,7 +124,7 @@ def resolve_style(style: Any, name: str) -> Style:
     Raises:
         ValueError: an unknown style (the message lists the known ones) or one not built (with the reason).
     """
-    if isinstance(style, (Colwise, Rowwise, VocabEmbedding, Replicate)):
+    if isinstance(style, STYLES):
         return style
     if isinstance(style, str):
         if style in HF_STYLES:

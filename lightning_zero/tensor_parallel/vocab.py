@@ -27,21 +27,28 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding, tp: TPGroup, memo: SliceMemo, name: str) -> None:
         super().__init__()
-        unsupported = {k: getattr(embedding, k) for k in ("max_norm", "sparse") if getattr(embedding, k)}
-        if unsupported:
-            raise ValueError(f"{name}: a vocabulary-parallel embedding with {unsupported} is not built: drop them "
-                             "or leave this embedding out of the tensor-parallel plan")
-        self.tp, self.padding_idx = tp, embedding.padding_idx
+        settings = ("max_norm", "scale_grad_by_freq", "sparse")
+        refused = {k: getattr(embedding, k) for k in settings if getattr(embedding, k)}
+        if refused:
+            given = ", ".join(f"{k}={v!r}" for k, v in refused.items())
+            raise ValueError(f"{name}: a vocabulary-parallel embedding with {given} is not built (max_norm "
+                             "renormalises rows in place, scale_grad_by_freq counts ids per rank and sparse gradients "
+                             "do not go into ZeRO's flat buffers). Fix: drop them from the nn.Embedding, or leave "
+                             f"{name!r} out of the tensor-parallel plan (it stays whole on every rank)")
+        self.tp, self.padding_idx = tp, embedding.padding_idx  # nn.Embedding made a negative one positive
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.weight = slice_param(embedding.weight, 0, 1, tp, memo, f"{name}.weight")
         self.start = tp.rank * self.weight.size(0)
+        local_pad = None if self.padding_idx is None else self.padding_idx - self.start
+        # the padding row gets no gradient on the rank holding it (its index among this rank's rows)
+        self.local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.weight.size(0) else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.size(0))
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.local_padding_idx)
         return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
 
     def extra_repr(self) -> str:

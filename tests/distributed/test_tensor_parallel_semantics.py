@@ -246,15 +246,18 @@ class _Stack(pl.LightningModule):
 
 def plans_body() -> dict[str, Any]:
     """TP 2, 3 steps each: the GPT under its own plan and under the same plan written by a user in torch's
-    styles (and ours where torch has none), and an ``nn.Sequential`` stack under ``plan='auto'`` with the
+    styles (torchtitan's ``RowwiseParallel(input_layouts=Replicate())`` on the token embedding; ours for the fused
+    q/k/v, where torch has no style), and an ``nn.Sequential`` stack under ``plan='auto'`` with the
     unsplit stack trained in this process on the same batches."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_zero import TensorParallelConfig
-    from lightning_zero.tensor_parallel import Colwise, VocabEmbedding
+    from lightning_zero.tensor_parallel import Colwise
 
-    torch_style = {"model.tok_emb": VocabEmbedding(), "model.blocks.*.attn.qkv": Colwise(chunks=3),
+    torch_style = {"model.tok_emb": RowwiseParallel(input_layouts=Replicate()),
+                   "model.blocks.*.attn.qkv": Colwise(chunks=3),
                    "model.blocks.*.attn.proj": RowwiseParallel(), "model.blocks.*.mlp.fc": ColwiseParallel(),
                    "model.blocks.*.mlp.proj": RowwiseParallel(), "model.lm_head": ColwiseParallel()}
     out: dict[str, Any] = {}

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -208,3 +209,18 @@ def test_bench_breakdown_quick_counts_every_part_of_a_step(tmp_path: Path) -> No
     assert ddp["blocked_ms"] is None and zero2["blocked_ms"] > 0  # DDP's waits are inside its C++ reducer
     # the owner exchange sends half a ring all-reduce's bytes; ZeRO 2 also all-gathers the parameters once
     assert zero2["mb"] == pytest.approx(ddp["mb"], rel=0.05)
+
+
+@pytest.mark.distributed
+def test_bench_tensor_parallel_counts_the_collectives_of_its_formula(gloo_pool: Any) -> None:
+    """benchmarks/bench_tensor_parallel.py's traffic part on the session's 2-rank pool: one training step's
+    all-reduces, counted at the call, are the Megatron formula it prints against, in number and payload bytes,
+    for its own model under this project's layers and for the GPT under its plan (no all-gather in either)."""
+    from benchmarks import bench_tensor_parallel as bench
+
+    for model in ("bench", "gpt"):
+        calls, total = bench._formula(model, 2)
+        for rank, out in enumerate(gloo_pool.run("benchmarks.bench_tensor_parallel:traffic_body", model_name=model)):
+            reduces = [b for c, b in out["calls"] if c == "all_reduce"]
+            assert all(c == "all_reduce" for c, _ in out["calls"]), (model, rank, out["calls"])
+            assert (len(reduces), sum(reduces)) == (calls, total), (model, rank, len(reduces), sum(reduces))

@@ -155,16 +155,17 @@ def test_the_cli_reports_the_same_step0_validation_loss_on_one_rank_two_stages_a
         tmp_path: Path) -> None:
     """Issue 31's CLI must-show: with data.deterministic_order=true the 1-rank run, pipeline=pp2_gpipe on 2 ranks,
     tensor_parallel=tp2 on 2 and tensor_parallel=tp2 pipeline=pp2_1f1b zero=stage3 on 8 start from the same model
-    (the pipelined run used to report 5.4716 against 5.4946). The whole validation set on every layout
-    (limit_val_batches=1.0: the default 2 batches per data rank would be 16 samples on one data replica, 32 on
-    two)."""
+    (the pipelined run used to report 5.4716 against 5.4946). The commands as the issue writes them: gpt_tiny's
+    limit_val_batches=2 counts the batches of all data replicas (Note [global validation batches]), so the run
+    on 8 ranks (2 data replicas) validates on the same 16 samples; result.json records the layout that ran."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     base = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "data.deterministic_order=true",
-            "trainer.max_steps=1", "trainer.validate_at_end=false", "trainer.limit_val_batches=1.0",
-            "trainer.checkpoint.enabled=false"]
+            "trainer.max_steps=1", "trainer.validate_at_end=false", "trainer.checkpoint.enabled=false"]
     layouts = {"one": ["trainer.devices=1"], "pp2": ["pipeline=pp2_gpipe", "trainer.devices=2"],
                "tp2": ["tensor_parallel=tp2", "trainer.devices=2"],
                "pp2_tp2_z3": ["tensor_parallel=tp2", "pipeline=pp2_1f1b", "zero=stage3", "trainer.devices=8"]}
+    # (world, data, pipeline, tensor) each layout must have run with, read from the strategy's mesh
+    expected = {"one": (1, 1, 1, 1), "pp2": (2, 1, 2, 1), "tp2": (2, 1, 1, 2), "pp2_tp2_z3": (8, 2, 2, 2)}
     start = {}
     for name, extra in layouts.items():
         run = tmp_path / name
@@ -173,6 +174,9 @@ def test_the_cli_reports_the_same_step0_validation_loss_on_one_rank_two_stages_a
         assert done.returncode == 0, (name, done.stderr[-3000:])
         result = json.loads((run / "result.json").read_text())
         assert result["global_step"] == 1, (name, result)
+        layout = result["layout"]
+        assert tuple(layout[k] for k in ("world_size", "data", "pipeline", "tensor")) == expected[name], (name, layout)
+        assert (layout["tensor_split_modules"] > 0) == (layout["tensor"] > 1), (name, layout)
         start[name] = result["val_loss_start"]
     assert all(abs(v - start["one"]) <= 1e-5 * start["one"] for v in start.values()), start
 

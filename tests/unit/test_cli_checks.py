@@ -94,3 +94,27 @@ def test_progress_is_on_by_default_lines_off_a_terminal_and_off_by_option(tmp_pa
     assert progress([], tty=False) == (True, [LineProgress])  # a pipe or a log: a line per log_every_n_steps
     assert progress([], tty=True) == (True, [])  # a terminal: Lightning's bar
     assert progress(["trainer.enable_progress_bar=false"], tty=False) == (False, [])
+
+
+def test_a_whole_limit_val_batches_counts_the_batches_of_all_data_replicas_together(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Note [global validation batches]: gpt_tiny's ``limit_val_batches: 2`` is 2 batches on 1 rank, on TP 2 or a
+    pipeline of 2 (one data replica), and 1 per replica on pipeline 2 x TP 2 x data 2 (an int: 1.0 would be
+    every batch), so all validate on the same 16 samples; 4 data replicas each take 1 (2 / 4 rounded up, logged);
+    a fraction is Lightning's."""
+    import logging
+
+    from lightning_zero.config.build import val_batches_per_rank
+
+    def per_rank(*overrides: str) -> float | int | None:
+        return val_batches_per_rank(validate_config(compose_config(["experiment=gpt_tiny", *overrides])))
+
+    assert per_rank("trainer.devices=1") == 2 and per_rank("tensor_parallel=tp2") == 2
+    assert per_rank("pipeline=pp2_gpipe") == 2
+    piped = per_rank("tensor_parallel=tp2", "pipeline=pp2_1f1b", "zero=stage3", "trainer.devices=8")
+    assert piped == 1 and type(piped) is int
+    assert per_rank("trainer.limit_val_batches=6", "trainer.devices=2") == 3
+    with caplog.at_level(logging.INFO):
+        assert per_rank("trainer.devices=4") == 1
+    assert "limit_val_batches=2 counts validation batches over all 4 data-parallel replicas" in caplog.text
+    assert per_rank("trainer.limit_val_batches=0.5") == 0.5 and per_rank("trainer.limit_val_batches=1.0") == 1.0
