@@ -73,7 +73,8 @@ class Pools:
             t = time.perf_counter()
             self._pools[kind] = GlooPool(self.world_size, timeout_s=max(self.timeout_s, STARTUP_TIMEOUT_S),
                                          grace_s=10.0, threads=self.threads, python=python,
-                                         env=DS_ENV if kind == "deepspeed" else None)  # fmt: skip
+                                         env=DS_ENV if kind == "deepspeed" else None,
+                                         release_groups=kind != "deepspeed")  # DeepSpeed reuses its cached groups
             self.startup_s[kind] = time.perf_counter() - t
         return self._pools[kind]
 

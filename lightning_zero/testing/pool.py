@@ -97,7 +97,8 @@ def _release_task_groups() -> None:
         is destroyed. A worker serves hundreds of tasks: it held 288 groups after a third of the suite,
         whose 864 idle gloo threads (a ``gloo_tcp_loop`` and two ``pt_gloo_runloop`` each) took 1.2 cores
         per worker on a 2-core machine, slowing every later test and every later benchmark contender.
-        Every rank runs this after every task, so every rank destroys the same groups.
+        Every rank runs this after every task, so every rank destroys the same groups. A pool running
+        DeepSpeed keeps them (``release_groups=False``): DeepSpeed caches its groups across engines.
     """
     import gc
 
@@ -116,7 +117,7 @@ def _release_task_groups() -> None:
 
 
 def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, conn: Connection,
-                 threads: int = 1, sys_path: list[str] | None = None) -> None:
+                 threads: int = 1, sys_path: list[str] | None = None, release_groups: bool = True) -> None:
     """Join the gloo group, then run ``(task_id, target, kwargs)`` messages until ``None`` or EOF.
 
     ``sys_path``: the interpreter's own import path, put first (spawn hands the child the parent's path)."""
@@ -167,7 +168,8 @@ def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, 
         except BaseException:
             reply = pickle.dumps((False, traceback.format_exc()))
         os.chdir(gen_dir)
-        _release_task_groups()
+        if release_groups:
+            _release_task_groups()
         conn.send_bytes(reply)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -187,11 +189,16 @@ class GlooPool:
         python: the interpreter the workers run under (default: this one), e.g. another virtual environment's
             ``bin/python`` with the same Python version; its import path comes first in the workers.
         env: extra environment variables of the workers (e.g. ``{"DS_ACCELERATOR": "cpu"}``).
+        release_groups: destroy the process groups a task left after every task (Note [groups left by
+            tasks]). ``False`` for a library that keeps its groups in module globals across tasks and
+            reuses them (DeepSpeed's ``deepspeed.utils.groups``): destroyed, its next engine fails.
     """
 
     def __init__(self, world_size: int = 2, timeout_s: float = 300.0, grace_s: float = 5.0,
-                 threads: int = 1, python: str | None = None, env: dict[str, str] | None = None) -> None:
+                 threads: int = 1, python: str | None = None, env: dict[str, str] | None = None,
+                 release_groups: bool = True) -> None:
         self.world_size, self.timeout_s, self.grace_s, self.threads = world_size, timeout_s, grace_s, threads
+        self.release_groups = release_groups
         self.python, self.env = python, dict(env or {})
         self._sys_path = _interpreter_path(python) if python else None
         self._root = Path(tempfile.mkdtemp(prefix="gloo_pool_"))
@@ -224,7 +231,8 @@ class GlooPool:
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
                    "OMP_NUM_THREADS": str(self.threads), **self.env}  # fmt: skip
             parent_conn, child_conn = ctx.Pipe()
-            args = (rank, self.world_size, env, str(self._gen_dir), child_conn, self.threads, self._sys_path)
+            args = (rank, self.world_size, env, str(self._gen_dir), child_conn, self.threads, self._sys_path,
+                    self.release_groups)
             proc = ctx.Process(target=_worker_main, args=args, name=f"gloo-pool-rank{rank}")
             _start_under(proc, self.python)
             child_conn.close()
