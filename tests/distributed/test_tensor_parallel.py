@@ -117,7 +117,36 @@ class _Recorded(GPTLightningModule):
         return loss
 
 
-class _Llama(pl.LightningModule):
+class RecordedLosses(pl.LightningModule):
+    """A module of the TP tests that records each training loss (``loss(batch)`` is the subclass's) and trains
+    with AdamW at lr 1e-2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class CausalLM(RecordedLosses):
+    """A Hugging Face causal LM (``self.model``, set by the subclass) under the next-token loss."""
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+
+class _Llama(CausalLM):
     """A Hugging Face Llama built from a config (no download), GQA (4 heads, 2 KV heads), untied head."""
 
     def __init__(self) -> None:
@@ -127,20 +156,6 @@ class _Llama(pl.LightningModule):
         config = LlamaConfig(vocab_size=CONFIG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONFIG.seq_len)
         self.model = LlamaForCausalLM(config)
-        self.losses: list[float] = []
-
-    def loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        logits = self.model(input_ids=x).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class _RecordedSparse(_Recorded):

@@ -17,7 +17,7 @@ from lightning_zero.models.gpt import GPTLightningModule
 from lightning_zero.models.gpt_blocks import CausalSelfAttention
 from lightning_zero.tensor_parallel import split_dim
 from lightning_zero.tensor_parallel.rng import SplitRegionRNG
-from tests.distributed.test_tensor_parallel import CONFIG, _loader, _Recorded
+from tests.distributed.test_tensor_parallel import CONFIG, RecordedLosses, _loader, _Recorded
 from tests.models import make_trainer
 from tests.pool import GlooPool
 
@@ -131,7 +131,6 @@ class _Poisoned(GPTLightningModule):
 def overflow_body(stage: int) -> list[dict[str, Any]]:
     """fp16, TP 2 on 2 ranks, 3 steps, hysteresis 1: per step, whether this rank's parameters changed, its
     loss scale before and after, its skipped-step count, and its split weight's shape."""
-    import lightning.pytorch as pl
 
     from lightning_zero import ZeroPrecision
     from lightning_zero.core.precision.loss_scaler import LossScalerConfig
@@ -220,7 +219,7 @@ def test_one_bit_adam_with_tp_is_refused_at_setup_naming_the_fix(gloo_pool: Gloo
 
 
 # ------------------------------------------------------------------------------------------- plans
-class _Stack(pl.LightningModule):
+class _Stack(RecordedLosses):
     """Two column- then row-parallel pairs for ``plan='auto'`` in an ``nn.Sequential`` (a LayerNorm between)."""
 
     def __init__(self) -> None:
@@ -229,19 +228,10 @@ class _Stack(pl.LightningModule):
 
         self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), nn.LayerNorm(8), nn.Linear(8, 16),
                                  nn.Tanh(), nn.Linear(16, 4))
-        self.losses: list[float] = []
 
     def loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 def plans_body() -> dict[str, Any]:

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-from tests.distributed.test_tensor_parallel import CONFIG, MODELS, _fit, _reference
+from tests.distributed.test_tensor_parallel import CONFIG, MODELS, CausalLM, _fit, _reference
 from tests.pool import GlooPool
 
 
-class _Qwen3(pl.LightningModule):
+class _Qwen3(CausalLM):
     """A Hugging Face Qwen3 built from a config (no download): 4 heads, 2 KV heads, per-head q/k norms."""
 
     def __init__(self) -> None:
@@ -30,20 +29,6 @@ class _Qwen3(pl.LightningModule):
             for name, p in self.model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.uniform_(0.5, 1.5)
-        self.losses: list[float] = []
-
-    def loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        logits = self.model(input_ids=x).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 MODELS["qwen3"] = _Qwen3
