@@ -109,17 +109,23 @@ def strategy_options(
     where.check(zero.stage)
     where.check_path()
     tensor = TensorParallelConfig.coerce(tensor_parallel)
-    check_sequence_parallel(sequence_parallel, pipeline=pipeline.stages if pipeline is not None else 1,
-                            tensor=tensor.size)
+    check_sequence_parallel(
+        sequence_parallel, pipeline=pipeline.stages if pipeline is not None else 1, tensor=tensor.size
+    )
     plugin = strategy_precision(precision, loss_scaler, precision_plugin)
     if checkpoint_format not in ("auto", "sharded", "consolidated"):
         raise ValueError(f"checkpoint_format must be 'auto', 'sharded' or 'consolidated', got {checkpoint_format!r}.")
     if profiler and not monitor:
         raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
     return StrategyOptions(
-        zero_config=zero, offload=where, tensor_parallel=tensor, sequence_parallel=sequence_parallel,
-        pipeline_config=pipeline if pipeline is not None and pipeline.stages > 1 else None, precision_plugin=plugin,
-        checkpoint_format=checkpoint_format, monitor=monitor,
+        zero_config=zero,
+        offload=where,
+        tensor_parallel=tensor,
+        sequence_parallel=sequence_parallel,
+        pipeline_config=pipeline if pipeline is not None and pipeline.stages > 1 else None,
+        precision_plugin=plugin,
+        checkpoint_format=checkpoint_format,
+        monitor=monitor,
         profiler=ProfilerWindow() if profiler is True else (profiler or None),
     )
 
@@ -269,10 +275,16 @@ class Released:
     pipeline_refusal: tuple[str, bool] | None
 
 
-def release_parallelisms(module: pl.LightningModule | None, engine: ZeroEngine | None,
-                         pipeline: StrategyPipeline | None, sequence: StrategySequenceParallel | None,
-                         optimizers: list[Optimizer], precision: ZeroPrecision, failed: bool,
-                         gather_on_teardown: bool) -> Released:
+def release_parallelisms(
+    module: pl.LightningModule | None,
+    engine: ZeroEngine | None,
+    pipeline: StrategyPipeline | None,
+    sequence: StrategySequenceParallel | None,
+    optimizers: list[Optimizer],
+    precision: ZeroPrecision,
+    failed: bool,
+    gather_on_teardown: bool,
+) -> Released:
     """:func:`apply_parallelisms` undone at teardown, in reverse: ZeRO gives back whole parameters (and optimizer
     state) where they fit (Note [teardown gather]), then the pipeline its unsplit module, then ``module`` loses
     its sequence group and the fit's scheduler guard and gets its dtype back. After an error (``failed``) another

@@ -134,8 +134,9 @@ class ParallelRun:
     def open_mesh(self) -> ProcessMesh:
         """This setup's groups: the strategy's mesh while they live, else a new one (collective over the world)."""
         h = self._host
-        made = new_strategy_mesh(self.mesh, self.comm, h.pipeline_config, h.tensor_parallel, h.sequence_parallel,
-                                 h.zero_config)
+        made = new_strategy_mesh(
+            self.mesh, self.comm, h.pipeline_config, h.tensor_parallel, h.sequence_parallel, h.zero_config
+        )
         if made is not None:
             self.mesh, self.comm, self.tensor, self.sequence = made.mesh, made.comm, made.tensor, made.sequence
         assert self.mesh is not None
@@ -148,16 +149,25 @@ class ParallelRun:
         h, module = self._host, self._host.lightning_module
         assert self.mesh is not None and self.comm is not None and module is not None
         plan = ParallelPlan(h.zero_config, h.offload, h.pipeline_config, h.param_init_fn, self.tensor, self.sequence)
-        composed = apply_parallelisms(module, self.mesh, self.comm, plan, h.precision_plugin, h.root_device,
-                                      make_optimizer, settings)
+        composed = apply_parallelisms(
+            module, self.mesh, self.comm, plan, h.precision_plugin, h.root_device, make_optimizer, settings
+        )
         self.pipeline, self.engine = composed.pipeline, composed.engine
 
     def release(self, failed: bool) -> None:
         """Teardown: :func:`~lightning_zero.lightning.compose.release_parallelisms` (no collective after an error,
         ``failed``); the engine and the stage go, what the last fit leaves for later reads stays."""
         h = self._host
-        released = release_parallelisms(h.lightning_module, self.engine, self.pipeline, self.sequence, h.optimizers,
-                                        h.precision_plugin, failed, h.gather_on_teardown)
+        released = release_parallelisms(
+            h.lightning_module,
+            self.engine,
+            self.pipeline,
+            self.sequence,
+            h.optimizers,
+            h.precision_plugin,
+            failed,
+            h.gather_on_teardown,
+        )
         self.engine = self.pipeline = None
         self.last_runtime = released.last_runtime or self.last_runtime
         self.after_fit_refusal = released.pipeline_refusal or self.after_fit_refusal
