@@ -160,7 +160,7 @@ def run(phase: str, root: str) -> None:
     import lightning_zero.core.stage3.teardown as teardown
 
     trainer.fit(model, loader, ckpt_path=ckpt if phase == "resume" else None)
-    runtime = strategy._last_runtime
+    runtime = strategy._run.last_runtime
     info.update(
         losses=model.losses, peaks=phases.peaks, rank=trainer.global_rank,
         released=min(u.releases for u in runtime.units if not u.persistent),

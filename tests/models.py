@@ -205,7 +205,7 @@ STAGE3_SHARDED: dict[str, Any] = dict(param_persistence_threshold=0, prefetch_bu
 def units_released(strategy: Any, model: nn.Module) -> dict[str, Any]:
     """What a stage-3 fit's runtime saw: the most parameter elements gathered at once (a peak
     over training) against the model's total, and how many units were released at least once."""
-    runtime = strategy._last_runtime
+    runtime = strategy._run.last_runtime
     return {"peak_live": runtime.peak_live_numel, "total": sum(p.numel() for p in model.parameters()),
             "released_units": sum(u.releases > 0 for u in runtime.units if not u.persistent),
             "persistent": sum(u.numel for u in runtime.units if u.persistent)}

@@ -119,6 +119,7 @@ class ZeroSchema:
     # stage 3 only
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000  # a unit stays gathered into backward within this many elements (0: none)
     param_persistence_threshold: int = 100_000
     # strategy options
     check_step_errors: bool = True

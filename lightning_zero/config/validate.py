@@ -62,6 +62,7 @@ def zero_config(cfg: TrainConfig) -> ZeroConfig:
                       collective=z.collective.value, timeout_s=z.timeout_s,
                       hang_timeout_s=z.hang_timeout_s, nonfinite=z.nonfinite,
                       prefetch_bucket_size=int(z.prefetch_bucket_size), max_live_parameters=int(z.max_live_parameters),
+                      max_reuse_distance=int(z.max_reuse_distance),
                       param_persistence_threshold=int(z.param_persistence_threshold))
 
 

@@ -45,6 +45,7 @@ _NOOP_ZERO = {"contiguous_gradients": (True,), "allgather_partitions": (True,), 
 _ZERO_KEYS = {"stage": "stage", "reduce_bucket_size": "reduce_bucket_size", "overlap_comm": "overlap_comm",
               "stage3_prefetch_bucket_size": "prefetch_bucket_size",
               "stage3_max_live_parameters": "max_live_parameters",
+              "stage3_max_reuse_distance": "max_reuse_distance",
               "stage3_param_persistence_threshold": "param_persistence_threshold"}
 # DeepSpeed types min_loss_scale and loss_scale_window as integers (a fractional value is refused there too)
 _SCALER_KEYS = {"loss_scale": float, "initial_scale_power": int, "loss_scale_window": int, "hysteresis": int,

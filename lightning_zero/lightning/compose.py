@@ -3,28 +3,34 @@
 ``ZeroStrategy.setup`` builds the process mesh, then calls :func:`apply_parallelisms`; each step
 below states why it comes where it does (as torchtitan's ``parallelize_*`` functions do): precision, the
 pipeline split, tensor parallel, sequence parallel, then ZeRO (coupled to the other pipeline stages and TP
-ranks by :func:`model_parallel_coupling`); :func:`release_parallelisms` undoes it.
+ranks by :func:`model_parallel_coupling`); :func:`release_parallelisms` undoes it. What is composed is
+chosen at construction: :func:`strategy_options` checks ``ZeroStrategy``'s arguments, before any process
+starts, into one typed :class:`StrategyOptions`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.mesh import Axis, ProcessMesh
-from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.teardown import plan_teardown
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import StageCoupling, ZeroEngine
 from lightning_zero.core.zero.engine_step import weighted_norm_excess
-from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.lightning.precision import ZeroPrecision, strategy_precision
+from lightning_zero.observability.monitoring import ProfilerWindow
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.sequence_parallel.checks import check_sequence_parallel
@@ -47,15 +53,92 @@ class ParallelPlan:
     sequence_parallel: StrategySequenceParallel | None = None
 
 
-def check_parallel_options(tensor_parallel: int | TensorParallelConfig | None, sequence_parallel: int,
-                           pipeline: PipelineConfig | None, offload: OffloadConfig) -> TensorParallelConfig:
-    """The strategy's parallel sizes checked at construction, before any process starts: the combinations not
-    built are refused with the reason (tensor parallel composes with pipelines and offload). Returns the
-    tensor-parallel config."""
+@dataclass(frozen=True)
+class StrategyOptions:
+    """``ZeroStrategy``'s constructor arguments as the typed settings it keeps (one attribute of the same name
+    each), checked by :func:`strategy_options` before any process starts.
+
+    Args:
+        zero_config: the ZeRO settings (``config``, or ``stage`` and the ``ZeroConfig`` keywords).
+        offload: where shards live (``offload``, or the three shortcuts), checked against the stage.
+        tensor_parallel: the tensor-parallel size and plan (size 1: off).
+        sequence_parallel: ranks per sequence group (1: off).
+        pipeline_config: the pipeline (``None``: no split; a one-stage pipeline is none).
+        precision_plugin: the strategy's own precision (``None``: the Trainer's, converted at setup).
+        checkpoint_format: ``"auto"``, ``"sharded"`` or ``"consolidated"``.
+        monitor: whether a fit adds a ``ZeroStatsMonitor``.
+        profiler: the monitor's profiler window (``None``: none).
+    """
+
+    zero_config: ZeroConfig
+    offload: OffloadConfig
+    tensor_parallel: TensorParallelConfig
+    sequence_parallel: int
+    pipeline_config: PipelineConfig | None
+    precision_plugin: Precision | None
+    checkpoint_format: str
+    monitor: bool
+    profiler: ProfilerWindow | None
+
+
+def strategy_options(
+    stage: int,
+    zero_options: dict[str, Any],
+    *,
+    config: ZeroConfig | None,
+    precision: str | ZeroPrecision | None,
+    loss_scaler: LossScalerConfig | None,
+    precision_plugin: Precision | None,
+    checkpoint_format: str,
+    monitor: bool,
+    profiler: ProfilerWindow | bool | None,
+    pipeline: PipelineConfig | None,
+    offload: OffloadConfig | None,
+    offload_optimizer: str | None,
+    offload_param: str | None,
+    nvme_path: str | None,
+    tensor_parallel: int | TensorParallelConfig | None,
+    sequence_parallel: int,
+) -> StrategyOptions:
+    """Check ``ZeroStrategy``'s arguments (each as its constructor documents it) and resolve them into
+    :class:`StrategyOptions`; bad input is refused here, before any process starts, with the fix in the error.
+    The combinations of parallel sizes not built are refused with the reason (tensor parallel composes with
+    pipelines and offload)."""
+    zero = config or ZeroConfig.from_kwargs(stage, zero_options)
+    where = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
+    where.check(zero.stage)
+    where.check_path()
     tensor = TensorParallelConfig.coerce(tensor_parallel)
-    stages = pipeline.stages if pipeline is not None else 1
-    check_sequence_parallel(sequence_parallel, pipeline=stages, tensor=tensor.size)
-    return tensor
+    check_sequence_parallel(
+        sequence_parallel, pipeline=pipeline.stages if pipeline is not None else 1, tensor=tensor.size
+    )
+    plugin = strategy_precision(precision, loss_scaler, precision_plugin)
+    if checkpoint_format not in ("auto", "sharded", "consolidated"):
+        raise ValueError(f"checkpoint_format must be 'auto', 'sharded' or 'consolidated', got {checkpoint_format!r}.")
+    if profiler and not monitor:
+        raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
+    return StrategyOptions(
+        zero_config=zero,
+        offload=where,
+        tensor_parallel=tensor,
+        sequence_parallel=sequence_parallel,
+        pipeline_config=pipeline if pipeline is not None and pipeline.stages > 1 else None,
+        precision_plugin=plugin,
+        checkpoint_format=checkpoint_format,
+        monitor=monitor,
+        profiler=ProfilerWindow() if profiler is True else (profiler or None),
+    )
+
+
+def only_optimizer(optimizers: list[Optimizer]) -> Optimizer:
+    """The one optimizer of Lightning's ``configure_optimizers``, refused unless it made exactly one (ZeRO shards
+    one optimizer's state)."""
+    if len(optimizers) != 1:
+        raise NotImplementedError(
+            f"ZeroStrategy supports exactly one optimizer, got {len(optimizers)}. Put several "
+            "parameter sets in param groups of one optimizer."
+        )
+    return optimizers[0]
 
 
 @dataclass(frozen=True)
@@ -192,11 +275,20 @@ class Released:
     pipeline_refusal: tuple[str, bool] | None
 
 
-def release_parallelisms(engine: ZeroEngine | None, pipeline: StrategyPipeline | None, optimizers: list[Optimizer],
-                         precision: ZeroPrecision, failed: bool, gather_on_teardown: bool) -> Released:
+def release_parallelisms(
+    module: pl.LightningModule | None,
+    engine: ZeroEngine | None,
+    pipeline: StrategyPipeline | None,
+    sequence: StrategySequenceParallel | None,
+    optimizers: list[Optimizer],
+    precision: ZeroPrecision,
+    failed: bool,
+    gather_on_teardown: bool,
+) -> Released:
     """:func:`apply_parallelisms` undone at teardown, in reverse: ZeRO gives back whole parameters (and optimizer
-    state) where they fit (Note [teardown gather]), then the pipeline its unsplit module. After an error
-    (``failed``) another rank may be gone: no collective runs, the shard state is dropped."""
+    state) where they fit (Note [teardown gather]), then the pipeline its unsplit module, then ``module`` loses
+    its sequence group and the fit's scheduler guard and gets its dtype back. After an error (``failed``) another
+    rank may be gone: no collective runs, the shard state is dropped."""
     whole_state, last_runtime, refusal = None, None, None  # whole_state: a pipeline's optimizer state of all stages
     if engine is not None:
         if engine.optimizer is not None:
@@ -209,6 +301,11 @@ def release_parallelisms(engine: ZeroEngine | None, pipeline: StrategyPipeline |
     if pipeline is not None:  # the unsplit module (and, after fit, optimizer) on every rank again
         why = pipeline.teardown(optimizers, whole_state, failed, gather_on_teardown)
         refusal = why if pipeline.checkpoint is not None else None
+    if module is not None:
+        if sequence is not None:
+            sequence.detach(module)
+        module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers] in steps.py
+        precision.restore_module(module)
     return Released(last_runtime, refusal)
 
 

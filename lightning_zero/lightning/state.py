@@ -30,20 +30,18 @@ from lightning_zero.checkpoint.tensor_file import own_bytes
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.stage3.loading import load_full_state_dict
 from lightning_zero.core.stage3.materialize import has_meta_parameters
-from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import is_released
 from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.lightning.mesh_setup import ParallelRun
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.state_files import open_state_dict
 from lightning_zero.lightning.steps import StepDispatch
 from lightning_zero.pipeline.config import PipelineConfig
-from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
-from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
+from lightning_zero.tensor_parallel.lightning import refuse_pipeline_checkpoint
 from lightning_zero.tensor_parallel.pipeline_checkpoint import pipelined_sharded_parts
 
 Fallback = Callable[..., Any]  # Lightning's own implementation of the hook (the strategy's super())
@@ -55,13 +53,7 @@ class CheckpointHost(Protocol):
     zero_config: ZeroConfig
     pipeline_config: PipelineConfig | None
     checkpoint_format: str
-    _engine: ZeroEngine | None
-    _pipeline: StrategyPipeline | None
-    _comm: DataParallelComm | None
-    _last_runtime: Stage3Runtime | None
-    _after_fit_refusal: tuple[str, bool] | None  # StrategyPipeline.teardown: why a save now is incomplete
     _steps: StepDispatch
-    _tp: StrategyTensorParallel | None
     tensor_parallel: TensorParallelConfig
 
     @property
@@ -81,18 +73,20 @@ class CheckpointHost(Protocol):
 
 
 class StrategyCheckpointing:
-    """Checkpoint and state methods of :class:`~lightning_zero.ZeroStrategy` (``host``; see the module docstring)."""
+    """Checkpoint and state methods of :class:`~lightning_zero.ZeroStrategy` (``host``; its engine, stage and groups:
+    ``run``; see the module docstring)."""
 
-    def __init__(self, host: CheckpointHost) -> None:
+    def __init__(self, host: CheckpointHost, run: ParallelRun) -> None:
         self._host = host
+        self._run = run
 
     # ------------------------------------------------------------------ state
     def model_state_bytes(self) -> ModelStateBytes:
         """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``comm_buffers``, counted from the
         tensors that exist (each storage once), not from a formula."""
-        if self._host._engine is None:
+        if self._run.engine is None:
             raise RuntimeError("model_state_bytes() is available while fitting, after the strategy's setup.")
-        return self._host._engine.model_state_bytes()
+        return self._run.engine.model_state_bytes()
 
     def load_full_state_dict(
         self, source: str | os.PathLike | Mapping[str, Tensor], prefix: str = "", strict: bool = True
@@ -112,15 +106,15 @@ class StrategyCheckpointing:
         """
         host, module = self._host, self._host.lightning_module
         assert module is not None
-        if host._engine is not None:
+        if self._run.engine is not None:
             state = open_state_dict(source)
-            if host._tp is not None:  # whole tensors cut to this rank's TP slices
+            if self._run.tensor is not None:  # whole tensors cut to this rank's TP slices
                 state = TensorParallelCheckpoint.split_state_dict(state, module, prefix)
-            load_full_state_dict(host._engine, state, prefix, strict)
+            load_full_state_dict(self._run.engine, state, prefix, strict)
             host.precision_plugin.refresh_originals(module, state, prefix)  # frozen parameters
             return
         state = open_state_dict(source)
-        if host._tp is not None:  # a split module (a finished fit's) takes its slices
+        if self._run.tensor is not None:  # a split module (a finished fit's) takes its slices
             state = TensorParallelCheckpoint.split_state_dict(state, module, prefix)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         with host.precision_plugin.whole_precision(module):  # Note [loading a converted module]
@@ -130,21 +124,21 @@ class StrategyCheckpointing:
     def gathered_peak_numel(self) -> int:
         """Stage 3: the most parameter elements ever gathered at once on this rank (a peak over the
         whole fit, excluding the persistent unit); 0 for other stages."""
-        runtime = self._host._engine.runtime if self._host._engine is not None else self._host._last_runtime
+        runtime = self._run.engine.runtime if self._run.engine is not None else self._run.last_runtime
         return runtime.peak_live_numel if runtime is not None else 0
 
     @property
     def gathered_bound_numel(self) -> int:
         """Stage 3: the bound on :attr:`gathered_peak_numel` implied by ``prefetch_bucket_size`` and
         ``max_live_parameters`` for this model's units; 0 for other stages."""
-        runtime = self._host._engine.runtime if self._host._engine is not None else self._host._last_runtime
+        runtime = self._run.engine.runtime if self._run.engine is not None else self._run.last_runtime
         return runtime.live_bound() if runtime is not None else 0
 
     @property
     def last_grad_norm(self) -> float | None:
         """Global gradient norm (unscaled) of the last step that measured it: every step in the 16-bit mixed
         modes, else when clipping by norm."""
-        return self._host._engine.last_grad_norm if self._host._engine is not None else None
+        return self._run.engine.last_grad_norm if self._run.engine is not None else None
 
     def step_stats(self) -> dict[str, float]:
         """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known, named as
@@ -160,20 +154,20 @@ class StrategyCheckpointing:
 
     def _tensor_parallel(self) -> TensorParallelCheckpoint | None:
         """The TP side when this strategy split the module (its states are unsplit before they are saved)."""
-        tp, module = self._host._tp, self._host.lightning_module
+        tp, module = self._run.tensor, self._host.lightning_module
         return tp.checkpoint if tp is not None and module is not None and tp.splits(module) else None
 
     def lightning_module_state_dict(self, fallback: Fallback) -> dict[str, Any]:
         """Whole tensors (stage 3 gathers them unit by unit; tensor-parallel slices are gathered over the TP
         group and unsplit; every rank calls this). With an fp32 master the checkpoint holds fp32 weights
         (the masters, gathered), like the module before the cast, so a resumed run starts from exact masters."""
-        engine, module, tp = self._host._engine, self._host.lightning_module, self._tensor_parallel()
+        engine, module, tp = self._run.engine, self._host.lightning_module, self._tensor_parallel()
         if engine is None or module is None:
             state = fallback()
             return tp.unsplit_state_dict(state, module) if tp is not None and module is not None else state
         if self._writes_shards:
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
-        pipeline = self._host._pipeline
+        pipeline = self._run.pipeline
         if pipeline is not None and pipeline.checkpoint is not None:  # unsplit names, all stages
             return pipeline.checkpoint.state_dict(engine, module)
         state = engine.full_state_dict()  # stage 3 gathers unit by unit (every rank takes part)
@@ -193,7 +187,7 @@ class StrategyCheckpointing:
             optimizer = optimizer._optimizer
         if self._writes_shards:
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
-        engine, pipeline = self._host._engine, self._host._pipeline
+        engine, pipeline = self._run.engine, self._run.pipeline
         if pipeline is not None and pipeline.checkpoint is not None and engine is not None:
             state = pipeline.checkpoint.optimizer_state(engine)  # numbered as the unsplit optimizer's
             return state if self._host.is_global_zero else {}
@@ -210,7 +204,7 @@ class StrategyCheckpointing:
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any], fallback: Fallback) -> None:
         states = checkpoint.get("optimizer_states", [])
-        engine, pipeline = self._host._engine, self._host._pipeline
+        engine, pipeline = self._run.engine, self._run.pipeline
         if pipeline is not None and pipeline.checkpoint is not None and engine is not None:
             tp = self._tensor_parallel()  # with TP, whole entries cut to this rank's slices
             for state in states[:1]:  # this stage's entries only (a sharded checkpoint's read lazily)
@@ -239,7 +233,7 @@ class StrategyCheckpointing:
     def _writes_shards(self) -> bool:
         """Whether save_checkpoint writes the sharded format from the engine's shards."""
         host = self._host
-        return self._sharded_format() and host._engine is not None and host.zero_config.stage.shards_optimizer
+        return self._sharded_format() and self._run.engine is not None and host.zero_config.stage.shards_optimizer
 
     def _sharded_format(self) -> bool:
         """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1)."""
@@ -250,7 +244,9 @@ class StrategyCheckpointing:
                         fallback: Fallback) -> None:
         """Sharded format (docs/checkpoints.md): every rank writes its shards into a temporary
         directory; once all succeeded rank 0 publishes it atomically under ``filepath``."""
-        refusal = self._host._after_fit_refusal if self._host._pipeline is None else None
+        refuse_pipeline_checkpoint(self._host.tensor_parallel, self._host.pipeline_config is not None,
+                                   self._writes_shards)
+        refusal = self._run.after_fit_refusal if self._run.pipeline is None else None
         if refusal is not None and ("optimizer_states" in checkpoint or not refusal[1]):
             raise CheckpointError(
                 f"trainer.save_checkpoint after fit would write an incomplete checkpoint: {refusal[0]}. Save during "
@@ -262,24 +258,24 @@ class StrategyCheckpointing:
         if storage_options is not None:
             raise TypeError("The sharded checkpoint format takes no `storage_options`.")
         module = self._host.lightning_module
-        if self._host._engine is None and module is not None and any(is_released(p) for p in module.parameters()):
+        if self._run.engine is None and module is not None and any(is_released(p) for p in module.parameters()):
             raise CheckpointError(
                 "The model's stage-3 parameters were left released at the end of fit (it did not fit to be gathered, "
                 "or `gather_on_teardown=False`), so there is nothing to save now. Save during fit: "
                 "`trainer.save_checkpoint` in a callback or `ModelCheckpoint`."
             )
-        comm, layout, merge, pipeline = self._host._comm, None, None, self._host._pipeline
+        comm, layout, merge, pipeline = self._run.comm, None, None, self._run.pipeline
         tp, staged = self._tensor_parallel(), pipeline.checkpoint if pipeline is not None else None
         if staged is not None and tp is not None and self._writes_shards:  # Note [pipeline x TP shards]
-            layout, merge = pipelined_sharded_parts(staged, tp, self._host._engine, module)
+            layout, merge = pipelined_sharded_parts(staged, tp, self._run.engine, module)
         elif staged is not None and self._writes_shards:
-            layout, merge = staged.sharded_parts(self._host._engine, module)  # each stage its shards
+            layout, merge = staged.sharded_parts(self._run.engine, module)  # each stage its shards
         elif tp is not None and self._writes_shards:  # each TP rank its slices (Note [TP slices in checkpoints])
-            layout, merge = tp.sharded_parts(self._host._engine, module)
-        if self._host.pipeline_config is not None or self._host._tp is not None:  # every stage / TP rank writes
+            layout, merge = tp.sharded_parts(self._run.engine, module)
+        if self._host.pipeline_config is not None or self._run.tensor is not None:  # every stage / TP rank writes
             comm = DataParallelComm()  # into one directory: the world's group agrees
         save_sharded(
-            filepath, checkpoint, self._host._engine if self._writes_shards else None, self._host.global_rank,
+            filepath, checkpoint, self._run.engine if self._writes_shards else None, self._host.global_rank,
             self._host.world_size, broadcast=comm.broadcast_text if comm is not None else (lambda name: name),
             failed_ranks=comm.ranks_with if comm is not None else (lambda flag: [0] if flag else []),
             layout=layout, merge=merge,
@@ -321,12 +317,12 @@ class StrategyCheckpointing:
         the values are streamed into the engine's shards one unit at a time, also for evaluation."""
         state, module = checkpoint["state_dict"], self._host.lightning_module
         assert module is not None
-        if self._host._pipeline is not None:  # after setup, built on meta: this stage's layers, by their unsplit names
-            self._host._pipeline.load_local_state_dict(module, self._host._engine, state, strict)
+        if self._run.pipeline is not None:  # after setup, built on meta: this stage's layers, by their unsplit names
+            self._run.pipeline.load_local_state_dict(module, self._run.engine, state, strict)
             return None
-        if self._host._engine is not None:  # after setup: into the shards
+        if self._run.engine is not None:  # after setup: into the shards
             if isinstance(state, LazyStateDict):
-                load_owned_state_dict(self._host._engine, state, strict)  # this rank's slices only
+                load_owned_state_dict(self._run.engine, state, strict)  # this rank's slices only
                 self._host.precision_plugin.refresh_originals(module, state)  # frozen parameters
             else:
                 self.load_full_state_dict(state, strict=strict)  # masters take the loaded fp32 values

@@ -19,19 +19,18 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.rng import restore_rng
-from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.mesh import Axis
-from lightning_zero.core.zero.engine import ZeroEngine
-from lightning_zero.lightning.mesh_setup import parallel_dims
+from lightning_zero.lightning.mesh_setup import ParallelRun, parallel_dims
 from lightning_zero.lightning.precision import ZeroPrecision
-from lightning_zero.lightning.uneven import JoinedEvalLoader
+from lightning_zero.lightning.uneven import JoinedEvalLoader, check_training_batches
 from lightning_zero.pipeline.config import PipelineConfig
-from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
 
@@ -41,9 +40,6 @@ class StepHost(Protocol):
 
     check_step_errors: bool
     pipeline_config: PipelineConfig | None
-    _engine: ZeroEngine | None
-    _pipeline: StrategyPipeline | None
-    _comm: DataParallelComm | None
     _nonfinite: NonFiniteGuard
     sequence_parallel: int
     tensor_parallel: TensorParallelConfig
@@ -78,16 +74,34 @@ def _step_failed(ranks: list[int]) -> RuntimeError:
 
 
 class StepDispatch:
-    """The steps of a :class:`~lightning_zero.ZeroStrategy` (``host``), and the random streams a resumed
-    run continues at its first training step (:meth:`resume_rng`)."""
+    """The steps of a :class:`~lightning_zero.ZeroStrategy` (``host``; its engine, stage and groups: ``run``), and
+    the random streams a resumed run continues at its first training step (:meth:`resume_rng`)."""
 
-    def __init__(self, host: StepHost) -> None:
+    def __init__(self, host: StepHost, run: ParallelRun) -> None:
         self._host = host
+        self._run = run
         self._pending_rng: dict[str, Any] | None = None  # RNG states of a loaded sharded checkpoint
 
     def resume_rng(self, states: dict[str, Any] | None) -> None:
         """Continue these random streams at the next training step (``None``: forget any)."""
         self._pending_rng = states
+
+    def start_fit(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
+        """End of a fit's setup: a 1-bit Adam warm-up longer than the run is named; with an fp16 loss scaler, LR
+        schedulers skip the steps it skipped (:meth:`guard_lr_schedulers`)."""
+        if isinstance(optimizer, OneBitAdam) and (why := optimizer.warmup_outlasts(trainer.max_steps)):
+            rank_zero_warn(why)
+        if self._host.precision_plugin.scaler is not None:
+            self.guard_lr_schedulers()
+
+    def check_train_start(self, trainer: pl.Trainer) -> None:
+        """Before the first training step, on every rank: batches a pipeline cannot split into micro-batches, and
+        different numbers of training batches per rank (which would hang a rank, ``uneven.py``), are refused."""
+        if self._run.pipeline is not None:
+            self._run.pipeline.check_train_loader(trainer)
+        if self._run.comm is not None:
+            steps = trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps > 0 else float("inf")
+            check_training_batches(trainer.num_training_batches, self._run.comm, steps)
 
     def guard_lr_schedulers(self) -> None:
         """Note [skipped steps and schedulers]
@@ -117,7 +131,7 @@ class StepDispatch:
         if self._pending_rng is not None:  # resumed: continue the saved random streams (dropout, ...)
             restore_rng(self._pending_rng)
             self._pending_rng = None
-        comm = self._host._comm
+        comm = self._run.comm
         if not self._host.check_step_errors or comm is None or not comm.active:
             return self._training_step(step, *args, **kwargs)
         error: BaseException | None = None
@@ -136,13 +150,13 @@ class StepDispatch:
 
     def settle_step_errors(self) -> None:
         """Raise here a step error of another rank not yet settled (before Lightning's own collectives)."""
-        comm = self._host._comm
+        comm = self._run.comm
         if comm is not None:
             comm.settle_deferred()
 
     def _training_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         host = self._host
-        if host._pipeline is None or host._engine is None:
+        if self._run.pipeline is None or self._run.engine is None:
             return step(*args, **kwargs)
         scaler = host.precision_plugin.scaler  # the schedule scales each micro-batch's loss itself
         module = host.lightning_module
@@ -150,14 +164,14 @@ class StepDispatch:
         # Lightning divides a returned loss by the accumulation count before its backward; the schedule's
         # backward ran already, so the division goes into the loss the schedule backpropagates
         accumulate = module.trainer.accumulate_grad_batches if module.automatic_optimization else 1
-        return host._pipeline.training_step(module, host._engine, scaler.scale if scaler is not None else 1.0,
+        return self._run.pipeline.training_step(module, self._run.engine, scaler.scale if scaler is not None else 1.0,
                                             args[0], accumulate)
 
     # ------------------------------------------------------------------ training: the engine around Lightning's
     @contextmanager
     def backward_sync_blocked(self) -> Iterator[None]:
         """``block_backward_sync``: micro-steps before the accumulation boundary (stages 0-1 do not communicate)."""
-        engine = self._host._engine
+        engine = self._run.engine
         if engine is None:
             yield
             return
@@ -166,7 +180,7 @@ class StepDispatch:
 
     def backward(self, backward: Callable[..., Tensor], closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's ``backward`` between the engine's ``before_backward`` and ``finish_backward`` (the reduction)."""
-        engine, pipeline = self._host._engine, self._host._pipeline
+        engine, pipeline = self._run.engine, self._run.pipeline
         if pipeline is not None and engine is not None:
             pipeline.backward(engine)  # the schedule ran the backwards in training_step
             return closure_loss
@@ -181,7 +195,7 @@ class StepDispatch:
                        model: Any, **kwargs: Any) -> Any:
         """With an engine: the precision plugin's step, its closure followed by the engine's ``before_step`` and the
         non-finite check, then ``after_step``; without one, Lightning's ``step``."""
-        host, engine = self._host, self._host._engine
+        host, engine = self._host, self._run.engine
         if engine is None:
             return step(optimizer, closure, model, **kwargs)
 
@@ -212,19 +226,19 @@ class StepDispatch:
     def evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``step``: Lightning's ``validation_step`` / ``test_step`` / ``predict_step`` of the strategy."""
         host = self._host
-        if host._pipeline is not None:
+        if self._run.pipeline is not None:
             assert host.lightning_module is not None
             stage = {"validation_step": "val", "test_step": "test"}.get(step.__name__, "predict")
-            return host._pipeline.evaluation_step(host.lightning_module, host._engine, stage, args[0])
+            return self._run.pipeline.evaluation_step(host.lightning_module, self._run.engine, stage, args[0])
         try:
             return step(*args, **kwargs)
         finally:
-            if host._engine is not None:
-                host._engine.end_forward_only()  # stage 3: free what the step gathered
+            if self._run.engine is not None:
+                self._run.engine.end_forward_only()  # stage 3: free what the step gathered
 
     def process_dataloader(self, dataloader: Any) -> Any:
         host = self._host
-        engine, module = host._engine, host.lightning_module
+        engine, module = self._run.engine, host.lightning_module
         trainer = module.trainer if module is not None else None
         evaluating = trainer is not None and trainer.state.stage not in (None, RunningStage.TRAINING)
         if engine is None or engine.runtime is None or not engine.comm.active or not evaluating:

@@ -1,20 +1,16 @@
 """``ZeroStrategy``: DeepSpeed-style ZeRO as a Lightning strategy, on plain torch.distributed.
 
-The strategy is thin glue: process groups and launchers come from Lightning's DDP machinery, and
-all partitioning lives in :mod:`lightning_zero.core`, which the strategy drives:
+The strategy is thin glue: process groups and launchers come from Lightning's DDP machinery, its arguments are
+checked into typed settings (``compose.strategy_options``), and all partitioning lives in :mod:`lightning_zero.core`,
+which it drives through its parts (``mesh_setup.ParallelRun``, ``steps.StepDispatch``, ``state.StrategyCheckpointing``):
 
-    setup            -> ZeroEngine(module, optimizer)       flat buffers, hooks, broadcast
+    setup            -> ZeroEngine(module, optimizer)       flat buffers, hooks, broadcast (compose.py)
     block_backward_sync (non-boundary micro-steps) -> engine.no_sync()
     backward         -> loss.backward(); engine.finish_backward()
     clip (precision plugin) -> engine.clip_grad_norm_()     global norm over shards
     optimizer_step   -> [engine.prepare_step()] optimizer.step(); engine.after_step()
                                                             all-gather of updated shards
     teardown         -> engine.detach()                     params own their storage again
-
-16-bit modes (``lightning_zero.lightning.precision``): the plugin casts the module before the engine is
-built, hands the engine its dtypes and the pre-cast weights (the fp32 masters start from them)
-and, for fp16, scales the loss and skips overflowing steps; the strategy then keeps step-interval
-LR schedulers from advancing (Note [skipped steps and schedulers]).
 """
 
 from __future__ import annotations
@@ -29,107 +25,75 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.core.mesh import ProcessMesh
-from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
+from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
-from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.memory import ModelStateBytes
-from lightning_zero.lightning.compose import (
-    ParallelPlan,
-    apply_parallelisms,
-    check_parallel_options,
-    release_parallelisms,
-)
-from lightning_zero.lightning.mesh_setup import new_strategy_mesh
-from lightning_zero.lightning.precision import ZeroPrecision, strategy_precision, to_zero_precision
+from lightning_zero.lightning.compose import only_optimizer, strategy_options
+from lightning_zero.lightning.mesh_setup import ParallelRun
+from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.registry import register_zero_strategies
 from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
 from lightning_zero.lightning.state import StrategyCheckpointing
 from lightning_zero.lightning.steps import StepDispatch
-from lightning_zero.lightning.uneven import check_training_batches
 from lightning_zero.observability.callbacks import add_monitor
 from lightning_zero.observability.monitoring import ProfilerWindow
 from lightning_zero.pipeline.config import PipelineConfig
-from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.reliability.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
-from lightning_zero.sequence_parallel import StrategySequenceParallel
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
-from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel, refuse_pipeline_checkpoint
 
 log = logging.getLogger(__name__)
 
 
 class ZeroStrategy(DDPStrategy):
-    """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning.
+    """Data parallel training with ZeRO stage 0, 1, 2 or 3 partitioning (docs/zero.md lists every option).
 
     Args:
-        stage: 0 (DDP-like), 1 (optimizer state and fp32 master partitioned), 2 (+ gradients),
-            3 (+ parameters, gathered per unit just in time).
-        config: a full :class:`~lightning_zero.core.zero.config.ZeroConfig`; overrides ``stage`` and
-            ``zero_options`` when given.
-        precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or a
-            :class:`~lightning_zero.ZeroPrecision`; wins over the Trainer's ``precision``. Without
-            it ``Trainer(precision=...)`` is converted (on CPU Lightning turns ``"16-mixed"``
-            into ``"bf16-mixed"`` before the strategy sees it: pass fp16 here to keep it).
+        stage: 0 (DDP-like), 1 (optimizer state and fp32 master partitioned), 2 (+ gradients), 3 (+ parameters).
+        config: a full :class:`~lightning_zero.ZeroConfig`; overrides ``stage`` and ``zero_options``.
+        precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or a ``ZeroPrecision``, over the
+            Trainer's (on CPU Lightning turns ``"16-mixed"`` into ``"bf16-mixed"``: pass fp16 here).
         loss_scaler: fp16 loss-scaler policy when ``precision="16-mixed"`` is given as a string.
-        check_step_errors: after every ``training_step`` the ranks agree on whether any of them
-            raised, so an error in one rank's step is raised on every rank instead of leaving the
-            others waiting in a collective (one tiny asynchronous all-reduce per micro-step, read when the
-            rank next issues a collective: Note [deferred agreement] in core/comm/data_parallel.py).
-        param_init_fn: stage 3 with ``configure_model``: ``fn(module, name)`` initialises a
-            module's own parameters, which were built on the meta device (default: the module's
-            ``reset_parameters()``). See docs/large_models.md.
-        gather_on_teardown: stage 3: after fit, give the module its whole parameters (and the
-            optimizer its whole state) back, as for other stages, when that fits in the memory
-            every rank can still allocate (else less, with one warning; Note [teardown gather] in
-            core/stage3/teardown.py). ``False`` leaves them released: save checkpoints during fit instead.
-        checkpoint_format: ``"sharded"``: ``trainer.save_checkpoint(path)`` / ``ModelCheckpoint``
-            write a directory in which every rank writes its own shards, published atomically
-            (docs/checkpoints.md); ``"consolidated"``: Lightning's single file, gathered on rank 0;
-            ``"auto"`` (default): sharded at stage >= 1, consolidated at stage 0 (every rank holds
-            everything there). Both formats are read whatever this says.
-        monitor: when fitting, add a :class:`~lightning_zero.ZeroStatsMonitor` (loss, lr, gradient
-            norm, loss scale, throughput, step-time split, memory per rank; docs/monitoring.md) to the
-            Trainer's callbacks unless it already has one. ``False``: don't.
-        profiler: a :class:`~lightning_zero.observability.monitoring.ProfilerWindow` (``True``: the default window)
-            for the monitor this strategy adds: ``torch.profiler`` with memory profiling over a window
-            of optimizer steps, traces in ``<log dir>/profiler``.
-        pipeline: a :class:`~lightning_zero.PipelineConfig`: split the module into pipeline stages
-            (it must follow the pipeline protocol, docs/pipeline.md); ZeRO then partitions each
-            stage over its data-parallel group (world size / stages ranks).
-        offload_optimizer: ``"cpu"`` or ``"nvme"`` (stages 1-3): this rank's master shard and optimizer
-            state in host memory or in swap files under ``nvme_path`` (docs/offload.md).
+        check_step_errors: the ranks agree after every ``training_step`` on whether one raised, so its error is raised
+            on every rank (one tiny asynchronous all-reduce per micro-step: Note [deferred agreement]).
+        param_init_fn: stage 3 with ``configure_model``: ``fn(module, name)`` initialises a module's own parameters,
+            built on the meta device (default: ``reset_parameters()``; docs/large_models.md).
+        gather_on_teardown: stage 3: after fit, the module gets its whole parameters (the optimizer its whole state)
+            back where every rank can still allocate them (Note [teardown gather]); ``False`` leaves them released.
+        checkpoint_format: ``"sharded"`` (every rank writes its own shards, docs/checkpoints.md), ``"consolidated"``
+            (Lightning's one file, gathered on rank 0) or ``"auto"`` (sharded at stage >= 1); both are read.
+        monitor: when fitting, add a ``ZeroStatsMonitor`` (docs/monitoring.md) unless the Trainer has one.
+        profiler: a :class:`~lightning_zero.ProfilerWindow` (``True``: the default) for that monitor:
+            ``torch.profiler`` with memory profiling over a window of steps, traces in the log dir.
+        pipeline: a :class:`~lightning_zero.PipelineConfig`: split the module into pipeline stages (docs/pipeline.md);
+            ZeRO partitions each stage over its data-parallel group.
+        offload_optimizer: ``"cpu"`` or ``"nvme"`` (stages 1-3): the master shard and optimizer state in host memory
+            or in swap files under ``nvme_path`` (docs/offload.md).
         offload_param: ``"cpu"`` or ``"nvme"`` (stage 3): parameter shards too.
         nvme_path: an existing, writable directory for ``"nvme"``.
         offload: a full :class:`~lightning_zero.OffloadConfig` instead of the three shortcuts.
-        tensor_parallel: ranks per tensor-parallel group (an int) or a
-            :class:`~lightning_zero.TensorParallelConfig` (size, plan): split the planned layers across adjacent
-            ranks; ZeRO then partitions over the data dimension only (docs/tensor_parallel.md).
-        sequence_parallel: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md): each
-            sample's sequence is split over them, ZeRO partitions over data x sequence, the sampler shards
-            over data only; the module must have ``configure_sequence_parallel`` (the GPT experiment has).
+        tensor_parallel: ranks per tensor-parallel group or a :class:`~lightning_zero.TensorParallelConfig` (size,
+            plan): the planned layers split across adjacent ranks, ZeRO over data only (docs/tensor_parallel.md).
+        sequence_parallel: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md; the module needs
+            ``configure_sequence_parallel``): ZeRO partitions over data x sequence.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
-        resolved_config: settings that must agree on every rank (the CLI's resolved config), compared
-            across ranks at setup before the first collective (Note [setup agreement]).
-        **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``overlap_comm``,
-            ``collective``, ``timeout_s``, ``elementwise_optimizers``, ...).
+        resolved_config: the CLI's resolved config, which must agree on every rank (Note [setup agreement]).
+        **zero_options: fields of ``ZeroConfig`` (``reduce_bucket_size``, ``timeout_s``, ``max_reuse_distance``, ...).
     """
 
     strategy_name = "zero"
@@ -156,78 +120,55 @@ class ZeroStrategy(DDPStrategy):
         sequence_parallel: int = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: str = "popen",
         resolved_config: dict[str, Any] | None = None,
         **zero_options: Any,
     ) -> None:
-        self.zero_config: ZeroConfig = config or ZeroConfig.from_kwargs(stage, zero_options)
-        self.offload: OffloadConfig = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
-        self.offload.check(self.zero_config.stage)  # bad input refused before any process starts
-        self.offload.check_path()
-        self.tensor_parallel = check_parallel_options(tensor_parallel, sequence_parallel, pipeline, self.offload)
-        self._tp: StrategyTensorParallel | None = None  # the applied plan (from the mesh, when tensor parallel)
-        self.sequence_parallel = sequence_parallel
-        self._sequence: StrategySequenceParallel | None = None  # the sequence groups (setup, when > 1)
-        precision_plugin = strategy_precision(precision, loss_scaler, precision_plugin)
+        opts = strategy_options(  # every argument checked before any process starts
+            stage, zero_options, config=config, precision=precision, loss_scaler=loss_scaler,
+            precision_plugin=precision_plugin, checkpoint_format=checkpoint_format, monitor=monitor, profiler=profiler,
+            pipeline=pipeline, offload=offload, offload_optimizer=offload_optimizer, offload_param=offload_param,
+            nvme_path=nvme_path, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+        )
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=self.zero_config.timeout_s),
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=opts.precision_plugin,
+            process_group_backend=process_group_backend, timeout=timedelta(seconds=opts.zero_config.timeout_s),
             start_method=start_method,  # type: ignore[arg-type]
         )
-        self.check_step_errors = check_step_errors
-        self.param_init_fn = param_init_fn
+        self.zero_config, self.offload, self.pipeline_config = opts.zero_config, opts.offload, opts.pipeline_config
+        self.tensor_parallel, self.sequence_parallel = opts.tensor_parallel, opts.sequence_parallel
+        self.checkpoint_format, self.monitor, self.profiler = opts.checkpoint_format, opts.monitor, opts.profiler
+        self.check_step_errors, self.param_init_fn = check_step_errors, param_init_fn
         self.gather_on_teardown = gather_on_teardown
-        if checkpoint_format not in ("auto", "sharded", "consolidated"):
-            raise ValueError(
-                f"checkpoint_format must be 'auto', 'sharded' or 'consolidated', got {checkpoint_format!r}."
-            )
-        self.checkpoint_format = checkpoint_format
-        if profiler and not monitor:
-            raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
-        self.monitor = monitor
-        self.profiler: ProfilerWindow | None = ProfilerWindow() if profiler is True else (profiler or None)
-        self._fixed_precision = precision_plugin is not None
-        self._engine: ZeroEngine | None = None  # set in setup() when fitting (or evaluating a sharded build)
-        self._built_sharded = False  # this run's model was built in configure_model (stage 3), until teardown
-        self._last_runtime: Stage3Runtime | None = None  # the stage-3 runtime of the last fit (its peak counters)
-        self._mesh: ProcessMesh | None = None  # the process groups, one set per strategy (Note [clean exit])
-        self._comm: DataParallelComm | None = None  # ZeRO's group of the mesh and its collectives
-        self.pipeline_config = pipeline if pipeline is not None and pipeline.stages > 1 else None
-        self._pipeline: StrategyPipeline | None = None  # this rank's stage (setup, when pipelined)
+        self.resolved_config: dict[str, Any] | None = resolved_config  # compared across ranks at setup
+        self._fixed_precision = opts.precision_plugin is not None  # it wins over the Trainer's
         self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/reliability/heartbeat.py)
         self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)
-        self.resolved_config: dict[str, Any] | None = resolved_config  # compared across ranks at setup
-        self._steps = StepDispatch(self)  # how each Lightning step runs (steps.py)
-        self._checkpointing = StrategyCheckpointing(self)  # state dicts and checkpoint files (state.py)
-        self._collectives = RecordedCollectives()  # Lightning's own collectives in the hang watchdog's record
-        self._after_fit_refusal: tuple[str, bool] | None = None  # a pipelined fit's teardown: why a save is incomplete
+        self._run = ParallelRun(self)  # the mesh, and the engine and stage setup composes on it (mesh_setup.py)
+        self._steps = StepDispatch(self, self._run)  # how each Lightning step runs (steps.py)
+        self._checkpointing = StrategyCheckpointing(self, self._run)  # state dicts and checkpoint files (state.py)
+        # Lightning's own collectives (and the end of training) settle another rank's step error first
+        self._collectives = RecordedCollectives(settle=self._steps.settle_step_errors)
 
-    # ------------------------------------------------------------------ state (its part: state.py)
+    # ------------------------------------------------------------------ read-outs (state.py and the engine)
     @property
     def engine(self) -> ZeroEngine | None:
-        """The ZeRO engine driving the current fit, or, for a stage-3 model built in
-        ``configure_model``, the current test / validate / predict run (``None`` otherwise)."""
-        return self._engine
+        """The ZeRO engine of the current fit (or evaluation of a stage-3 model built in ``configure_model``)."""
+        return self._run.engine
 
     def model_state_bytes(self) -> ModelStateBytes:
-        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``comm_buffers``, counted from the
-        tensors that exist (each storage once), not from a formula."""
+        """This rank's bytes of ``params``, ``grads``, ``optimizer`` and ``comm_buffers``, counted from its tensors."""
         return self._checkpointing.model_state_bytes()
 
     def load_full_state_dict(
         self, source: str | os.PathLike | Mapping[str, Tensor], prefix: str = "", strict: bool = True
     ) -> None:
-        """Load whole (unsharded) weights, e.g. a Hugging Face ``.safetensors`` file, into the model (on every
-        rank, after setup; stage 3 streams them unit by unit into the shards): see
+        """Load whole weights (e.g. a ``.safetensors`` file) into the model, on every rank after setup: see
         :meth:`~lightning_zero.lightning.state.StrategyCheckpointing.load_full_state_dict`."""
         self._checkpointing.load_full_state_dict(source, prefix, strict)
 
@@ -257,15 +198,19 @@ class ZeroStrategy(DDPStrategy):
         return self.precision_plugin.last_step_skipped
 
     @property
+    def nonfinite_skipped_steps(self) -> int:
+        """Optimizer steps of the last fit skipped for nan / inf gradients (``nonfinite="skip"``)."""
+        return self._nonfinite.skipped
+
+    @property
     def last_grad_norm(self) -> float | None:
         """Global gradient norm (unscaled) of the last step that measured it."""
         return self._checkpointing.last_grad_norm
 
     @property
     def engine_comm(self) -> DataParallelComm | None:
-        """The running engine's data-parallel collectives (``None`` without an engine): what the monitor times
-        and counts (Note [the monitor reads a view, not the engine] in observability/stats_source.py)."""
-        return self._engine.comm if self._engine is not None else None
+        """The running engine's collectives, timed by the monitor (Note [the monitor reads a view, not the engine])."""
+        return self.engine.comm if self.engine is not None else None
 
     @property
     def pipelined(self) -> bool:
@@ -274,12 +219,13 @@ class ZeroStrategy(DDPStrategy):
 
     def measure_grad_norm(self) -> float | None:
         """The global norm of the gradients held now (a collective), ``None`` without an engine."""
-        return float(self._engine.grad_norm()) if self._engine is not None else None
+        return float(self.engine.grad_norm()) if self.engine is not None else None
 
     def step_stats(self) -> dict[str, float]:
         """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known (the monitor's names)."""
         return self._checkpointing.step_stats()
 
+    # ------------------------------------------------------------------ state dicts and files (state.py)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self._checkpointing.lightning_module_state_dict(super().lightning_module_state_dict)
@@ -294,8 +240,6 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        refuse_pipeline_checkpoint(self.tensor_parallel, self.pipeline_config is not None,
-                                   self._checkpointing._writes_shards)
         self._checkpointing.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
@@ -315,16 +259,10 @@ class ZeroStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._checkpointing.load_model_state_dict(checkpoint, strict, super().load_model_state_dict)
 
-    @property
-    def nonfinite_skipped_steps(self) -> int:
-        """Optimizer steps of the last fit skipped for nan / inf gradients (``nonfinite="skip"``)."""
-        return self._nonfinite.skipped
-
-    # ------------------------------------------------------------------ plugins
+    # ------------------------------------------------------------------ plugins and setup
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZeroPrecision:
-        plugin = self._precision_plugin
-        return plugin if isinstance(plugin, ZeroPrecision) else to_zero_precision(plugin)
+        return to_zero_precision(self._precision_plugin)  # the Trainer's plugin converted where it is a stock one
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
@@ -332,76 +270,41 @@ class ZeroStrategy(DDPStrategy):
             return  # the strategy's own precision wins over the Trainer's default
         self._precision_plugin = to_zero_precision(plugin) if plugin is not None else None
 
-    # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        if self.num_nodes * self.num_processes == 1 and not dist.is_initialized():
-            # one rank: no process group at all, so nothing is ever communicated
-            assert self.accelerator is not None
-            self.accelerator.setup_device(self.root_device)
-            self.set_world_ranks()
-            return
-        super().setup_environment()
+        if self.num_nodes * self.num_processes > 1 or dist.is_initialized():
+            return super().setup_environment()
+        assert self.accelerator is not None  # one rank: no process group at all, so nothing is ever communicated
+        self.accelerator.setup_device(self.root_device)
+        self.set_world_ranks()
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        trainer = self.lightning_module.trainer
-        if self._pipeline is not None:  # batches that do not split into micro-batches: refused before any step
-            self._pipeline.check_train_loader(trainer)
-        if self._comm is not None:  # uneven training batches would hang a rank: refuse on every rank
-            steps = trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps > 0 else float("inf")
-            check_training_batches(trainer.num_training_batches, self._comm, steps)
+        self._steps.check_train_start(self.lightning_module.trainer)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        mesh = self._process_mesh()
+        self._run.open_mesh()
         self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             add_monitor(trainer, self.monitor, self.profiler)
-        assert self._comm is not None
-        composed = apply_parallelisms(
-            self.lightning_module, mesh, self._comm,
-            ParallelPlan(self.zero_config, self.offload, self.pipeline_config, self.param_init_fn, self._tp,
-                         self._sequence),
-            self.precision_plugin, self.root_device, (lambda: self._the_optimizer(trainer)) if fitting else None,
-            setup_settings(self, trainer),
-        )
-        self._pipeline, self._engine = composed.pipeline, composed.engine
-        self._built_sharded = self._built_sharded or composed.built_sharded
+        self._run.compose((lambda: self._the_optimizer(trainer)) if fitting else None, setup_settings(self, trainer))
         if fitting:
-            if isinstance(opt := self.optimizers[0], OneBitAdam) and (why := opt.warmup_outlasts(trainer.max_steps)):
-                rank_zero_warn(why)
-            if self.precision_plugin.scaler is not None:
-                self._steps.guard_lr_schedulers()
+            self._steps.start_fit(trainer, self.optimizers[0])
         self.setup_precision_plugin()
 
     def _the_optimizer(self, trainer: pl.Trainer) -> Optimizer:
         """Lightning's ``configure_optimizers``, refused unless it makes exactly one optimizer."""
         self.setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise NotImplementedError(
-                f"ZeroStrategy supports exactly one optimizer, got {len(self.optimizers)}. Put several "
-                "parameter sets in param groups of one optimizer."
-            )
-        return self.optimizers[0]
-
-    def _process_mesh(self) -> ProcessMesh:
-        """The strategy's mesh, ZeRO's comm over it and the dimensions built on it (Note [one mesh per strategy])."""
-        made = new_strategy_mesh(self._mesh, self._comm, self.pipeline_config, self.tensor_parallel,
-                                 self.sequence_parallel, self.zero_config)
-        if made is not None:
-            self._mesh, self._comm, self._tp, self._sequence = made.mesh, made.comm, made.tensor, made.sequence
-        assert self._mesh is not None
-        return self._mesh
+        return only_optimizer(self.optimizers)
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3 or a pipeline: parameters built in ``configure_model`` go to the meta device (sharded_build.py)."""
         with sharded_build_context(self.zero_config, self.pipeline_config):
             yield
 
@@ -414,22 +317,18 @@ class ZeroStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._steps.training_step(super().training_step, *args, **kwargs)
 
-    # Lightning's own collectives and the end of training settle the step-error agreement first
     @override
     def barrier(self, name: str | None = None) -> None:
-        self._steps.settle_step_errors()
         with self._collectives.barrier(name):
             super().barrier(name)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        self._steps.settle_step_errors()
         with self._collectives.broadcast():
             return super().broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        self._steps.settle_step_errors()
         with self._collectives.reduce():
             return super().reduce(tensor, *args, **kwargs)
 
@@ -459,7 +358,6 @@ class ZeroStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         return self._steps.process_dataloader(dataloader)
 
-    # ------------------------------------------------------------------ training (the engine around Lightning's)
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -480,36 +378,18 @@ class ZeroStrategy(DDPStrategy):
         self._steps.resume_rng(None)
         if self._hang is not None:
             self._hang.stop()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
         failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
         try:
-            self._teardown(failed)
-        except Exception as err:
+            self._run.release(failed)
+            if hidden_from_teardown(module):  # Lightning's teardown moves the module: nothing of it exists to move
+                self._lightning_module = None
+            super().teardown()
+        except Exception as err:  # after a failed run, its error (Lightning re-raises it next) is the one to see
             if not failed:
                 raise
-            # the run already failed: its error, which Lightning re-raises next, is the one to see
             log.warning(f"ZeroStrategy.teardown after the error also failed: {err!r}")
-        finally:
-            self._built_sharded = False
-
-    def _teardown(self, failed: bool) -> None:
-        released = release_parallelisms(self._engine, self._pipeline, self.optimizers, self.precision_plugin, failed,
-                                        self.gather_on_teardown)
-        self._engine = self._pipeline = None
-        self._last_runtime = released.last_runtime or self._last_runtime
-        self._after_fit_refusal = released.pipeline_refusal or self._after_fit_refusal
-        module = self.lightning_module
-        if module is not None and self._sequence is not None:
-            self._sequence.detach(module)
-        if module is not None:
-            module.__dict__.pop("lr_scheduler_step", None)  # Note [skipped steps and schedulers]
-            self.precision_plugin.restore_module(module)
-        if not hidden_from_teardown(module):
-            super().teardown()
-            return
-        self._lightning_module = None  # Lightning's teardown moves the module: nothing of it exists to move
-        try:
-            super().teardown()
         finally:
             self._lightning_module = module
 

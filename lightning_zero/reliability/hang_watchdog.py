@@ -157,19 +157,31 @@ class RecordedCollectives:
 
         with self._collectives.barrier(name):
             super().barrier(name)
+
+    Args:
+        record: the progress record the entries go into.
+        settle: called before each collective is entered (the strategy's: raise another rank's step error first).
     """
 
-    def __init__(self, record: ProgressRecord = RECORD) -> None:
+    def __init__(self, record: ProgressRecord = RECORD, settle: Callable[[], None] | None = None) -> None:
         self._record = record
+        self._settle = settle
 
     def barrier(self, name: str | None = None) -> AbstractContextManager[Any]:
-        return self._record.collective(f"barrier({name})" if name else "barrier")
+        return self._entered(f"barrier({name})" if name else "barrier")
 
     def broadcast(self) -> AbstractContextManager[Any]:
-        return self._record.collective("broadcast (Lightning)")
+        return self._entered("broadcast (Lightning)")
 
     def reduce(self) -> AbstractContextManager[Any]:
-        return self._record.collective("reduce (Lightning, e.g. self.log sync_dist)")
+        return self._entered("reduce (Lightning, e.g. self.log sync_dist)")
+
+    @contextmanager
+    def _entered(self, what: str) -> Iterator[None]:
+        if self._settle is not None:
+            self._settle()
+        with self._record.collective(what):
+            yield
 
 
 def add_hang_watchdog(trainer: pl.Trainer, timeout_s: float) -> HangWatchdog | None:

@@ -38,8 +38,8 @@ def group_threads_body() -> dict[str, Any]:
     trainer.fit_loop.epoch_loop.max_steps = 2
     trainer.fit(model, token_loader())
     after_fits = _threads() - base
-    registered = strategy._comm in _owned and strategy._mesh in _owned
-    for holder in (strategy._comm, strategy._mesh):  # what close_all closes at exit
+    registered = strategy._run.comm in _owned and strategy._run.mesh in _owned
+    for holder in (strategy._run.comm, strategy._run.mesh):  # what close_all closes at exit
         holder.close()
     after_close = _threads() - base
     return {"per_group": per_group, "after_probe": after_probe, "after_fits": after_fits,

@@ -1,6 +1,6 @@
 """Stage 3 keeps the last units of forward gathered into backward (Note [kept tail] in
 core/stage3/runtime.py): fewer gathers, the same losses bitwise, the gathered peak within
-``max_live_parameters``."""
+``max_live_parameters``, the kept tail within ``max_reuse_distance``."""
 
 from __future__ import annotations
 
@@ -46,3 +46,33 @@ def test_the_last_units_stay_gathered_into_backward_within_max_live_parameters(g
         # the first, whose forward recorded the order
         assert [k["gathers"][f"blocks.{i}"] for i in range(4)] == [2 * steps] * 2 + [steps + 1] * 2, k["gathers"]
         assert k["live"] <= k["max_live"], (k["live"], k["max_live"])
+
+
+def reuse_body(distance: int | None) -> dict[str, Any]:
+    """Four blocks, prefetch and ``max_live_parameters`` wide enough to keep all: only ``max_reuse_distance``
+    (``None``: its default) bounds the kept tail."""
+    gathers: dict[str, int] = {}
+
+    class Probe(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            gathers.update({u.name: u.gathers for u in trainer.strategy.engine.units})
+
+    model = StackedLM("adamw", num_blocks=4)
+    kwargs = {} if distance is None else {"max_reuse_distance": distance}
+    strategy = ZeroStrategy(stage=3, param_persistence_threshold=0, prefetch_bucket_size=10_000_000, **kwargs)
+    make_trainer(strategy, max_steps=4, callbacks=[Probe()]).fit(model, token_loader())
+    return {"losses": model.losses, "gathers": [gathers[f"blocks.{i}"] for i in range(4)]}
+
+
+@pytest.mark.distributed
+def test_max_reuse_distance_bounds_the_kept_tail(gloo_pool) -> None:
+    steps = 4
+    runs = {d: gloo_pool.run("tests.distributed.test_kept_tail:reuse_body", distance=d)
+            for d in (0, BLOCK_NUMEL, None)}
+    for none, one, default in zip(runs[0], runs[BLOCK_NUMEL], runs[None]):
+        assert none["losses"] == one["losses"] == default["losses"]  # gathering less changes no value
+        assert none["gathers"] == [2 * steps] * 4, none["gathers"]  # 0: every block gathered again in backward
+        # one block's elements: the last block only, once a step after the first (which recorded the order)
+        assert one["gathers"] == [2 * steps] * 3 + [steps + 1], one["gathers"]
+        # the default (1e9) leaves the tail to the prefetch settings: every block kept, as before the setting
+        assert default["gathers"] == [steps + 1] * 4, default["gathers"]

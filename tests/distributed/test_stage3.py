@@ -262,7 +262,7 @@ def changing_order_body() -> dict[str, Any]:
         make_trainer(strategy, max_steps=6).fit(model, token_loader())
         out[name] = {"losses": model.losses, "params": params_of(model)}
         if name == "zero3":
-            out["retraces"] = strategy._last_runtime.retraces
+            out["retraces"] = strategy._run.last_runtime.retraces
     return out
 
 

@@ -232,7 +232,7 @@ def _fit(stage: int, tp: int, model: str = "gpt", offload: dict[str, str] | None
     return {"losses": module.losses, "norms": norms, "shapes": shapes,
             "data_rank": dist.get_rank() // tp, "held": held[0], "split_numel": split, "replicated_numel": replicated,
             "split_whole": split_whole, "replicated_whole": sum(whole.values()) - split_whole, "tensors": len(whole),
-            "split": list(strategy._tp.split) if strategy._tp else [], "offloaded": all(offloaded),
+            "split": list(strategy._run.tensor.split) if strategy._run.tensor else [], "offloaded": all(offloaded),
             "replicated": {n: p.detach().clone() for n, p in module.named_parameters() if split_dim(p) is None}}
 
 

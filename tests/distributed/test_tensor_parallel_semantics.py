@@ -256,7 +256,7 @@ def plans_body() -> dict[str, Any]:
         module = _Recorded()
         strategy = ZeroStrategy(stage=1, tensor_parallel=TensorParallelConfig(2, plan=plan))
         make_trainer(strategy, devices=2, max_steps=3).fit(module, _loader(1))
-        out[name] = {"losses": module.losses, "split": list(strategy._tp.split) if strategy._tp else []}
+        out[name] = {"losses": module.losses, "split": list(strategy._run.tensor.split) if strategy._run.tensor else []}
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g))
     torch.manual_seed(0)
@@ -272,7 +272,7 @@ def plans_body() -> dict[str, Any]:
     stack = _Stack()
     strategy = ZeroStrategy(stage=1, tensor_parallel=TensorParallelConfig(2, plan="auto"))
     make_trainer(strategy, devices=2, max_steps=3).fit(stack, DataLoader(data, batch_size=4))
-    out["auto"] = {"losses": stack.losses, "reference": reference.losses, "split": list(strategy._tp.split),
+    out["auto"] = {"losses": stack.losses, "reference": reference.losses, "split": list(strategy._run.tensor.split),
                    "shapes": {n: tuple(p.shape) for n, p in stack.named_parameters()}}
     return out
 

@@ -245,7 +245,7 @@ def default_threshold_body(threshold: int | None) -> dict[str, Any]:
     strategy = ZeroStrategy(stage=3, **kwargs)
     probe = _OutputsAtStart(None)
     make_trainer(strategy, max_steps=1, callbacks=[probe]).fit(model, token_loader(n=8, batch_size=2))
-    runtime = strategy._last_runtime
+    runtime = strategy._run.last_runtime
     return {"outputs": probe.outputs, "units": [(u.name, u.numel, u.releases) for u in runtime.units],
             "peak_live": runtime.peak_live_numel, "total": sum(p.numel() for p in model.parameters()),
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
@@ -318,7 +318,7 @@ def teardown_body(room: int | None, fail: bool = False) -> dict[str, Any]:
         "any_nan": any(torch.isnan(w).any() for w in weights),
         "zeros": sum(int((w == 0).sum()) for w in weights),
         "opt_state": bool(opt and opt.state),
-        "peak_live": strategy._last_runtime.peak_live_numel,
+        "peak_live": strategy._run.last_runtime.peak_live_numel,
         "total": sum(w.numel() for w in weights),
     }
 

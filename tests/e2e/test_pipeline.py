@@ -105,7 +105,7 @@ def _fit(stage: int, schedule: str, stages: int, optimizer: str, clip: float | N
     class Units(pl.Callback):  # stage 3: gathers per step, and nothing left gathered after it
         def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
             held.append(param_bytes(model))
-            pipe = trainer.strategy._pipeline  # after the schedule, before the deferred reduction: whole .grad?
+            pipe = trainer.strategy._run.pipeline  # after the schedule, before the deferred reduction: whole .grad?
             backward = pipe.backward
 
             def watched(engine: Any) -> None:

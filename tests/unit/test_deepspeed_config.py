@@ -116,6 +116,7 @@ def test_zero_section_maps_onto_zero_config() -> None:
                                    "train_batch_size": "auto", "gradient_clipping": "auto"})
     assert auto.zero == ZeroConfig(stage=2) and not auto.batch.given and auto.gradient_clipping is None
     assert parse_deepspeed_config({"zero_optimization": True}).zero.stage == 1  # DeepSpeed's legacy switch
+    assert ZeroConfig().max_reuse_distance == 10**9  # DeepSpeed's default: the kept tail as before
     assert parse_deepspeed_config({"zero_optimization": {"reduce_scatter": True}}).zero.collective == "reduce_scatter"
 
 
@@ -278,11 +279,11 @@ def test_a_bad_batch_triple_names_the_fix(given: dict, world: int, message: str)
 STAGE3_OFFLOAD = {"zero_optimization": {
     "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 2e7,
     "stage3_prefetch_bucket_size": 4e7, "stage3_max_live_parameters": 5e8, "stage3_param_persistence_threshold": 1e4,
-    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "stage3_max_reuse_distance": 2e6, "offload_optimizer": {"device": "cpu", "pin_memory": True},
     "offload_param": {"device": "cpu", "pin_memory": True, "max_in_cpu": 1e9}}, "bf16": {"enabled": True}}
 STAGE3_HYDRA = ["zero=stage3", "offload=param_cpu", "precision=bf16", "zero.reduce_bucket_size=20000000",
                 "zero.prefetch_bucket_size=40000000", "zero.max_live_parameters=500000000",
-                "zero.param_persistence_threshold=10000", "offload.pin_memory=true"]
+                "zero.param_persistence_threshold=10000", "zero.max_reuse_distance=2000000", "offload.pin_memory=true"]
 NVME_OFFLOAD = {"zero_optimization": {
     "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4},
     "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5}},

@@ -23,6 +23,14 @@ Note [kept tail]
     Memory: those units stay gathered from their forward to their backward, within the bound the
     prefetch settings already allow (``live_bound``), so the gathered peak stays within
     ``max_live_parameters`` whenever the running unit does; docs/tuning.md.
+    Reuse distance (``max_reuse_distance``, DeepSpeed's ``stage3_max_reuse_distance``): a unit U of the
+    tail is released after its forward and reused by its backward; in between run the forwards and then
+    the backwards of the units after U in forward order, which are the units before U in backward order.
+    U's reuse distance is the elements gathered from its release point to its reuse, its own included:
+    numel(U) plus the numel of every unit after it in forward order. U is kept only if that is at most
+    ``max_reuse_distance`` (besides the two bounds above), so the whole kept tail's numel is too; 0 keeps
+    no unit (backward gathers every unit again), one unit's numel keeps the last unit at most. The
+    default, DeepSpeed's 1e9, leaves the tail to the two bounds above.
 
 Note [gather agreement]
     While a pass's unit order is being recorded (the first step, and after a re-trace) every
@@ -81,6 +89,8 @@ class Stage3Runtime:
         comm: the data-parallel collectives.
         prefetch_numel: elements that may be in flight ahead of the running unit.
         max_live_numel: prefetch only while fewer elements than this are gathered.
+        max_reuse_distance: keep a unit gathered into backward only within this reuse distance, in elements
+            (Note [kept tail]).
     """
 
     def __init__(
@@ -91,12 +101,14 @@ class Stage3Runtime:
         comm: DataParallelComm,
         prefetch_numel: int,
         max_live_numel: int,
+        max_reuse_distance: int = 1_000_000_000,
     ) -> None:
         self.units = units
         self.unit_modules = unit_modules  # the top module(s) of each unit
         self.comm = comm
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
         self.root: ShardedUnit | None = next((u for u in units if u.name == ROOT), None)
         self.blocks: list[ShardedUnit] = [u for u in units if u.name not in (ROOT, PERSISTENT)]
         self._unit_of: dict[nn.Parameter, ShardedUnit] = {p: u for u in units for p in u.trainable}
@@ -217,7 +229,8 @@ class Stage3Runtime:
         if not trace or not torch.is_grad_enabled():
             return False
         if self._tail[0] is not trace:
-            budget = min(self.prefetch_numel, self.max_live_numel - (self.root.numel if self.root else 0))
+            root = self.root.numel if self.root else 0
+            budget = min(self.prefetch_numel, self.max_live_numel - root, self.max_reuse_distance)
             kept: set[int] = set()
             for index in reversed(trace):
                 u = self.units[index]

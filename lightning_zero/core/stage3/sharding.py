@@ -70,5 +70,6 @@ def apply_stage3(
         comm,
         config.prefetch_bucket_size,
         config.max_live_parameters,
+        config.max_reuse_distance,
     )
     return units, runtime, all_groups

@@ -131,6 +131,9 @@ class ZeroConfig:
             in fp32 / bf16 (Note [non-finite policy] in ``core/precision/nonfinite.py``; fp16 keeps its loss scaler).
         prefetch_bucket_size: stage 3: elements gathered ahead of the running unit.
         max_live_parameters: stage 3: elements gathered at once, at most.
+        max_reuse_distance: stage 3: a unit stays gathered from its forward into its backward only while the
+            elements gathered from its release point to its reuse, its own included, are at most this many
+            (DeepSpeed's ``stage3_max_reuse_distance``; 0 keeps none; Note [kept tail] in ``core/stage3/runtime.py``).
         param_persistence_threshold: stage 3: parameters with fewer elements stay gathered.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping
             them (any stage; the units are stage 3's, see ``unit_classes``).
@@ -149,6 +152,7 @@ class ZeroConfig:
     nonfinite: NonFinitePolicy = NonFinitePolicy.OFF
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
     elementwise_optimizers: tuple[type, ...] = field(default=())
     unit_classes: tuple[type, ...] = field(default=())
@@ -159,6 +163,10 @@ class ZeroConfig:
         for name in ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"`{name}` must be a positive number of elements, got {getattr(self, name)!r}.")
+        reuse = self.max_reuse_distance
+        if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 0:
+            raise ValueError(f"`max_reuse_distance` must be a non-negative int number of elements (0 keeps no unit "
+                             f"gathered from its forward into its backward), got {reuse!r}.")
         if self.param_persistence_threshold < 0:
             raise ValueError("`param_persistence_threshold` must be >= 0 (0 shards every parameter).")
         if self.collective not in ("auto", "all_reduce", "reduce_scatter"):
