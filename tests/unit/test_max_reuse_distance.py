@@ -33,10 +33,16 @@ def test_stage3_max_reuse_distance_maps_onto_the_kept_tails_bound() -> None:
         parse_deepspeed_config({"zero_optimization": {"stage3_max_reuse_distance": 1.5}})
 
 
-@pytest.mark.parametrize("value", [-1, 1.0e9, True, "1000"])
+@pytest.mark.parametrize("value", [-1, 1.5, True, "1000"])
 def test_max_reuse_distance_must_be_a_non_negative_int(value: Any) -> None:
     with pytest.raises(ValueError, match=r"`max_reuse_distance` must be a non-negative int .*0 keeps no unit"):
         ZeroConfig(stage=3, max_reuse_distance=value)
     with pytest.raises(ValueError, match="`max_reuse_distance` must be a non-negative int"):
         ZeroStrategy(stage=3, max_reuse_distance=value)
     assert ZeroStrategy(stage=3, max_reuse_distance=0).zero_config.max_reuse_distance == 0
+
+
+def test_a_whole_float_max_reuse_distance_is_taken_as_its_int() -> None:
+    """DeepSpeed configs write ``1e9``; ``prefetch_bucket_size`` and the other sizes take it too."""
+    config = ZeroConfig(stage=3, max_reuse_distance=1e9)
+    assert config.max_reuse_distance == 1_000_000_000 and type(config.max_reuse_distance) is int

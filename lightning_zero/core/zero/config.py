@@ -164,6 +164,8 @@ class ZeroConfig:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"`{name}` must be a positive number of elements, got {getattr(self, name)!r}.")
         reuse = self.max_reuse_distance
+        if isinstance(reuse, float) and reuse.is_integer():  # DeepSpeed configs write 1e9
+            object.__setattr__(self, "max_reuse_distance", reuse := int(reuse))
         if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 0:
             raise ValueError(f"`max_reuse_distance` must be a non-negative int number of elements (0 keeps no unit "
                              f"gathered from its forward into its backward), got {reuse!r}.")
