@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import statistics
 import sys
@@ -94,8 +95,15 @@ def _strategy(system: str, config: Any, counters: dict[str, float]) -> Any:
     return CountedDDP(process_group_backend="gloo", bucket_cap_mb=config.bucket_size * 4 / 2**20)
 
 
-def body(system: str, config: dict[str, Any]) -> dict[str, Any]:
-    """One fit of ``system`` on this rank; per measured step: wall, main CPU, other threads' CPU, collectives."""
+def body(system: str, config: dict[str, Any], probe: str | None = None) -> dict[str, Any]:
+    """One fit of ``system`` on this rank; per measured step: wall, main CPU, other threads' CPU, collectives.
+
+    Args:
+        system: a name of :data:`SYSTEMS`.
+        config: a ``BenchConfig`` as a dict.
+        probe: ``"module:factory"`` of a further callback (``factory(warmup)``) whose ``result()`` is returned
+            under ``"probe"`` (``bench_faults.py``).
+    """
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -108,6 +116,10 @@ def body(system: str, config: dict[str, Any]) -> dict[str, Any]:
     ddp_counters = {"collectives": 0.0, "bytes": 0.0}
     strategy = _strategy(system, cfg, ddp_counters)
     rows: list[dict[str, float]] = []
+    extra = []
+    if probe is not None:
+        module_name, factory = probe.split(":")
+        extra.append(getattr(importlib.import_module(module_name), factory)(cfg.warmup))
 
     def counters(trainer: pl.Trainer) -> dict[str, float]:
         s = trainer.strategy
@@ -132,10 +144,11 @@ def body(system: str, config: dict[str, Any]) -> dict[str, Any]:
     trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, precision="32-true",
                          max_steps=cfg.total_steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=[Breakdown()])  # fmt: skip
+                         limit_val_batches=0, callbacks=[Breakdown(), *extra])  # fmt: skip
     module = module_for(cfg)
     trainer.fit(module, loader(cfg, dist.get_rank(), dist.get_world_size()))
-    return {"rows": rows[cfg.warmup:], "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
+    out = {"rows": rows[cfg.warmup:], "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
+    return {**out, "probe": extra[0].result()} if extra else out
 
 
 def summarize(results: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any]]:

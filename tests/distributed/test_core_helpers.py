@@ -56,3 +56,36 @@ def test_gathers_and_reduce_scatters_use_torchs_current_names(gloo_pool) -> None
     assert rank0["flat"] == rank1["flat"] == [1.0, 2.0, 11.0, 12.0]
     assert rank0["scattered"] == [3.0, 3.0] and rank1["scattered"] == [7.0, 7.0]
     assert rank0["gathered"] == rank1["gathered"] == [5.0, 6.0]
+
+
+def test_gather_from_a_shard_without_peers_copies_it_into_its_range() -> None:
+    import torch
+
+    flat = torch.full((4,), float("nan"))
+    DataParallelComm().all_gather_flat(flat, 1, 3, source=torch.tensor([5.0, 6.0])).wait()
+    assert flat.tolist()[1:3] == [5.0, 6.0]
+
+
+def gather_from_shard_body() -> dict[str, list[float]]:
+    """``all_gather_flat(source=...)`` (Note [gather from the shard]) on gloo's broadcasts and on the
+    ``all_gather_into_tensor`` path, with this rank's range of the buffer left unwritten (NaN) beforehand."""
+    import torch
+
+    out = {}
+    for collective in ("auto", "reduce_scatter"):
+        comm = DataParallelComm(collective=collective)
+        rank = comm.rank
+        flat = torch.full((4,), float("nan"))
+        shard = torch.tensor([1.0, 2.0]) + 10 * rank
+        comm.all_gather_flat(flat, 2 * rank, 2 * rank + 2, async_op=True, source=shard).wait()
+        out[collective] = flat.tolist()
+        out[collective + " shard"] = shard.tolist()
+    return out
+
+
+@pytest.mark.distributed
+def test_gather_from_the_shard_fills_every_range_on_both_paths(gloo_pool) -> None:
+    for rank, r in enumerate(gloo_pool.run("tests.distributed.test_core_helpers:gather_from_shard_body")):
+        for collective in ("auto", "reduce_scatter"):
+            assert r[collective] == [1.0, 2.0, 11.0, 12.0], (collective, r)
+            assert r[collective + " shard"] == [1.0 + 10 * rank, 2.0 + 10 * rank], r  # the source is only read

@@ -88,13 +88,13 @@ def test_reused_buffers_accumulate_and_never_leak_stale_values() -> None:
     backward(model, x, True)
     reducer.finish()
     allocated = reducer.staged.staging_pool.allocations
-    assert reducer.staged.staging_pool.idle and reducer.live_buffers()  # kept for the next micro-step, and counted
+    assert reducer.idle_buffers() and reducer.live_buffers() == []  # kept for the next micro-step, idle
     reducer.set_boundary_mode(ReductionMode.IMMEDIATE)
     backward(model, 2 * x, True)
     reducer.finish()
     # the second micro-step allocated nothing; at most the in-flight messages plus one filling, ever
     assert reducer.staged.staging_pool.allocations == allocated <= reducer.max_in_flight + 1 < 2 * len(reducer.messages)
-    assert not reducer.staged.staging_pool.idle and reducer.live_buffers() == []  # nothing held between steps
+    assert reducer.idle_buffers() and reducer.live_buffers() == []  # kept for the next step (Note [reused buffers])
     shard = reducer.shard_grad(0)
     torch.testing.assert_close(shard, expected((x, True), (2 * x, True)), rtol=0, atol=1e-5)
     # the next step: the first layer gets no gradient, so its part reads zero, not last step's values
@@ -105,8 +105,11 @@ def test_reused_buffers_accumulate_and_never_leak_stale_values() -> None:
     shard = reducer.shard_grad(0)
     assert shard.data_ptr() == storage
     torch.testing.assert_close(shard, expected((x, False)), rtol=0, atol=1e-5)
+    assert reducer.staged.staging_pool.allocations == allocated  # the next step reused them too
     reducer.zero()  # a read without any backward: all zeros
     assert torch.count_nonzero(reducer.shard_grad(0)) == 0
+    reducer.remove_hooks()  # teardown frees them
+    assert reducer.idle_buffers() == []
 
 
 # ---------------------------------------------------------------------------- 2 gloo ranks

@@ -224,3 +224,27 @@ def test_bench_tensor_parallel_counts_the_collectives_of_its_formula(gloo_pool: 
             reduces = [b for c, b in out["calls"] if c == "all_reduce"]
             assert all(c == "all_reduce" for c, _ in out["calls"]), (model, rank, out["calls"])
             assert (len(reduces), sum(reduces)) == (calls, total), (model, rank, len(reduces), sum(reduces))
+
+
+@pytest.mark.distributed
+def test_bench_faults_probe_counts_phases_functions_and_reuse(gloo_pool: Any) -> None:
+    """benchmarks/bench_faults.py's probe on the tiny GPT at stage 3 (issue 35): every phase of every measured
+    step, the exchange's staging writes counted, and the engine's counters per step."""
+    import dataclasses
+
+    from benchmarks.bench_faults import PHASES, report
+    from benchmarks.harness.config import BenchConfig
+
+    config = dataclasses.asdict(BenchConfig(model="gpt_tiny", seq_len=64, steps=2, warmup=1))
+    ranks = gloo_pool.run("benchmarks.bench_breakdown:body", system="zero3", config=config,
+                          probe="benchmarks.bench_faults:probe")
+    for r in ranks:
+        probe = r["probe"]
+        assert len(probe["phases"]) == 2 and all(set(s) == set(PHASES) for s in probe["phases"]), probe["phases"]
+        faults, calls, cpu = probe["functions"]["MessageStaging.write"]
+        assert faults >= 0 and calls > 0 and cpu > 0, probe["functions"]
+        for counters in probe["counters"]:  # the tiny GPT's units are all under the persistence threshold
+            assert counters["staging allocations"] >= 0
+            assert 0 <= counters["gathers served by the pool"] <= counters["unit gathers"], counters
+        assert all(h["pooled MB"] > 0 for h in probe["heaps"]), probe["heaps"]  # kept exchange buffers, gather pool
+    assert "| MessageStaging.write |" in report("zero3", ranks)

@@ -217,9 +217,28 @@ class DataParallelComm:
                     works.append(dist.irecv(received[q], src=self._global_rank(q), group=self.group, tag=tag))
         return self._issued(_AllOf(works), async_op=True)
 
-    def all_gather_flat(self, flat: torch.Tensor, start: int, end: int, async_op: bool = False) -> Handle:
-        """Make ``flat`` whole on every rank from each rank's ``flat[start:end]`` (equal shards)."""
+    def all_gather_flat(self, flat: torch.Tensor, start: int, end: int, async_op: bool = False,
+                        source: torch.Tensor | None = None) -> Handle:
+        """Make ``flat`` whole on every rank from each rank's ``flat[start:end]`` (equal shards).
+
+        Args:
+            flat: the whole buffer; start, end: this rank's range of it.
+            async_op: return a handle instead of waiting.
+            source: this rank's shard, when it is not in ``flat[start:end]`` yet: the collective sends it from
+                there and this call writes it into ``flat[start:end]`` (Note [gather from the shard]). It must
+                not change until the handle is waited on.
+
+        Note [gather from the shard]
+            Gathering a stage-3 unit used to copy this rank's shard into the whole buffer before the
+            collective started. Given ``source``, gloo's broadcasts start at once, this rank's own from the
+            shard itself, and the shard is copied into its range while the peers' broadcasts run (the copy
+            and the sends only read the shard; the receives write other ranges). ``all_gather_into_tensor``
+            (NCCL) takes the shard as its input and writes every range itself, the own one included: no
+            copy at all. Without peers (one rank) it is the copy alone.
+        """
         if not self.active:
+            if source is not None:
+                flat[start:end].copy_(source)
             return DONE
         self._count(flat, self.world_size - 1)
         if self.use_all_reduce:
@@ -228,16 +247,18 @@ class DataParallelComm:
             size = end - start
             with self.blocking("all_gather"):
                 works = [
-                    dist.broadcast(flat[r * size : (r + 1) * size], src=self._global_rank(r), group=self.group,
-                                   async_op=True)
+                    dist.broadcast(source if r == self.rank and source is not None else flat[r * size : (r + 1) * size],
+                                   src=self._global_rank(r), group=self.group, async_op=True)
                     for r in range(self.world_size)
                 ]
+                if source is not None:  # Note [gather from the shard]
+                    flat[start:end].copy_(source)
                 work: Handle | None = _AllOf(works)
                 if not async_op:
                     work.wait()
         else:
             with self.blocking("all_gather"):
-                work = _all_gather_single(flat, flat[start:end], self.group, async_op)
+                work = _all_gather_single(flat, flat[start:end] if source is None else source, self.group, async_op)
         return self._issued(work, async_op)
 
     def all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:

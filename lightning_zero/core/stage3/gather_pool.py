@@ -69,6 +69,10 @@ class GatherPool:
         else:
             storage.resize_(0)
 
+    def spares(self) -> list[torch.UntypedStorage]:
+        """The memory the pool holds now (idle)."""
+        return [s for spares in self._spares.values() for s in spares]
+
     def clear(self) -> None:
         """Free the pooled memory."""
         self._spares.clear()

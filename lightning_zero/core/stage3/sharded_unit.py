@@ -130,11 +130,12 @@ class ShardedUnit:
                 storage.resize_(nbytes)
             start, end = g.shard_range()
             with torch.autograd._unsafe_preserve_version_counter(g.flat):  # Note [version counter]
-                if self.shard_io is None:
-                    g.flat[start:end].copy_(g.shard)
-                else:  # the shard lives in host buffers or swap files (param_offload.py)
+                source = g.shard  # sent from, and copied into its range while the peers' arrive
+                if self.shard_io is not None:  # the shard lives in host buffers or swap files (param_offload.py)
                     self.shard_io.read(g, g.flat[start:end])
-                self._handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
+                    source = None
+                # Note [gather from the shard] in core/comm/data_parallel.py
+                self._handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True, source=source))
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:

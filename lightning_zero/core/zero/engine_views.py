@@ -194,7 +194,7 @@ class WholeModelViews:
             self.runtime.end_forward_only()
 
     def model_state_bytes(self) -> ModelStateBytes:
-        """This rank's bytes of params / grads / optimizer / comm_buffers, counted from live tensors."""
+        """This rank's bytes of params / grads / optimizer / comm_buffers / pooled, counted from live tensors."""
         counter = StorageCounter()
         if self.runtime is not None:
             # gathered units are working memory; the persistent model state is the shards
@@ -211,6 +211,9 @@ class WholeModelViews:
         for state in self.optimizer.state.values() if self.optimizer is not None else ():
             counter.add("optimizer", [v for v in state.values() if isinstance(v, torch.Tensor)])
         counter.add("comm_buffers", list(self.reducer.live_buffers()))
+        counter.add("pooled", self.reducer.idle_buffers())
+        if self.runtime is not None:
+            counter.add("pooled", self.runtime.pool.spares())
         return counter.result()
 
 

@@ -27,15 +27,18 @@ Note [owner exchange]
     and at more ranks it differs from an all-reduce only by fp32 rounding order.
 
 Note [reused buffers]
-    Staging and receive buffers come from a :class:`BufferPool`. During one optimizer step (its
-    micro-steps and their messages) a buffer given back is handed out again, to a message needing
-    at most that many elements and at least half of them, instead of a new allocation; at most
-    ``keep`` idle buffers are kept. The pools are emptied when the step's last backward finishes,
-    so between steps (optimizer step, checkpoint save) no pooled memory is held: a persistent pool
-    raised the peak of the first optimizer step (Adam's moments) past tests/e2e/test_large_models.py's
-    memory limit. Memory: while a backward runs, at most two messages in flight (staging plus
-    (N-1)/N of a message received) and the messages filling, each of at most ``reduce_bucket_size``
-    elements or one larger bucket; the all-reduce path had the same staging and no receive buffer.
+    Staging and receive buffers come from a :class:`BufferPool`: a buffer given back is handed out
+    again, to a message needing at most that many elements and at least half of them, instead of a
+    new allocation; at most ``keep`` idle buffers are kept. They are kept from one optimizer step to
+    the next (like DDP's buckets and DeepSpeed's reduction buffers) and freed at teardown
+    (``GradReducer.remove_hooks``). Freed at each step's end instead, they came back from the
+    kernel as fresh pages every step: on the gpt_20m benchmark 9,500 (stage 3) to 14,000 (stage 2)
+    main-thread page faults per step, all of stage 3's above DDP's (docs/benchmarks.md). Memory:
+    while a backward runs, at most two messages in flight (staging plus (N-1)/N of a message
+    received) and the messages filling, each of at most ``reduce_bucket_size`` elements or one
+    larger bucket; between steps the same buffers, idle, reported as ``pooled`` by
+    ``model_state_bytes()`` (docs/tuning.md). The all-reduce path had the same staging and no
+    receive buffer.
 
 Note [written shard]
     The gradient shard is allocated with ``torch.empty`` and never zero-filled per step:
@@ -244,10 +247,13 @@ class MessageStaging:
         self.staging_pool.release()
         self.receive_pool.release()
 
-    def held(self) -> list[torch.Tensor]:
-        """The buffers held while not in flight: filling and idle."""
-        return [t._base if t._base is not None else t for t in self.staging.values()] + [
-            *self.staging_pool.idle, *self.receive_pool.idle]
+    def filling(self) -> list[torch.Tensor]:
+        """The staging buffers of the messages filling now."""
+        return [t._base if t._base is not None else t for t in self.staging.values()]
+
+    def idle(self) -> list[torch.Tensor]:
+        """The buffers kept for the next messages (Note [reused buffers])."""
+        return [*self.staging_pool.idle, *self.receive_pool.idle]
 
 
 def sum_in_rank_order(terms: list[torch.Tensor], target: torch.Tensor, first: bool) -> None:

@@ -149,9 +149,11 @@ class GradReducer:
         self._next_launch = 0
 
     def remove_hooks(self) -> None:
+        """Teardown: the hooks go, and the reused message buffers are freed (Note [reused buffers])."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.staged.release()
 
     # ---------------------------------------------------------------- mode
     @property
@@ -351,9 +353,7 @@ class GradReducer:
             self._launch_ready(force=True)
             while self._in_flight:
                 self._retire(self._in_flight.popleft())
-            self.staged.staging.clear()
-            if self.sync:  # the step's last backward: no pooled memory between steps (Note [reused buffers])
-                self.staged.release()
+            self.staged.staging.clear()  # the idle buffers stay for the next backward (Note [reused buffers])
         self._reset_backward()
         self.state = BackwardState.IDLE
 
@@ -384,9 +384,13 @@ class GradReducer:
         self.shards.forget()  # the shards are written by the next reduction (Note [written shard])
         self._dirty = False
 
+    def idle_buffers(self) -> list[torch.Tensor]:
+        """The staging and receive buffers kept idle for reuse (Note [reused buffers])."""
+        return self.staged.idle()
+
     def live_buffers(self) -> list[torch.Tensor]:
-        """Staging, receive and idle reused buffers and reduce-scatter outputs alive right now."""
-        out = self.staged.held()
+        """Staging buffers filling, and the staging, receive and reduce-scatter buffers of messages in flight."""
+        out = self.staged.filling()
         for item in self._in_flight:
             out.extend(buffer for _, buffer in item.pooled)
             if not item.pooled:

@@ -28,6 +28,9 @@ class ModelStateBytes:
     grads: float
     optimizer: float  # optimizer state plus the fp32 master copy when it is not a view of params
     comm_buffers: float = 0.0  # gradient buckets in flight and gathered stage-3 units (not nn.Module buffers)
+    # idle memory kept for reuse: the gradient exchange's buffers (Note [reused buffers] in core/zero/exchange.py)
+    # and stage 3's gather pool (Note [gather buffer pool] in core/stage3/gather_pool.py)
+    pooled: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -35,7 +38,7 @@ class ModelStateBytes:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.comm_buffers
+        return self.model_states + self.comm_buffers + self.pooled
 
 
 def model_state_formula(
@@ -116,14 +119,19 @@ class StorageCounter:
 
     def __init__(self) -> None:
         self._seen: set[tuple[str, int]] = set()
-        self.bytes: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "comm_buffers": 0}
+        self.bytes: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "comm_buffers": 0, "pooled": 0}
 
-    def add(self, kind: str, tensors: Iterable[torch.Tensor | None]) -> None:
+    def add(self, kind: str, tensors: Iterable[torch.Tensor | torch.UntypedStorage | None]) -> None:
         for t in tensors:
-            if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if isinstance(t, torch.UntypedStorage):
+                storage = t
+            elif t is None or not isinstance(t, torch.Tensor):
                 continue
-            storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr())
+            else:
+                storage = t.untyped_storage()
+            if storage.device.type == "meta":
+                continue
+            key = (str(storage.device), storage.data_ptr())
             if storage.nbytes() == 0 or key in self._seen:
                 continue
             self._seen.add(key)
