@@ -5,14 +5,19 @@ parallelism (``compose``: ``apply_parallelisms``, ``release_parallelisms``). Its
 runs (``steps``: ``StepDispatch``), state dicts and checkpoint files (``state``: ``StrategyCheckpointing``;
 ``state_files``), the mesh (``mesh_setup``), the registered names (``registry``), models built in
 ``configure_model`` (``sharded_build``) and uneven batches (``uneven``). ``own_bytes`` is a former path
-(now ``lightning_zero.checkpoint.tensor_file``).
+(now ``lightning_zero.checkpoint.tensor_file``). The names are imported on first use (Note [lazy package names] in
+``core/lazy.py``): ``registry`` is read without importing Lightning.
 """
 
-from lightning_zero.lightning.compose import apply_parallelisms, release_parallelisms
-from lightning_zero.lightning.precision import ZeroPrecision
-from lightning_zero.lightning.state import StrategyCheckpointing
-from lightning_zero.lightning.steps import StepDispatch
-from lightning_zero.lightning.strategy import ZeroStrategy
+from lightning_zero.core.lazy import lazy_exports
 
-__all__ = ["StepDispatch", "StrategyCheckpointing", "ZeroPrecision", "ZeroStrategy", "apply_parallelisms",
-           "release_parallelisms"]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "lightning_zero.lightning.compose": ("apply_parallelisms", "release_parallelisms"),
+        "lightning_zero.lightning.precision": ("ZeroPrecision",),
+        "lightning_zero.lightning.state": ("StrategyCheckpointing",),
+        "lightning_zero.lightning.steps": ("StepDispatch",),
+        "lightning_zero.lightning.strategy": ("ZeroStrategy",),
+    },
+)
