@@ -1,68 +1,72 @@
-"""lightning_zero: DeepSpeed-style ZeRO for PyTorch Lightning, built on torch.distributed."""
+"""lightning_zero: DeepSpeed-style ZeRO for PyTorch Lightning, built on torch.distributed.
 
-from lightning.pytorch.strategies import StrategyRegistry
+Every public name is imported when first used (Note [lazy package names] in ``core/lazy.py``): ``import
+lightning_zero`` alone imports neither Lightning nor the engine, so the ``lightning-zero`` launcher stays light.
+The ``Trainer(strategy=...)`` names (``zero_stage_0`` .. ``zero_stage_3``, their ``_spawn`` forms, the offload
+shortcuts) are registered with Lightning as soon as both are imported, in either order.
+"""
 
-from lightning_zero.checkpoint import CheckpointError, consolidate_checkpoint, convert_checkpoint
-from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
-from lightning_zero.core.precision.loss_scaler import LossScaler, LossScalerConfig
-from lightning_zero.core.stage3.gathered import gathered_parameters
-from lightning_zero.core.zero.config import DtypePolicy, NonFinitePolicy, ZeroConfig, ZeroStage
-from lightning_zero.core.zero.engine import ZeroEngine
-from lightning_zero.core.zero.memory import ModelStateBytes, model_state_formula
-from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
-from lightning_zero.estimator import MemoryEstimate, estimate_memory
-from lightning_zero.estimator.advisor import Advice, advise
-from lightning_zero.lightning.precision import ZeroPrecision
-from lightning_zero.lightning.strategy import ZeroStrategy
-from lightning_zero.observability.callbacks import ZeroStatsMonitor
-from lightning_zero.observability.dashboard import ZeroTensorBoardLogger
-from lightning_zero.observability.monitoring import ProfilerWindow
-from lightning_zero.pipeline import PipelineConfig
-from lightning_zero.reliability.hang_watchdog import long_phase
-from lightning_zero.tensor_parallel import TensorParallelConfig
+from __future__ import annotations
 
-if "zero_stage_0" not in StrategyRegistry:
-    ZeroStrategy.register_strategies(StrategyRegistry)
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "Advice",
-    "CheckpointError",
-    "DeepSpeedZeroStrategy",
-    "DtypePolicy",
-    "LossScaler",
-    "LossScalerConfig",
-    "MemoryEstimate",
-    "ModelStateBytes",
-    "NonFinitePolicy",
-    "OffloadConfig",
-    "OffloadDevice",
-    "OneBitAdam",
-    "PipelineConfig",
-    "ProfilerWindow",
-    "TensorParallelConfig",
-    "ZeroConfig",
-    "ZeroEngine",
-    "ZeroPrecision",
-    "ZeroStage",
-    "ZeroStatsMonitor",
-    "ZeroStrategy",
-    "ZeroTensorBoardLogger",
-    "advise",
-    "consolidate_checkpoint",
-    "convert_checkpoint",
-    "estimate_memory",
-    "gathered_parameters",
-    "long_phase",
-    "model_state_formula",
-]
+from lightning_zero.core.lazy import after_import, lazy_exports
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
+
+_getattr, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "lightning_zero.checkpoint": ("CheckpointError", "consolidate_checkpoint", "convert_checkpoint"),
+        "lightning_zero.core.comm.onebit_adam": ("OneBitAdam",),
+        "lightning_zero.core.offload.config": ("OffloadConfig", "OffloadDevice"),
+        "lightning_zero.core.precision.loss_scaler": ("LossScaler", "LossScalerConfig"),
+        "lightning_zero.core.stage3.gathered": ("gathered_parameters",),
+        "lightning_zero.core.zero.config": ("DtypePolicy", "NonFinitePolicy", "ZeroConfig", "ZeroStage"),
+        "lightning_zero.core.zero.engine": ("ZeroEngine",),
+        "lightning_zero.core.zero.memory": ("ModelStateBytes", "model_state_formula"),
+        "lightning_zero.deepspeed.strategy": ("DeepSpeedZeroStrategy",),
+        "lightning_zero.estimator": ("MemoryEstimate", "estimate_memory"),
+        "lightning_zero.estimator.advisor": ("Advice", "advise"),
+        "lightning_zero.lightning.precision": ("ZeroPrecision",),
+        "lightning_zero.lightning.strategy": ("ZeroStrategy",),
+        "lightning_zero.observability.callbacks": ("ZeroStatsMonitor",),
+        "lightning_zero.observability.dashboard": ("ZeroTensorBoardLogger",),
+        "lightning_zero.observability.monitoring": ("ProfilerWindow",),
+        "lightning_zero.pipeline": ("PipelineConfig",),
+        "lightning_zero.reliability.hang_watchdog": ("long_phase",),
+        "lightning_zero.tensor_parallel": ("TensorParallelConfig",),
+    },
+    eager=("zero_strategy",),
+)
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """Former names, with a warning that says the new one."""
+    """A public name, imported on first use; former names with a warning that says the new one."""
     if name == "DynamicLossScaler":
         from lightning_zero.core.precision import loss_scaler
 
         return loss_scaler.__getattr__(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _getattr(name)
+
+
+def zero_strategy(**kwargs: Any) -> Strategy:
+    """``ZeroStrategy(**kwargs)``: what the registered names build (the strategy is imported when a Trainer
+    first asks for one, not when the names are registered)."""
+    from lightning_zero.lightning.strategy import ZeroStrategy
+
+    return ZeroStrategy(**kwargs)
+
+
+def _register_strategy_names() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_zero.lightning.registry import register_zero_strategies
+
+    if "zero_stage_0" not in StrategyRegistry:
+        register_zero_strategies(zero_strategy, StrategyRegistry)
+
+
+after_import("lightning.pytorch", _register_strategy_names)

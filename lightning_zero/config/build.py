@@ -13,7 +13,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
 from lightning_zero.config.parallel_checks import data_parallel_size
+from lightning_zero.config.paths import RESULT_FILE, FitResult
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
     GPTModelSchema,
@@ -42,8 +43,6 @@ from lightning_zero.observability.model_summary import ZeroModelSummary
 from lightning_zero.observability.monitoring import ProfilerWindow, log_hyperparams
 from lightning_zero.observability.progress import LineProgress
 from lightning_zero.pipeline import PipelineConfig
-
-RESULT_FILE = "result.json"
 
 
 def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
@@ -117,33 +116,6 @@ def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
         "global_batch": cfg.data.micro_batch_size * micro_batches * data_parallel,
         "optimizer": cfg.model.optimizer.value, "lr": cfg.model.lr,
     }
-
-
-RUN_NAME_RESOLVER = "lz_run_name"  # conf/config.yaml's hydra.run.dir and hydra.sweep.subdir use it
-
-
-def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", pipeline: str = "none",
-             optimizer: Any = "adamw", deepspeed_config: str | None = None) -> str:
-    """A run's directory name from its choices, as TensorBoard lists the run, e.g. ``gpt_tiny-zero3-bf16``;
-    offload and pipeline choices other than ``none`` and an optimizer other than ``adamw`` are added
-    (``gpt_tiny-zero0-fp32-onebit_adam``). With a DeepSpeed JSON, which sets those after Hydra named the
-    directory, the JSON file's name stands for them (``gpt_tiny-ds_config``)."""
-    def text(value: Any) -> str:
-        return str(getattr(value, "value", value))
-
-    if deepspeed_config:
-        return f"{text(name)}-{Path(str(deepspeed_config)).stem}"
-    parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
-    parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
-    if text(optimizer) != "adamw":
-        parts.append(text(optimizer))
-    return "-".join(parts)
-
-
-def register_run_name() -> None:
-    """Register :func:`run_name` as the OmegaConf resolver ``lz_run_name`` (idempotent; before Hydra composes)."""
-    if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
-        OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, run_name)
 
 
 def build_precision(cfg: TrainConfig) -> ZeroPrecision:
@@ -243,34 +215,6 @@ def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
         "enable_checkpointing": t.checkpoint.enabled,
         **{k: v for k, v in optional.items() if v is not None},
     }
-
-
-@dataclass
-class FitResult:
-    """What one run did (rank 0 writes it to ``run_dir/result.json``)."""
-
-    global_step: int
-    seconds: float
-    val_loss_start: float | None
-    val_loss_end: float | None
-    checkpoints: list[str]
-    resumed_at: int = 0  # the global step the fit resumed from (0: a fresh run)
-    # the layout that ran, read from the strategy's mesh: world_size, data, pipeline, tensor, sequence, and the
-    # modules the tensor-parallel plan split (0: none)
-    layout: dict[str, int] = field(default_factory=dict)
-
-    def summary(self) -> str:
-        """One line: steps (those of this run when resumed), fit time, validation loss at start and end."""
-
-        def fmt(x: float | None) -> str:
-            return "-" if x is None else f"{x:.4f}"
-
-        drop = ("" if self.val_loss_start is None or self.val_loss_end is None
-                else f" (drop {self.val_loss_start - self.val_loss_end:.3f} nats)")
-        steps = (f"steps={self.global_step} ({self.global_step - self.resumed_at} in this run, resumed at step "
-                 f"{self.resumed_at})" if self.resumed_at else f"steps={self.global_step}")
-        return (f"{steps} fit_time={self.seconds:.1f}s val_loss {fmt(self.val_loss_start)} -> "
-                f"{fmt(self.val_loss_end)}{drop}")
 
 
 def _val_loss(metrics: list[dict[str, float]] | dict[str, Any]) -> float | None:

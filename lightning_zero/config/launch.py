@@ -14,6 +14,9 @@ The flow of one run (each job of a ``-m`` multirun does the same in its own outp
    <job dir>/config.yaml``: the ranks read that file and never re-enter Hydra, so no rank creates an
    output directory or re-runs a sweep (Lightning's own launcher would re-run ``sys.argv``).
    A rank's failure makes torchrun exit non-zero, which fails the job and the command.
+
+This process imports no Lightning unless it trains in process (``trainer.devices=1``): only the ranks need it
+(Note [lazy package names] in ``core/lazy.py``; ``tests/unit/test_lazy_imports.py`` checks it).
 """
 
 from __future__ import annotations
@@ -34,10 +37,17 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_zero
-from lightning_zero.config.build import RESULT_FILE, FitResult, register_run_name
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
-from lightning_zero.config.paths import CONFIG_NAME, SCHEMAS, conf_dir, register_configs
+from lightning_zero.config.paths import (
+    CONFIG_NAME,
+    RESULT_FILE,
+    SCHEMAS,
+    FitResult,
+    conf_dir,
+    register_configs,
+    register_run_name,
+)
 from lightning_zero.config.schema import TextDataSchema, TrainConfig, to_train_config, to_yaml
 from lightning_zero.config.validate import config_warnings, describe, validate_config
 

@@ -1,15 +1,14 @@
 """The ``model=`` / ``data=`` options of a config as the LightningModule and DataModule they name.
 
 GPT options are a preset of :data:`lightning_zero.models.gpt.GPT_PRESETS` plus shape overrides
-(:func:`gpt_config`). The models are imported when built, so that validating a config stays cheap.
+(:func:`gpt_config`). The models are imported when built, so that validating a config stays cheap (and
+without Lightning: the launcher validates, the ranks build).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
-
-import lightning.pytorch as pl
+from typing import TYPE_CHECKING, Any
 
 from lightning_zero.config.schema import (
     GPTModelSchema,
@@ -18,6 +17,9 @@ from lightning_zero.config.schema import (
     TextDataSchema,
     TrainConfig,
 )
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 def preset_known(m: GPTModelSchema) -> bool:
@@ -51,7 +53,7 @@ def param_init_fn(cfg: TrainConfig) -> Any:
     at stage 3) is initialised by each stage / unit with GPT's own initialisation, the values a whole build gets
     (``None`` for other models: ``reset_parameters``)."""
     if isinstance(cfg.model, GPTModelSchema):
-        from lightning_zero.models.gpt import gpt_param_init
+        from lightning_zero.models.gpt_model import gpt_param_init
 
         return gpt_param_init(gpt_config(cfg.model))
     return None

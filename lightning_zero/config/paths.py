@@ -1,13 +1,17 @@
 """Where the Hydra configs live: the ``conf/`` directory, the root config's name, and the typed schemas
-(``schema.py``) as Hydra's ConfigStore entries that the YAML options name in their defaults."""
+(``schema.py``) as Hydra's ConfigStore entries that the YAML options name in their defaults; and where a run goes:
+its directory's name (the ``lz_run_name`` resolver) and the result its rank 0 writes there (:class:`FitResult` in
+``result.json``). The launcher reads these without importing Lightning (``build.py``, which does, writes them)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from lightning_zero.config.schema import (
     GPTModelSchema,
@@ -60,3 +64,61 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     for (group, name), node in SCHEMAS.items():
         cs.store(group=group, name=name, node=node)
+
+
+RUN_NAME_RESOLVER = "lz_run_name"  # conf/config.yaml's hydra.run.dir and hydra.sweep.subdir use it
+
+
+def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", pipeline: str = "none",
+             optimizer: Any = "adamw", deepspeed_config: str | None = None) -> str:
+    """A run's directory name from its choices, as TensorBoard lists the run, e.g. ``gpt_tiny-zero3-bf16``;
+    offload and pipeline choices other than ``none`` and an optimizer other than ``adamw`` are added
+    (``gpt_tiny-zero0-fp32-onebit_adam``). With a DeepSpeed JSON, which sets those after Hydra named the
+    directory, the JSON file's name stands for them (``gpt_tiny-ds_config``)."""
+    def text(value: Any) -> str:
+        return str(getattr(value, "value", value))
+
+    if deepspeed_config:
+        return f"{text(name)}-{Path(str(deepspeed_config)).stem}"
+    parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
+    parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
+    if text(optimizer) != "adamw":
+        parts.append(text(optimizer))
+    return "-".join(parts)
+
+
+def register_run_name() -> None:
+    """Register :func:`run_name` as the OmegaConf resolver ``lz_run_name`` (idempotent; before Hydra composes)."""
+    if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
+        OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, run_name)
+
+
+RESULT_FILE = "result.json"
+
+
+@dataclass
+class FitResult:
+    """What one run did (rank 0 writes it to ``run_dir/result.json``)."""
+
+    global_step: int
+    seconds: float
+    val_loss_start: float | None
+    val_loss_end: float | None
+    checkpoints: list[str]
+    resumed_at: int = 0  # the global step the fit resumed from (0: a fresh run)
+    # the layout that ran, read from the strategy's mesh: world_size, data, pipeline, tensor, sequence, and the
+    # modules the tensor-parallel plan split (0: none)
+    layout: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line: steps (those of this run when resumed), fit time, validation loss at start and end."""
+
+        def fmt(x: float | None) -> str:
+            return "-" if x is None else f"{x:.4f}"
+
+        drop = ("" if self.val_loss_start is None or self.val_loss_end is None
+                else f" (drop {self.val_loss_start - self.val_loss_end:.3f} nats)")
+        steps = (f"steps={self.global_step} ({self.global_step - self.resumed_at} in this run, resumed at step "
+                 f"{self.resumed_at})" if self.resumed_at else f"steps={self.global_step}")
+        return (f"{steps} fit_time={self.seconds:.1f}s val_loss {fmt(self.val_loss_start)} -> "
+                f"{fmt(self.val_loss_end)}{drop}")

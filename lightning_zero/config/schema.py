@@ -6,7 +6,7 @@ or a value of the wrong type fails when Hydra composes the config, naming the ke
 DeepSpeed has one (``reduce_bucket_size``, ``loss_scale_window``, ``offload_optimizer.device``, ...).
 
 Where a core dataclass or a module already declares the knobs (the fp16 loss scaler, the profiler
-window, the teacher data module), the schema is built from it (``_mirror``) instead of restating
+window, the teacher task), the schema is built from it (``_mirror``) instead of restating
 them, and option lists kept elsewhere become enums the same way (``_choices``).
 
 Cross-group rules (e.g. parameter offload needs stage 3) are not expressible as types; they live in
@@ -26,7 +26,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from lightning_zero.core.offload.config import OffloadDevice
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.zero import config as core_config
-from lightning_zero.models.mlp import TeacherDataModule
+from lightning_zero.models.mlp_parts import TeacherTask
 from lightning_zero.observability.monitoring import ProfilerWindow
 
 
@@ -260,9 +260,10 @@ class TextDataSchema(DataSchema):
 TeacherDataSchema = _mirror(
     "TeacherDataSchema",
     """``experiments.mlp.TeacherDataModule``: a synthetic random-teacher classification task (the
-    arguments of :class:`~lightning_zero.models.mlp.TeacherDataModule`).""",
+    arguments of :class:`~lightning_zero.models.mlp.TeacherDataModule`: the fields of
+    :class:`~lightning_zero.models.mlp_parts.TeacherTask`).""",
     ("kind", str, "teacher"),
-    TeacherDataModule,
+    TeacherTask,
     base=DataSchema,
 )
 

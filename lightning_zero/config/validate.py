@@ -339,9 +339,16 @@ def validate_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
 def count_model_parameters(cfg: TrainConfig) -> int:
     """Parameters of the configured model, counted on the meta device (nothing is allocated)."""
     if isinstance(cfg.model, GPTModelSchema):
-        from lightning_zero.models.gpt import count_parameters
+        from lightning_zero.models.gpt_model import count_parameters
 
         return count_parameters(gpt_config(cfg.model))
+    if isinstance(cfg.model, MLPModelSchema):  # its layers alone: the launcher counts without Lightning
+        from lightning_zero.models.mlp_parts import mlp_layers
+
+        m = cfg.model
+        with torch.device("meta"):
+            layers = mlp_layers(m.input_dim, m.hidden_dim, m.num_layers, m.num_classes)
+        return sum(p.numel() for module in layers for p in module.parameters())
     with torch.device("meta"):
         module = build_module(cfg)
     return sum(p.numel() for p in module.parameters())

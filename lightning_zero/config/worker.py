@@ -34,7 +34,6 @@ from typing import NoReturn
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from lightning_zero.config.build import fit
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
 from lightning_zero.core.comm.process_groups import close_all
@@ -47,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m lightning_zero.config.worker <run_dir>/config.yaml", file=sys.stderr)
         return 2
+    from lightning_zero.config.build import fit  # Lightning: here, not for ``python -m lightning_zero``'s exit
+
     path = Path(args[0]).resolve()
     cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(path))))  # type: ignore[arg-type]
     try:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zero.models.gpt import GPT_PRESETS
+from lightning_zero.models.gpt_config import GPT_PRESETS
 
 
 @dataclass(frozen=True)

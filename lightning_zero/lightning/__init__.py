@@ -6,15 +6,20 @@ runs (``steps``: ``StepDispatch``), state dicts and checkpoint files (``state``:
 ``state_files``), the mesh and what setup composes on it (``mesh_setup``: ``ParallelRun``), the constructor's
 arguments checked (``compose``: ``StrategyOptions``), the registered names (``registry``), models built in
 ``configure_model`` (``sharded_build``) and uneven batches (``uneven``). ``own_bytes`` is a former path
-(now ``lightning_zero.checkpoint.tensor_file``).
+(now ``lightning_zero.checkpoint.tensor_file``). The names are imported on first use (Note [lazy package names] in
+``core/lazy.py``): ``registry`` is read without importing Lightning.
 """
 
-from lightning_zero.lightning.compose import StrategyOptions, apply_parallelisms, release_parallelisms
-from lightning_zero.lightning.mesh_setup import ParallelRun
-from lightning_zero.lightning.precision import ZeroPrecision
-from lightning_zero.lightning.state import StrategyCheckpointing
-from lightning_zero.lightning.steps import StepDispatch
-from lightning_zero.lightning.strategy import ZeroStrategy
+from lightning_zero.core.lazy import lazy_exports
 
-__all__ = ["ParallelRun", "StepDispatch", "StrategyCheckpointing", "StrategyOptions", "ZeroPrecision", "ZeroStrategy",
-           "apply_parallelisms", "release_parallelisms"]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "lightning_zero.lightning.compose": ("StrategyOptions", "apply_parallelisms", "release_parallelisms"),
+        "lightning_zero.lightning.mesh_setup": ("ParallelRun",),
+        "lightning_zero.lightning.precision": ("ZeroPrecision",),
+        "lightning_zero.lightning.state": ("StrategyCheckpointing",),
+        "lightning_zero.lightning.steps": ("StepDispatch",),
+        "lightning_zero.lightning.strategy": ("ZeroStrategy",),
+    },
+)

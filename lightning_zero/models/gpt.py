@@ -18,109 +18,16 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.core.stage3.materialize import ParamInitFn, default_init, initialize_like_sharded
 from lightning_zero.models.data import log_train_loss
 from lightning_zero.models.gpt_blocks import MLP, Block, CausalSelfAttention
 from lightning_zero.models.gpt_config import GPT_PRESETS, GPTConfig, resolve_config
+from lightning_zero.models.gpt_model import GPT, GPTEmbedding, GPTHead, count_parameters, gpt_param_init
 from lightning_zero.sequence_parallel import SequenceGroup, check_sequence_parallel
 from lightning_zero.tensor_parallel import ColumnParallelLinear, Colwise, vocab_parallel_cross_entropy
 
 __all__ = ["GPT", "GPT_PRESETS", "MLP", "Block", "CausalSelfAttention", "GPTConfig", "GPTEmbedding", "GPTHead",
            "GPTLightningModule", "count_parameters", "gpt_param_init", "lr_lambda", "param_groups", "resolve_config"]
 
-
-class GPT(nn.Module):
-    """Decoder-only LM: token + learned position embeddings, ``blocks``, final LN, (tied) LM head.
-
-    Args:
-        config: the shape.
-        init_prefix: this model's name inside the module a strategy trains (``"model"`` in
-            :class:`GPTLightningModule`). Every module is initialised from ``(torch.initial_seed(), its
-            qualified name)`` (:func:`gpt_param_init`'s values), as a build on the meta device is by each pipeline
-            stage or ZeRO-3 unit: one seed gives the same weights whatever the layout (two models built after one
-            ``torch.manual_seed`` are equal).
-    """
-
-    def __init__(self, config: GPTConfig, init_prefix: str = "") -> None:
-        super().__init__()
-        self.config = config
-        self.sequence_group: SequenceGroup | None = None  # sequence parallel (use_sequence_group)
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.seq_len, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_weights:
-            self.lm_head.weight = self.tok_emb.weight
-        initialize_like_sharded(self, gpt_param_init(config), torch.initial_seed() % 2**63, init_prefix)
-
-    def use_sequence_group(self, group: SequenceGroup | None) -> None:
-        """Run on this rank's slice of each sequence (``None``: whole sequences again)."""
-        self.sequence_group = group
-        for block in self.blocks:
-            block.attn.sequence_group = group
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of shape ``(batch, time, vocab)`` for token ids ``idx`` of shape ``(batch, time)`` (with a
-        sequence group: this rank's slice of the sequences, at their global positions)."""
-        sp, t = self.sequence_group, idx.size(1)
-        whole = t if sp is None else t * sp.size
-        if whole > self.config.seq_len:
-            raise ValueError(f"sequence length {whole} exceeds the model's seq_len {self.config.seq_len}")
-        pos = torch.arange(t, device=idx.device) if sp is None else sp.positions(t, idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-class GPTEmbedding(nn.Module):
-    """Pipeline layer: token + position embeddings (and dropout) of a :class:`GPT`."""
-
-    def __init__(self, gpt: GPT) -> None:
-        super().__init__()
-        self.tok_emb, self.pos_emb, self.drop, self.seq_len = gpt.tok_emb, gpt.pos_emb, gpt.drop, gpt.config.seq_len
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if idx.size(1) > self.seq_len:
-            raise ValueError(f"sequence length {idx.size(1)} exceeds the model's seq_len {self.seq_len}")
-        return self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(idx.size(1), device=idx.device)))
-
-
-class GPTHead(nn.Module):
-    """Pipeline layer: final LayerNorm and the (tied) LM head of a :class:`GPT`."""
-
-    def __init__(self, gpt: GPT) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
-
-
-def gpt_param_init(config: GPTConfig | str | dict[str, Any]) -> ParamInitFn:
-    """``param_init_fn`` for a :class:`GPT` built on the meta device (``configure_model``): GPT's own
-    initialisation, one module at a time (``normal(0.02)`` weights, the residual projections scaled
-    by ``1 / sqrt(2 n_layer)``, zero biases; LayerNorms their ``reset_parameters``)."""
-    resid_std = 0.02 / math.sqrt(2 * resolve_config(config).n_layer)
-
-    def init(module: nn.Module, name: str) -> None:
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            default_init(module, name)
-            return
-        nn.init.normal_(module.weight, std=resid_std if name.endswith(("attn.proj", "mlp.proj")) else 0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    return init
-
-
-def count_parameters(config: GPTConfig | str | dict[str, Any]) -> int:
-    """Number of distinct parameters (tied weights counted once), built on the meta device."""
-    with torch.device("meta"):
-        model = GPT(resolve_config(config))
-    return sum(p.numel() for p in model.parameters())
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

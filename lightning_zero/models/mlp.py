@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -12,36 +11,23 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.models.data import ShardedDataModule, log_train_loss
-
-
-def teacher_dataset(
-    num_samples: int, input_dim: int = 32, num_classes: int = 10, seed: int = 0, teacher_hidden: int = 64
-) -> TensorDataset:
-    """Gaussian inputs labelled by the argmax of a fixed random 2-layer tanh "teacher" network.
-
-    The teacher is drawn from ``seed`` only, so datasets with different ``num_samples`` share the task.
-    """
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(input_dim, teacher_hidden, generator=g) / input_dim**0.5
-    w2 = torch.randn(teacher_hidden, num_classes, generator=g) / teacher_hidden**0.5
-    x = torch.randn(num_samples, input_dim, generator=torch.Generator().manual_seed(seed + 1))
-    y = (torch.tanh(x @ w1) @ w2).argmax(dim=1)
-    return TensorDataset(x, y)
+from lightning_zero.models.mlp_parts import TeacherTask, mlp_layers, teacher_dataset
 
 
 class TeacherDataModule(ShardedDataModule):
-    """Train/validation splits of :func:`teacher_dataset`; ``deterministic_order`` as in ``TextDataModule``."""
+    """Train/validation splits of :func:`teacher_dataset`; ``deterministic_order`` as in ``TextDataModule``. The
+    arguments are :class:`~lightning_zero.models.mlp_parts.TeacherTask`'s fields, with its defaults."""
 
     def __init__(
         self,
-        num_train: int = 4096,
-        num_val: int = 1024,
-        input_dim: int = 32,
-        num_classes: int = 10,
-        micro_batch_size: int = 64,
-        num_workers: int = 0,
-        seed: int = 0,
-        deterministic_order: bool = False,
+        num_train: int = TeacherTask.num_train,
+        num_val: int = TeacherTask.num_val,
+        input_dim: int = TeacherTask.input_dim,
+        num_classes: int = TeacherTask.num_classes,
+        micro_batch_size: int = TeacherTask.micro_batch_size,
+        num_workers: int = TeacherTask.num_workers,
+        seed: int = TeacherTask.seed,
+        deterministic_order: bool = TeacherTask.deterministic_order,
     ) -> None:
         super().__init__(micro_batch_size, num_workers, seed, deterministic_order)  # saves every argument
 
@@ -92,9 +78,7 @@ class MLPClassifier(LightningModule):
         if self.blocks is not None:
             return
         hp = self.hparams
-        dims = [hp.input_dim] + [hp.hidden_dim] * hp.num_layers
-        self.blocks = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
-        self.head = nn.Linear(dims[-1], hp.num_classes)
+        self.blocks, self.head = mlp_layers(hp.input_dim, hp.hidden_dim, hp.num_layers, hp.num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Class logits for inputs ``x`` of shape ``(batch, input_dim)``."""

@@ -2,14 +2,19 @@
 
 Public pieces: ``ZeroStatsMonitor``, ``ZeroModelSummary`` (``model_summary``), ``ProfilerWindow``, ``dashboard_layout``
 (``monitoring``), ``ZeroTensorBoardLogger`` (``dashboard``), and the console progress, ``LineProgress``
-(``progress``).
+(``progress``). They are imported on first use (Note [lazy package names] in ``core/lazy.py``): the config
+schema reads ``ProfilerWindow`` without Lightning.
 """
 
-from lightning_zero.observability.callbacks import ZeroStatsMonitor
-from lightning_zero.observability.dashboard import ZeroTensorBoardLogger
-from lightning_zero.observability.model_summary import ZeroModelSummary
-from lightning_zero.observability.monitoring import ProfilerWindow, dashboard_layout
-from lightning_zero.observability.progress import LineProgress
+from lightning_zero.core.lazy import lazy_exports
 
-__all__ = ["LineProgress", "ProfilerWindow", "ZeroModelSummary", "ZeroStatsMonitor", "ZeroTensorBoardLogger",
-           "dashboard_layout"]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "lightning_zero.observability.callbacks": ("ZeroStatsMonitor",),
+        "lightning_zero.observability.dashboard": ("ZeroTensorBoardLogger",),
+        "lightning_zero.observability.model_summary": ("ZeroModelSummary",),
+        "lightning_zero.observability.monitoring": ("ProfilerWindow", "dashboard_layout"),
+        "lightning_zero.observability.progress": ("LineProgress",),
+    },
+)

@@ -9,6 +9,9 @@ Scalar names (docs/monitoring.md has the full table):
 - ``time/rank<r>/{step,forward,backward,optimizer,comm,other}`` (seconds per optimizer step)
 - ``memory/rank<r>/{params,grads,optimizer,buffers,peak}`` (bytes; a key is written from the first step
   it is not zero on some rank)
+
+Lightning is imported only where a function needs it: ``config/schema.py`` reads :class:`ProfilerWindow` in the
+launcher, which imports no Lightning (Note [lazy package names] in ``core/lazy.py``).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 TIME_KEYS = ("step", "forward", "backward", "optimizer", "comm", "other")
 MEMORY_KEYS = ("params", "grads", "optimizer", "buffers", "peak")
@@ -91,6 +95,7 @@ def log_hyperparams(trainer: pl.Trainer, params: Mapping[str, Any]) -> None:
     writes e.g. ``hp_metric=-1``): TensorBoard then builds the experiment from every run's session and
     offers all the runs' scalars as metrics. Call it before ``fit``.
     """
+    from lightning.pytorch.loggers import TensorBoardLogger
     from torch.utils.tensorboard.summary import hparams
 
     for logger in trainer.loggers:

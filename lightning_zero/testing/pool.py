@@ -140,7 +140,10 @@ def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, 
     import lightning.pytorch  # noqa: F401 - warm imports: the point of the pool
     from lightning_utilities.core.rank_zero import rank_zero_only  # the object Lightning's modules re-export
 
-    import lightning_zero  # noqa: F401
+    import lightning_zero
+
+    for name in lightning_zero.__all__:  # every public name: the package imports them lazily (core/lazy.py)
+        getattr(lightning_zero, name)
 
     base_env = dict(os.environ)
     conn.send_bytes(pickle.dumps((True, "ready")))

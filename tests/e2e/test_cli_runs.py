@@ -149,8 +149,9 @@ def test_the_run_directory_is_named_by_the_run_s_choices(runs) -> None:
 
 
 def test_run_names_and_hparams_tell_the_choices_apart() -> None:
-    from lightning_zero.config.build import run_hparams, run_name
+    from lightning_zero.config.build import run_hparams
     from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.paths import run_name
     from lightning_zero.config.validate import validate_config
 
     assert run_name("gpt_small", 3, "bf16", "optimizer_cpu", "pp2_1f1b", "onebit_adam") == \

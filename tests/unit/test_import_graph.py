@@ -1,7 +1,8 @@
 """The import graph of ``lightning_zero/``: no cycles, and every import points down a layer.
 
 Built from the source with ``ast``: every ``import`` / ``from ... import`` counts, including those
-inside functions and under ``if TYPE_CHECKING:`` (they never run, but a type named across a cycle is
+inside functions, the modules of a package's ``lazy_exports`` table (core/lazy.py), and those under
+``if TYPE_CHECKING:`` (they never run, but a type named across a cycle is
 still a cycle: move the shared type down, e.g. a small ``Protocol`` in the lower module).
 """
 
@@ -71,6 +72,11 @@ def _imports(path: Path, name: str | None = None) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports":
+            # a package's lazy names (core/lazy.py): each module of its table is an import of the package
+            for table in node.args[1:2]:
+                keys = table.keys if isinstance(table, ast.Dict) else []
+                found.update(k.value for k in keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -122,10 +128,11 @@ def test_helpers_see_function_level_and_type_checking_imports(tmp_path: Path) ->
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import lightning\n"
                    "    from lightning_zero.core.zero.engine import ZeroEngine\n"
                    "def f():\n    from lightning_zero.lightning.strategy import ZeroStrategy\n"
-                   "    from . import units\n")
+                   "    from . import units\n"
+                   "__getattr__, __dir__, __all__ = lazy_exports(__name__, {'lightning_zero.models.gpt': ('GPT',)})\n")
     found = _imports(src, "lightning_zero.core.probe")
     assert {"lightning_zero.lightning.strategy", "lightning_zero.core.units", "lightning",
-            "lightning_zero.core.zero.engine"} <= found
+            "lightning_zero.core.zero.engine", "lightning_zero.models.gpt"} <= found
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
