@@ -112,6 +112,27 @@ def test_reused_buffers_accumulate_and_never_leak_stale_values() -> None:
     assert reducer.idle_buffers() == []
 
 
+def test_without_overlap_comm_no_buffer_is_kept_between_steps() -> None:
+    """overlap_comm=False is the memory-lean choice: the buffers serve the micro-steps of a step, and the step's
+    last backward frees them (with overlap_comm they stay, the test above)."""
+    model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3))
+    group = FlatParamGroup(list(model.parameters()), world_size=1, rank=0)
+    group.bind()
+    names = {p: n for n, p in model.named_parameters()}
+    reducer = GradReducer([group], DataParallelComm(), 2, 4, False, torch.float32, names)
+    from lightning_zero.core.zero.grad_reducer import ReductionMode
+
+    reducer.set_boundary_mode(ReductionMode.AT_BOUNDARY)
+    model(torch.randn(6, 5)).pow(2).sum().backward()
+    reducer.finish()
+    assert reducer.idle_buffers()  # kept for the step's next micro-step
+    reducer.set_boundary_mode(ReductionMode.IMMEDIATE)
+    model(torch.randn(6, 5)).pow(2).sum().backward()
+    reducer.finish()
+    assert reducer.idle_buffers() == [] and reducer.live_buffers() == []
+    assert torch.count_nonzero(reducer.shard_grad(0)) > 0
+
+
 # ---------------------------------------------------------------------------- 2 gloo ranks
 def exchange_body(stage: int) -> dict[str, Any]:
     """Fits the same model with the all-reduce and with the owner exchange; counts exchanges and buckets."""

@@ -31,7 +31,9 @@ Note [reused buffers]
     again, to a message needing at most that many elements and at least half of them, instead of a
     new allocation; at most ``keep`` idle buffers are kept. They are kept from one optimizer step to
     the next (like DDP's buckets and DeepSpeed's reduction buffers) and freed at teardown
-    (``GradReducer.remove_hooks``). Freed at each step's end instead, they came back from the
+    (``GradReducer.remove_hooks``); with ``overlap_comm=False`` they are freed at each step's last
+    backward instead, the memory-lean choice (DeepSpeed's ``overlap_comm`` is its trade of bucket
+    memory for speed too). Freed at each step's end, they came back from the
     kernel as fresh pages every step: on the gpt_20m benchmark 9,500 (stage 3) to 14,000 (stage 2)
     main-thread page faults per step, all of stage 3's above DDP's (docs/benchmarks.md). Memory:
     while a backward runs, at most two messages in flight (staging plus (N-1)/N of a message

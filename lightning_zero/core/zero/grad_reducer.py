@@ -354,6 +354,8 @@ class GradReducer:
             while self._in_flight:
                 self._retire(self._in_flight.popleft())
             self.staged.staging.clear()  # the idle buffers stay for the next backward (Note [reused buffers])
+            if self.sync and not self.overlap:  # overlap_comm=False: no buffers kept between steps
+                self.staged.release()
         self._reset_backward()
         self.state = BackwardState.IDLE
 
