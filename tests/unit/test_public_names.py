@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+import textwrap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ DEPRECATED = (*DEPRECATED_MODULES, "lightning_zero.DynamicLossScaler",
 # ZeroStrategy.from_deepspeed_config is tests/unit/test_deepspeed_config.py's old-name test)
 DEPRECATED_ON_CALL = ("lightning_zero.ZeroStrategy.from_deepspeed_config",)
 
-_FENCE = re.compile(r"^```([A-Za-z]*)[ \t]*\n(.*?)^```", re.S | re.M)
+_FENCE = re.compile(r"^([ \t]*)```([A-Za-z]*)[ \t]*\n(.*?)^\1```", re.S | re.M)  # indented in a list item too
 _FROM_IMPORT = re.compile(r"\bfrom\s+(lightning_zero(?:\.\w+)*)\s+import\s+(\([^)]*\)|[\w \t,]+(?:\\\n[\w \t,]+)*)")
 _IMPORT = re.compile(r"(?<![\w.])import\s+((?:lightning_zero(?:\.\w+)*(?:\s+as\s+\w+)?\s*,?\s*)+)")
 _DOTTED = re.compile(r"(?<![\w./-])lightning_zero(?:\.\w+)+")
@@ -64,7 +65,8 @@ class Reference:
 
 def code_of(text: str) -> list[str]:
     """The fenced python / bash blocks and the inline code spans of a Markdown text."""
-    code = [m.group(2) for m in _FENCE.finditer(text) if m.group(1) in {"python", "py", "bash", "sh", "yaml"}]
+    code = [textwrap.dedent(m.group(3)) for m in _FENCE.finditer(text)
+            if m.group(2) in {"python", "py", "bash", "sh", "yaml"}]
     prose = _FENCE.sub("", text)
     return code + re.findall(r"`([^`\n]+)`", prose)
 
@@ -161,13 +163,14 @@ def test_references_are_found_in_every_form() -> None:
             "```console\n[lightning_zero.train][INFO] - not code\n```\n"
             "Inline: `from lightning_zero.sparse_attention import FixedSparsityConfig`,"
             " `_target_: lightning_zero.models.gpt.GPT`, a path `lightning_zero/core/zero/engine.py` is no name.\n"
-            "```bash\npython -c 'from lightning_zero import DeepSpeedZeroStrategy'\n```\n")
+            "```bash\npython -c 'from lightning_zero import DeepSpeedZeroStrategy'\n```\n"
+            "- a list item:\n\n  ```python\n  from lightning_zero.models import hf_sparse\n  ```\n")
     refs = [r.name for code in code_of(text) for r in references_in(code, "t.md")]
     assert sorted(set(refs)) == sorted({
         "lightning_zero.ZeroStrategy", "lightning_zero.OffloadConfig", "lightning_zero.estimator", "lightning_zero.cli",
         "lightning_zero.long_phase", "lightning_zero.sparse_attention",
         "lightning_zero.sparse_attention.FixedSparsityConfig", "lightning_zero.models.gpt.GPT",
-        "lightning_zero.DeepSpeedZeroStrategy"})
+        "lightning_zero.DeepSpeedZeroStrategy", "lightning_zero.models", "lightning_zero.models.hf_sparse"})
     classes = imported_from_package([Reference(n, "t.md") for n in refs])
     assert [r.name for r in attribute_references(text, classes, "t.md")] == [
         "lightning_zero.DeepSpeedZeroStrategy.from_deepspeed_config"]
