@@ -76,3 +76,36 @@ def test_max_reuse_distance_bounds_the_kept_tail(gloo_pool) -> None:
         assert one["gathers"] == [2 * steps] * 3 + [steps + 1], one["gathers"]
         # the default (1e9) leaves the tail to the prefetch settings: every block kept, as before the setting
         assert default["gathers"] == [steps + 1] * 4, default["gathers"]
+
+
+def forward_after_backward_body(extra_forward: bool) -> dict[str, Any]:
+    """Manual optimization with a forward under grad after the backward and before the step (e.g. a metric):
+    that forward keeps the tail units gathered, and the step must not leave them holding the old weights."""
+
+    class ManualLM(StackedLM):
+        def __init__(self) -> None:
+            super().__init__("adamw", num_blocks=4)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            loss = self._loss(batch)
+            self.losses.append(loss.item())
+            self.manual_backward(loss)
+            if extra_forward:
+                self._loss(batch)  # grad enabled, never backpropagated
+            opt.step()
+            opt.zero_grad()
+
+    model = ManualLM()
+    strategy = ZeroStrategy(stage=3, param_persistence_threshold=0, prefetch_bucket_size=10_000_000)
+    make_trainer(strategy, max_steps=4).fit(model, token_loader())
+    return {"losses": model.losses}
+
+
+@pytest.mark.distributed
+def test_a_forward_between_backward_and_step_leaves_no_unit_with_old_weights(gloo_pool) -> None:
+    plain = gloo_pool.run("tests.distributed.test_kept_tail:forward_after_backward_body", extra_forward=False)
+    extra = gloo_pool.run("tests.distributed.test_kept_tail:forward_after_backward_body", extra_forward=True)
+    for p, e in zip(plain, extra):
+        assert len(p["losses"]) == 4 and e["losses"] == p["losses"]

@@ -260,6 +260,8 @@ class ZeroEngine:
             )
         if self.sharded is not None:
             self.sharded.check_unchanged()
+        if self.runtime is not None:  # units a forward kept with no backward after it (Note [kept tail]) are
+            self.runtime.release_all()  # released: gathered through the step, they would keep the old weights
         unfrozen = [self.names[p] for p in self.frozen_at_setup if p.requires_grad]
         if unfrozen:
             raise RuntimeError(

@@ -125,7 +125,9 @@ class GradReducer:
                 self._where[groups[b.group_index].slots[s].param] = (b.order, s)
         self._pending: list[int] = []  # parameters still to report, per bucket
         self._reported: set[nn.Parameter] = set()
-        self._exchange = self.stage.shards_gradients and comm.use_owner_exchange and comm.world_size > 1
+        # gloo's send / receive read host memory only: gradients on a GPU keep the all-reduce
+        on_host = all(g.device.type == "cpu" for g in groups)
+        self._exchange = self.stage.shards_gradients and comm.use_owner_exchange and comm.world_size > 1 and on_host
         # stages 2-3: messages and their buffers, and this rank's gradient shards (core/zero/exchange.py)
         self.staged = MessageStaging(self.buckets if self.stage.shards_gradients else [], groups, bucket_numel,
                                      self._exchange, comm.rank, comm.world_size, grad_dtype, self.max_in_flight,
