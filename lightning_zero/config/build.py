@@ -262,12 +262,12 @@ def _validate_at_start(trainer: pl.Trainer, module: pl.LightningModule, data: pl
             printer.enable()
 
 
-def run_layout(strategy: Any) -> dict[str, int]:
+def run_layout(strategy: pl.strategies.Strategy) -> dict[str, int]:
     """The dimensions the strategy's mesh spans and how many modules its tensor-parallel plan split: what ran,
     whatever the config asked (``result.json``'s ``layout``)."""
-    mesh, tp = getattr(strategy, "_mesh", None), getattr(strategy, "_tp", None)
-    if mesh is None:
+    if not isinstance(strategy, ZeroStrategy) or strategy._run.mesh is None:  # Lightning's own strategies: no mesh
         return {}
+    mesh, tp = strategy._run.mesh, strategy._run.tensor
     d = mesh.dims
     return {"world_size": d.world_size, "data": d.data, "pipeline": d.pipeline, "tensor": d.tensor,
             "sequence": d.sequence, "tensor_split_modules": len(tp.split) if tp is not None else 0}
