@@ -137,7 +137,11 @@ class OffloadSchema:
     # DeepSpeed's default false; true needs an accelerator (else a warning); null: pinned where trainer.accelerator
     # is not cpu and CUDA is there (the cpu presets), so CPU runs do not warn on every rank
     pin_memory: bool | None = False
-    buffer_count: int = 4
+    # nvme optimizer: swap buffers of sub_group_size elements (null: as many as the pipeline needs; AdamW takes 4
+    # per sub-group in flight), and whether the next sub-group's reads / the last one's writes overlap the step
+    buffer_count: int | None = None
+    pipeline_read: bool = True
+    pipeline_write: bool = True
     max_in_cpu: int = 1_000_000_000
     sub_group_size: int = 1_000_000  # elements stepped / swapped at once with nvme (docs/offload.md)
 

@@ -32,12 +32,8 @@ from lightning_zero.config.schema import (
     TrainConfig,
     to_train_config,
 )
-from lightning_zero.core.offload.config import (
-    DEFAULT_BUFFER_COUNT,
-    DEFAULT_MAX_IN_CPU,
-    OffloadConfig,
-    nvme_path_problem,
-)
+from lightning_zero.core.offload.config import DEFAULT_MAX_IN_CPU, OffloadConfig, nvme_path_problem
+from lightning_zero.core.offload.swap_step import SwappedStep
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.zero.config import ZeroConfig, ZeroStage
 from lightning_zero.core.zero.memory import OFFLOAD_STAGES
@@ -70,7 +66,9 @@ def offload_config(cfg: TrainConfig) -> OffloadConfig:
     """The core :class:`OffloadConfig` of ``cfg.offload`` (what a JSON's offload sections are compared with)."""
     o = cfg.offload
     return OffloadConfig(optimizer_device=o.optimizer_device.value, param_device=o.param_device.value,
-                         nvme_path=o.nvme_path, pin_memory=pin_memory(cfg), buffer_count=o.buffer_count,
+                         nvme_path=o.nvme_path, pin_memory=pin_memory(cfg),
+                         buffer_count=None if o.buffer_count is None else int(o.buffer_count),
+                         pipeline_read=bool(o.pipeline_read), pipeline_write=bool(o.pipeline_write),
                          max_in_cpu=int(o.max_in_cpu), sub_group_size=int(o.sub_group_size))
 
 
@@ -99,10 +97,13 @@ def _offload_problems(cfg: TrainConfig) -> list[str]:
         problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
         if problem:  # the check the ranks repeat, here before any of them starts
             out.append(problem)
-    if o.buffer_count != DEFAULT_BUFFER_COUNT:  # DeepSpeed's swap-buffer pool: not built (core/offload/config.py)
-        out.append(f"offload.buffer_count={o.buffer_count} is not built: there is no pool of swap buffers to size "
-                   f"(offload.sub_group_size sets how much is swapped at once). Fix: drop offload.buffer_count (the "
-                   f"default is {DEFAULT_BUFFER_COUNT}).")
+    if o.buffer_count is not None and o.optimizer_device is OffloadDevice.nvme:  # Note [swapped step]
+        state = {"adamw": 2, "adam": 2, "sgd": 1}.get(cfg.model.optimizer.value)
+        try:
+            SwappedStep(None, int(o.buffer_count), bool(o.pipeline_read), bool(o.pipeline_write)).check(
+                2 + (state or 0), f"the master, its gradient and the optimizer's {state} state tensor(s)")
+        except ValueError as err:
+            out.append(str(err).replace("offload buffer_count", "offload.buffer_count", 1))
     if int(o.max_in_cpu) != DEFAULT_MAX_IN_CPU:
         out.append(f"offload.max_in_cpu={o.max_in_cpu} is not built: with offload=param_nvme every offloaded "
                    "parameter shard is on disk. Fix: drop offload.max_in_cpu.")

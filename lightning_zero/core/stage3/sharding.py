@@ -8,6 +8,8 @@ before the next one is touched. What then drives the units at every step is ``ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
@@ -27,6 +29,7 @@ def apply_stage3(
     config: ZeroConfig,
     param_init_fn: ParamInitFn | None = None,
     init_seed: int = 0,
+    adopt: Callable[[ShardedUnit], None] | None = None,
 ) -> tuple[list[ShardedUnit], Stage3Runtime, list[FlatParamGroup]]:
     """Plan the units of ``module`` and shard them one at a time.
 
@@ -34,7 +37,8 @@ def apply_stage3(
     e.g. frozen ones, get a group with ``optimizer_group == -1``: sharded, never stepped) is
     bound; parameters built on the meta device are initialised in it (Note [sharded
     construction]); the buffers are broadcast from rank 0, this rank's shard is kept and the
-    buffer freed. So at most one unit is whole at any time.
+    buffer freed. So at most one unit is whole at any time. ``adopt(unit)`` then takes the unit's shards where
+    they live (parameter offload: host buffers or swap files), so setup holds at most one shard in memory.
 
     Returns:
         The units, the runtime whose hooks drive them, and every flat group (unit order).
@@ -60,6 +64,8 @@ def apply_stage3(
             comm.broadcast(fg.flat)
         unit = ShardedUnit(plan.name, index, groups)
         unit.shard()
+        if adopt is not None:
+            adopt(unit)
         units.append(unit)
         all_groups.extend(groups)
     root_params = {p for plan in plans if plan.name == ROOT for p in plan.params}

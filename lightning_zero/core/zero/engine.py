@@ -44,6 +44,7 @@ from lightning_zero.core.zero.engine_setup import (
     broadcast_from_rank0,
     check_same_structure,
     module_dtype,
+    open_store,
     partition_parameters,
     self_reducing,
     sharded_optimizer,
@@ -139,8 +140,10 @@ class ZeroEngine:
         # stage 3: units (sharded one at a time) and the runtime's gather / release hooks; else no units
         self.units: list[ShardedUnit]
         self.runtime: Stage3Runtime | None
+        # where the optimizer's shards live, chosen once; stage 3's parameter shards go there as each unit is sharded
+        store = open_store(optimizer, config, self.dtypes, self.offload_config, self.comm, groups)
         self.units, self.runtime, self.all_groups = partition_parameters(module, self.names, groups, self.comm, config,
-                                                                         param_init_fn, init_seed)
+                                                                         param_init_fn, init_seed, store)
         # the flat groups of trainable parameters (stage 3 also has groups of frozen ones)
         self.groups: list[FlatParamGroup] = [g for g in self.all_groups if g.optimizer_group >= 0]
         broadcast_from_rank0(module, self.names, self.all_groups, self.comm)
@@ -149,14 +152,15 @@ class ZeroEngine:
             if config.activation_checkpointing else None
         )
         gathered.register(self)
+        grad_home = store.grad_home(config.stage.shards_parameters, self.dtypes.grad_accum_dtype) if store else None
         self.reducer = GradReducer(self.groups, self.comm, config.stage, config.reduce_bucket_size, config.overlap_comm,
                                    self.dtypes.grad_dtype, {p: n for p, n in self.names.items() if p in managed},
-                                   self.dtypes.grad_accum_dtype)
+                                   self.dtypes.grad_accum_dtype, grad_home)
         # stage >= 1: the optimizer steps this rank's master shards; stage 0: the whole params (None), or
         # with a separate master (mixed precision) per-parameter views of a whole master
         self.sharded: ShardedOptimizer | None = sharded_optimizer(
-            optimizer, config, self.dtypes, self.offload_config, self.comm, self.units, self.groups,
-            [p for p in self.names if p in managed], master_init)
+            optimizer, config, self.dtypes, self.comm, self.groups, [p for p in self.names if p in managed],
+            master_init, store)
         if optimizer is None:
             self.offload_config.warn_unused()
         self._user_zero_grad: Callable[..., None] | None = None

@@ -16,7 +16,8 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.offload.config import OffloadConfig
-from lightning_zero.core.offload.store import open_shard_store
+from lightning_zero.core.offload.shard_store import ShardStore
+from lightning_zero.core.offload.store import open_shard_store, swap_bytes_of
 from lightning_zero.core.reliability.agreement import check_same_everywhere
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
@@ -46,12 +47,14 @@ def check_same_structure(names: Mapping[nn.Parameter, str], optimizer: Optimizer
 
 def partition_parameters(module: nn.Module, names: dict[nn.Parameter, str], groups: list[list[nn.Parameter]],
                          comm: DataParallelComm, config: ZeroConfig, param_init_fn: ParamInitFn | None,
-                         init_seed: int) -> tuple[list[ShardedUnit], Stage3Runtime | None, list[FlatParamGroup]]:
+                         init_seed: int, store: ShardStore | None = None,
+                         ) -> tuple[list[ShardedUnit], Stage3Runtime | None, list[FlatParamGroup]]:
     """``(units, runtime, all flat groups)``: stage 3 binds, initialises (meta-built models), broadcasts and shards
-    one unit at a time (``core/stage3/sharding.py``); the other stages bind one flat group per optimizer param
-    group, with no units and no runtime."""
+    one unit at a time (``core/stage3/sharding.py``), handing each to ``store`` as it is sharded (parameter
+    offload); the other stages bind one flat group per optimizer param group, with no units and no runtime."""
     if config.stage.shards_parameters:
-        return apply_stage3(module, names, groups, comm, config, param_init_fn, init_seed)
+        adopt = store.adopt_unit if store is not None else None
+        return apply_stage3(module, names, groups, comm, config, param_init_fn, init_seed, adopt)
     flat = [FlatParamGroup(g, comm.world_size, comm.rank) for g in groups]
     for i, g in enumerate(flat):
         g.optimizer_group = i
@@ -59,18 +62,34 @@ def partition_parameters(module: nn.Module, names: dict[nn.Parameter, str], grou
     return [], None, flat
 
 
-def sharded_optimizer(optimizer: Optimizer | None, config: ZeroConfig, dtypes: DtypePolicy, offload: OffloadConfig,
-                      comm: DataParallelComm, units: list[ShardedUnit], groups: list[FlatParamGroup],
-                      managed: list[nn.Parameter], master_init: Mapping[nn.Parameter, torch.Tensor] | None,
-                      ) -> ShardedOptimizer | None:
-    """Stage >= 1: the optimizer over this rank's master shards; stage 0: over per-parameter views of a whole
-    separate master (mixed precision), or ``None`` when the optimizer steps the parameters themselves."""
-    separate_master = not dtypes.master_is_param_view
-    if optimizer is None or not (config.stage.shards_optimizer or separate_master):
+def open_store(optimizer: Optimizer | None, config: ZeroConfig, dtypes: DtypePolicy, offload: OffloadConfig,
+               comm: DataParallelComm, groups: list[list[nn.Parameter]]) -> ShardStore | None:
+    """Where this rank's optimizer shards will live (chosen once, before the parameters are partitioned, so that
+    stage 3's parameter shards go there unit by unit), or ``None`` when no sharded optimizer is built (see
+    :func:`sharded_optimizer`). The swap space is checked from the parameter count first."""
+    if optimizer is None or not (config.stage.shards_optimizer or not dtypes.master_is_param_view):
         return None
+    params = [p for g in groups for p in g]
+    numel = -(-sum(p.numel() for p in params) // comm.world_size) + len(params)  # + padding, at most one per group
+    size = {d: torch.empty((), dtype=d).element_size() for d in (dtypes.param_dtype, dtypes.master_dtype,
+                                                                  dtypes.grad_accum_dtype)}
+    need = swap_bytes_of(offload, numel, size[dtypes.param_dtype], size[dtypes.master_dtype],
+                         size[dtypes.grad_accum_dtype], config.stage.shards_parameters)
+    return open_shard_store(offload, comm.rank, None, None, dtypes.master_dtype, need)
+
+
+def sharded_optimizer(optimizer: Optimizer | None, config: ZeroConfig, dtypes: DtypePolicy,
+                      comm: DataParallelComm, groups: list[FlatParamGroup], managed: list[nn.Parameter],
+                      master_init: Mapping[nn.Parameter, torch.Tensor] | None, store: ShardStore | None,
+                      ) -> ShardedOptimizer | None:
+    """Stage >= 1: the optimizer over this rank's master shards in ``store``; stage 0: over per-parameter views of
+    a whole separate master (mixed precision), or ``None`` when the optimizer steps the parameters themselves
+    (then ``store`` is ``None`` too: :func:`open_store`)."""
+    if optimizer is None or store is None:
+        return None
+    separate_master = not dtypes.master_is_param_view
     if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
         master_init = broadcast_master_init(master_init, managed, dtypes.master_dtype, comm)
-    store = open_shard_store(offload, comm.rank, units, groups, dtypes.master_dtype)  # where the shards live, once
     return ShardedOptimizer(optimizer, groups, dtypes.master_dtype, whole=not config.stage.shards_optimizer,
                             master_init=master_init, store=store)
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -275,11 +276,30 @@ def sum_in_rank_order(terms: list[torch.Tensor], target: torch.Tensor, first: bo
         target.add_(acc)
 
 
-class GradShards:
-    """This rank's reduced gradient shard of each group (stages 2-3; Note [written shard])."""
+class GradHome(Protocol):
+    """Where the reduced gradient shards live when not in memory: stage 3 with ``"nvme"`` offload keeps them in
+    swap files (``core/offload/grad_files.py``). Declared here, below the offload that implements it."""
 
-    def __init__(self, groups: list[FlatParamGroup], buckets: list[Bucket], dtype: torch.dtype) -> None:
-        self.groups, self.buckets, self.dtype = groups, buckets, dtype
+    def tensor(self, group_index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The whole shard of a group as a tensor (for uses outside the step's streaming: it is a file mapping)."""
+        ...
+
+    def accumulate(self, group_index: int, lo: int, terms: list[torch.Tensor], first: bool) -> None:
+        """Elements from ``lo`` of the group's shard := (``first``) or += the ``terms`` added in rank order."""
+        ...
+
+    def zero(self, group_index: int, lo: int, hi: int) -> None:
+        """Elements ``[lo, hi)`` of the group's shard := 0."""
+        ...
+
+
+class GradShards:
+    """This rank's reduced gradient shard of each group (stages 2-3; Note [written shard]); with a ``home``, the
+    shards live there (swap files) and are written through it."""
+
+    def __init__(self, groups: list[FlatParamGroup], buckets: list[Bucket], dtype: torch.dtype,
+                 home: GradHome | None = None) -> None:
+        self.groups, self.buckets, self.dtype, self.home = groups, buckets, dtype, home
         # one per group, allocated by the first reduction into it, so setup holds no gradient memory
         self.tensors: list[torch.Tensor | None] = [None] * len(groups)
         self.written: set[int] = set()  # bucket orders whose part is written since forget()
@@ -288,7 +308,9 @@ class GradShards:
         shard = self.tensors[group_index]
         if shard is None:
             g = self.groups[group_index]
-            shard = self.tensors[group_index] = torch.empty(g.shard_numel, dtype=self.dtype, device=g.device)
+            shard = (self.home.tensor(group_index, g.shard_numel, self.dtype) if self.home is not None
+                     else torch.empty(g.shard_numel, dtype=self.dtype, device=g.device))
+            self.tensors[group_index] = shard
         return shard
 
     def write(self, message: Message, rank: int, terms_of: Callable[[Segment, int], list[torch.Tensor]]) -> None:
@@ -299,8 +321,13 @@ class GradShards:
             if seg.owner != rank:
                 continue
             own_start = self.groups[seg.group_index].shard_range()[0]
+            terms, first = terms_of(seg, seg.offset - base), seg.bucket not in self.written
+            if self.home is not None:
+                self.get(seg.group_index)
+                self.home.accumulate(seg.group_index, seg.start - own_start, terms, first)
+                continue
             target = self.get(seg.group_index)[seg.start - own_start : seg.end - own_start]
-            sum_in_rank_order(terms_of(seg, seg.offset - base), target, seg.bucket not in self.written)
+            sum_in_rank_order(terms, target, first)
         self.written.update(message.buckets)
 
     def read(self, group_index: int) -> torch.Tensor:
@@ -311,7 +338,11 @@ class GradShards:
                 continue
             lo, hi = overlap(b.start, b.end, own_start, own_end)
             if hi > lo:
-                self.get(group_index)[lo - own_start : hi - own_start].zero_()
+                if self.home is not None:
+                    self.get(group_index)
+                    self.home.zero(group_index, lo - own_start, hi - own_start)
+                else:
+                    self.get(group_index)[lo - own_start : hi - own_start].zero_()
             self.written.add(b.order)
         return self.get(group_index)
 
