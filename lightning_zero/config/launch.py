@@ -48,8 +48,9 @@ from lightning_zero.config.paths import (
     register_configs,
     register_run_name,
 )
-from lightning_zero.config.schema import TextDataSchema, TrainConfig, to_train_config, to_yaml
+from lightning_zero.config.schema import OffloadDevice, TextDataSchema, TrainConfig, to_train_config, to_yaml
 from lightning_zero.config.validate import config_warnings, describe, validate_config
+from lightning_zero.core.offload.host_store import MMAP_THRESHOLD_BYTES
 
 CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory
 log = logging.getLogger("lightning_zero.train")
@@ -141,7 +142,8 @@ def _flat_keys(node: object, prefix: str = "") -> list[str]:
     return [k for key, value in node.items() for k in _flat_keys(value, f"{prefix}{key}.")]
 
 
-def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None) -> None:
+def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None,
+                 env_extra: dict[str, str] | None = None) -> None:
     """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port), or
     this node's ranks of a multi-node job (``node``: Note [multi-node] in config/multinode.py).
 
@@ -161,6 +163,8 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
     root = str(Path(lightning_zero.__file__).resolve().parents[1])  # the ranks import this checkout
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    for key, value in (env_extra or {}).items():
+        env.setdefault(key, value)
     log.info("launching %d ranks: %s", devices, " ".join(cmd))
     run_dir = config_file.parent
     console = RankConsole(run_dir / "train.log")
@@ -206,7 +210,11 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
 
         result = fit(typed, run_dir)
     else:
-        launch_ranks(config_file, typed.trainer.devices, node)
+        # disk offload: glibc's mmap threshold fixed from each rank's first allocation (Note [freed memory] in
+        # core/offload/host_store.py), so that no freed buffer stays in a heap
+        nvme = OffloadDevice.nvme in (typed.offload.optimizer_device, typed.offload.param_device)
+        env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)} if nvme else None
+        launch_ranks(config_file, typed.trainer.devices, node, env)
         result = FitResult(**json.loads((run_dir / RESULT_FILE).read_text()))
     log.info("%s: %s", typed.name, result.summary())
     return result

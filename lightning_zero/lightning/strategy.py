@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.offload.swap_io import IOCounters
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.zero.config import ZeroConfig
@@ -220,6 +221,12 @@ class ZeroStrategy(DDPStrategy):
     def measure_grad_norm(self) -> float | None:
         """The global norm of the gradients held now (a collective), ``None`` without an engine."""
         return float(self.engine.grad_norm()) if self.engine is not None else None
+
+    @property
+    def swap_io(self) -> IOCounters | None:
+        """Disk offload's swap-file I/O so far (Note [I/O overlap] in ``core/offload/swap_io.py``), else ``None``."""
+        sharded = self.engine.sharded if self.engine is not None else None
+        return sharded.store.io_counters() if sharded is not None else None
 
     def step_stats(self) -> dict[str, float]:
         """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known (the monitor's names)."""

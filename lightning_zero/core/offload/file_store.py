@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
 from lightning_zero.core.offload.grad_files import GradFiles
-from lightning_zero.core.offload.host_store import HostStore
+from lightning_zero.core.offload.host_store import HostStore, trim_heap
 from lightning_zero.core.offload.shard_store import PieceOf, StreamedGrads, SubGroup
 from lightning_zero.core.offload.swap_file import SwapFile
 from lightning_zero.core.offload.swap_step import Range, SubGroupPlan, SwappedStep
@@ -271,6 +271,7 @@ class FileStore(HostStore):
             for file in self.grads.files.values():
                 file.release(0, file.numel)
         super().release_all()
+        trim_heap()  # Note [freed memory]: what setup or a load freed leaves the process too
 
     def close(self) -> None:
         """Stop the threads, close the swap files and remove the run's directory (also done at exit)."""

@@ -16,9 +16,10 @@ Note [gradients on disk]
       on the gradients in the meantime (:meth:`apply`: unscaling by the loss scale, clipping by norm or value),
       in the order asked, on each element as they would have run on the whole tensor;
     * norms (:meth:`norms`): with gradients in the master dtype (fp32, bf16-true) the engine measures each
-      group's whole shard, read through the file's mapping one group at a time and released after; in
-      mixed precision it measures the master pieces, streamed through a buffer with the pending operations
-      applied. Either way each value is computed over the same tensor as without offload;
+      group's whole shard, read into a buffer one group at a time (the largest group's shard: at stage 3 a
+      unit's, half a unit at 2 ranks); in mixed precision it measures the master pieces, streamed through a
+      buffer with the pending operations applied. Either way each value is computed over the same tensor as
+      without offload;
     * anything else that reads a shard as a tensor (``GradShards.read``: a mapping of the file) after
       :meth:`materialize` has written the pending operations into the files (only where the files hold the
       master dtype: else the operations act on the cast copies, never on the shard, as without offload).
@@ -106,13 +107,16 @@ class GradFiles:
         (through the mapping, one group at a time), else each master piece of ``piece`` elements, read into a
         master-dtype buffer with the pending operations applied."""
         out: list[torch.Tensor] = []
+        if whole:
+            self.materialize()
+            largest = max((f.numel for f in self.files.values()), default=0)
+            buffer = torch.empty(largest, dtype=self.dtype)  # one group's shard at a time, read in one call
         for gi in sorted(self.files):
             file = self.files[gi]
             if whole:
-                self.materialize()
                 if file.numel:
-                    out.append(fn(file.tensor))
-                file.release(0, file.numel)
+                    self.io.read_now(file, 0, buffer[: file.numel])
+                    out.append(fn(buffer[: file.numel]).clone())
                 continue
             buffer = torch.empty(min(piece, file.numel), dtype=self.master_dtype)
             raw = buffer if file.dtype == self.master_dtype else torch.empty(buffer.numel(), dtype=file.dtype)

@@ -29,7 +29,7 @@ from lightning_zero.core.offload.copy_fence import CopyFence
 from lightning_zero.core.offload.param_offload import ParamOffload
 from lightning_zero.core.offload.shard_store import PieceOf, StreamedGrads, SubGroup
 from lightning_zero.core.offload.swap_file import remove_stale_run_dirs
-from lightning_zero.core.offload.swap_io import SwapIO
+from lightning_zero.core.offload.swap_io import IOCounters, SwapIO
 
 if TYPE_CHECKING:
     from lightning_zero.core.stage3.sharded_unit import ShardedUnit
@@ -42,20 +42,41 @@ MMAP_THRESHOLD_BYTES = 1 << 20  # Note [freed memory]
 def return_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Note [freed memory]
         glibc serves an allocation above its mmap threshold with its own mapping, returned to the OS when
-        freed; but the first such free raises the threshold (up to 32 MiB), and from then on those buffers
-        come from the heap, which keeps freed memory. Offload to disk creates and frees shard-sized
-        temporaries (a sub-group's lazily created optimizer state before it moves to the files, backward's
-        buffers): with the dynamic threshold a GPT-125M rank kept ~200 MiB it no longer used, most of the
-        relief. Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops the adjustment) keeps
-        the resident set at what is live (docs/offload.md, docs/benchmarks.md). Process-wide, set once
-        when ``"nvme"`` offload starts; glibc only (returns whether it was set).
+        freed; but the first such free raises the threshold (up to 32 MiB) and the heap's trim threshold
+        with it (to twice that), and from then on those buffers come from the heap, which keeps freed
+        memory. Offload to disk creates and frees shard-sized temporaries (a unit's shard before it moves
+        to its file at setup, a sub-group's lazily created optimizer state, backward's buffers): with the
+        dynamic thresholds a GPT-125M rank kept ~200 MiB it no longer used, and a GPT-350M rank's setup
+        grew by one shard per unit in some runs (230 MiB to 790 MiB; which runs depended on what the
+        process had freed before offload started). Fixing both thresholds (``mallopt(M_MMAP_THRESHOLD)``,
+        which also stops the adjustment, and ``M_TRIM_THRESHOLD``) and returning what the heap holds free
+        now (``malloc_trim(0)``) keeps the resident set at what is live (docs/offload.md,
+        docs/benchmarks.md); ``lightning-zero train`` also sets ``MALLOC_MMAP_THRESHOLD_`` for its ranks,
+        which fixes the threshold before the first allocation. Process-wide, set when ``"nvme"`` offload
+        starts; glibc only (returns whether it was set).
     """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    ok = bool(libc.mallopt(-3, threshold)) and bool(libc.mallopt(-1, threshold))  # M_MMAP_ / M_TRIM_THRESHOLD
+    trim_heap()
+    return ok
+
+
+def trim_heap() -> None:
+    """Return the heap's free pages to the OS (``malloc_trim(0)``; Note [freed memory]): after setup, and after
+    each step of ``"nvme"`` offload. glibc only; a no-op elsewhere."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+        return ctypes.CDLL(name) if name else None
     except OSError:
-        return False
+        return None
 
 
 # optimizer classes whose CPU step has a fused kernel in torch (``fused=True``)
@@ -124,6 +145,9 @@ class HostStore:
     def streamed_grads(self) -> StreamedGrads | None:
         return None
 
+    def io_counters(self) -> IOCounters | None:
+        return self.io.counters if self.io is not None else None
+
     # ------------------------------------------------------------------ storage
     def new_master(self, fi: int, own: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer of its own for the master of flat group ``fi`` (the caller fills it)."""
@@ -185,6 +209,7 @@ class HostStore:
         self._run_sub_groups(sub_groups, step_one, pieces)
         if self.io is not None:
             self.io.drain()  # every write of the step (state placed on the way too) has reached the files
+            trim_heap()  # Note [freed memory]
         io_after = self._io() if io_before is not None else None
         if io_before is not None and io_after is not None:
             self.counters.bytes_read += io_after[0] - io_before[0]

@@ -34,6 +34,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.offload.swap_io import IOCounters
 
 if TYPE_CHECKING:
     from lightning_zero.core.stage3.sharded_unit import ShardedUnit
@@ -137,6 +138,10 @@ class ShardStore(Protocol):
         """The gradients this store keeps out of memory, or ``None``."""
         ...
 
+    def io_counters(self) -> IOCounters | None:
+        """What its swap-file threads moved and waited (Note [I/O overlap] in ``swap_io.py``), or ``None``."""
+        ...
+
 
 class DeviceStore:
     """Shards with the parameters, on the training device (``"none"``; Note [one storage interface])."""
@@ -190,4 +195,7 @@ class DeviceStore:
         return None
 
     def streamed_grads(self) -> StreamedGrads | None:
+        return None
+
+    def io_counters(self) -> IOCounters | None:
         return None
