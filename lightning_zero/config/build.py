@@ -33,7 +33,7 @@ from lightning_zero.config.schema import (
     TrainConfig,
     to_yaml,
 )
-from lightning_zero.config.validate import import_object, offload_config, zero_config
+from lightning_zero.config.validate import counts, import_object, offload_config, zero_config
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.lightning.precision import ZeroPrecision
@@ -172,7 +172,7 @@ def val_check_batches(cfg: TrainConfig) -> float | None:
     an epoch is passed as it is)."""
     t = cfg.trainer
     value = t.val_check_interval
-    if value is None or value <= 1 or not float(value).is_integer():
+    if value is None or not counts(value):
         return value
     return int(value) * t.accumulate_grad_batches
 
@@ -181,14 +181,14 @@ def val_batches_per_rank(cfg: TrainConfig) -> float | int | None:
     """``trainer.limit_val_batches`` as Lightning counts it (per rank).
 
     Note [global validation batches]
-        A whole number N (> 1) counts validation batches over all data-parallel replicas together, so that
-        every layout of one run (1 rank, a pipeline, TP, data parallel) validates on the same samples: each of
-        the D replicas takes N / D batches. When D does not divide N, each takes N / D rounded up (D x that in
-        all, said in the log). A fraction (<= 1: 1.0 is all) is passed as it is. ``trainer.limit_train_batches``
-        keeps Lightning's per-rank count.
+        A whole number N counts validation batches over all data-parallel replicas together, so that every
+        layout of one run (1 rank, a pipeline, TP, data parallel) validates on the same samples: each of the D
+        replicas takes N / D batches. When D does not divide N, each takes N / D rounded up (D x that in all,
+        said in the log). A fraction (a float <= 1: 1.0 is all, 1 is one batch: Note [counts and shares] in
+        config/schema.py) is passed as it is. ``trainer.limit_train_batches`` keeps Lightning's per-rank count.
     """
     value = cfg.trainer.limit_val_batches
-    if value is None or value <= 1 or not float(value).is_integer():
+    if value is None or not counts(value):
         return value
     data = data_parallel_size(cfg)
     per_rank = -(-int(value) // data)  # an int: Lightning reads 1.0 as "all", 1 as one batch
@@ -199,9 +199,31 @@ def val_batches_per_rank(cfg: TrainConfig) -> float | int | None:
     return per_rank
 
 
+def count_or_share_lines(cfg: TrainConfig) -> list[str]:
+    """What each set ``trainer.limit_*_batches`` / ``val_check_interval`` means, a count or a share (Note [counts
+    and shares] in config/schema.py): the log says it, since ``1`` and ``1.0`` differ."""
+    t, lines = cfg.trainer, []
+    for key, count, share in (
+        ("limit_train_batches", "training batches per rank and epoch", "of the training batches"),
+        ("limit_val_batches", "validation batches of all data-parallel replicas together", "of the validation batches"),
+        ("val_check_interval", "optimizer steps between validations", "of a training epoch between validations"),
+    ):
+        value = getattr(t, key)
+        if value is None:
+            continue
+        if counts(value):
+            lines.append(f"trainer.{key}={value} is a count: {count} (a fraction such as 1.0 would be a share)")
+        else:
+            lines.append(f"trainer.{key}={value} is a share: {value:.0%} {share} (a whole number such as 1 would "
+                         "be a count)")
+    return lines
+
+
 def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
     """``pl.Trainer`` arguments (strategy not included) for one rank of the run."""
     t = cfg.trainer
+    for line in count_or_share_lines(cfg):
+        rank_zero_info(line)
     optional = {"max_epochs": t.max_epochs, "max_time": t.max_time, "val_check_interval": val_check_batches(cfg),
                 "limit_train_batches": t.limit_train_batches, "limit_val_batches": val_batches_per_rank(cfg),
                 "gradient_clip_val": t.gradient_clip_val}
