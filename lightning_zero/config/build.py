@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from omegaconf import OmegaConf
 
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
@@ -35,6 +36,7 @@ from lightning_zero.config.schema import (
 )
 from lightning_zero.config.validate import counts, import_object, offload_config, zero_config
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.stage3.sharded_unit import is_released
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.strategy import ZeroStrategy
@@ -53,6 +55,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "config": replace(zero_config(cfg), elementwise_optimizers=extra, unit_classes=units),
         "precision": build_precision(cfg),
         "check_step_errors": cfg.zero.check_step_errors,
+        "gather_on_teardown": cfg.zero.gather_on_teardown,
         "process_group_backend": cfg.trainer.process_group_backend,
         "monitor": cfg.logger.monitor,
         "profiler": build_profiler(cfg),
@@ -250,11 +253,37 @@ def _val_loss(metrics: list[dict[str, float]] | dict[str, Any]) -> float | None:
 class _LastValidation(Callback):
     """The global step of the last validation inside the fit (``validate_at_end`` does not repeat it), the
     step the fit started at, and, for a resumed fit, the start validation's line with the checkpoint's step
-    (it ran before the fit restored the step, so its own line would have said step 0)."""
+    (it ran before the fit restored the step, so its own line would have said step 0).
+
+    With ``at_last_step`` (``trainer.validate_at_end``) the last step asks Lightning to stop there
+    (``should_stop``), which makes it validate inside the fit, with the final weights (Note [end validation
+    inside the fit]).
+
+    Note [end validation inside the fit]
+        ``trainer.validate_at_end`` measures the validation loss of the final weights. Run after the fit, it would
+        need the whole model back on every rank, which at stage 3 is the end-of-fit gather (Note [teardown
+        gather]): the largest allocation of the run, on the run's last second. Inside the fit, at its last step
+        (the last of ``max_steps``, or the last batch of the last epoch; ``max_time`` stops the same way), it
+        validates through the sharded engine like any validation, so the CLI gathers nothing at teardown
+        (``zero.gather_on_teardown=false``). A fit that ends otherwise without a validation at its last step is
+        validated after it, where the weights are whole (stages 0-2, or a gather that fit), else it says why not.
+    """
 
     step = -1
     started_at = 0
     start_line: float | None = None
+
+    def __init__(self, at_last_step: bool = False) -> None:
+        self.at_last_step = at_last_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self.at_last_step:
+            return
+        epochs = trainer.fit_loop
+        last_epoch = trainer.max_epochs is not None and trainer.max_epochs > 0 and \
+            trainer.current_epoch + 1 >= trainer.max_epochs and epochs.epoch_loop.batch_progress.is_last_batch
+        if (0 < trainer.max_steps <= trainer.global_step) or last_epoch:
+            trainer.should_stop = True  # Lightning then validates this step (check_val_every_n_epoch permitting)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started_at = trainer.global_step
@@ -284,6 +313,21 @@ def _validate_at_start(trainer: pl.Trainer, module: pl.LightningModule, data: pl
             printer.enable()
 
 
+def _validate_after_fit(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule) -> float | None:
+    """``validate_at_end`` for a fit that did not validate at its last step (Note [end validation inside the fit]):
+    with the whole weights, or ``None`` and a warning where stage 3 left them released (no gather at teardown)."""
+    if not trainer.enable_validation:  # no validation data or batches: nothing to measure, as inside the fit
+        return None
+    if any(is_released(p) for p in module.parameters()):
+        rank_zero_warn(
+            f"trainer.validate_at_end: the fit ended at step {trainer.global_step} without a validation there, and "
+            "its stage-3 parameters were not gathered back after it (zero.gather_on_teardown=false, or they did not "
+            "fit), so there is no end validation (val_loss_end is null). A validation at the last step runs inside "
+            "the fit: keep check_val_every_n_epoch at 1, or set zero.gather_on_teardown=true.")
+        return None
+    return _val_loss(trainer.validate(module, data, verbose=False))
+
+
 def run_layout(strategy: pl.strategies.Strategy) -> dict[str, int]:
     """The dimensions the strategy's mesh spans and how many modules its tensor-parallel plan split: what ran,
     whatever the config asked (``result.json``'s ``layout``)."""
@@ -306,7 +350,7 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module, data = build_module(cfg), build_datamodule(cfg)
     kwargs = trainer_kwargs(cfg, run_dir)
-    last_validation = _LastValidation()
+    last_validation = _LastValidation(at_last_step=cfg.trainer.validate_at_end)
     kwargs["callbacks"] = [*kwargs["callbacks"], last_validation]
     strategy = build_strategy(cfg)
     trainer = pl.Trainer(strategy=strategy, **kwargs)
@@ -321,10 +365,12 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     if cfg.trainer.resume_from and start is not None and any(isinstance(c, LineProgress) for c in trainer.callbacks):
         last_validation.start_line = start
     began = time.perf_counter()
-    trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
+    with warnings.catch_warnings():  # the CLI chose not to gather (Note [end validation inside the fit]): no news
+        warnings.filterwarnings("ignore", message=r"ZeroStrategy\(gather_on_teardown=False\)")
+        trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
     seconds = time.perf_counter() - began
     if cfg.trainer.validate_at_end and last_validation.step != trainer.global_step:  # else it just ran
-        end = _val_loss(trainer.validate(module, data, verbose=False))
+        end = _validate_after_fit(trainer, module, data)
     else:
         end = _val_loss(dict(trainer.callback_metrics))
     ckpt_dir = run_dir / "checkpoints"

@@ -123,6 +123,9 @@ class ZeroSchema:
     param_persistence_threshold: int = 100_000
     # strategy options
     check_step_errors: bool = True
+    # stage 3: the whole model gathered back where it fits after fit (ZeroStrategy's gather_on_teardown). The CLI
+    # needs nothing back (validate_at_end runs inside the fit), so by default it does not gather (docs/zero.md)
+    gather_on_teardown: bool = False
     elementwise_optimizers: list[str] = field(default_factory=list)  # "module.path:ClassName"
     unit_classes: list[str] = field(default_factory=list)  # stage 3 units "module:Class"; [] = ModuleList children
 

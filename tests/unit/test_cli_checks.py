@@ -170,3 +170,37 @@ def test_a_whole_number_of_batches_on_the_command_line_counts_batches_and_a_frac
     for bad in ("1.5", "abc", "-1", "true"):
         with pytest.raises(ValueError, match=r"trainer\.limit_val_batches=.* must be a whole number .* or a fraction"):
             validate_config(compose_config(["experiment=gpt_tiny", f"trainer.limit_val_batches={bad}"]))
+
+
+def test_the_cli_gathers_nothing_after_fit_and_validates_at_its_last_step_inside_the_fit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI needs nothing back from the module after fit, yet a stage-3 run gathered the whole model at its end
+    (issue 41, 10: in a memory cgroup that killed a finished run). Now ``zero.gather_on_teardown`` is false by
+    default (true on the command line gathers), and ``trainer.validate_at_end`` runs inside the fit at its last
+    step through the sharded engine: the parameters stay released, the end's validation loss is measured, and
+    no ``trainer.validate`` follows the fit."""
+    import lightning.pytorch as pl
+
+    from lightning_zero.config import build
+    from lightning_zero.config.build import strategy_kwargs
+    from lightning_zero.core.stage3.sharded_unit import is_released
+
+    modules: list[torch.nn.Module] = []
+    made = build.build_module
+    monkeypatch.setattr(build, "build_module", lambda cfg: modules.append(made(cfg)) or modules[-1])
+    after: list[str] = []
+    real_validate = pl.Trainer.validate
+    monkeypatch.setattr(pl.Trainer, "validate", lambda self, *a, **k: after.append("validate") or
+                        real_validate(self, *a, **k))
+    overrides = [*TINY_ONE_RANK, "zero=stage3", "zero.param_persistence_threshold=0", "trainer.validate_at_end=true",
+                 "trainer.checkpoint.enabled=false"]
+    cfg = validate_config(compose_config(overrides))
+    assert strategy_kwargs(cfg)["gather_on_teardown"] is False
+    result = fit(cfg, tmp_path)
+    assert after == [] and result.val_loss_end is not None and result.global_step == 2
+    assert all(is_released(p) for p in modules[-1].parameters())
+    gathered = validate_config(compose_config([*overrides, "zero.gather_on_teardown=true"]))
+    assert strategy_kwargs(gathered)["gather_on_teardown"] is True
+    again = fit(gathered, tmp_path)
+    assert not any(is_released(p) for p in modules[-1].parameters())
+    assert again.val_loss_end == result.val_loss_end  # the same run: the same end validation
