@@ -69,6 +69,7 @@ def test_a_sparse_layout_changes_what_is_attended_and_refuses_a_kv_cache() -> No
         sparse.generate(ids[:1, :8], max_new_tokens=2, do_sample=False, use_cache=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["row_groups", "block_sparse"])
 def test_left_padding_follows_sdpa_on_every_executor(executor: str) -> None:
     """Left padding (how a batch is padded for generation): a padded query of the causal model sees padded keys
