@@ -219,6 +219,8 @@ class FileStore(HostStore):
             entries.append((fi, lo, hi, offset))
             offset += hi - lo
         plan.written = tuple(k for k in plan.ranges if k != "grad")
+        if any(self.files[(fi, "master")].tensor.untyped_storage().data_ptr() in self._aliases for fi, *_ in sg):
+            plan.cached = frozenset({"master"})  # the parameters' own file: the next forward reads it
         states = tuple(k for k in plan.written if k != "master")
         n = self._piece
 
@@ -263,7 +265,7 @@ class FileStore(HostStore):
         """Every file's pages out of the process, and what was written through the mappings on disk and out of
         the page cache (after a fill, a load or a checkpoint: Note [explicit swap I/O])."""
         if self.io is not None:
-            self.io.drain()
+            self.io.settle_all()
         for file in self.files.values():
             file.release(0, file.numel)
             file.settle(0, file.numel)

@@ -208,7 +208,7 @@ class HostStore:
         self.fence.wait_all()  # the last step's write-backs have read the masters the CPU overwrites now
         self._run_sub_groups(sub_groups, step_one, pieces)
         if self.io is not None:
-            self.io.drain()  # every write of the step (state placed on the way too) has reached the files
+            self.io.settle_all()  # every write of the step on disk, the optimizer state out of the page cache
             trim_heap()  # Note [freed memory]
         io_after = self._io() if io_before is not None else None
         if io_before is not None and io_after is not None:

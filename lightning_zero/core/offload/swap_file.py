@@ -121,14 +121,15 @@ class SwapFile:
             done += n
         return done
 
-    def write_from(self, lo: int, src: torch.Tensor) -> int:
-        """Write ``src`` (contiguous, this file's element size) as elements ``[lo, lo + src.numel())``, and start
-        their write-out to disk; returns the bytes."""
+    def write_from(self, lo: int, src: torch.Tensor, write_back: bool = True) -> int:
+        """Write ``src`` (contiguous, this file's element size) as elements ``[lo, lo + src.numel())`` and, with
+        ``write_back``, start their write-out to disk (else :meth:`write_back` does later); returns the bytes."""
         view, offset = tensor_buffer(src), lo * self.itemsize
         done = 0
         while done < len(view):
             done += os.pwritev(self.fd, [view[done:]], offset + done)
-        self._sync_range(offset, len(view), _WRITE)
+        if write_back:
+            self._sync_range(offset, len(view), _WRITE)
         return done
 
     def write_back(self, lo: int, hi: int) -> None:

@@ -16,8 +16,8 @@ Note [swapped step]
     * ``pipeline_read``: the next sub-group's reads run on the reader thread while this one steps (a
       second set of buffers);
     * ``pipeline_write``: this sub-group's writes run on the writer thread while the next one steps (a third
-      set), each waited for on disk and dropped from the page cache before its buffers are reused, so dirty
-      page cache never exceeds one set;
+      set); the writes on their way to disk are bounded (Note [bounded write-back] in ``swap_io.py``) and the
+      optimizer state leaves the page cache once on disk (the parameters' file stays: the next forward reads it);
     * without either, each sub-group is read, stepped and written in turn.
 
     Too few buffers for the pipeline asked is refused with the count it needs. Memory: buffers x the
@@ -54,6 +54,7 @@ class SubGroupPlan:
 
     ranges: dict[str, list[Range]] = field(default_factory=dict)
     written: tuple[str, ...] = ()
+    cached: frozenset[str] = frozenset()  # written kinds left in the page cache (read again before the next step)
     cast: dict[str, torch.dtype] = field(default_factory=dict)  # kind read in its file's dtype, stepped in this
     bind: Callable[[dict[str, torch.Tensor]], None] = lambda buffers: None
     unbind: Callable[[], None] = lambda: None
@@ -166,7 +167,7 @@ class SwappedStep:
                 finally:
                     plan.unbind()
                     self.bound = set()
-                futures = [io.write(r.file, r.lo, self._view(buffers, plan, kind, r))
+                futures = [io.write(r.file, r.lo, self._view(buffers, plan, kind, r), drop=kind not in plan.cached)
                            for kind in plan.written for r in plan.ranges.get(kind, [])]
                 if self.pipeline_write:
                     writing.append((buffers, futures))
