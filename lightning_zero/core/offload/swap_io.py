@@ -10,11 +10,13 @@ Note [bounded write-back]
     A write copies into the page cache and starts the write-out at once (``SwapFile.write_from``); the pages
     are then clean only once the disk has them. A memory cgroup charges dirty and in-flight pages and, under
     cgroup v1, has no write-back throttling of its own, so the writes still on their way are bounded here:
-    every write is queued, and once more than :data:`WRITE_BEHIND_BYTES` are queued the oldest are waited
-    for (``SwapFile.settle``; those of the optimizer's state also dropped from the page cache, as the next
-    step reads them again from disk). Waiting for each write before the next one instead kept one write in
-    the disk's queue at a time: a GPT-350M step wrote 2.1 GB per rank at 325 MB/s, against the disk's
-    1.7 GB/s (docs/benchmarks.md). :meth:`SwapIO.settle_all` (the end of an optimizer step) waits for all.
+    every write is queued, and once more than :func:`write_behind_bytes` are queued the oldest are waited for
+    by the thread that wrote (``SwapFile.settle``; the optimizer's state is also dropped from the page cache,
+    as the next step reads it again from disk). The bound is 64 MiB, enough for the disk's queue, or less in a
+    small memory cgroup: an eighth of the room it had when the offload started, since pages on their way
+    cannot be reclaimed. Waiting for each write before the next one instead kept one write in the disk's
+    queue at a time: a GPT-350M step wrote 2.1 GB per rank at 325 MB/s, against the disk's 1.7 GB/s
+    (docs/benchmarks.md). :meth:`SwapIO.settle_all` (the end of an optimizer step) waits for all.
 
 Note [I/O overlap]
     :class:`IOCounters` separates what the threads did from what the training thread waited for:
@@ -37,8 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zero.core.offload.swap_file import SwapFile
+from lightning_zero.core.stage3.memory_room import cgroup_pools
 
-WRITE_BEHIND_BYTES = 256 << 20  # Note [bounded write-back]: bytes written and not yet waited for, per rank
+WRITE_BEHIND_BYTES = 64 << 20  # Note [bounded write-back]: bytes written and not yet waited for, per rank, at most
 
 
 @dataclass
@@ -54,11 +57,19 @@ class IOCounters:
     wait_s: float = 0.0  # seconds the training thread was blocked on reads or writes it needed
 
 
+def write_behind_bytes() -> int:
+    """Bytes of writes on their way to disk at most (Note [bounded write-back]): :data:`WRITE_BEHIND_BYTES`, or an
+    eighth of the room of the tightest memory cgroup above this process, at least 4 MiB."""
+    rooms = [pool.room for pool in cgroup_pools()]
+    return max(4 << 20, min([WRITE_BEHIND_BYTES, *(room // 8 for room in rooms)]))
+
+
 class SwapIO:
     """A reader and a writer thread for swap files (Note [I/O overlap])."""
 
     def __init__(self) -> None:
         self.counters = IOCounters()
+        self.behind_limit = write_behind_bytes()
         self._reader: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-read")
         self._writer: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-write")
         self._behind: deque[tuple[SwapFile, int, int, bool]] = deque()  # Note [bounded write-back]
@@ -91,27 +102,11 @@ class SwapIO:
         self.counters.wait_s += time.perf_counter() - start
 
     def write_now(self, file: SwapFile, lo: int, src: torch.Tensor, drop: bool = False) -> None:
-        """Write ``src`` into the page cache on the calling thread (``src`` may be reused at once); the writer
-        thread starts its write-out and bounds what is on its way (Note [bounded write-back])."""
+        """Write ``src`` on the calling thread (``src`` may be reused once it returns); it waits for the disk only
+        when too much is on its way (Note [bounded write-back])."""
         start = time.perf_counter()
-        n = file.write_from(lo, src, write_back=False)
-        elapsed = time.perf_counter() - start
-        c = self.counters
-        c.write_s += elapsed
-        c.wait_s += elapsed
-        c.bytes_written += n
-        c.writes += 1
-        assert self._writer is not None, "swap I/O is closed"
-        self._writer.submit(self._write_behind, file, lo, lo + src.numel(), drop)
-
-    def _write_behind(self, file: SwapFile, lo: int, hi: int, drop: bool) -> None:
-        start = time.perf_counter()
-        file.write_back(lo, hi)
-        with self._lock:
-            self._behind.append((file, lo, hi, drop))
-            self._behind_bytes += (hi - lo) * file.itemsize
-        self._settle_behind(WRITE_BEHIND_BYTES)
-        self.counters.write_s += time.perf_counter() - start
+        self._timed_write(file, lo, src, drop, None)
+        self.counters.wait_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ waiting
     def wait(self, futures: Iterable[Future]) -> None:
@@ -158,7 +153,7 @@ class SwapIO:
         with self._lock:
             self._behind.append((file, lo, lo + src.numel(), drop))
             self._behind_bytes += n
-        self._settle_behind(WRITE_BEHIND_BYTES)
+        self._settle_behind(self.behind_limit)
         c = self.counters
         c.write_s += time.perf_counter() - start
         c.bytes_written += n
