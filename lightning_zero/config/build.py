@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import OmegaConf
 
-from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
+from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn, val_check_batches
 from lightning_zero.config.parallel_checks import data_parallel_size
 from lightning_zero.config.paths import RESULT_FILE, FitResult
 from lightning_zero.config.schema import (
@@ -164,17 +164,6 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
                                    save_top_k=ck.save_top_k, monitor=ck.monitor,
                                    every_n_train_steps=ck.every_n_train_steps))
     return out
-
-
-def val_check_batches(cfg: TrainConfig) -> float | None:
-    """``trainer.val_check_interval`` as Lightning counts it: the config's whole number (> 1) counts optimizer
-    steps, Lightning's counts training batches, so it is multiplied by the accumulation (a fraction <= 1 of
-    an epoch is passed as it is)."""
-    t = cfg.trainer
-    value = t.val_check_interval
-    if value is None or value <= 1 or not float(value).is_integer():
-        return value
-    return int(value) * t.accumulate_grad_batches
 
 
 def val_batches_per_rank(cfg: TrainConfig) -> float | int | None:

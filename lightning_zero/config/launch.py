@@ -66,15 +66,24 @@ def group_options(group: str) -> list[str]:
 
 
 def _refuse_schema_choices(overrides: Sequence[str]) -> None:
-    """``zero=zero_schema`` would compose the bare schema (its defaults) as if it were an option: refuse it."""
+    """``zero=zero_schema`` would compose the bare schema (its defaults) as if it were an option: refuse it; and
+    ``zero=3``, which Hydra refuses with "Config group override must be a string or a list. Got int", naming no
+    group: say which option it means (the one whose name ends in that number)."""
     schemas = {(group, name) for group, name in SCHEMAS if group is not None}
     for override in overrides:
         key, _, value = override.partition("=")
         group = key.lstrip("+~").lstrip("/")
         for name in value.split(","):
-            if (group, name.strip()) in schemas:
-                raise ValueError(f"{group}={name.strip()}: `{name.strip()}` is the typed schema behind conf/{group}/, "
+            name = name.strip()
+            if (group, name) in schemas:
+                raise ValueError(f"{group}={name}: `{name}` is the typed schema behind conf/{group}/, "
                                  f"not an option. Options: {', '.join(group_options(group))}.")
+            if re.fullmatch(r"[-+]?\d+(\.\d*)?", name) and (conf_dir() / group).is_dir():
+                options = group_options(group)
+                meant = [o for o in options if re.search(rf"\D{re.escape(name)}$", o)]
+                hint = f" Did you mean {group}={meant[0]}?" if len(meant) == 1 else ""
+                raise ValueError(f"{group}={name}: a config group takes an option's name, not a number.{hint} "
+                                 f"Options: {', '.join(options)}.")
 
 
 def compose_config(overrides: Sequence[str] = (), config_name: str = CONFIG_NAME) -> DictConfig:

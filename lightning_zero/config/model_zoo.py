@@ -1,4 +1,7 @@
-"""The ``model=`` / ``data=`` options of a config as the LightningModule and DataModule they name.
+"""The ``model=`` / ``data=`` options of a config as the LightningModule and DataModule they name, and what is
+known of them before anything is built: a text corpus's training batches per epoch (from its files' sizes),
+whether ``trainer.resume_from`` holds a checkpoint of this model (its metadata and file headers, no tensor read),
+whether a sparse-attention layout is sparse at the run's sequence length.
 
 GPT options are a preset of :data:`lightning_zero.models.gpt.GPT_PRESETS` plus shape overrides
 (:func:`gpt_config`). The models are imported when built, so that validating a config stays cheap (and
@@ -96,3 +99,106 @@ def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
 
         return TeacherDataModule(**{name: getattr(d, name) for name in inspect.signature(TeacherDataModule).parameters})
     raise ValueError(f"no builder for data.kind={d.kind!r}")
+
+
+def resume_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with ``trainer.resume_from``, found without reading its tensors: no checkpoint there, an
+    incomplete or truncated one (``checkpoint.reader.open_to_resume``), or one of another model's shapes."""
+    from lightning_zero.checkpoint.plain import CheckpointError
+    from lightning_zero.checkpoint.reader import open_to_resume, resume_path, shape_mismatches
+
+    resume = cfg.trainer.resume_from
+    if not resume:
+        return []
+    try:
+        checkpoint = open_to_resume(resume_path(resume))
+    except (CheckpointError, OSError) as err:
+        return [f"trainer.resume_from={resume}: {err}"]
+    if checkpoint is None or not isinstance(cfg.model, GPTModelSchema) or not preset_known(cfg.model):
+        return []
+    from lightning_zero.models.gpt_model import state_shapes
+
+    wrong = shape_mismatches(checkpoint, state_shapes(gpt_config(cfg.model)))
+    if not wrong:
+        return []
+    hparams = checkpoint.meta.get("lightning", {}).get("hyper_parameters", {})
+    writer = hparams.get("model") if isinstance(hparams, dict) else None
+    more = f"; and {len(wrong) - 2} more" if len(wrong) > 2 else ""
+    return [f"trainer.resume_from={resume} holds another model than model={cfg.model.preset}: "
+            f"{'; '.join(wrong[:2])}{more}. Fix: resume with the model that wrote it"
+            f"{f' (model={writer})' if isinstance(writer, str) else ''}, or drop trainer.resume_from."]
+
+
+def val_check_batches(cfg: TrainConfig) -> float | None:
+    """``trainer.val_check_interval`` as Lightning counts it: the config's whole number (> 1) counts optimizer
+    steps, Lightning's counts training batches, so it is multiplied by the accumulation (a fraction <= 1 of
+    an epoch is passed as it is)."""
+    t = cfg.trainer
+    value = t.val_check_interval
+    if value is None or value <= 1 or not float(value).is_integer():
+        return value
+    return int(value) * t.accumulate_grad_batches
+
+
+def epoch_problems(cfg: TrainConfig, replicas: int) -> list[str]:
+    """A text corpus too small for the run on ``replicas`` data-parallel ranks, known from its files' sizes: no
+    training batch at all, or fewer per epoch than ``trainer.val_check_interval`` (which Lightning refuses once
+    the ranks have started).
+
+    The count follows :class:`~lightning_zero.models.data.TextDataModule`: the last ``val_fraction`` of the bytes
+    held out, samples of ``seq_len + 1`` bytes at stride ``seq_len``, Lightning's sampler padding them to whole
+    replicas (``deterministic_order``'s dropping the rest), whole micro-batches, ``limit_train_batches``."""
+    from lightning_zero.models.corpus import chunk_count, corpus_bytes, split_sizes
+
+    d, t = cfg.data, cfg.trainer
+    if not isinstance(d, TextDataSchema):
+        return []
+    try:
+        size = (d.max_bytes or 1_000_000) if d.synthetic else corpus_bytes(d.path, d.max_bytes, d.pattern)
+    except FileNotFoundError:  # refused apart
+        return []
+    samples = chunk_count(split_sizes(size, d.val_fraction)[0], d.seq_len)
+    batches = (samples // replicas if d.deterministic_order else -(-samples // replicas)) // d.micro_batch_size
+    limit = t.limit_train_batches
+    if limit is not None:
+        batches = min(batches, int(limit)) if limit > 1 else int(batches * limit)
+    where = "data.synthetic=true" if d.synthetic else f"data.path={d.path}" if d.path else "the standard library"
+    size_text = (f"{where} holds {size:,} bytes: {samples} training samples of data.seq_len={d.seq_len} (the last "
+                 f"{d.val_fraction:.0%} held out), {batches} batch(es) of data.micro_batch_size={d.micro_batch_size} "
+                 f"per epoch on each of {replicas} data-parallel rank(s)")
+    if batches < 1:
+        return [f"{size_text}: no training batch. Fix: more data, or a smaller data.seq_len / data.micro_batch_size."]
+    interval = val_check_batches(cfg)
+    if isinstance(interval, int) and interval > batches and t.check_val_every_n_epoch is not None:
+        steps = batches // t.accumulate_grad_batches
+        return [f"trainer.val_check_interval={t.val_check_interval:g} steps is more than one epoch: {size_text}. "
+                f"Fix: trainer.val_check_interval={steps} or less, trainer.check_val_every_n_epoch=null (validation "
+                f"every {t.val_check_interval:g} steps across epochs), or more data."]
+    return []
+
+
+def dense_layout_warning(cfg: TrainConfig) -> str | None:
+    """The warning for a sparse-attention layout that keeps, at ``data.seq_len``, every block a causal query sees
+    (it computes dense attention's result through the slower sparse path), with the length it is sparse from;
+    ``None`` otherwise (dense attention, ``mode: dense`` on purpose, a layout that is sparse).
+
+    Raises:
+        ValueError: the layout does not fit ``data.seq_len`` (a window of more blocks than the sequence has).
+    """
+    from lightning_zero.sparse_attention.section import dense_at, resolve_attention, sparse_from
+
+    m, d = cfg.model, cfg.data
+    if not isinstance(m, GPTModelSchema) or not isinstance(d, TextDataSchema) or not preset_known(m):
+        return None
+    section = resolve_attention(m.attention, m.sparse_attention)
+    heads = gpt_config(m).n_head
+    if section is None or section.get("mode") == "dense" or not dense_at(section, heads, d.seq_len):
+        return None
+    block = int(section.get("block", 16))
+    start = sparse_from(section, heads, limit=64 * block)
+    name = m.attention if m.attention != "dense" else f"sparse_attention mode {section.get('mode', 'fixed')}"
+    longer = (f" It is sparse from {start} tokens: data.seq_len={start} or more (and model.seq_len, the model's "
+              f"context, at least that)." if start else "")
+    return (f"model.attention={name} is dense at data.seq_len={d.seq_len} ({-(-d.seq_len // block)} blocks of "
+            f"{block}): its layout keeps every block a causal query sees, so it computes dense attention's result, "
+            f"slower.{longer} Or model.attention=dense.")

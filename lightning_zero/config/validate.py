@@ -17,9 +17,21 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zero.config.model_zoo import build_module, gpt_config, preset_known
-from lightning_zero.config.multinode import resolve_node
-from lightning_zero.config.parallel_checks import pipeline_problems, sequence_problems, tensor_parallel_problems
+from lightning_zero.config.model_zoo import (
+    build_module,
+    dense_layout_warning,
+    epoch_problems,
+    gpt_config,
+    preset_known,
+    resume_problems,
+)
+from lightning_zero.config.multinode import node_device_problems, resolve_node
+from lightning_zero.config.parallel_checks import (
+    data_parallel_size,
+    pipeline_problems,
+    sequence_problems,
+    tensor_parallel_problems,
+)
 from lightning_zero.config.schema import (
     GPTModelSchema,
     MLPModelSchema,
@@ -184,9 +196,7 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
                    f"{Path.cwd()}). Fix: data.path=/path/to/corpus.txt.")
     if isinstance(d, TextDataSchema) and not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction must be in (0, 1) for a held-out validation split, got {d.val_fraction}.")
-    resume = cfg.trainer.resume_from
-    if resume and not Path(resume).expanduser().exists():  # a file, or a sharded checkpoint directory
-        out.append(f"trainer.resume_from={resume} is not a checkpoint file or directory.")
+    out += resume_problems(cfg)
     try:  # multi-node: this node's rank and node 0's endpoint (config or environment)
         resolve_node(cfg.trainer.num_nodes, cfg.trainer.node_rank, cfg.trainer.rdzv_endpoint)
     except ValueError as err:
@@ -275,6 +285,10 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
         else:
             if section is not None and preset_known(cfg.model) and gpt_config(cfg.model).dropout:
                 problems.append("sparse attention has no attention dropout: set model.dropout=0")
+            try:
+                dense_layout_warning(cfg)
+            except ValueError as err:  # the pattern's own check, which the first forward would make on every rank
+                problems.append(f"model.attention={cfg.model.attention} at data.seq_len={cfg.data.seq_len}: {err}.")
     try:
         zero_config(cfg)
     except ValueError as err:
@@ -288,9 +302,12 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
             except (ImportError, AttributeError, ValueError) as err:
                 problems.append(f"zero.{key}: cannot import {path!r} ({err}).")
     problems += tensor_parallel_problems(cfg)
-    for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems, _model_data_problems,
-                  sequence_problems):
+    problems += node_device_problems(str(cfg.trainer.accelerator), cfg.trainer.devices)
+    for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems,
+                  _model_data_problems, sequence_problems):
         problems += check(cfg)
+    if not problems:  # sizes of a config that is otherwise valid (a corpus that exists, sizes >= 1)
+        problems += epoch_problems(cfg, data_parallel_size(cfg))
     return problems
 
 
@@ -302,7 +319,8 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
         out.append(f"model.freeze_step={m.freeze_step} >= trainer.max_steps={max_steps}: 1-bit Adam stays in its "
                    "AdamW warm-up for the whole run and never compresses. Fix: model.freeze_step="
                    f"{max(1, max_steps // 2)} (or more steps).")
-    return out
+    dense = dense_layout_warning(cfg)
+    return [*out, dense] if dense else out
 
 
 def unbuilt_features(cfg: TrainConfig) -> list[str]:
