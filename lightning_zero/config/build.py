@@ -100,21 +100,19 @@ def config_hparams(cfg: TrainConfig) -> dict[str, Any]:
 
 def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
     """The choices that define a run, as TensorBoard's HParams tab compares runs by (the rest of the
-    config goes to the Text tab): ZeRO stage, offload, precision, pipeline, model preset and size,
-    world size, global batch (samples per optimizer step), optimizer (``onebit_adam`` apart from ``adamw``),
-    learning rate."""
-    from lightning_zero.config.validate import count_model_parameters, offload_name
+    config goes to the Text tab): ZeRO stage, offload, precision, pipeline, tensor and sequence parallel,
+    attention, optimizer (``onebit_adam`` apart from ``adamw``) (``validate.run_choices``), model preset and size,
+    world size, global batch (samples per optimizer step), learning rate."""
+    from lightning_zero.config.validate import count_model_parameters, run_choices
 
     t, p = cfg.trainer, cfg.pipeline
     model = cfg.model.preset if isinstance(cfg.model, GPTModelSchema) else cfg.model.kind
     data_parallel = data_parallel_size(cfg)
     micro_batches = p.micro_batches if p.stages > 1 else t.accumulate_grad_batches
     return {
-        "zero_stage": cfg.zero.stage, "offload": offload_name(cfg), "precision": cfg.precision.name.value,
-        "pipeline": "none" if p.stages == 1 else f"{p.stages} stages, {p.schedule.value}",
-        "model": model, "params_M": round(count_model_parameters(cfg) / 1e6, 3), "world_size": t.devices,
-        "global_batch": cfg.data.micro_batch_size * micro_batches * data_parallel,
-        "optimizer": cfg.model.optimizer.value, "lr": cfg.model.lr,
+        **run_choices(cfg), "model": model, "params_M": round(count_model_parameters(cfg) / 1e6, 3),
+        "world_size": t.devices, "global_batch": cfg.data.micro_batch_size * micro_batches * data_parallel,
+        "lr": cfg.model.lr,
     }
 
 

@@ -45,6 +45,7 @@ from lightning_zero.config.paths import (
     SCHEMAS,
     FitResult,
     conf_dir,
+    group_options,
     register_configs,
     register_run_name,
 )
@@ -57,12 +58,6 @@ log = logging.getLogger("lightning_zero.train")
 
 class RankFailure(RuntimeError):
     """The rank processes of a run exited with an error."""
-
-
-def group_options(group: str) -> list[str]:
-    """The options of a config group: its YAML files under ``conf/`` (the typed ``*_schema`` entries of
-    Hydra's ConfigStore are not options)."""
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
 def _refuse_schema_choices(overrides: Sequence[str]) -> None:

@@ -372,12 +372,37 @@ def count_model_parameters(cfg: TrainConfig) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+# the value of each of run_choices' dimensions when it is off: the header line names the others
+DEFAULT_CHOICES: dict[str, Any] = {"pipeline": "none", "tensor_parallel": 1, "sequence_parallel": 1,
+                                   "attention": "dense", "optimizer": "adamw"}
+
+
+def run_choices(cfg: TrainConfig) -> dict[str, Any]:
+    """What a run is beyond its model and data: ZeRO stage, precision, offload and the dimensions of
+    :data:`DEFAULT_CHOICES` (pipeline, tensor and sequence parallel, attention, optimizer), as the header line
+    (:func:`describe`), TensorBoard's HParams (``build.run_hparams``) and the run directory (``paths.run_name``)
+    name them."""
+    m, p = cfg.model, cfg.pipeline
+    attention = "dense"
+    if isinstance(m, GPTModelSchema):
+        section = m.sparse_attention or {}
+        attention = m.attention if m.attention != "dense" or not section else f"sparse_{section.get('mode', 'fixed')}"
+    return {"zero_stage": cfg.zero.stage, "precision": cfg.precision.name.value, "offload": offload_name(cfg),
+            "pipeline": "none" if p.stages <= 1 else f"{p.stages} stages, {p.schedule.value}",
+            "tensor_parallel": cfg.tensor_parallel.size, "sequence_parallel": cfg.sequence_parallel.size,
+            "attention": attention, "optimizer": m.optimizer.value}
+
+
 def describe(cfg: TrainConfig) -> str:
-    """One line naming the run: model (size counted on meta), data, ZeRO stage and ranks."""
+    """One line naming the run: model (size counted on meta), data, ZeRO stage, precision, offload, every other
+    dimension that is not the default (:func:`run_choices`), and ranks."""
     m, t = cfg.model, cfg.trainer
     model = m.preset if isinstance(m, GPTModelSchema) else m.kind
     data = cfg.data.kind if not isinstance(cfg.data, TextDataSchema) else (
         "synthetic" if cfg.data.synthetic else (cfg.data.path or "python-stdlib"))
+    choices = run_choices(cfg)
+    others = "".join(f"{key.replace('_', ' ')} {choices[key]}, " for key, off in DEFAULT_CHOICES.items()
+                     if choices[key] != off)
     return (f"{cfg.name}: {model} ({count_model_parameters(cfg) / 1e6:.2f}M params) on {data}; ZeRO stage "
-            f"{cfg.zero.stage}, {cfg.precision.name.value}, offload={offload_name(cfg)}, "
+            f"{cfg.zero.stage}, {cfg.precision.name.value}, offload={offload_name(cfg)}, {others}"
             f"{t.devices} x {t.accelerator}")

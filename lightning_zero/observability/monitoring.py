@@ -56,7 +56,7 @@ def _dashboard_charts() -> dict[str, dict[str, str]]:
                           "compression ratio (1-bit Adam: fp32 all-reduce bytes / bytes sent)":
                               r"^traffic/compression_ratio$"},
         "step time per rank (s)": {f"{key} time (s)": rf"^time/{key}_rank\d+$" for key in TIME_KEYS},
-        "memory per rank (MiB)": {f"{key} memory (MiB)": rf"^memory/{key}_rank\d+$" for key in MEMORY_KEYS},
+        "memory per rank (MiB)": {f"{key} memory (MiB)": rf"^memory_MiB/{key}_rank\d+$" for key in MEMORY_KEYS},
     }
 
 
