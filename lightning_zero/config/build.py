@@ -196,7 +196,8 @@ def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
         "accelerator": t.accelerator, "devices": t.devices, "num_nodes": t.num_nodes, "max_steps": t.max_steps,
         "check_val_every_n_epoch": t.check_val_every_n_epoch, "num_sanity_val_steps": t.num_sanity_val_steps,
         "accumulate_grad_batches": t.accumulate_grad_batches, "log_every_n_steps": t.log_every_n_steps,
-        "enable_progress_bar": t.enable_progress_bar, "enable_model_summary": t.enable_model_summary,
+        # the summary is ours when asked for (build_callbacks): Lightning adds none, and says nothing about it
+        "enable_progress_bar": t.enable_progress_bar, "enable_model_summary": False,
         "deterministic": t.deterministic, "default_root_dir": str(run_dir),
         "logger": build_logger(cfg, run_dir), "callbacks": build_callbacks(cfg, run_dir),
         "enable_checkpointing": t.checkpoint.enabled,

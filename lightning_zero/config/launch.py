@@ -207,8 +207,10 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
     node = resolve_node(typed.trainer.num_nodes, typed.trainer.node_rank, typed.trainer.rdzv_endpoint)
     if typed.trainer.devices == 1 and node is None:
         from lightning_zero.config.build import fit
+        from lightning_zero.config.console import in_process_console
 
-        result = fit(typed, run_dir)
+        with in_process_console():
+            result = fit(typed, run_dir)
     else:
         launch_ranks(config_file, typed.trainer.devices, node)
         result = FitResult(**json.loads((run_dir / RESULT_FILE).read_text()))
