@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import OmegaConf
 
+from lightning_zero.checkpoint.reader import resume_path
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn, val_check_batches
 from lightning_zero.config.parallel_checks import data_parallel_size
 from lightning_zero.config.paths import RESULT_FILE, FitResult
@@ -282,12 +283,12 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
             logger.log_config_text(to_yaml(cfg))
         else:
             logger.log_hyperparams(config_hparams(cfg))
-    start = _validate_at_start(trainer, module, data, cfg.trainer.resume_from) if cfg.trainer.validate_at_start \
-        else None
-    if cfg.trainer.resume_from and start is not None and any(isinstance(c, LineProgress) for c in trainer.callbacks):
+    resume = str(resume_path(cfg.trainer.resume_from)) if cfg.trainer.resume_from else None  # a folder: last.ckpt
+    start = _validate_at_start(trainer, module, data, resume) if cfg.trainer.validate_at_start else None
+    if resume and start is not None and any(isinstance(c, LineProgress) for c in trainer.callbacks):
         last_validation.start_line = start
     began = time.perf_counter()
-    trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
+    trainer.fit(module, data, ckpt_path=resume)
     seconds = time.perf_counter() - began
     if cfg.trainer.validate_at_end and last_validation.step != trainer.global_step:  # else it just ran
         end = _val_loss(trainer.validate(module, data, verbose=False))

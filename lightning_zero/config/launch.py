@@ -37,6 +37,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_zero
+from lightning_zero.checkpoint.reader import resume_path
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
 from lightning_zero.config.paths import (
@@ -195,8 +196,8 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
         typed.deepspeed_config = to_absolute_path(typed.deepspeed_config)
     if isinstance(typed.data, TextDataSchema) and typed.data.path:
         typed.data.path = to_absolute_path(typed.data.path)  # the ranks may run elsewhere
-    if typed.trainer.resume_from:
-        typed.trainer.resume_from = to_absolute_path(typed.trainer.resume_from)
+    if typed.trainer.resume_from:  # a run's checkpoints/ folder: its last.ckpt (what validation checked)
+        typed.trainer.resume_from = str(resume_path(to_absolute_path(typed.trainer.resume_from)))
     if typed.offload.nvme_path:
         typed.offload.nvme_path = to_absolute_path(typed.offload.nvme_path)
     run_dir.mkdir(parents=True, exist_ok=True)

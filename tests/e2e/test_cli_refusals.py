@@ -114,6 +114,34 @@ def test_another_model_s_checkpoint_names_the_shapes_before_launch(tmp_path: Pat
     assert "Fix: resume with the model that wrote it (model=gpt_small)" in text
 
 
+def test_a_folder_of_checkpoints_resumes_from_its_last_ckpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's ``checkpoints/`` folder given for ``last.ckpt``: what the fit (and the ranks' config.yaml) get."""
+    from lightning_zero.checkpoint.publish import save_sharded
+    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.model_zoo import gpt_config
+    from lightning_zero.config.paths import FitResult
+    from lightning_zero.config.schema import to_train_config
+    from lightning_zero.models.gpt_model import state_shapes
+
+    model = to_train_config(compose_config(["experiment=gpt_tiny"])).model
+    folder = tmp_path / "run" / "checkpoints"
+    state = {key: torch.zeros(shape) for key, shape in state_shapes(gpt_config(model)).items()}
+    save_sharded(folder / "last.ckpt", {"state_dict": state, "optimizer_states": [], "global_step": 3}, None, 0, 1,
+                 broadcast=lambda name: name, failed_ranks=lambda failed: [0] if failed else [])
+    resumed: list[str | None] = []
+
+    def fit(cfg, run_dir):  # the in-process fit, recorded
+        resumed.append(cfg.trainer.resume_from)
+        return FitResult(3, 0.0, None, None, [], resumed_at=3)
+
+    monkeypatch.setattr("lightning_zero.config.build.fit", fit)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "experiment=gpt_tiny", "trainer=cpu1", f"trainer.resume_from={folder}",
+                 "hydra.run.dir=out"]) == 0
+    assert resumed == [str(folder / "last.ckpt")]
+    assert f"resume_from: {folder / 'last.ckpt'}" in (tmp_path / "out" / "config.yaml").read_text()
+
+
 def test_what_is_checked_of_a_checkpoint_before_launch(checkpoints: Path, tmp_path: Path) -> None:
     """A folder of checkpoints resolves to its last.ckpt (else its checkpoints are named); a whole checkpoint opens;
     a cut single file (stage 0: torch.save's zip) is refused; all without reading a tensor."""
