@@ -137,8 +137,8 @@ def test_a_run_in_this_process_prints_each_line_once_without_the_noise(tmp_path:
     hydra_console = logging.StreamHandler(console)  # Hydra's: the timestamped format
     hydra_console.setFormatter(logging.Formatter("[%(name)s][%(levelname)s] - %(message)s"))
     log_file = logging.FileHandler(tmp_path / "train.log")
-    root.addHandler(hydra_console)
-    root.addHandler(log_file)
+    kept = list(root.handlers)  # only Hydra's two, as in `lightning-zero train` (not earlier tests' leftovers)
+    root.handlers = [hydra_console, log_file]
     saved = list(lightning.handlers)
     own = logging.StreamHandler(console)
     own.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))  # Lightning's own
@@ -157,8 +157,7 @@ def test_a_run_in_this_process_prints_each_line_once_without_the_noise(tmp_path:
         assert lightning.handlers == [own]  # Lightning's handler is back
     finally:
         root.setLevel(level)
-        root.removeHandler(hydra_console)
-        root.removeHandler(log_file)
+        root.handlers = kept
         log_file.close()
         lightning.handlers = saved
     printed = console.getvalue().splitlines()
