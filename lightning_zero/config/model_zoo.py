@@ -129,52 +129,24 @@ def resume_problems(cfg: TrainConfig) -> list[str]:
             f"{f' (model={writer})' if isinstance(writer, str) else ''}, or drop trainer.resume_from."]
 
 
-def val_check_batches(cfg: TrainConfig) -> float | None:
-    """``trainer.val_check_interval`` as Lightning counts it: the config's whole number (> 1) counts optimizer
-    steps, Lightning's counts training batches, so it is multiplied by the accumulation (a fraction <= 1 of
-    an epoch is passed as it is)."""
-    t = cfg.trainer
-    value = t.val_check_interval
-    if value is None or value <= 1 or not float(value).is_integer():
-        return value
-    return int(value) * t.accumulate_grad_batches
-
-
-def epoch_problems(cfg: TrainConfig, replicas: int) -> list[str]:
-    """A text corpus too small for the run on ``replicas`` data-parallel ranks, known from its files' sizes: no
-    training batch at all, or fewer per epoch than ``trainer.val_check_interval`` (which Lightning refuses once
-    the ranks have started).
-
-    The count follows :class:`~lightning_zero.models.data.TextDataModule`: the last ``val_fraction`` of the bytes
-    held out, samples of ``seq_len + 1`` bytes at stride ``seq_len``, Lightning's sampler padding them to whole
-    replicas (``deterministic_order``'s dropping the rest), whole micro-batches, ``limit_train_batches``."""
+def epoch_batches(cfg: TrainConfig, replicas: int) -> tuple[int, int, int] | None:
+    """``(bytes, training samples, batches per rank)`` of one epoch of a text corpus on ``replicas`` data-parallel
+    ranks, counted from its files' sizes as :class:`~lightning_zero.models.data.TextDataModule` splits and chunks
+    them (the last ``val_fraction`` of the bytes held out, samples of ``seq_len + 1`` bytes at stride ``seq_len``)
+    and its loaders batch them (Lightning's sampler pads to whole replicas, ``deterministic_order``'s drops the
+    rest; whole micro-batches); ``None`` for other data, or a corpus that is not there (refused apart)."""
     from lightning_zero.models.corpus import chunk_count, corpus_bytes, split_sizes
 
-    d, t = cfg.data, cfg.trainer
+    d = cfg.data
     if not isinstance(d, TextDataSchema):
-        return []
+        return None
     try:
         size = (d.max_bytes or 1_000_000) if d.synthetic else corpus_bytes(d.path, d.max_bytes, d.pattern)
-    except FileNotFoundError:  # refused apart
-        return []
+    except FileNotFoundError:
+        return None
     samples = chunk_count(split_sizes(size, d.val_fraction)[0], d.seq_len)
-    batches = (samples // replicas if d.deterministic_order else -(-samples // replicas)) // d.micro_batch_size
-    limit = t.limit_train_batches
-    if limit is not None:
-        batches = min(batches, int(limit)) if limit > 1 else int(batches * limit)
-    where = "data.synthetic=true" if d.synthetic else f"data.path={d.path}" if d.path else "the standard library"
-    size_text = (f"{where} holds {size:,} bytes: {samples} training samples of data.seq_len={d.seq_len} (the last "
-                 f"{d.val_fraction:.0%} held out), {batches} batch(es) of data.micro_batch_size={d.micro_batch_size} "
-                 f"per epoch on each of {replicas} data-parallel rank(s)")
-    if batches < 1:
-        return [f"{size_text}: no training batch. Fix: more data, or a smaller data.seq_len / data.micro_batch_size."]
-    interval = val_check_batches(cfg)
-    if isinstance(interval, int) and interval > batches and t.check_val_every_n_epoch is not None:
-        steps = batches // t.accumulate_grad_batches
-        return [f"trainer.val_check_interval={t.val_check_interval:g} steps is more than one epoch: {size_text}. "
-                f"Fix: trainer.val_check_interval={steps} or less, trainer.check_val_every_n_epoch=null (validation "
-                f"every {t.val_check_interval:g} steps across epochs), or more data."]
-    return []
+    per_rank = samples // replicas if d.deterministic_order else -(-samples // replicas)
+    return size, samples, per_rank // d.micro_batch_size
 
 
 def dense_layout_warning(cfg: TrainConfig) -> str | None:
