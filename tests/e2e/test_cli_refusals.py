@@ -209,8 +209,8 @@ def test_a_text_file_smaller_than_one_batch_is_refused(tmp_path: Path, monkeypat
 def test_the_counted_batches_are_lightning_s(tmp_path: Path) -> None:
     """The count before launch is the one the data module and Lightning's sampler make (padded or dropped)."""
     from lightning_zero.config.launch import compose_config
-    from lightning_zero.config.model_zoo import epoch_problems
     from lightning_zero.config.schema import to_train_config
+    from lightning_zero.config.validate import epoch_problems
     from lightning_zero.models.data import TextDataModule
 
     corpus = tmp_path / "notes.txt"
@@ -222,8 +222,8 @@ def test_the_counted_batches_are_lightning_s(tmp_path: Path) -> None:
         per_rank = samples // 2 if order else -(-samples // 2)
         cfg = to_train_config(compose_config(["experiment=gpt_text_file", f"data.path={corpus}",
                                               f"data.deterministic_order={order}"]))
-        assert f"{samples} training samples" in epoch_problems(cfg, 2)[0]
-        assert f"{per_rank // 8} batch(es)" in epoch_problems(cfg, 2)[0]
+        assert f"{samples} training samples" in epoch_problems(cfg)[0]  # 2 ranks: trainer=cpu2
+        assert f"{per_rank // 8} batch(es)" in epoch_problems(cfg)[0]
 
 
 # ---------------------------------------------------------------------------------------- 4. one error at a time
