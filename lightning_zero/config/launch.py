@@ -34,7 +34,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import lightning_zero
 from lightning_zero.config.deepspeed import apply_deepspeed_config
@@ -50,13 +50,19 @@ from lightning_zero.config.paths import (
 )
 from lightning_zero.config.schema import TextDataSchema, TrainConfig, to_train_config, to_yaml
 from lightning_zero.config.validate import config_warnings, describe, validate_config
+from lightning_zero.core.errors import USAGE_EXIT, UsageError
+from lightning_zero.project.locate import record_project_dir
 
 CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory
 log = logging.getLogger("lightning_zero.train")
 
 
 class RankFailure(RuntimeError):
-    """The rank processes of a run exited with an error."""
+    """The rank processes of a run exited with an error (``code``: the command's exit code)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def group_options(group: str) -> list[str]:
@@ -77,16 +83,69 @@ def _refuse_schema_choices(overrides: Sequence[str]) -> None:
                                  f"not an option. Options: {', '.join(group_options(group))}.")
 
 
-def compose_config(overrides: Sequence[str] = (), config_name: str = CONFIG_NAME) -> DictConfig:
-    """Compose ``conf/`` with Hydra's compose API (what ``train`` runs, without starting anything).
+def with_config_dir(overrides: Sequence[str], config_dir: str | None) -> list[str]:
+    """``overrides`` with ``--config-dir`` as the compose API takes it: first in ``hydra.searchpath`` (both come after
+    the package's ``conf/``, as Hydra searches them: an option of the same name as the package's is hidden)."""
+    if config_dir is None:
+        return list(overrides)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    extra = [f"file://{Path(config_dir).resolve()}"]
+    rest = []
+    for override in overrides:
+        parsed = OverridesParser.create().parse_override(override)
+        if parsed.get_key_element() == "hydra.searchpath":
+            extra += list(parsed.value())  # type: ignore[arg-type]
+        else:
+            rest.append(override)
+    return [*rest, f"hydra.searchpath=[{','.join(extra)}]"]
+
+
+def shadowed_options(config_dir: str | None) -> list[str]:
+    """The options of ``config_dir`` that the package's options of the same name hide, each with its fix."""
+    if config_dir is None:
+        return []
+    ours = conf_dir()
+    return [f"{Path(config_dir) / group.name / option.name} is hidden by the package's {group.name}={option.stem} "
+            f"(conf/ is searched before --config-dir). Fix: give yours another name."
+            for group in sorted(Path(config_dir).iterdir()) if group.is_dir()
+            for option in sorted(group.glob("*.yaml")) if (ours / group.name / option.name).is_file()]
+
+
+def _without_hydra_node(cfg: DictConfig) -> DictConfig:
+    """The composed config without its ``hydra`` node, Hydra's runtime set as a job's would be (the output directory
+    as the run would name it), so that ``${hydra:runtime.output_dir}`` in the user's yaml resolves when checked."""
+    from hydra.core.hydra_config import HydraConfig
+
+    probe = copy.deepcopy(cfg)
+    HydraConfig.instance().set_config(probe)  # (it makes the node read-only)
+    try:
+        out = OmegaConf.select(probe, "hydra.run.dir")
+    except Exception:  # an interpolation only a running job resolves: any directory will do for the checks
+        out = "outputs"
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(Path(out).resolve())
+        cfg.hydra.runtime.cwd = os.getcwd()
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def compose_config(overrides: Sequence[str] = (), config_name: str = CONFIG_NAME,
+                   config_dir: str | None = None) -> DictConfig:
+    """Compose ``conf/`` with Hydra's compose API (what ``train`` runs, without starting anything); ``config_dir``:
+    ``--config-dir``, the user's own config groups.
 
     Raises:
         ValueError: a group choice names a schema (``zero=zero_schema``) instead of an option.
     """
     _refuse_schema_choices(overrides)
     register_configs()
+    register_run_name()
     with initialize_config_dir(str(conf_dir()), version_base="1.3", job_name="train"):
-        return compose(config_name, overrides=list(overrides))
+        cfg = compose(config_name, overrides=with_config_dir(overrides, config_dir), return_hydra_config=True)
+    return _without_hydra_node(cfg)
 
 
 def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
@@ -98,12 +157,13 @@ def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def check_jobs(jobs: Sequence[Sequence[str]], config_name: str = CONFIG_NAME) -> list[TrainConfig]:
+def check_jobs(jobs: Sequence[Sequence[str]], config_name: str = CONFIG_NAME,
+               config_dir: str | None = None) -> list[TrainConfig]:
     """Compose and validate every job; errors name the job's overrides when there are several jobs."""
     out = []
     for job in jobs:
         try:
-            out.append(validate_config(apply_deepspeed_config(compose_config(job, config_name), job)))
+            out.append(validate_config(apply_deepspeed_config(compose_config(job, config_name, config_dir), job)))
         except (ValueError, NotImplementedError) as err:
             if len(jobs) > 1:
                 raise type(err)(f"job [{' '.join(job)}]: {err}") from err
@@ -174,6 +234,9 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
         console.close()
     if code != 0:
         failed = console.first_failure()
+        if failed is not None and failed.exitcode == USAGE_EXIT:  # a UsageError, printed once by rank 0
+            raise RankFailure(f"the ranks refused the configuration (the error above); nothing was trained. Full "
+                              f"output: {run_dir / 'train.log'}.", USAGE_EXIT)
         advice = None
         if failed is not None and failed.signal_name == "SIGKILL":
             cfg = to_train_config(OmegaConf.to_container(OmegaConf.load(config_file)))  # type: ignore[arg-type]
@@ -220,7 +283,10 @@ def _hydra_task(cfg: DictConfig) -> float | None:
         return run_job(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)).val_loss_end
     except RankFailure as err:  # the summary is the last thing printed, without the launcher's own traceback
         print(f"\nlightning-zero train: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from err
+        raise SystemExit(err.code) from err
+    except UsageError as err:  # one device trains in this process: the same one line as the ranks print
+        print(f"lightning-zero train: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(USAGE_EXIT) from err
 
 
 def train_command(argv: Sequence[str]) -> int:
@@ -238,11 +304,14 @@ def train_command(argv: Sequence[str]) -> int:
     except SystemExit as done:
         return int(done.code or 0)
     starts_jobs = not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
-                       or args.experimental_rerun or args.config_dir or args.config_path)
+                       or args.experimental_rerun or args.config_path)
+    record_project_dir()  # the ranks import the user's `_target_`s from here (Note [project directory])
     if starts_jobs:
+        for line in shadowed_options(args.config_dir):
+            print(f"lightning-zero train: warning: {line}", file=sys.stderr)
         try:
             jobs = expand_sweep(args.overrides) if args.multirun else [list(args.overrides)]
-            checked = check_jobs(jobs, args.config_name or CONFIG_NAME)
+            checked = check_jobs(jobs, args.config_name or CONFIG_NAME, args.config_dir)
         except NotImplementedError as err:
             print(f"lightning-zero train: {err}", file=sys.stderr)
             return 2

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from lightning_zero.config.schema import (
     GPTModelSchema,
+    HFCausalLMSchema,
     LoggerSchema,
     MLPModelSchema,
     OffloadSchema,
@@ -52,6 +53,7 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("sequence_parallel", "sequence_parallel_schema"): SequenceParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
+    ("model", "hf_causal_lm_schema"): HFCausalLMSchema,
     ("data", "text_schema"): TextDataSchema,
     ("data", "teacher_schema"): TeacherDataSchema,
     ("trainer", "trainer_schema"): TrainerSchema,
@@ -82,7 +84,7 @@ def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", 
         return f"{text(name)}-{Path(str(deepspeed_config)).stem}"
     parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
     parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
-    if text(optimizer) != "adamw":
+    if isinstance(getattr(optimizer, "value", optimizer), str) and text(optimizer) != "adamw":  # not a `_target_` node
         parts.append(text(optimizer))
     return "-".join(parts)
 

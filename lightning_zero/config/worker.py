@@ -37,6 +37,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
 from lightning_zero.core.comm.process_groups import close_all
+from lightning_zero.core.errors import USAGE_EXIT, UsageError
 
 
 @record  # torchrun's failure summary then shows this rank's traceback
@@ -52,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(path))))  # type: ignore[arg-type]
     try:
         fit(cfg, path.parent)
+    except UsageError as err:  # what the user asked for, seen only here (a `_target_`, a checkpoint's keys)
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same: said once
+            print(f"lightning-zero: error: {err}", file=sys.stderr, flush=True)
+        return USAGE_EXIT
     finally:
         # the process groups (the strategy's too) die now, not during interpreter finalization:
         # Note [clean exit] in lightning_zero/core/comm/process_groups.py
