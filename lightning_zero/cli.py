@@ -180,6 +180,15 @@ def _export_hf_run(checkpoint: str, out: str, shard_bytes: int) -> str:
                                  max_shard_bytes=shard_bytes))
 
 
+def _evaluation(command: str) -> Callable[[list[str]], int]:
+    def handler(argv: list[str]) -> int:
+        from lightning_zero.config.launch import train_command as run
+
+        return run(argv, command)
+
+    return handler
+
+
 def convert_command(argv: list[str]) -> int:
     """``lightning-zero convert``: a sharded checkpoint directory -> one file (no process group)."""
 
@@ -249,6 +258,11 @@ COMMANDS: dict[str, Command] = {
     "advise": Command(advise_command, "the fastest ZeRO stage / offload that fits your hardware"),
     # Hydra parses its own argv: main() hands it over untouched
     "train": Command(train_command, "train from Hydra configs in conf/ (e.g. experiment=gpt_small zero=stage2)"),
+    "validate": Command(_evaluation("validate"), "the validation loop of train's groups on ckpt_path=<a checkpoint or "
+                        "a run directory>"),
+    "test": Command(_evaluation("test"), "the test loop, the same way (your DataModule's test_dataloader)"),
+    "predict": Command(_evaluation("predict"), "predict_step over the data, the same way; each rank's predictions "
+                       "to <run dir>/predictions/"),
     "convert": Command(convert_command, "a sharded checkpoint -> one .pt / .safetensors / Lightning .ckpt"),
     "hostfile": Command(hostfile_command, "a DeepSpeed hostfile -> the train command to run on each host (or --ssh)"),
 }

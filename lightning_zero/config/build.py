@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
 from lightning_zero.config.parallel_checks import data_parallel_size
-from lightning_zero.config.paths import RESULT_FILE, FitResult
+from lightning_zero.config.paths import RESULT_FILE, EvalResult, FitResult
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
     GPTModelSchema,
@@ -324,5 +324,29 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     result = FitResult(trainer.global_step, seconds, start, end, ckpts, resumed_at=last_validation.started_at,
                        layout=run_layout(strategy))
     if trainer.local_rank == 0:  # every node's launcher reads it from its own run directory
+        (run_dir / RESULT_FILE).write_text(json.dumps(asdict(result), indent=2) + "\n")
+    return result
+
+
+def evaluate(cfg: TrainConfig, run_dir: str | Path, command: str) -> EvalResult:
+    """``lightning-zero validate / test / predict`` in this process (one rank): the model and data of ``cfg``, the
+    Trainer's method ``command`` from ``cfg.ckpt_path`` (a checkpoint; ``None``: the initial weights). Rank 0
+    writes ``result.json`` (the metrics); ``predict`` writes each rank's predictions to
+    ``run_dir/predictions/rank<r>.pt`` (``torch.save`` of the list ``trainer.predict`` returns)."""
+    import torch
+
+    run_dir = Path(run_dir)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    module, data = build_module(cfg), build_datamodule(cfg)
+    trainer = pl.Trainer(strategy=build_strategy(cfg, module), **trainer_kwargs(cfg, run_dir))
+    out = getattr(trainer, command)(module, data, ckpt_path=cfg.ckpt_path)
+    result = EvalResult(command, cfg.ckpt_path)
+    if command == "predict":
+        (run_dir / "predictions").mkdir(exist_ok=True)
+        torch.save(out, run_dir / "predictions" / f"rank{trainer.global_rank}.pt")
+        result.predictions = [f"predictions/rank{r}.pt" for r in range(trainer.world_size)]
+    else:
+        result.metrics = {k: float(v) for k, v in (out[0] if out else {}).items()}
+    if trainer.local_rank == 0:
         (run_dir / RESULT_FILE).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result

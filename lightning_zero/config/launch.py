@@ -29,8 +29,9 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -40,10 +41,14 @@ import lightning_zero
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
 from lightning_zero.config.paths import (
+    COMMAND_NAMES,
     CONFIG_NAME,
+    FIT,
     RESULT_FILE,
     SCHEMAS,
+    EvalResult,
     FitResult,
+    checkpoint_of,
     conf_dir,
     register_configs,
     register_run_name,
@@ -201,7 +206,7 @@ def _flat_keys(node: object, prefix: str = "") -> list[str]:
     return [k for key, value in node.items() for k in _flat_keys(value, f"{prefix}{key}.")]
 
 
-def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None) -> None:
+def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None, command: str = FIT) -> None:
     """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port), or
     this node's ranks of a multi-node job (``node``: Note [multi-node] in config/multinode.py).
 
@@ -216,7 +221,7 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
 
     where = node.torchrun_args() if node is not None else ["--standalone"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={devices}",
-           "-m", "lightning_zero.config.worker", str(config_file)]
+           "-m", "lightning_zero.config.worker", str(config_file), *([command] if command != FIT else [])]
     env = dict(os.environ)
     root = str(Path(lightning_zero.__file__).resolve().parents[1])  # the ranks import this checkout
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
@@ -244,12 +249,16 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
         raise RankFailure(failure_summary(failed, devices, run_dir, advice))
 
 
-def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> FitResult:
+def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[str] = (),
+            command: str = FIT) -> FitResult | EvalResult:
     """Validate ``cfg`` (its ``deepspeed_config`` merged in, ``overrides`` being the explicit command line),
-    write ``run_dir/config.yaml`` and train: in process for one device, else via torchrun."""
+    write ``run_dir/config.yaml`` and train (or ``command``: validate, test or predict with ``ckpt_path``): in
+    process for one device, else via torchrun."""
     from hydra.utils import to_absolute_path
 
     typed = copy.deepcopy(validate_config(apply_deepspeed_config(cfg, overrides)))
+    if typed.ckpt_path:
+        typed.ckpt_path = str(checkpoint_of(to_absolute_path(typed.ckpt_path)))
     if typed.deepspeed_config:
         typed.deepspeed_config = to_absolute_path(typed.deepspeed_config)
     if isinstance(typed.data, TextDataSchema) and typed.data.path:
@@ -265,32 +274,56 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
     log.info("run directory: %s", run_dir)
     node = resolve_node(typed.trainer.num_nodes, typed.trainer.node_rank, typed.trainer.rdzv_endpoint)
     if typed.trainer.devices == 1 and node is None:
-        from lightning_zero.config.build import fit
+        from lightning_zero.config.build import evaluate, fit
 
-        result = fit(typed, run_dir)
+        result = fit(typed, run_dir) if command == FIT else evaluate(typed, run_dir, command)
     else:
-        launch_ranks(config_file, typed.trainer.devices, node)
-        result = FitResult(**json.loads((run_dir / RESULT_FILE).read_text()))
+        launch_ranks(config_file, typed.trainer.devices, node, command)
+        data = json.loads((run_dir / RESULT_FILE).read_text())
+        result = FitResult(**data) if command == FIT else EvalResult(**data)
     log.info("%s: %s", typed.name, result.summary())
     return result
 
 
-def _hydra_task(cfg: DictConfig) -> float | None:
-    from hydra.core.hydra_config import HydraConfig
+def _hydra_task(command: str) -> Callable[[DictConfig], Any]:
+    prog = f"lightning-zero {COMMAND_NAMES[command]}"
 
-    hydra_cfg = HydraConfig.get()
-    try:
-        return run_job(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)).val_loss_end
-    except RankFailure as err:  # the summary is the last thing printed, without the launcher's own traceback
-        print(f"\nlightning-zero train: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(err.code) from err
-    except UsageError as err:  # one device trains in this process: the same one line as the ranks print
-        print(f"lightning-zero train: error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(USAGE_EXIT) from err
+    def task(cfg: DictConfig) -> Any:
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra_cfg = HydraConfig.get()
+        try:
+            result = run_job(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task), command)
+        except RankFailure as err:  # the summary is the last thing printed, without the launcher's own traceback
+            print(f"\n{prog}: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(err.code) from err
+        except UsageError as err:  # one device trains in this process: the same one line as the ranks print
+            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(USAGE_EXIT) from err
+        return result.val_loss_end if isinstance(result, FitResult) else None
+
+    return task
 
 
-def train_command(argv: Sequence[str]) -> int:
-    """``lightning-zero train [hydra args] [overrides]``: Hydra's command line, e.g. ``-m zero=stage1,stage2``.
+def _command_problems(checked: Sequence[TrainConfig], command: str) -> list[str]:
+    """``ckpt_path`` belongs to validate / test / predict, and must exist there."""
+    out = []
+    for cfg in checked:
+        if command == FIT and cfg.ckpt_path:
+            out.append(f"ckpt_path={cfg.ckpt_path} is read by `lightning-zero validate / test / predict`; train "
+                       "resumes from trainer.resume_from. Fix: trainer.resume_from=<run dir>/checkpoints/last.ckpt.")
+        elif cfg.ckpt_path:
+            try:
+                checkpoint_of(cfg.ckpt_path)
+            except FileNotFoundError as err:
+                out.append(str(err))
+    return out
+
+
+def train_command(argv: Sequence[str], command: str = FIT) -> int:
+    """``lightning-zero train [hydra args] [overrides]``: Hydra's command line, e.g. ``-m zero=stage1,stage2``;
+    ``command`` ``validate`` / ``test`` / ``predict``: the same groups, the Trainer's method of that name on the
+    model (``ckpt_path=``: a checkpoint, or a finished run's directory).
 
     Returns the exit code: 0 on success, 2 when the configuration is invalid or not implemented
     (nothing was started), 1 when a run failed.
@@ -298,6 +331,7 @@ def train_command(argv: Sequence[str]) -> int:
     import hydra
     from hydra._internal.utils import get_args_parser
 
+    prog = f"lightning-zero {COMMAND_NAMES[command]}"
     argv = list(argv)
     try:
         args = get_args_parser().parse_args(argv)
@@ -308,23 +342,27 @@ def train_command(argv: Sequence[str]) -> int:
     record_project_dir()  # the ranks import the user's `_target_`s from here (Note [project directory])
     if starts_jobs:
         for line in shadowed_options(args.config_dir):
-            print(f"lightning-zero train: warning: {line}", file=sys.stderr)
+            print(f"{prog}: warning: {line}", file=sys.stderr)
         try:
             jobs = expand_sweep(args.overrides) if args.multirun else [list(args.overrides)]
             checked = check_jobs(jobs, args.config_name or CONFIG_NAME, args.config_dir)
         except NotImplementedError as err:
-            print(f"lightning-zero train: {err}", file=sys.stderr)
+            print(f"{prog}: {err}", file=sys.stderr)
             return 2
         except Exception as err:  # composition errors: misspelt key, wrong type, unknown option
-            print(f"lightning-zero train: error: {explain(err)}", file=sys.stderr)
+            print(f"{prog}: error: {explain(err)}", file=sys.stderr)
+            return 2
+        problems = dict.fromkeys(_command_problems(checked, command))
+        if problems:
+            print(f"{prog}: error: " + "\n  - ".join(["invalid configuration:", *problems]), file=sys.stderr)
             return 2
         for line in dict.fromkeys(w for cfg in checked for w in config_warnings(cfg)):  # once, not per job
-            print(f"lightning-zero train: warning: {line}", file=sys.stderr)
+            print(f"{prog}: warning: {line}", file=sys.stderr)
     register_configs()
     register_run_name()  # the output directories' names (conf/config.yaml)
-    task = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(_hydra_task)
+    task = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=CONFIG_NAME)(_hydra_task(command))
     saved = sys.argv
-    sys.argv = ["lightning-zero train", *argv]  # hydra.main parses sys.argv
+    sys.argv = [prog, *argv]  # hydra.main parses sys.argv
     try:
         task()
     except SystemExit as done:  # --help, or Hydra reporting a failed job

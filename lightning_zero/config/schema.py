@@ -28,7 +28,7 @@ from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.zero import config as core_config
 from lightning_zero.models.mlp_parts import TeacherTask
 from lightning_zero.observability.monitoring import ProfilerWindow
-from lightning_zero.project.targets import USER_KEYS, TargetNode, entries_data, is_target, target_entries
+from lightning_zero.project.targets import USER_KEYS, as_plain, user_parts
 
 
 def _choices(name: str, values: Iterable[str], doc: str) -> Any:
@@ -383,26 +383,6 @@ class TrainConfig:
 MODEL_SCHEMAS: dict[str, type[ModelSchema]] = {"gpt": GPTModelSchema, "mlp": MLPModelSchema,
                                                 "hf_causal_lm": HFCausalLMSchema}
 DATA_SCHEMAS: dict[str, type[DataSchema]] = {"text": TextDataSchema, "teacher": TeacherDataSchema}
-TYPED_LOGGER = "logger"  # the root key whose package options are LoggerSchema
-
-
-def _user_parts(data: dict[str, Any]) -> dict[str, Any]:
-    """The root keys of plain config data that hold the user's ``_target_`` nodes, as typed objects: ``model`` /
-    ``data`` / ``logger`` with a ``_target_`` (a logger also as a mapping of them) and ``callbacks``."""
-    callbacks = target_entries("callbacks", data.get("callbacks"))
-    if callbacks is None:
-        raise ValueError("callbacks must map names to `_target_` nodes (lightning-hydra-template's callbacks/), "
-                         f"got {data['callbacks']!r}. Fix: `callbacks.<name>._target_=package.module.Callback`.")
-    out: dict[str, Any] = {"callbacks": callbacks}
-    for key in USER_KEYS:
-        value = data.get(key)
-        if is_target(value):
-            out[key] = TargetNode(key, value)
-        elif key == TYPED_LOGGER and isinstance(value, dict) and value and "kind" not in value:
-            out[key] = target_entries(key, value)  # several loggers; None: not such a mapping (the schema says why)
-            if out[key] is None:
-                del out[key]
-    return out
 
 
 def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
@@ -415,7 +395,7 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     """
     data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg
     assert isinstance(data, dict)
-    user = _user_parts(data)
+    user = user_parts(data)
     node = OmegaConf.create({k: v for k, v in data.items() if k not in user})
     node.merge_with({k: {} if k == "callbacks" else None for k in user})  # set below, as typed objects
     base = OmegaConf.structured(TrainConfig)
@@ -427,8 +407,8 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
             raise ValueError(f"{key}.kind must be one of {sorted(table)}, or {key} a node with a `_target_` (your "
                              f"own class), got kind {kind!r}")
         base[key] = OmegaConf.structured(table[kind])
-    if TYPED_LOGGER not in user:
-        base[TYPED_LOGGER] = OmegaConf.structured(LoggerSchema)
+    if "logger" not in user:
+        base["logger"] = OmegaConf.structured(LoggerSchema)
     config = OmegaConf.to_object(OmegaConf.merge(base, node))
     assert isinstance(config, TrainConfig)
     for key, value in user.items():
@@ -436,20 +416,12 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     return config
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, TargetNode):
-        return value.to_data()
-    if isinstance(value, dict) and all(isinstance(v, TargetNode) for v in value.values()):
-        return entries_data(value)
-    return value
-
-
 def to_container(cfg: TrainConfig) -> DictConfig:
     """A typed config as an OmegaConf node (enums as enums), the user's ``_target_`` nodes as plain data."""
     user = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in (*USER_KEYS, "callbacks")}
     node = OmegaConf.structured(replace(cfg, **{k: None for k in USER_KEYS}, callbacks={}))
     for key, value in user.items():
-        plain = _plain(value)
+        plain = as_plain(value)
         node[key] = plain if plain is not value else OmegaConf.structured(value)
     return node
 

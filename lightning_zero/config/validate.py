@@ -46,7 +46,7 @@ from lightning_zero.core.zero.config import ZeroConfig, ZeroStage
 from lightning_zero.core.zero.memory import OFFLOAD_STAGES
 from lightning_zero.hf.checks import HFRun, hf_problems
 from lightning_zero.project.locate import static_problems
-from lightning_zero.project.targets import TargetNode
+from lightning_zero.project.targets import TargetNode, user_nodes
 
 BUILT_STAGES = tuple(ZeroStage)
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
@@ -222,14 +222,6 @@ def _hf_problems(cfg: TrainConfig) -> list[str]:
     return hf_problems(run)
 
 
-def user_targets(cfg: TrainConfig) -> list[TargetNode]:
-    """The user's ``_target_`` nodes of ``cfg``: model, data, logger(s), callbacks."""
-    out = [v for v in (cfg.model, cfg.data, cfg.logger) if isinstance(v, TargetNode)]
-    if isinstance(cfg.logger, dict):
-        out += cfg.logger.values()
-    return out + list(cfg.callbacks.values())
-
-
 def _range(out: list[str], key: str, value: float | None, low: float | None = None, high: float | None = None,
            low_open: bool = False, high_open: bool = True, fix: str = "") -> None:
     """Append ``key=value must be ...`` to ``out`` when ``value`` (unless ``None``) is outside the range."""
@@ -325,7 +317,7 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
                 import_object(path)
             except (ImportError, AttributeError, ValueError) as err:
                 problems.append(f"zero.{key}: cannot import {path!r} ({err}).")
-    for node in user_targets(cfg):  # found, and called with keys it takes, as far as its source says
+    for node in user_nodes(cfg.model, cfg.data, cfg.logger, cfg.callbacks):  # as far as their source says
         problems += static_problems(node)
     problems += tensor_parallel_problems(cfg)
     for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems, _model_data_problems,

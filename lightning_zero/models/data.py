@@ -289,6 +289,14 @@ class ShardedDataModule(LightningDataModule):
         """Validation loader (in order; with ``deterministic_order`` sharded by our sampler, padded)."""
         return self._split_loader(train=False)
 
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split again (``lightning-zero test``): there is no third split."""
+        return self._split_loader(train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out split (``lightning-zero predict``)."""
+        return self._split_loader(train=False)
+
 
 class TextDataModule(ShardedDataModule):
     """Byte-level language-modelling data: stdlib source (default), a user file/directory, or synthetic.

@@ -33,6 +33,7 @@ import sys
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from lightning_zero.core.errors import UsageError
@@ -211,7 +212,8 @@ def static_problems(node: TargetNode) -> list[str]:
 
 # ------------------------------------------------------------------------------ on a rank, importing
 def locate(node: TargetNode) -> Any:
-    """The object ``node``'s ``_target_`` names, imported from the project directory or the installed packages.
+    """The object ``node``'s ``_target_`` names, imported from the project directory or the installed packages
+    (each dotted part an attribute of the one before, or a submodule of it, as Hydra locates a ``_target_``).
 
     Raises:
         TargetError: the module is not found, importing it failed on another missing module, or it has no such
@@ -219,31 +221,33 @@ def locate(node: TargetNode) -> Any:
     """
     where = use_project_dir()
     parts = node.target.split(".")
-    module = None
-    for cut in range(len(parts), 0, -1):
-        name = ".".join(parts[:cut])
+
+    def imported(name: str) -> ModuleType | None:
         try:
-            module = importlib.import_module(name)
-            break
+            return importlib.import_module(name)
         except ModuleNotFoundError as err:
-            if err.name and (name == err.name or name.startswith(err.name + ".")):
-                continue  # this prefix is not a module: a shorter one may be
+            if err.name == name:
+                return None
             raise TargetError(f"{node.key}._target_={node.target}: importing module {name} failed: {err} (a module "
                               f"it imports is missing; searched from the project directory {where}).") from err
-    if module is None:
+
+    obj: Any = imported(parts[0])
+    if obj is None:
         raise TargetError(f"{node.key}._target_={node.target}: no module {parts[0]!r} in the project directory "
                           f"{where} nor among the installed packages. Fix: run from the directory holding "
                           f"{parts[0]}/ (or {parts[0]}.py), or install it.")
-    obj: Any = module
-    for i, attr in enumerate(parts[cut:], start=cut):
-        if not hasattr(obj, attr):
+    for i, attr in enumerate(parts[1:], start=1):
+        found = getattr(obj, attr, None)
+        if found is None and isinstance(obj, ModuleType):
+            found = imported(".".join(parts[: i + 1]))
+        if found is None:
             owner = ".".join(parts[:i])
             close = difflib.get_close_matches(attr, [n for n in dir(obj) if not n.startswith("_")], n=1)
             raise TargetError(f"{node.key}._target_={node.target}: {owner} has no {attr!r}."
                               + (f" Did you mean {owner}.{close[0]}?" if close else "")
-                              + f" ({owner} is {getattr(module, '__file__', None) or owner}; searched from the "
+                              + f" ({owner} is {getattr(obj, '__file__', None) or owner}; searched from the "
                               f"project directory {where})")
-        obj = getattr(obj, attr)
+        obj = found
     if not callable(obj):
         raise TargetError(f"{node.key}._target_={node.target} is not a class or function ({type(obj).__name__}).")
     return obj

@@ -98,3 +98,44 @@ def target_entries(key: str, node: Any) -> dict[str, TargetNode] | None:
 def entries_data(entries: Mapping[str, TargetNode]) -> dict[str, Any]:
     """``target_entries`` written back as plain data."""
     return {name: entry.to_data() for name, entry in entries.items()}
+
+
+def user_parts(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The root keys of plain config data that hold the user's ``_target_`` nodes, as typed objects: ``model`` /
+    ``data`` / ``logger`` with a ``_target_`` (a logger also as a mapping of them) and ``callbacks`` (always).
+
+    Raises:
+        ValueError: ``callbacks`` is not a mapping of ``_target_`` nodes (named, with the fix).
+    """
+    callbacks = target_entries("callbacks", data.get("callbacks"))
+    if callbacks is None:
+        raise ValueError("callbacks must map names to `_target_` nodes (lightning-hydra-template's callbacks/), "
+                         f"got {data['callbacks']!r}. Fix: `callbacks.<name>._target_=package.module.Callback`.")
+    out: dict[str, Any] = {"callbacks": callbacks}
+    for key in USER_KEYS:
+        value = data.get(key)
+        if is_target(value):
+            out[key] = TargetNode(key, value)
+        elif key == "logger" and isinstance(value, Mapping) and value and "kind" not in value:
+            several = target_entries(key, value)  # None: not such a mapping (the logger schema says why)
+            if several is not None:
+                out[key] = several
+    return out
+
+
+def as_plain(value: Any) -> Any:
+    """A :class:`TargetNode`, or a mapping of them, as the config's plain data; anything else as it is."""
+    if isinstance(value, TargetNode):
+        return value.to_data()
+    if isinstance(value, dict) and all(isinstance(v, TargetNode) for v in value.values()):
+        return entries_data(value)
+    return value
+
+
+def user_nodes(model: Any, data: Any, logger: Any, callbacks: Mapping[str, TargetNode]) -> list[TargetNode]:
+    """Every ``_target_`` node of a typed config's ``model``, ``data``, ``logger`` (one or several) and
+    ``callbacks``, in that order (the order each rank instantiates them)."""
+    out = [v for v in (model, data, logger) if isinstance(v, TargetNode)]
+    if isinstance(logger, Mapping):
+        out += [v for v in logger.values() if isinstance(v, TargetNode)]
+    return out + list(callbacks.values())

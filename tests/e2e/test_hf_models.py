@@ -101,3 +101,25 @@ def test_converted_back_it_loads_with_from_pretrained_with_the_trained_weights(a
     ids = torch.tensor([tokenizer("def fill(text, width=70):")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(exported(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+@pytest.mark.slow
+def test_validate_and_predict_read_a_finished_runs_directory_with_the_same_groups(models, runs, tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """``lightning-zero validate / predict ckpt_path=<run dir>`` with the training run's groups, on 1 rank in this
+    process (the 2-rank sharded checkpoint read at another world size): the validation loss is the one the run
+    ended with; predict writes each rank's next-token predictions."""
+    monkeypatch.chdir(tmp_path)
+    groups = ["model=hf_causal_lm", f"model.path={models['llama']}", "data=text_file", f"data.path={models['corpus']}",
+              f"data.seq_len={SEQ}", f"data.micro_batch_size={BATCH}", f"data.max_val_samples={VAL}", "zero=stage3",
+              "trainer=cpu1", f"ckpt_path={runs['llama']}"]
+    assert cli(["validate", *groups, "hydra.run.dir=val"]) == 0
+    result = json.loads((tmp_path / "val" / "result.json").read_text())
+    assert result["checkpoint"] == str((runs["llama"] / "checkpoints" / "last.ckpt").resolve())
+    ended = json.loads((runs["llama"] / "result.json").read_text())["val_loss_end"]
+    assert result["metrics"]["val_loss"] == pytest.approx(ended, rel=1e-5)
+    assert cli(["predict", *groups, "hydra.run.dir=pred"]) == 0
+    predictions = torch.load(tmp_path / "pred" / "predictions" / "rank0.pt")
+    assert len(predictions) == VAL // BATCH and predictions[0].shape == (BATCH, SEQ)
+    assert cli(["validate", *groups[:-1], "ckpt_path=nowhere", "hydra.run.dir=bad"]) == 2  # refused before launch
+    assert not (tmp_path / "bad").exists()

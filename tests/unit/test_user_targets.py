@@ -1,0 +1,156 @@
+"""Your own classes in a config (``_target_`` nodes, Note [user targets]): each mistake is one clear error before any
+training step. A wrong ``_target_``, a missing module and a key the class does not take are found from the source
+before anything starts (``lightning-zero train`` exits 2, nothing is launched); what only an import can tell is
+refused the same way by the rank (the worker prints it once and exits 2); a Hugging Face checkpoint lacking a weight,
+or holding one the model has no place for, is refused when the model is built, listing them, at stage 3's meta build
+as without it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_zero.config.launch import CONFIG_FILE, check_jobs, compose_config, train_command
+from lightning_zero.config.schema import to_train_config, to_yaml
+from lightning_zero.project import TargetError, TargetNode, locate, static_problems
+from lightning_zero.project.locate import PROJECT_ENV
+
+PROJECT = Path(__file__).resolve().parents[1] / "data" / "user_project"
+RUN = ["--config-dir", "conf", "model=wave_net", "data=wave_data", "callbacks=default", "logger=csv_file"]
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of tests/data/user_project as the current directory, as a user runs the command there."""
+    copy = Path(shutil.copytree(PROJECT, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__")))
+    monkeypatch.chdir(copy)
+    monkeypatch.delenv(PROJECT_ENV, raising=False)
+    monkeypatch.syspath_prepend(str(copy))  # `wave` imports in this process as it would in a rank
+    for name in [m for m in __import__("sys").modules if m == "wave" or m.startswith("wave.")]:
+        monkeypatch.delitem(__import__("sys").modules, name)
+    return copy
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *overrides: str) -> str:
+    assert train_command([*RUN, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert not Path("outputs").exists()  # refused before Hydra made a run directory: nothing started
+    return err
+
+
+def test_the_projects_config_composes_typed_and_round_trips_through_the_ranks_file(project: Path) -> None:
+    (cfg,) = check_jobs([RUN[2:]], config_dir="conf")
+    assert isinstance(cfg.model, TargetNode) and cfg.model.target == "wave.model.WaveNet"
+    assert cfg.model.arguments["width"] == 40 and cfg.model.node["optimizer"]["_partial_"] is True
+    assert isinstance(cfg.data, TargetNode) and set(cfg.callbacks) == {"step_trace", "lr_monitor"}
+    assert set(cfg.logger) == {"csv"} and cfg.logger["csv"].target == "lightning.pytorch.loggers.CSVLogger"
+    assert to_train_config(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))) == cfg  # what a rank reads
+    off = compose_config([*RUN[2:], "callbacks.lr_monitor=null"], config_dir="conf")  # an entry turned off
+    assert set(to_train_config(off).callbacks) == {"step_trace"}
+
+
+def test_a_wrong_target_is_refused_before_launch_with_the_name_it_meant(project: Path, capsys) -> None:
+    err = _refused(capsys, "model._target_=wave.model.WaveNett")
+    assert "model._target_=wave.model.WaveNett: module wave.model" in err
+    assert "defines no 'WaveNett'. Did you mean wave.model.WaveNet?" in err and str(project) in err
+
+
+def test_a_missing_module_is_refused_before_launch_naming_the_directory_searched(project: Path, capsys) -> None:
+    err = _refused(capsys, "data._target_=wavy.data.WaveData")
+    assert f"data._target_=wavy.data.WaveData: no module 'wavy' in the project directory {project}" in err
+    err = _refused(capsys, "data._target_=wave.dta.WaveData")  # the package is there, its module is not
+    assert "no module wave.dta in" in err and "wave/__init__.py defines no 'dta'" in err
+
+
+def test_a_key_the_class_does_not_take_is_refused_before_launch(project: Path, capsys) -> None:
+    err = _refused(capsys, "+model.widht=3")
+    assert "model.widht: wave.model.WaveNet takes no argument 'widht'" in err and "Fix: model.width=..." in err
+    err = _refused(capsys, "+callbacks.step_trace.every=2")
+    assert "callbacks.step_trace.every: wave.callbacks.StepTrace takes no argument 'every'" in err
+
+
+def test_a_callbacks_entry_that_is_not_a_target_is_refused(project: Path, capsys) -> None:
+    err = _refused(capsys, "+callbacks.oops=3")
+    assert "callbacks.oops must be a node with a `_target_`" in err
+
+
+def test_the_source_check_finds_required_arguments_and_leaves_open_cases_to_the_rank(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    monkeypatch.setenv(PROJECT_ENV, str(tmp_path))
+    (tmp_path / "mine.py").write_text(
+        "import lightning.pytorch as pl\nfrom typing import Any\n\n"
+        "class Needs:\n    def __init__(self, size: int, *, scale: float = 1.0) -> None: ...\n\n"
+        "class Open:\n    def __init__(self, **kwargs: Any) -> None: ...\n\n"
+        "class Inherits(pl.Callback):\n    pass\n\n"
+        "def build(width, depth=2): ...\n")
+    assert static_problems(TargetNode("model", {"_target_": "mine.Needs"})) == [
+        "model: mine.Needs needs the argument 'size' (no default). Fix: +model.size=... on the command line, or "
+        "`size:` in the option's yaml."]
+    assert static_problems(TargetNode("model", {"_target_": "mine.Needs", "_partial_": True})) == []
+    assert static_problems(TargetNode("model", {"_target_": "mine.Open", "anything": 1})) == []  # **kwargs
+    assert static_problems(TargetNode("model", {"_target_": "mine.Inherits", "anything": 1})) == []  # inherited
+    assert "mine.build takes no argument 'height'" in static_problems(
+        TargetNode("model", {"_target_": "mine.build", "width": 1, "height": 2}))[0]
+    assert "is a module, not a class" in static_problems(TargetNode("model", {"_target_": "mine"}))[0]
+
+
+def test_an_import_error_inside_the_users_module_names_the_missing_module_and_the_target(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    monkeypatch.setenv(PROJECT_ENV, str(tmp_path))
+    (tmp_path / "needs_numpyy.py").write_text("import numpyy\n\nclass Net:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TargetError, match=r"model._target_=needs_numpyy.Net: importing module needs_numpyy failed: "
+                                          r"No module named 'numpyy'.*" + str(tmp_path)):
+        locate(TargetNode("model", {"_target_": "needs_numpyy.Net"}))
+
+
+@pytest.mark.slow
+def test_what_only_the_rank_can_see_is_one_line_and_exit_code_2_from_the_worker(project: Path, capsys) -> None:
+    """``LearningRateMonitor`` comes through ``lightning.pytorch.callbacks``' imports: its parameters are not in that
+    file, so the key is checked on the rank, after the import, before the Trainer exists."""
+    from lightning_zero.config.launch import run_job  # noqa: F401  (the worker's own imports, as in a rank)
+    from lightning_zero.config.worker import main as worker
+
+    overrides = [*RUN[2:], "+callbacks.lr_monitor.bogus=1", "trainer=cpu1"]
+    (cfg,) = check_jobs([overrides], config_dir="conf")  # the source cannot tell: accepted before launch
+    (project / "run").mkdir()
+    (project / "run" / CONFIG_FILE).write_text(to_yaml(cfg))
+    assert worker([str(project / "run" / CONFIG_FILE)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("lightning-zero: error: callbacks.lr_monitor.bogus: lightning.pytorch.callbacks."
+                              "LearningRateMonitor takes no argument 'bogus'")
+    assert not (project / "run" / "result.json").exists() and not list(project.glob("run/record_rank*.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_meta", [False, True], ids=["whole", "stage3-meta"])
+def test_a_checkpoint_missing_a_weight_or_holding_an_unexpected_one_is_refused_listing_them(
+        tmp_path: Path, on_meta: bool) -> None:
+    pytest.importorskip("transformers")
+    from contextlib import nullcontext
+
+    from safetensors.torch import load_file, save_file
+
+    from lightning_zero.core.errors import UsageError
+    from lightning_zero.core.stage3.materialize import parameters_on_meta
+    from lightning_zero.hf.module import HFCausalLM
+    from lightning_zero.testing.hf_models import save_causal_lm
+
+    directory = save_causal_lm(tmp_path / "llama", "llama", "def f(x):\n    return x\n" * 50)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    where = index["weight_map"]["model.norm.weight"]
+    tensors = load_file(str(directory / where))
+    tensors.pop("model.norm.weight")
+    tensors["model.extra.weight"] = tensors[next(iter(tensors))].clone()
+    save_file(tensors, str(directory / where), metadata={"format": "pt"})
+    del index["weight_map"]["model.norm.weight"]
+    index["weight_map"]["model.extra.weight"] = where
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    module = HFCausalLM(pretrained=str(directory))
+    with parameters_on_meta() if on_meta else nullcontext(), pytest.raises(UsageError) as err:
+        module.configure_model()
+    assert "missing model.norm.weight; unexpected model.extra.weight" in str(err.value)
