@@ -338,7 +338,9 @@ def evaluate(cfg: TrainConfig, run_dir: str | Path, command: str) -> EvalResult:
     run_dir = Path(run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module, data = build_module(cfg), build_datamodule(cfg)
-    trainer = pl.Trainer(strategy=build_strategy(cfg, module), **trainer_kwargs(cfg, run_dir))
+    off = replace(cfg.trainer.checkpoint, enabled=False)  # nothing to save: no ModelCheckpoint
+    trainer = pl.Trainer(strategy=build_strategy(cfg, module),
+                         **trainer_kwargs(replace(cfg, trainer=replace(cfg.trainer, checkpoint=off)), run_dir))
     out = getattr(trainer, command)(module, data, ckpt_path=cfg.ckpt_path)
     result = EvalResult(command, cfg.ckpt_path)
     if command == "predict":

@@ -161,13 +161,14 @@ def _argument_problems(node: TargetNode, what: str, keyword: list[str], required
     for key in given:
         if key not in keyword:
             close = difflib.get_close_matches(key, keyword, n=1)
+            fix = f"{node.key}.{close[0]}=<value>" if close else f"drop it (~{node.key}.{key})"
             out.append(f"{node.key}.{key}: {what} takes no argument {key!r} (it takes {', '.join(keyword) or 'none'})."
-                       f" Fix: {f'{node.key}.{close[0]}=...' if close else f'drop it (~{node.key}.{key})'}.")
+                       f" Fix: {fix}.")
     if not node.partial and "_args_" not in node.node:
         for name in required:
             if name not in given:
                 out.append(f"{node.key}: {what} needs the argument {name!r} (no default). Fix: "
-                           f"+{node.key}.{name}=... on the command line, or `{name}:` in the option's yaml.")
+                           f"+{node.key}.{name}=<value> on the command line, or `{name}:` in the option's yaml.")
     return out
 
 

@@ -89,8 +89,8 @@ def test_every_stage_trains_the_losses_of_plain_lightning_ddp_with_the_same_seed
 
 @pytest.mark.slow
 def test_the_modules_own_record_shows_its_yaml_arguments_arrived(stage_runs) -> None:
-    """conf/model/wave_net.yaml: width 40, depth 2, dropout 0.1, an Adam partial at lr 0.01 and a StepLR partial
-    halving it every 2 steps (0.005 after 3 steps)."""
+    """tests/data/user_project/conf/model/wave_net.yaml: width 40, depth 2, dropout 0.1, an Adam partial at lr 0.01
+    and a StepLR partial halving it every 2 steps (0.005 after 3 steps)."""
     for run in stage_runs.values():
         record = _record(run, 0)
         assert record["hparams"] == {"width": 40, "depth": 2, "dropout": 0.1, "record_name": "record"}

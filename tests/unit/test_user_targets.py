@@ -68,7 +68,7 @@ def test_a_missing_module_is_refused_before_launch_naming_the_directory_searched
 
 def test_a_key_the_class_does_not_take_is_refused_before_launch(project: Path, capsys) -> None:
     err = _refused(capsys, "+model.widht=3")
-    assert "model.widht: wave.model.WaveNet takes no argument 'widht'" in err and "Fix: model.width=..." in err
+    assert "model.widht: wave.model.WaveNet takes no argument 'widht'" in err and "Fix: model.width=<value>." in err
     err = _refused(capsys, "+callbacks.step_trace.every=2")
     assert "callbacks.step_trace.every: wave.callbacks.StepTrace takes no argument 'every'" in err
 
@@ -88,7 +88,7 @@ def test_the_source_check_finds_required_arguments_and_leaves_open_cases_to_the_
         "class Inherits(pl.Callback):\n    pass\n\n"
         "def build(width, depth=2): ...\n")
     assert static_problems(TargetNode("model", {"_target_": "mine.Needs"})) == [
-        "model: mine.Needs needs the argument 'size' (no default). Fix: +model.size=... on the command line, or "
+        "model: mine.Needs needs the argument 'size' (no default). Fix: +model.size=<value> on the command line, or "
         "`size:` in the option's yaml."]
     assert static_problems(TargetNode("model", {"_target_": "mine.Needs", "_partial_": True})) == []
     assert static_problems(TargetNode("model", {"_target_": "mine.Open", "anything": 1})) == []  # **kwargs

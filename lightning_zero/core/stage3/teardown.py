@@ -10,8 +10,10 @@ Note [teardown gather]
       whole optimizer state plus a separate master where there is one), with the optimizer's
       bytes per element measured from this rank's state, plus 5% and 64 MiB of slack;
     * available: on a CUDA device what ``torch.cuda.mem_get_info`` reports free plus what the
-      caching allocator holds unused; on the CPU the least of ``MemAvailable`` and the room left
-      under ``RLIMIT_DATA`` and ``RLIMIT_AS`` (the limits the process really runs under).
+      caching allocator holds unused; on the CPU the least of ``MemAvailable``, the room left
+      under ``RLIMIT_DATA`` and ``RLIMIT_AS``, and the room left in the process's memory cgroup (v1
+      ``memory.limit_in_bytes`` or v2 ``memory.max``, less its usage, plus the inactive file pages the
+      kernel reclaims first): the limits the process really runs under.
 
     All ranks agree (one tiny collective): everything is gathered if it fits on every rank; else
     only the parameters if they fit (the optimizer state is dropped); else nothing, and the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import resource
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,8 +75,40 @@ def available_bytes(device: torch.device) -> int:
         current = _proc_kib("/proc/self/status", used)
         if soft != resource.RLIM_INFINITY and current is not None:
             room.append(soft - current)
+    room.append(cgroup_room())
     known = [r for r in room if r is not None]
     return max(0, min(known)) if known else 2**62
+
+
+def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes the process's memory cgroup, and each one above it, can still charge before its limit (cgroup v1
+    ``memory`` or v2), counting inactive file pages as free; the least of them, ``None`` without any limit."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    entries = [line.split(":", 2) for line in lines if line.count(":") >= 2]
+    v1 = [path for _, controllers, path in entries if "memory" in controllers.split(",")]
+    v2 = [path for _, controllers, path in entries if controllers == ""]
+    if v1:
+        base, files, path = Path(f"{root}/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                      "total_inactive_file"), v1[0]
+    elif v2:  # the unified hierarchy
+        base, files, path = Path(root), ("memory.max", "memory.current", "inactive_file"), v2[0]
+    else:
+        return None
+    rooms = []
+    group = Path(path.lstrip("/"))
+    for level in [group, *group.parents]:
+        try:
+            cap = (base / level / files[0]).read_text().strip()
+            used = int((base / level / files[1]).read_text())
+            stat = dict(line.split() for line in (base / level / "memory.stat").read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        if cap != "max" and int(cap) < 2**62:  # a limit
+            rooms.append(int(cap) - used + int(stat.get(files[2], 0)))
+    return min(rooms) if rooms else None
 
 
 def _precision(engine: ZeroEngine) -> str:
