@@ -101,7 +101,8 @@ def pipeline_problems(cfg: TrainConfig) -> list[str]:
                    "(pipeline_layers / pipeline_loss, docs/pipeline.md). Fix: a GPT model, or pipeline=none.")
     if isinstance(cfg.model, GPTModelSchema) and layers:
         layers += 2  # pipeline_layers(): the embedding, the blocks, the head
-    if pp.stages > 1 and layers < pp.stages * pp.virtual_stages:
+    known = isinstance(cfg.model, (GPTModelSchema, MLPModelSchema))  # your own module's split points: at setup
+    if pp.stages > 1 and known and layers < pp.stages * pp.virtual_stages:
         out.append(f"the model has {layers} pipeline layers, fewer than pipeline.stages x virtual_stages = "
                    f"{pp.stages * pp.virtual_stages} chunks.")
     return out

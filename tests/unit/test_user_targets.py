@@ -154,3 +154,92 @@ def test_a_checkpoint_missing_a_weight_or_holding_an_unexpected_one_is_refused_l
     with parameters_on_meta() if on_meta else nullcontext(), pytest.raises(UsageError) as err:
         module.configure_model()
     assert "missing model.norm.weight; unexpected model.extra.weight" in str(err.value)
+
+
+@pytest.fixture
+def hf_files(tmp_path: Path) -> Path:
+    """What the launcher reads of a save_pretrained directory (config.json, a safetensors header, a tokenizer)."""
+    import torch
+    from safetensors.torch import save_file
+
+    def directory(name: str, config: dict) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        (path / "tokenizer.json").write_text("{}")
+        save_file({"lm_head.weight": torch.zeros(3, 2), "norm.weight": torch.zeros(2)}, str(path / "model.safetensors"))
+        return path
+
+    directory("llama", {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "max_position_embeddings": 256, "attention_dropout": 0.1})
+    directory("gpt2", {"model_type": "gpt2", "n_head": 4, "n_positions": 256, "attn_pdrop": 0.0})
+    (tmp_path / "corpus.txt").write_text("hello world\n" * 100)
+    return tmp_path
+
+
+def _hf_problems(root: Path, arch: str, *overrides: str) -> str:
+    with pytest.raises(ValueError) as err:
+        check_jobs([["model=hf_causal_lm", f"model.path={root / arch}", "data=text_file",
+                     f"data.path={root / 'corpus.txt'}", *overrides]])
+    return str(err.value)
+
+
+def test_a_hugging_face_model_is_checked_before_launch_from_its_files(hf_files: Path) -> None:
+    (cfg,) = check_jobs([["model=hf_causal_lm", f"model.path={hf_files / 'gpt2'}", "data=text_file",
+                          f"data.path={hf_files / 'corpus.txt'}"]])
+    assert "hf_causal_lm" in __import__("lightning_zero.config.validate", fromlist=["describe"]).describe(cfg)
+    assert "is not a directory" in _hf_problems(hf_files, "nowhere")
+    assert "data.seq_len=300 exceeds the model's context (256 positions)" in _hf_problems(
+        hf_files, "gpt2", "data.seq_len=300")
+    (hf_files / "gpt2" / "tokenizer.json").unlink()
+    assert "tokenized with the model's tokenizer, and" in _hf_problems(hf_files, "gpt2")
+    assert "model.attention (block-sparse) has no attention dropout" in _hf_problems(
+        hf_files, "llama", "model.attention=sparse_fixed")
+    assert "needs exactly one of model.path" in _hf_problems(hf_files, "llama", "model.config={model_type:llama}")
+
+
+@pytest.mark.slow
+def test_the_parallel_dimensions_of_a_hugging_face_model_use_its_plans_or_are_refused(hf_files: Path) -> None:
+    """Tensor parallel takes the model's own plan (transformers' ``base_model_tp_plan``): refused for GPT-2, which
+    has none, for heads the size does not divide, and at stage 3 (built on meta, sliced whole); sequence parallel
+    and pipelines are refused with the reason. A Llama at stage 2 with TP 2 is accepted (and trains:
+    docs/your_own_model.md)."""
+    tp = ["tensor_parallel=tp2", "trainer.devices=2"]
+    assert "gpt2 has no tensor-parallel plan in transformers" in _hf_problems(hf_files, "gpt2", *tp)
+    assert "tensor_parallel.size=4 does not divide the model's 2 key / value heads" in _hf_problems(
+        hf_files, "llama", "tensor_parallel=tp4", "trainer.devices=4")
+    assert "at zero.stage=3 is not built yet" in _hf_problems(hf_files, "llama", "zero=stage3", *tp)
+    (cfg,) = check_jobs([["model=hf_causal_lm", f"model.path={hf_files / 'llama'}", "data=text_file",
+                          f"data.path={hf_files / 'corpus.txt'}", "zero=stage2", *tp]])
+    assert cfg.tensor_parallel.size == 2
+    assert "sequence_parallel with model=hf_causal_lm is not built" in _hf_problems(
+        hf_files, "llama", "sequence_parallel=sp2", "trainer.devices=2")
+    problems = _hf_problems(hf_files, "llama", "pipeline=pp2_gpipe", "zero=stage1")
+    assert "pipeline with model=hf_causal_lm is not built" in problems and "pipeline layers" not in problems
+
+
+@pytest.mark.slow
+def test_sparse_attention_is_registered_into_a_hugging_face_model_from_the_config(tmp_path: Path) -> None:
+    """``model.attention=sparse_local`` reaches ``transformers``' attention interface: the model is built with the
+    block-sparse implementation (a sliding window of 3 blocks of 16), whose first block of positions attends as dense
+    attention does, and whose last ones no longer see the whole past."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from lightning_zero.config.model_zoo import build_module
+    from lightning_zero.testing.hf_models import save_causal_lm
+
+    directory = save_causal_lm(tmp_path / "llama", "llama", "def f(x):\n    return x\n" * 50)
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x\n" * 50)
+    modules = {}
+    for attention in ("dense", "sparse_local"):
+        (cfg,) = check_jobs([["model=hf_causal_lm", f"model.path={directory}", "data=text_file",
+                              f"data.path={tmp_path / 'corpus.txt'}", f"model.attention={attention}", "zero=stage2"]])
+        modules[attention] = build_module(cfg)
+        modules[attention].configure_model()
+    assert modules["sparse_local"].model.config._attn_implementation == "lightning_zero_sparse"
+    ids = torch.randint(0, 100, (1, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense, sparse = (modules[a](ids) for a in ("dense", "sparse_local"))
+    assert torch.allclose(dense[:, :16], sparse[:, :16], atol=1e-5)  # the first block: every earlier key attended
+    assert not torch.allclose(dense[:, 96:], sparse[:, 96:], atol=1e-3)  # later: the window leaves keys out
