@@ -292,15 +292,16 @@ def _hydra_task(command: str) -> Callable[[DictConfig], Any]:
         from hydra.core.hydra_config import HydraConfig
 
         hydra_cfg = HydraConfig.get()
+        run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
         try:
-            result = run_job(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task), command)
+            result = run_job(cfg, run_dir, overrides) if command == FIT else run_job(cfg, run_dir, overrides, command)
         except RankFailure as err:  # the summary is the last thing printed, without the launcher's own traceback
             print(f"\n{prog}: {err}", file=sys.stderr, flush=True)
             raise SystemExit(err.code) from err
         except UsageError as err:  # one device trains in this process: the same one line as the ranks print
             print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
             raise SystemExit(USAGE_EXIT) from err
-        return result.val_loss_end if isinstance(result, FitResult) else None
+        return getattr(result, "val_loss_end", None)  # an EvalResult has none
 
     return task
 

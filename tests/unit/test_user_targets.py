@@ -126,11 +126,21 @@ def test_what_only_the_rank_can_see_is_one_line_and_exit_code_2_from_the_worker(
     assert not (project / "run" / "result.json").exists() and not list(project.glob("run/record_rank*.json"))
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama and its tokenizer as save_pretrained writes them (safetensors shards and their index)."""
+    pytest.importorskip("transformers")
+    from lightning_zero.testing.hf_models import save_causal_lm
+
+    root = tmp_path_factory.mktemp("tiny_llama")
+    (root / "corpus.txt").write_text("def f(x):\n    return x\n" * 50)
+    return save_causal_lm(root / "llama", "llama", (root / "corpus.txt").read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("on_meta", [False, True], ids=["whole", "stage3-meta"])
 def test_a_checkpoint_missing_a_weight_or_holding_an_unexpected_one_is_refused_listing_them(
-        tmp_path: Path, on_meta: bool) -> None:
-    pytest.importorskip("transformers")
+        tiny_llama: Path, tmp_path: Path, on_meta: bool) -> None:
     from contextlib import nullcontext
 
     from safetensors.torch import load_file, save_file
@@ -138,9 +148,8 @@ def test_a_checkpoint_missing_a_weight_or_holding_an_unexpected_one_is_refused_l
     from lightning_zero.core.errors import UsageError
     from lightning_zero.core.stage3.materialize import parameters_on_meta
     from lightning_zero.hf.module import HFCausalLM
-    from lightning_zero.testing.hf_models import save_causal_lm
 
-    directory = save_causal_lm(tmp_path / "llama", "llama", "def f(x):\n    return x\n" * 50)
+    directory = Path(shutil.copytree(tiny_llama, tmp_path / "llama"))
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     where = index["weight_map"]["model.norm.weight"]
     tensors = load_file(str(directory / where))
@@ -219,22 +228,19 @@ def test_the_parallel_dimensions_of_a_hugging_face_model_use_its_plans_or_are_re
 
 
 @pytest.mark.slow
-def test_sparse_attention_is_registered_into_a_hugging_face_model_from_the_config(tmp_path: Path) -> None:
+def test_sparse_attention_is_registered_into_a_hugging_face_model_from_the_config(tiny_llama: Path) -> None:
     """``model.attention=sparse_local`` reaches ``transformers``' attention interface: the model is built with the
     block-sparse implementation (a sliding window of 3 blocks of 16), whose first block of positions attends as dense
     attention does, and whose last ones no longer see the whole past."""
-    pytest.importorskip("transformers")
     import torch
 
     from lightning_zero.config.model_zoo import build_module
-    from lightning_zero.testing.hf_models import save_causal_lm
 
-    directory = save_causal_lm(tmp_path / "llama", "llama", "def f(x):\n    return x\n" * 50)
-    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x\n" * 50)
     modules = {}
     for attention in ("dense", "sparse_local"):
-        (cfg,) = check_jobs([["model=hf_causal_lm", f"model.path={directory}", "data=text_file",
-                              f"data.path={tmp_path / 'corpus.txt'}", f"model.attention={attention}", "zero=stage2"]])
+        (cfg,) = check_jobs([["model=hf_causal_lm", f"model.path={tiny_llama}", "data=text_file",
+                              f"data.path={tiny_llama.parent / 'corpus.txt'}", f"model.attention={attention}",
+                              "zero=stage2"]])
         modules[attention] = build_module(cfg)
         modules[attention].configure_model()
     assert modules["sparse_local"].model.config._attn_implementation == "lightning_zero_sparse"
@@ -243,3 +249,20 @@ def test_sparse_attention_is_registered_into_a_hugging_face_model_from_the_confi
         dense, sparse = (modules[a](ids) for a in ("dense", "sparse_local"))
     assert torch.allclose(dense[:, :16], sparse[:, :16], atol=1e-5)  # the first block: every earlier key attended
     assert not torch.allclose(dense[:, 96:], sparse[:, 96:], atol=1e-3)  # later: the window leaves keys out
+
+
+def test_what_your_module_lacks_for_a_parallel_dimension_is_one_line_from_the_ranks() -> None:
+    """A `_target_` model with tensor_parallel or sequence_parallel is checked at setup, on every rank: a module
+    without a plan or without `configure_sequence_parallel` is a UsageError, which the worker prints once (exit 2)."""
+    from torch import nn
+
+    from lightning_zero.core.errors import UsageError
+    from lightning_zero.sequence_parallel.lightning import StrategySequenceParallel
+    from lightning_zero.tensor_parallel.plan import find_plan
+
+    with pytest.raises(UsageError, match="carries no tensor-parallel plan"):
+        find_plan(nn.Sequential(nn.Linear(2, 2)), None)
+    part = StrategySequenceParallel.__new__(StrategySequenceParallel)
+    part.group = type("Group", (), {"size": 2})()
+    with pytest.raises(UsageError, match="has no `configure_sequence_parallel"):
+        part.attach(nn.Linear(2, 2))
