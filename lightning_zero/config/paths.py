@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from lightning_zero.config.schema import (
     GPTModelSchema,
+    HFCausalLMSchema,
     LoggerSchema,
     MLPModelSchema,
     OffloadSchema,
@@ -52,6 +53,7 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("sequence_parallel", "sequence_parallel_schema"): SequenceParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
+    ("model", "hf_causal_lm_schema"): HFCausalLMSchema,
     ("data", "text_schema"): TextDataSchema,
     ("data", "teacher_schema"): TeacherDataSchema,
     ("trainer", "trainer_schema"): TrainerSchema,
@@ -101,7 +103,9 @@ def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", 
     parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
     parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
     parts += [f"{short}{size}" for short, size in (("tp", tensor), ("sp", sequence)) if int(size) > 1]
-    parts += [text(v) for v, default in ((attention, "dense"), (optimizer, "adamw")) if text(v) != default]
+    for value, default in ((attention, "dense"), (optimizer, "adamw")):
+        if isinstance(getattr(value, "value", value), str) and text(value) != default:  # not a `_target_` node
+            parts.append(text(value))
     return "-".join(parts)
 
 
@@ -143,3 +147,44 @@ class FitResult:
                  f"{self.resumed_at})" if self.resumed_at else f"steps={self.global_step}")
         return (f"{steps} fit_time={self.seconds:.1f}s val_loss {fmt(self.val_loss_start)} -> "
                 f"{fmt(self.val_loss_end)}{drop}")
+
+
+FIT = "fit"  # the Trainer's methods a command runs: `train` fits, the others are named as they are
+COMMAND_NAMES = {FIT: "train", "validate": "validate", "test": "test", "predict": "predict"}
+LAST_CHECKPOINT = ("checkpoints", "last.ckpt")  # where a run directory keeps its last checkpoint
+
+
+def checkpoint_of(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint ``ckpt_path`` names: a checkpoint file or sharded directory, or a finished run's directory
+    (its ``checkpoints/last.ckpt``, a link followed).
+
+    Raises:
+        FileNotFoundError: neither (the message says what was looked for).
+    """
+    path = Path(path).expanduser()
+    last = path.joinpath(*LAST_CHECKPOINT)
+    if (path / RESULT_FILE).is_file() or last.exists():  # a run directory
+        if not last.exists():
+            raise FileNotFoundError(f"ckpt_path={path} is a run directory without {'/'.join(LAST_CHECKPOINT)} "
+                                    "(trainer.checkpoint.enabled was off?). Fix: a checkpoint file or directory.")
+        return last.resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={path} does not exist (relative paths are taken from {Path.cwd()}). "
+                                "Fix: a checkpoint, or a finished run's directory.")
+    return path
+
+
+@dataclass
+class EvalResult:
+    """What ``lightning-zero validate / test / predict`` did (rank 0 writes it to ``run_dir/result.json``)."""
+
+    command: str
+    checkpoint: str | None
+    metrics: dict[str, float] = field(default_factory=dict)  # validate / test: the logged metrics
+    predictions: list[str] = field(default_factory=list)  # predict: each rank's file under run_dir
+
+    def summary(self) -> str:
+        """One line: the command, its checkpoint and its metrics (or prediction files)."""
+        what = ", ".join(f"{k} {v:.4f}" for k, v in sorted(self.metrics.items())) or \
+            (f"{len(self.predictions)} prediction file(s)" if self.predictions else "no metrics")
+        return f"{self.command} of {self.checkpoint or 'the initial weights'}: {what}"
