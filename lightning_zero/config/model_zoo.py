@@ -167,11 +167,12 @@ def epoch_batches(cfg: TrainConfig, replicas: int) -> tuple[int, int, int] | Non
     ranks, counted from its files' sizes as :class:`~lightning_zero.models.data.TextDataModule` splits and chunks
     them (the last ``val_fraction`` of the bytes held out, samples of ``seq_len + 1`` bytes at stride ``seq_len``)
     and its loaders batch them (Lightning's sampler pads to whole replicas, ``deterministic_order``'s drops the
-    rest; whole micro-batches); ``None`` for other data, or a corpus that is not there (refused apart)."""
+    rest; whole micro-batches); ``None`` for other data, text a tokenizer reads (its token count is not known
+    without tokenizing it), or a corpus that is not there (refused apart)."""
     from lightning_zero.models.corpus import chunk_count, corpus_bytes, split_sizes
 
     d = cfg.data
-    if not isinstance(d, TextDataSchema):
+    if not isinstance(d, TextDataSchema) or hf_tokenizer(cfg) is not None:
         return None
     try:
         size = (d.max_bytes or 1_000_000) if d.synthetic else corpus_bytes(d.path, d.max_bytes, d.pattern)
