@@ -174,8 +174,15 @@ class GPTLightningModule(LightningModule):
             return self.pipeline_loss(self(x), y)
         return sp.loss(self(sp.slice(x)), sp.slice(y))
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """:meth:`loss` plus, with the MoE option, the weighted router losses of that forward (what is trained on;
+        the validation loss is the cross-entropy alone)."""
         loss = self.loss(batch)
+        router = self.model.router_loss() if self.model is not None else None
+        return loss if router is None else loss + router
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.training_loss(batch)
         log_train_loss(self, loss, batch[0].size(0))
         return loss
 
