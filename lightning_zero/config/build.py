@@ -59,6 +59,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "pipeline": pipeline_config(cfg),
         "tensor_parallel": cfg.tensor_parallel.size if cfg.tensor_parallel.size > 1 else None,
         "sequence_parallel": cfg.sequence_parallel.size,
+        "expert_parallel": cfg.expert_parallel.size if cfg.expert_parallel.size > 1 else None,
         "offload": offload_config(cfg),
         "param_init_fn": param_init_fn(cfg),
         "resolved_config": config_hparams(cfg),  # compared across ranks at setup (Note [setup agreement])

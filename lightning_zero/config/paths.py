@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from lightning_zero.config.schema import (
+    ExpertParallelSchema,
     GPTModelSchema,
     LoggerSchema,
     MLPModelSchema,
@@ -50,6 +51,7 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("pipeline", "pipeline_schema"): PipelineSchema,
     ("tensor_parallel", "tensor_parallel_schema"): TensorParallelSchema,
     ("sequence_parallel", "sequence_parallel_schema"): SequenceParallelSchema,
+    ("expert_parallel", "expert_parallel_schema"): ExpertParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
     ("data", "text_schema"): TextDataSchema,

@@ -3,10 +3,13 @@
 Every routed call adds its kept assignments per expert and its dropped assignments, and keeps its auxiliary
 and z losses; :func:`read_router_stats` sums the layers of a module and starts a new window. The numbers are
 this rank's routing (its own tokens), as the monitor logs rank 0's loss; tensors stay on their device until
-read, so recording costs no synchronisation.
+read, so recording costs no synchronisation. The monitor logs them (``moe/*``) with the layers' all-to-all bytes
+(``traffic/all_to_all_bytes_per_step``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +41,14 @@ class RouterStats:
 
     def reset(self) -> None:
         self.tokens_per_expert, self.dropped, self.aux_loss, self.z_loss, self.calls = None, 0, None, None, 0
+
+
+def expert_groups(module: nn.Module | None) -> list[Any]:
+    """The expert-parallel groups the MoE layers of ``module`` route through (their bytes sent: Note [all-to-all
+    bytes] in dispatch.py); empty without expert parallelism."""
+    if module is None:
+        return []
+    return [g for m in module.modules() if (g := getattr(m, "expert_group", None)) is not None and g.size > 1]
 
 
 def router_stats_of(module: nn.Module) -> list[tuple[str, RouterStats]]:

@@ -18,7 +18,7 @@ from tests.pool import GlooPool
 E, H, K = 4, 8, 2
 
 
-class _Starving(TopKGate):
+class Starving(TopKGate):
     """A router whose logits for ``banned`` experts are -1e4: no token of this rank is routed to them."""
 
     def __init__(self, gate: TopKGate, banned: list[int]) -> None:
@@ -43,7 +43,7 @@ def dispatch_body(starve: bool, capacity: float | None) -> dict[str, Any]:
     whole = MoELayer(TopKGate(H, RoutingPolicy(E, k=K, capacity_factor=capacity, min_capacity=0)),
                      GroupedMLPExperts(E, H, 16, "silu", gated=True), E)
     if starve:  # rank 0 sends nothing to rank 1's experts; rank 1 nothing to expert 0
-        whole.gate = _Starving(whole.gate, [2, 3] if rank == 0 else [0])
+        whole.gate = Starving(whole.gate, [2, 3] if rank == 0 else [0])
     split = copy.deepcopy(whole)
     ep = ExpertGroup(dist.new_group(list(range(world))), world, rank)
     split.attach_expert_group(ep)

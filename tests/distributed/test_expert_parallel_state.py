@@ -1,0 +1,175 @@
+"""Expert parallelism's state (issue 44): starved experts train at every ZeRO stage without a hang; the model state
+per rank is the formula (experts / EP plus dense, each ZeRO-partitioned over its group); a run resumed across
+expert-parallel sizes (EP 2 -> EP 1 -> EP 4 on 4 ranks) follows the uninterrupted run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.core.zero.memory import expert_parallel_model_state, model_state_formula
+from lightning_zero.moe import MoELayer, expert_split_of
+from tests.distributed.test_expert_parallel import BATCH, SEQ, VOCAB, make_model
+from tests.distributed.test_moe import Starving
+from tests.models import make_trainer
+from tests.pool import GlooPool
+
+
+def _loader(steps: int, world: int, accumulate: int = 1) -> DataLoader:
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, VOCAB, (steps * accumulate * BATCH * world, SEQ + 1), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH, shuffle=False)
+
+
+# ------------------------------------------------------------------------------------------- starved experts
+def starved_body(stages: list[int]) -> dict[int, dict[str, Any]]:
+    """The GPT's MoE at EP 2 on 2 ranks, its routers forced: rank 0 routes no token to rank 1's experts (2, 3) and
+    no rank routes any token to expert 3. Two optimizer steps per ZeRO stage."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = {}
+    for stage in stages:
+        module = make_model("gpt")
+        for m in module.modules():
+            if isinstance(m, MoELayer):
+                m.gate = Starving(m.gate, [2, 3] if rank == 0 else [3])
+        initial = {n: p.detach().clone() for n, p in module.named_parameters()}
+        trainer = make_trainer(ZeroStrategy(stage=stage, expert_parallel=2, param_persistence_threshold=0),
+                               devices=2, max_steps=2, use_distributed_sampler=True)
+        trainer.fit(module, _loader(2, 2))
+        received = [m.router_stats for m in module.modules() if isinstance(m, MoELayer)]
+        state = trainer.strategy.lightning_module_state_dict()
+        starved = "model.blocks.0.mlp.experts.up_proj"
+        decay = (1 - 1e-3 * 0.1) ** 2  # AdamW with no gradient: weight decay alone (lr 1e-3, decay 0.1, 2 steps)
+        out[stage] = {
+            "losses": module.losses, "sent_to_rank1": sum(int(s.tokens_per_expert[2:].sum()) for s in received),
+            "expert3_moved": float((state[starved][3] - initial[starved][3] * decay).abs().max()) if rank == 0 else 0.0,
+            "expert2_moved": float((state[starved][2] - initial[starved][2]).abs().max()),
+        }
+    return out
+
+
+@pytest.mark.distributed
+def test_starved_experts_train_at_every_zero_stage_without_a_hang(gloo_pool: GlooPool) -> None:
+    """Every rank takes part in every all-to-all with empty splits (Note [expert dispatch]): ZeRO 0-3 each finish
+    their steps; the expert no token reaches gets no gradient (AdamW only decays it), the others train."""
+    results = gloo_pool.run("tests.distributed.test_expert_parallel_state:starved_body", stages=[0, 1, 2, 3],
+                            _timeout_s=600)
+    for rank, per_stage in enumerate(results):
+        for stage, r in per_stage.items():
+            assert len(r["losses"]) == 2 and all(torch.isfinite(torch.tensor(r["losses"]))), (stage, r)
+            assert r["expert3_moved"] < 1e-7 and r["expert2_moved"] > 1e-5, (stage, r)
+            if rank == 0:
+                assert r["sent_to_rank1"] == 0, (stage, r)
+
+
+# ------------------------------------------------------------------------------------------- memory
+class _Held(pl.Callback):
+    """The model-state bytes after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.bytes: list[Any] = []
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self.bytes.append(trainer.strategy.model_state_bytes())
+
+
+def memory_body(stages: list[int], ep: int) -> dict[int, dict[str, Any]]:
+    """One optimizer step per ZeRO stage at expert parallelism ``ep``: this rank's model-state bytes after it, and
+    the model's dense and (unsplit) expert parameter counts."""
+    import torch.distributed as dist
+
+    out = {}
+    for stage in stages:
+        module = make_model("gpt")
+        held = _Held()
+        strategy = ZeroStrategy(stage=stage, expert_parallel=ep, param_persistence_threshold=0)
+        trainer = make_trainer(strategy, devices=dist.get_world_size(), max_steps=1, use_distributed_sampler=True,
+                               callbacks=[held])
+        trainer.fit(module, _loader(1, dist.get_world_size()))
+        params = list(module.parameters())
+        experts = [p for p in params if expert_split_of(p) is not None]
+        out[stage] = {"held": held.bytes[0], "dense": sum(p.numel() for p in params if expert_split_of(p) is None),
+                      "experts": sum(p.numel() * expert_split_of(p).size for p in experts),
+                      "tensors": len(params), "data": dist.get_world_size(), "ep": ep}
+    return out
+
+
+def check_memory(stage: int, r: dict[str, Any]) -> None:
+    """This rank's model-state bytes against Note [model state with EP] (within the flat buffers' padding and AdamW's
+    step counters), and below the same model without expert parallelism at stages 0-2."""
+    expected = expert_parallel_model_state(stage, r["dense"], r["experts"], r["ep"], r["data"])
+    without = model_state_formula(stage, r["dense"] + r["experts"], r["data"])
+    held = r["held"]
+    for kind in ("params", "grads", "optimizer"):
+        slack = 16 * 4 * r["data"] * 2 + (4 * r["tensors"] if kind == "optimizer" else 0)
+        assert abs(getattr(held, kind) - getattr(expected, kind)) <= slack, (stage, kind, held, expected)
+    assert r["experts"] > r["dense"] / 2  # the experts are much of the model
+    if stage < 3:
+        assert held.params < without.params - r["experts"] * 4 / 3, (stage, held, without)
+
+
+@pytest.mark.distributed
+def test_model_state_per_rank_is_the_expert_parallel_formula_at_every_zero_stage(gloo_pool: GlooPool) -> None:
+    """EP 2 on 2 ranks, ZeRO 0-3: a rank holds its 2 of 4 experts and the dense parameters, each ZeRO-partitioned
+    over its group (the experts over one expert-data rank: whole; the dense ones over 2 data ranks)."""
+    for per_rank in gloo_pool.run("tests.distributed.test_expert_parallel_state:memory_body", stages=[0, 1, 2, 3],
+                                  ep=2, _timeout_s=600):
+        for stage, r in per_rank.items():
+            check_memory(stage, r)
+
+
+# ------------------------------------------------------------------------------------------- resume
+SEGMENT = 2  # optimizer steps per epoch: each run resumes at an epoch boundary (the sampler's order is the same)
+
+
+def resume_body(stage: int, directory: str) -> dict[str, Any]:
+    """On 4 ranks: 6 optimizer steps uninterrupted at EP 2 (x expert-data 2); the same 6 steps as three runs of 2,
+    each resumed from the last one's checkpoint: EP 2, then no expert parallelism (data 4), then EP 4. Returns both
+    runs' losses and unsplit final weights."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+
+    def run(ep: int, epochs: int, ckpt: str | None, save: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        module = make_model("gpt")
+        trainer = make_trainer(ZeroStrategy(stage=stage, expert_parallel=ep, checkpoint_format="consolidated"),
+                               devices=world, max_steps=-1, max_epochs=epochs, use_distributed_sampler=True)
+        trainer.fit(module, _loader(SEGMENT, world), ckpt_path=ckpt)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        return module.losses, trainer.strategy.lightning_module_state_dict()
+
+    whole_losses, whole = run(2, 3, None, None)
+    a, b = str(Path(directory) / "a.ckpt"), str(Path(directory) / "b.ckpt")
+    losses = run(2, 1, None, a)[0]
+    losses += run(1, 2, a, b)[0]
+    last_losses, last = run(4, 3, b, None)
+    losses += last_losses
+    return {"losses": (losses, whole_losses),
+            "weights": max(float((last[k] - v).abs().max()) for k, v in whole.items()),
+            "keys": sorted(last) == sorted(whole)}
+
+
+@pytest.mark.slow
+def test_a_run_resumed_at_ep2_then_without_ep_then_at_ep4_follows_the_uninterrupted_run(tmp_path: Path) -> None:
+    """4 ranks, ZeRO 3, consolidated checkpoints (they hold the unsplit experts): every resumed step's loss and the
+    final unsplit weights within 1e-6 of the uninterrupted EP-2 run."""
+    pool = GlooPool(world_size=4)
+    try:
+        results = pool.run("tests.distributed.test_expert_parallel_state:resume_body", stage=3,
+                           directory=str(tmp_path), _timeout_s=900)
+    finally:
+        pool.close()
+    for r in results:
+        resumed, whole = r["losses"]
+        assert len(resumed) == len(whole) == 3 * SEGMENT and r["keys"], r
+        assert max(abs(x - y) / abs(y) for x, y in zip(resumed, whole)) < 1e-6, r["losses"]
+        assert r["weights"] < 1e-6, r
