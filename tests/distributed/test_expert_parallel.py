@@ -149,8 +149,9 @@ def reference(data_ranks: int, model: str) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
 
 
-def fit(stage: int, ep: int, model: str) -> dict[str, Any]:
-    """A fit at ZeRO ``stage`` with expert parallelism ``ep`` on every rank of the pool."""
+def fit(stage: int, ep: int, model: str, **options: Any) -> dict[str, Any]:
+    """A fit at ZeRO ``stage`` with expert parallelism ``ep`` on every rank of the pool (``options``: more
+    ``ZeroStrategy`` arguments)."""
     import torch.distributed as dist
 
     norms: list[float] = []
@@ -161,7 +162,8 @@ def fit(stage: int, ep: int, model: str) -> dict[str, Any]:
                 norms.append(float(trainer.strategy.engine.last_grad_norm))
 
     module = make_model(model)
-    strategy = ZeroStrategy(stage=stage, expert_parallel=ep, param_persistence_threshold=0, reduce_bucket_size=500)
+    strategy = ZeroStrategy(stage=stage, expert_parallel=ep, param_persistence_threshold=0, reduce_bucket_size=500,
+                            **options)
     trainer = make_trainer(strategy, devices=dist.get_world_size(), max_steps=STEPS, gradient_clip_val=CLIP,
                            accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=True, callbacks=[Norms()])
     trainer.fit(module, loader())
@@ -175,7 +177,8 @@ def _worst(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
-def parity_body(stages: list[int], ep_sizes: list[int], models: list[str]) -> dict[str, dict[str, Any]]:
+def parity_body(stages: list[int], ep_sizes: list[int], models: list[str],
+                options: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Every (model, stage, ep) fit on this rank against the reference: worst relative loss and norm differences,
     worst weight difference of this rank's parameters (its experts against the reference's rows of them) and of
     the unsplit state dict the strategy exports."""
@@ -187,7 +190,7 @@ def parity_body(stages: list[int], ep_sizes: list[int], models: list[str]) -> di
         ref = reference(world, model)
         for stage in stages:
             for ep in ep_sizes:
-                run = fit(stage, ep, model)
+                run = fit(stage, ep, model, **(options or {}))
                 ref_losses = [step[dist.get_rank()] for step in ref["losses"]]
                 weights = 0.0
                 for name, value in run["local"].items():
@@ -241,6 +244,20 @@ def test_ep2_at_zero_0_with_dropping_and_deepspeeds_moe_layer(gloo_pool: GlooPoo
     results = gloo_pool.run("tests.distributed.test_expert_parallel:parity_body", stages=[0, 2], ep_sizes=[2],
                             models=["gpt_capacity", "deepspeed"], _timeout_s=900)
     check(results, 4)
+
+
+@pytest.mark.distributed
+def test_ep2_composes_with_optimizer_offload_and_activation_checkpointing(gloo_pool: GlooPool) -> None:
+    """The GPT at EP 2 with the optimizer's shards in host memory (ZeRO 2) and with parameter offload and activation
+    checkpointing (ZeRO 3: a recomputed forward runs its all-to-alls again): the same parity."""
+    options = {"offload_optimizer": "cpu"}
+    results = gloo_pool.run("tests.distributed.test_expert_parallel:parity_body", stages=[2], ep_sizes=[2],
+                            models=["gpt"], options=options, _timeout_s=600)
+    check(results, 1)
+    options = {"offload_optimizer": "cpu", "offload_param": "cpu", "activation_checkpointing": True}
+    results = gloo_pool.run("tests.distributed.test_expert_parallel:parity_body", stages=[3], ep_sizes=[2],
+                            models=["gpt"], options=options, _timeout_s=600)
+    check(results, 1)
 
 
 @pytest.mark.slow
