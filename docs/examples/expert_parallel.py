@@ -7,7 +7,7 @@
 Each trains a few steps at ZeRO 2 with ``ZeroStrategy(expert_parallel=2)``: each rank holds 2 of the 4 experts of
 every MoE layer and its tokens travel to them; the saved checkpoint holds the unsplit model.
 
-Run: python docs/examples/expert_parallel.py deepspeed   (or hf, gpt; 2 CPU processes)
+Run: python docs/examples/expert_parallel.py             (all three routes; or name one: deepspeed, hf, gpt)
 """
 
 import os
@@ -81,8 +81,7 @@ def build(route):
                               lr=1e-2, warmup_steps=0)
 
 
-if __name__ == "__main__":
-    route = sys.argv[1] if len(sys.argv) > 1 else "deepspeed"
+def train(route):
     torch.manual_seed(0)
     tokens = torch.randint(0, VOCAB, (64, SEQ + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
@@ -99,3 +98,8 @@ if __name__ == "__main__":
         whole = next(tuple(v.shape) for k, v in state.items() if "experts" in k)
         print(f"{route}: loss {float(trainer.callback_metrics['train_loss']):.4f}; this rank's experts {local}, "
               f"the checkpoint's {whole}")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["deepspeed", "hf", "gpt"]:
+        train(name)

@@ -259,7 +259,7 @@ def apply_parallelisms(
     elif pipeline is not None:
         pipeline.broadcast_local(comm)
     else:
-        _broadcast_module_states(module, comm)
+        _broadcast_module_states(module, comm, experts)
     # 7. The precision plugin steps, clips and unscales through the engine; the pre-cast weights of the
     #    parameters the engine now holds masters of are no longer needed.
     if optimizer is not None and engine is not None:
@@ -329,6 +329,11 @@ def release_parallelisms(
 
 
 @torch.no_grad()
-def _broadcast_module_states(module: torch.nn.Module, comm: DataParallelComm) -> None:
-    for t in (*module.parameters(), *module.buffers()):
-        comm.broadcast(t.data)
+def _broadcast_module_states(module: torch.nn.Module, comm: DataParallelComm,
+                             experts: frozenset[torch.nn.Parameter] = frozenset()) -> None:
+    """Rank 0's parameters and buffers on every data rank; a rank's experts from its expert-data group's first rank
+    (the other expert-parallel ranks hold other experts)."""
+    for p in module.parameters():
+        comm.of(p in experts).broadcast(p.data)
+    for b in module.buffers():
+        comm.broadcast(b)

@@ -70,6 +70,27 @@ def test_starved_experts_train_at_every_zero_stage_without_a_hang(gloo_pool: Glo
                 assert r["sent_to_rank1"] == 0, (stage, r)
 
 
+# ------------------------------------------------------------------------------------------- evaluation
+def validation_body() -> dict[int, float]:
+    """``trainer.validate`` of the same GPT without and with EP 2 (ZeRO 2: no engine outside fit, the module's
+    states broadcast instead): the validation loss of each."""
+    out = {}
+    for ep in (1, 2):
+        module = make_model("gpt")
+        trainer = make_trainer(ZeroStrategy(stage=2, expert_parallel=ep), devices=2, use_distributed_sampler=True)
+        trainer.validate(module, _loader(2, 2), verbose=False)
+        out[ep] = float(trainer.callback_metrics["val_loss"])
+    return out
+
+
+@pytest.mark.distributed
+def test_validation_outside_fit_keeps_each_ranks_experts(gloo_pool: GlooPool) -> None:
+    """Outside fit stages 0-2 broadcast rank 0's states instead of building an engine: a rank's experts come from its
+    expert-data group, not from rank 0 (which holds other experts), so EP 2 validates like no EP."""
+    for r in gloo_pool.run("tests.distributed.test_expert_parallel_state:validation_body", _timeout_s=300):
+        assert abs(r[2] - r[1]) < 1e-6 * abs(r[1]), r
+
+
 # ------------------------------------------------------------------------------------------- memory
 class _Held(pl.Callback):
     """The model-state bytes after each optimizer step."""
