@@ -167,10 +167,12 @@ def train_command(argv: list[str]) -> int:
 
 
 def convert_command(argv: list[str]) -> int:
-    """``lightning-zero convert``: a sharded checkpoint directory -> one file (no process group)."""
+    """``lightning-zero convert``: a sharded checkpoint directory (or a consolidated ``.ckpt``) -> one file (no
+    process group)."""
 
     def build(p: argparse.ArgumentParser) -> None:
-        p.add_argument("checkpoint", help="a sharded checkpoint directory (or its name, e.g. last.ckpt)")
+        p.add_argument("checkpoint", help="a sharded checkpoint directory (or its name, e.g. last.ckpt), or a "
+                       "consolidated Lightning .ckpt file (its state_dict)")
         p.add_argument("out", help="output file: *.safetensors (safetensors), anything else: torch.save")
         p.add_argument("--lightning", action="store_true",
                        help="write a normal Lightning .ckpt (weights, optimizer, loops, hyper-parameters) "

@@ -91,6 +91,51 @@ def test_validation_outside_fit_keeps_each_ranks_experts(gloo_pool: GlooPool) ->
         assert abs(r[2] - r[1]) < 1e-6 * abs(r[1]), r
 
 
+# ------------------------------------------------------------------------------------------- convert
+def convert_body(directory: str) -> dict[str, Any]:
+    """A Hugging Face Qwen3-MoE trained 2 steps at EP 2 (ZeRO 2), saved; rank 0 converts the checkpoint with
+    ``convert_checkpoint`` (``lightning-zero convert``) and loads it into a fresh Qwen3-MoE of the same config,
+    strictly; every rank runs the trained (split) model on the same tokens. Returns the logits of both."""
+    import torch.distributed as dist
+
+    from lightning_zero.checkpoint import convert_checkpoint
+
+    module = make_model("qwen3_moe")
+    trainer = make_trainer(ZeroStrategy(stage=2, expert_parallel=2), devices=2, max_steps=2,
+                           use_distributed_sampler=True)
+    trainer.fit(module, _loader(2, 2))
+    path = str(Path(directory) / "ep2.ckpt")
+    trainer.save_checkpoint(path)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        trained = module.model(input_ids=tokens).logits  # the experts over both ranks: every rank runs it
+    out: dict[str, Any] = {"trained": trained}
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+        from transformers import Qwen3MoeForCausalLM
+
+        converted = convert_checkpoint(path, Path(directory) / "model.safetensors", prefix="model.")
+        fresh = Qwen3MoeForCausalLM(module.model.config)
+        fresh.load_state_dict(load_file(converted), strict=True)
+        with torch.no_grad():
+            out["converted"] = fresh(input_ids=tokens).logits
+        out["shape"] = tuple(fresh.model.layers[0].mlp.experts.gate_up_proj.shape)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.distributed
+def test_convert_gives_the_unsplit_state_dict_a_hugging_face_model_loads(gloo_pool: GlooPool,
+                                                                         tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    results = gloo_pool.run("tests.distributed.test_expert_parallel_state:convert_body", directory=str(tmp_path),
+                            _timeout_s=300)
+    first = results[0]
+    assert first["shape"][0] == 4  # all 4 experts, each rank trained 2
+    assert torch.allclose(first["converted"], first["trained"], atol=1e-5), (first["converted"] -
+                                                                           first["trained"]).abs().max()
+
+
 # ------------------------------------------------------------------------------------------- memory
 class _Held(pl.Callback):
     """The model-state bytes after each optimizer step."""
