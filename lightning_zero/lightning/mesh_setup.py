@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.process_groups import own, reusable
-from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
+from lightning_zero.core.mesh import ORDER, Axis, ParallelDims, ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
@@ -51,12 +51,14 @@ def parallel_dims(world: int, pipeline: PipelineConfig | None, tensor: TensorPar
 @dataclass(frozen=True)
 class StrategyMesh:
     """What :func:`build_mesh` made: the mesh, ZeRO's comm over ``zero_axes`` (with the experts' over
-    ``expert_zero_axes``) and, when on, the tensor-, sequence- and expert-parallel dimensions."""
+    ``expert_zero_axes``), when on the tensor-, sequence- and expert-parallel dimensions, and the comm over every
+    rank holding part of the model (the step-error agreement: data x tensor x pipeline x sequence)."""
 
     mesh: ProcessMesh
     comm: DataParallelComm
     tensor: StrategyTensorParallel | None
     sequence: StrategySequenceParallel | None
+    everyone: DataParallelComm  # every rank of the run (``comm`` when ZeRO's group is the world): the step errors
     expert: StrategyExpertParallel | None = None
 
 
@@ -68,6 +70,9 @@ def build_mesh(dims: ParallelDims, rank: int, tensor: TensorParallelConfig, zero
         axis_sets.append((Axis.PIPELINE, Axis.TENSOR))
     if dims.expert_enabled:  # the all-to-alls' group, and the experts' ZeRO group (Note [expert axes])
         axis_sets += [(Axis.EXPERT,), dims.expert_zero_axes]
+    beyond_zero = dims.pipeline_enabled or dims.tensor_enabled  # ZeRO's group is not every rank
+    if beyond_zero:
+        axis_sets.append(ORDER)
     mesh = own(ProcessMesh(dims, rank, axis_sets, zero.timeout_s))
     experts = (own(DataParallelComm(mesh.group(*dims.expert_zero_axes), zero.collective))
                if dims.expert_enabled else None)
@@ -76,6 +81,7 @@ def build_mesh(dims: ParallelDims, rank: int, tensor: TensorParallelConfig, zero
         mesh, comm,
         StrategyTensorParallel(tensor, mesh) if dims.tensor_enabled else None,
         StrategySequenceParallel(mesh) if dims.sequence_enabled else None,
+        own(DataParallelComm(mesh.group(*ORDER), zero.collective)) if beyond_zero else comm,
         StrategyExpertParallel(mesh) if dims.expert_enabled else None,
     )
 
@@ -121,10 +127,11 @@ class ParallelRun:
     """The strategy's part that holds its mesh and what each setup composes on it; the other parts read it.
 
     ``mesh``, ``comm`` (ZeRO's group and its collectives), ``tensor`` and ``sequence`` (the dimensions on the
-    mesh, when on) are made by the first setup and reused (Note [one mesh per strategy]); ``pipeline`` (this
-    rank's stage) and ``engine`` exist from setup to teardown (the engine when fitting, or evaluating a model built
-    sharded); ``last_runtime`` is the last fit's stage-3 runtime (its peak counters) and ``after_fit_refusal`` a
-    pipelined fit's reason why a save after it is incomplete.
+    mesh, when on) and ``everyone`` (every rank's collectives: the step-error agreement) are made by the first
+    setup and reused (Note [one mesh per strategy]); ``pipeline`` (this rank's stage) and ``engine`` exist from
+    setup to teardown (the engine when fitting, or evaluating a model built sharded); ``last_runtime`` is the last
+    fit's stage-3 runtime (its peak counters) and ``after_fit_refusal`` a pipelined fit's reason why a save after
+    it is incomplete.
 
     Args:
         host: the strategy, whose settings are read at each setup (a subclass may change them before).
@@ -134,6 +141,7 @@ class ParallelRun:
         self._host = host
         self.mesh: ProcessMesh | None = None
         self.comm: DataParallelComm | None = None
+        self.everyone: DataParallelComm | None = None  # every rank of the run: the step-error agreement
         self.tensor: StrategyTensorParallel | None = None
         self.sequence: StrategySequenceParallel | None = None
         self.expert: StrategyExpertParallel | None = None
@@ -151,7 +159,7 @@ class ParallelRun:
         )
         if made is not None:
             self.mesh, self.comm, self.tensor, self.sequence = made.mesh, made.comm, made.tensor, made.sequence
-            self.expert = made.expert
+            self.everyone, self.expert = made.everyone, made.expert
         assert self.mesh is not None
         return self.mesh
 

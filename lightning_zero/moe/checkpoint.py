@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero.checkpoint.slices import CutOnRead
+from lightning_zero.core.comm.deferred import strategy_collective
 from lightning_zero.moe.dispatch import ExpertGroup
 from lightning_zero.moe.experts import ExpertSplit, expert_split_of
 
@@ -26,7 +27,8 @@ def _gathered(ep: ExpertGroup, value: Tensor) -> Tensor:
     if ep.size == 1:
         return value
     pieces = [torch.empty_like(value) for _ in range(ep.size)]
-    dist.all_gather(pieces, value.contiguous(), group=ep.group)
+    with strategy_collective("expert-parallel all_gather"):
+        dist.all_gather(pieces, value.contiguous(), group=ep.group)
     return torch.cat(pieces)
 
 

@@ -17,7 +17,9 @@ Note [expert dispatch]
     order. Every rank calls every exchange of every MoE call, in the same order, whatever its routing: a rank
     that sends or receives no row still takes part with an empty split (an empty send is still a send), so a
     starved expert never leaves a rank waiting (no hang: tests/distributed/test_moe.py starves one).
-    The counts are the only host synchronisation (the splits must be known on the host).
+    The counts are the only host synchronisation (the splits must be known on the host). Each exchange is
+    entered through ``strategy_collective``: the hang watchdog names a rank waiting in it, and another rank's
+    step error is settled first.
 
 Note [all-to-all bytes]
     ``ExpertGroup.bytes_sent`` counts what this rank sends to other ranks (its own rows stay): per call the
@@ -35,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_zero.core.comm.deferred import strategy_collective
 
 Compute = Callable[[torch.Tensor, list[int]], torch.Tensor]  # (rows sorted by local expert, counts) -> rows
 
@@ -82,7 +86,8 @@ class _Exchange(torch.autograd.Function):
 
 def _all_to_all(x: torch.Tensor, receive: list[int], send: list[int], ep: ExpertGroup) -> torch.Tensor:
     out = x.new_empty(sum(receive), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), receive, send, group=ep.group)
+    with strategy_collective("expert-parallel all_to_all"):  # Note [progress record], Note [deferred agreement]
+        dist.all_to_all_single(out, x.contiguous(), receive, send, group=ep.group)
     row = math.prod(x.shape[1:]) * x.element_size()
     ep._count((sum(send) - send[ep.rank]) * row)
     ep.exchanges += 1
@@ -93,7 +98,8 @@ def exchange_counts(counts: torch.Tensor, ep: ExpertGroup) -> torch.Tensor:
     """[P, L]: how many rows each rank of the group sends to each of this rank's L experts (``counts``: [E], the
     rows this rank sends to every expert, in expert order)."""
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=ep.group)
+    with strategy_collective("expert-parallel all_to_all (counts)"):
+        dist.all_to_all_single(received, counts, group=ep.group)
     per = counts.numel() // ep.size
     ep._count((counts.numel() - per) * counts.element_size())
     return received.view(ep.size, per)
