@@ -351,15 +351,16 @@ def _table(results: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> lis
     """The markdown table: medians over rounds of rank 0's numbers (step time: the slowest rank's)."""
     base = statistics.median(r["step_s"] for r in results["zero3"]) if results.get("zero3") else None
     out = ["| row | step (s) | vs zero3 | bytes sent / step | all-to-all / step | formula | experts gathered / step "
-           "| loss |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| loss | per round: step (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row, runs in results.items():
         if not runs:
             continue
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         ratio = f"{med['step_s'] / base:.2f}x" if base else "-"
         mb = lambda v: f"{v / 2**20:.2f} MiB" if v else "-"  # noqa: E731
+        rounds = ", ".join(f"{r['step_s']:.3f}" for r in runs)
         out.append(f"| {row} | {med['step_s']:.3f} | {ratio} | {mb(med['bytes'])} | {mb(med['a2a'])} | "
-                   f"{mb(med['a2a_formula'])} | {mb(med['experts_gathered'])} | {med['loss']:.4f} |")
+                   f"{mb(med['a2a_formula'])} | {mb(med['experts_gathered'])} | {med['loss']:.4f} | {rounds} |")
     return out
 
 
@@ -384,6 +385,7 @@ def main() -> None:
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "experts", "vocab", "batch", "seq", "steps",
                                         "warmup")}
     rows = args.rows.split(",")
+    start_load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
     pools = {"ours": GlooPool(args.world_size, threads=1)}
     if args.deepspeed_python and any(r in PEERS for r in rows):
         pools["peers"] = GlooPool(args.world_size, threads=1, python=args.deepspeed_python,
@@ -401,6 +403,8 @@ def main() -> None:
     finally:
         for pool in pools.values():
             pool.close()
+    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+    print(f"load average at the end: {load} (at the start: {start_load})")
     print(f"MoE LM: {cfg['layers']} layers x {cfg['experts']} SwiGLU experts ({cfg['hidden']} -> {cfg['ffn']}), "
           f"top-2, {cfg['batch']} x {cfg['seq']} tokens per rank, {args.world_size} ranks, AdamW, fp32; "
           f"{args.rounds} rounds x {cfg['steps']} steps (+{cfg['warmup']} warm-up), medians")

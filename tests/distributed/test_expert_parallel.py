@@ -1,6 +1,7 @@
 """Expert parallelism under ZeroStrategy (issue 44): parity with one process training the whole model on the
 batches of every data rank (what DDP computes), aux loss included, for the GPT's MoE option, a Hugging Face
-Qwen3-MoE and Mixtral; EP 2 at ZeRO 0-2 on 2 ranks, EP 2 x expert-data 2 and EP 4 at ZeRO 3 on 4 ranks."""
+Qwen3-MoE and Mixtral; EP 2 at ZeRO 0-2 on 2 ranks, EP 2 x expert-data 2 and EP 4 at ZeRO 3 on 4 ranks; and, in the
+same 4-rank pool, a run resumed EP 2 -> no EP -> EP 4 against the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -260,16 +261,39 @@ def test_ep2_composes_with_optimizer_offload_and_activation_checkpointing(gloo_p
     check(results, 1)
 
 
+@pytest.fixture(scope="module")
+def pool4() -> Any:
+    """One 4-rank pool for this module's 4-rank tests (started once: ~25 s of process start-up on 2 cores)."""
+    pool = GlooPool(world_size=4)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.mark.slow
-def test_ep2_by_expert_data_2_and_ep4_follow_data_parallel_at_zero_3_on_four_ranks() -> None:
+def test_ep2_by_expert_data_2_and_ep4_follow_data_parallel_at_zero_3_on_four_ranks(pool4: GlooPool) -> None:
     """4 ranks at ZeRO 3: EP 2 x expert-data 2 (experts partitioned over 2 expert-data ranks, gathered there only)
     and EP 4 (one expert per rank), for the GPT, Qwen3-MoE and Mixtral: the same parity against the whole model on
     4 ranks' batches."""
     pytest.importorskip("transformers")
-    pool = GlooPool(world_size=4)
-    try:
-        results = pool.run("tests.distributed.test_expert_parallel:parity_body", stages=[3], ep_sizes=[2, 4],
-                           models=["gpt", "qwen3_moe", "mixtral"], _timeout_s=1200)
-    finally:
-        pool.close()
+    results = pool4.run("tests.distributed.test_expert_parallel:parity_body", stages=[3], ep_sizes=[2, 4],
+                        models=["gpt", "qwen3_moe", "mixtral"], _timeout_s=1200)
     check(results, 6)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_at_ep2_then_without_ep_then_at_ep4_follows_the_uninterrupted_run(pool4: GlooPool,
+                                                                                        tmp_path: Any) -> None:
+    """4 ranks, ZeRO 3, consolidated checkpoints (they hold the unsplit experts): 6 steps uninterrupted at EP 2
+    against the same 6 steps as three runs of 2, resumed EP 2 -> no expert parallelism (data 4) -> EP 4: every
+    resumed step's loss and the final unsplit weights within 1e-6 (bodies in test_expert_parallel_state.py)."""
+    from tests.distributed.test_expert_parallel_state import SEGMENT
+
+    results = pool4.run("tests.distributed.test_expert_parallel_state:resume_body", stage=3,
+                        directory=str(tmp_path), _timeout_s=900)
+    for r in results:
+        resumed, whole = r["losses"]
+        assert len(resumed) == len(whole) == 3 * SEGMENT and r["keys"], r
+        assert max(abs(x - y) / abs(y) for x, y in zip(resumed, whole)) < 1e-6, r["losses"]
+        assert r["weights"] < 1e-6, r
