@@ -346,6 +346,39 @@ def run_row(row: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "a2a_formula": formula, "experts_gathered": statistics.median(experts), "loss": losses[-1]}
 
 
+# ---------------------------------------------------------------------------------------------- the kernels
+def kernel_table(rounds: int, hidden: int, ffn: int) -> list[str]:
+    """One SwiGLU expert MLP's forward and backward on rows sorted by expert (``expert_mlp``), each grouped-product
+    implementation against the loop, in this process on one thread, timed in CPU seconds (what load on other cores
+    does not change): median of ``rounds`` interleaved rounds of 3 calls each."""
+    from lightning_zero.moe.grouped import GroupedKernel, activation, expert_mlp
+
+    torch.set_num_threads(1)
+    out = ["| experts | rows | counts | grouped_mm (ms) | padded_bmm (ms) | loop (ms) | loop / grouped_mm |",
+           "|---:|---:|---|---:|---:|---:|---:|"]
+    g = torch.Generator().manual_seed(0)
+    for experts, rows, skew in ((8, 2048, False), (32, 2048, False), (32, 2048, True)):
+        weights = torch.rand(experts, generator=g) ** (4 if skew else 0)
+        counts = torch.distributions.Multinomial(rows, weights / weights.sum()).sample().long().tolist()
+        x = torch.randn(rows, hidden, requires_grad=True)
+        up = torch.randn(experts, 2 * ffn, hidden, requires_grad=True)
+        down = torch.randn(experts, hidden, ffn, requires_grad=True)
+        times: dict[GroupedKernel, list[float]] = {k: [] for k in (GroupedKernel.GROUPED_MM,
+                                                                    GroupedKernel.PADDED_BMM, GroupedKernel.LOOP)}
+        for _ in range(rounds):
+            for kernel, seen in times.items():
+                t = time.process_time()
+                for _ in range(3):
+                    expert_mlp(x, counts, up, down, activation("silu"), True, kernel=kernel).sum().backward()
+                seen.append((time.process_time() - t) / 3 * 1000)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        spread = f"{min(counts)}..{max(counts)}"
+        out.append(f"| {experts} | {rows} | {spread} | {med[GroupedKernel.GROUPED_MM]:.1f} | "
+                   f"{med[GroupedKernel.PADDED_BMM]:.1f} | {med[GroupedKernel.LOOP]:.1f} | "
+                   f"{med[GroupedKernel.LOOP] / med[GroupedKernel.GROUPED_MM]:.2f}x |")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- the run
 def _table(results: dict[str, list[dict[str, Any]]], cfg: dict[str, Any]) -> list[str]:
     """The markdown table: medians over rounds of rank 0's numbers (step time: the slowest rank's)."""
@@ -379,11 +412,15 @@ def main() -> None:
     add("--warmup", type=int, default=2)
     add("--rounds", type=int, default=3)
     add("--rows", default=",".join(OURS + PEERS))
+    add("--kernels-only", action="store_true", help="only the grouped-product table (one process, CPU time)")
     add("--deepspeed-python", default=None, help="an interpreter with deepspeed 0.19.8 and torchtitan 0.3.0 (and "
         "triton, which torchtitan's MoE imports) for the peer rows; without it they are skipped")
     args = p.parse_args()
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "experts", "vocab", "batch", "seq", "steps",
                                         "warmup")}
+    print("\n".join(kernel_table(max(args.rounds, 3), args.hidden, args.ffn)))
+    if args.kernels_only:
+        return
     rows = args.rows.split(",")
     start_load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
     pools = {"ours": GlooPool(args.world_size, threads=1)}

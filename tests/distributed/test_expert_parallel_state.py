@@ -92,6 +92,32 @@ def test_validation_outside_fit_keeps_each_ranks_experts(gloo_pool: GlooPool) ->
         assert abs(r[2] - r[1]) < 1e-6 * abs(r[1]), r
 
 
+# ------------------------------------------------------------------------------------------- dashboard
+def dashboard_body(directory: str) -> list[str]:
+    """2 steps of the GPT's MoE at EP 2 with the monitor logging every step into a CSV logger: the metric names."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = make_model("gpt_capacity")
+    trainer = make_trainer(ZeroStrategy(stage=2, expert_parallel=2), devices=2, max_steps=2,
+                           use_distributed_sampler=True, logger=CSVLogger(directory, name="csv"), log_every_n_steps=1)
+    trainer.fit(module, _loader(2, 2))
+    files = sorted(Path(directory).glob("csv/*/metrics.csv"))
+    if not files:
+        return []
+    with open(files[0]) as f:
+        return sorted({k for row in csv.DictReader(f) for k, v in row.items() if v})
+
+
+@pytest.mark.distributed
+def test_the_dashboard_shows_router_statistics_and_the_all_to_all_bytes(gloo_pool: GlooPool, tmp_path: Path) -> None:
+    keys = gloo_pool.run("tests.distributed.test_expert_parallel_state:dashboard_body", directory=str(tmp_path))[0]
+    wanted = {"moe/tokens_per_expert/0", "moe/tokens_per_expert/3", "moe/dropped_tokens", "moe/load_imbalance",
+              "moe/aux_loss", "moe/z_loss", "traffic/all_to_all_bytes_per_step"}
+    assert wanted <= set(keys), sorted(set(keys))
+
+
 # ------------------------------------------------------------------------------------------- convert
 def convert_body(directory: str) -> dict[str, Any]:
     """A Hugging Face Qwen3-MoE trained 2 steps at EP 2 (ZeRO 2), saved; rank 0 converts the checkpoint with

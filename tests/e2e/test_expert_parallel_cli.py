@@ -28,6 +28,7 @@ def test_ep2_starts_like_one_rank_and_ends_like_data_parallel(tmp_path: Path) ->
     one = _result(["trainer=cpu1", "trainer.max_steps=1", "trainer.validate_at_end=false"], tmp_path, "one")
     dp2 = _result(["trainer.devices=2"], tmp_path, "dp2")
     assert ep2["global_step"] == dp2["global_step"] == 6
+    assert (ep2["layout"]["expert"], ep2["layout"]["expert_split_layers"], dp2["layout"]["expert"]) == (2, 2, 1)
     assert ep2["val_loss_start"] == pytest.approx(one["val_loss_start"], rel=1e-6)
     assert ep2["val_loss_end"] == pytest.approx(dp2["val_loss_end"], rel=1e-5)
     assert ep2["val_loss_end"] < ep2["val_loss_start"] - 0.05  # it trained
