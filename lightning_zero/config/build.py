@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from omegaconf import OmegaConf
 
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
@@ -33,8 +34,9 @@ from lightning_zero.config.schema import (
     TrainConfig,
     to_yaml,
 )
-from lightning_zero.config.validate import import_object, offload_config, zero_config
+from lightning_zero.config.validate import counts, import_object, offload_config, zero_config
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.stage3.sharded_unit import is_released
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.strategy import ZeroStrategy
@@ -53,6 +55,7 @@ def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
         "config": replace(zero_config(cfg), elementwise_optimizers=extra, unit_classes=units),
         "precision": build_precision(cfg),
         "check_step_errors": cfg.zero.check_step_errors,
+        "gather_on_teardown": cfg.zero.gather_on_teardown,
         "process_group_backend": cfg.trainer.process_group_backend,
         "monitor": cfg.logger.monitor,
         "profiler": build_profiler(cfg),
@@ -173,7 +176,7 @@ def val_check_batches(cfg: TrainConfig) -> float | None:
     an epoch is passed as it is)."""
     t = cfg.trainer
     value = t.val_check_interval
-    if value is None or value <= 1 or not float(value).is_integer():
+    if value is None or not counts(value):
         return value
     return int(value) * t.accumulate_grad_batches
 
@@ -182,14 +185,14 @@ def val_batches_per_rank(cfg: TrainConfig) -> float | int | None:
     """``trainer.limit_val_batches`` as Lightning counts it (per rank).
 
     Note [global validation batches]
-        A whole number N (> 1) counts validation batches over all data-parallel replicas together, so that
-        every layout of one run (1 rank, a pipeline, TP, data parallel) validates on the same samples: each of
-        the D replicas takes N / D batches. When D does not divide N, each takes N / D rounded up (D x that in
-        all, said in the log). A fraction (<= 1: 1.0 is all) is passed as it is. ``trainer.limit_train_batches``
-        keeps Lightning's per-rank count.
+        A whole number N counts validation batches over all data-parallel replicas together, so that every
+        layout of one run (1 rank, a pipeline, TP, data parallel) validates on the same samples: each of the D
+        replicas takes N / D batches. When D does not divide N, each takes N / D rounded up (D x that in all,
+        said in the log). A fraction (a float <= 1: 1.0 is all, 1 is one batch: Note [counts and shares] in
+        config/schema.py) is passed as it is. ``trainer.limit_train_batches`` keeps Lightning's per-rank count.
     """
     value = cfg.trainer.limit_val_batches
-    if value is None or value <= 1 or not float(value).is_integer():
+    if value is None or not counts(value):
         return value
     data = data_parallel_size(cfg)
     per_rank = -(-int(value) // data)  # an int: Lightning reads 1.0 as "all", 1 as one batch
@@ -200,9 +203,31 @@ def val_batches_per_rank(cfg: TrainConfig) -> float | int | None:
     return per_rank
 
 
+def count_or_share_lines(cfg: TrainConfig) -> list[str]:
+    """What each set ``trainer.limit_*_batches`` / ``val_check_interval`` means, a count or a share (Note [counts
+    and shares] in config/schema.py): the log says it, since ``1`` and ``1.0`` differ."""
+    t, lines = cfg.trainer, []
+    for key, count, share in (
+        ("limit_train_batches", "training batches per rank and epoch", "of the training batches"),
+        ("limit_val_batches", "validation batches of all data-parallel replicas together", "of the validation batches"),
+        ("val_check_interval", "optimizer steps between validations", "of a training epoch between validations"),
+    ):
+        value = getattr(t, key)
+        if value is None:
+            continue
+        if counts(value):
+            lines.append(f"trainer.{key}={value} is a count: {count} (a fraction such as 1.0 would be a share)")
+        else:
+            lines.append(f"trainer.{key}={value} is a share: {value:.0%} {share} (a whole number such as 1 would "
+                         "be a count)")
+    return lines
+
+
 def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
     """``pl.Trainer`` arguments (strategy not included) for one rank of the run."""
     t = cfg.trainer
+    for line in count_or_share_lines(cfg):
+        rank_zero_info(line)
     optional = {"max_epochs": t.max_epochs, "max_time": t.max_time, "val_check_interval": val_check_batches(cfg),
                 "limit_train_batches": t.limit_train_batches, "limit_val_batches": val_batches_per_rank(cfg),
                 "gradient_clip_val": t.gradient_clip_val}
@@ -229,11 +254,37 @@ def _val_loss(metrics: list[dict[str, float]] | dict[str, Any]) -> float | None:
 class _LastValidation(Callback):
     """The global step of the last validation inside the fit (``validate_at_end`` does not repeat it), the
     step the fit started at, and, for a resumed fit, the start validation's line with the checkpoint's step
-    (it ran before the fit restored the step, so its own line would have said step 0)."""
+    (it ran before the fit restored the step, so its own line would have said step 0).
+
+    With ``at_last_step`` (``trainer.validate_at_end``) the last step asks Lightning to stop there
+    (``should_stop``), which makes it validate inside the fit, with the final weights (Note [end validation
+    inside the fit]).
+
+    Note [end validation inside the fit]
+        ``trainer.validate_at_end`` measures the validation loss of the final weights. Run after the fit, it would
+        need the whole model back on every rank, which at stage 3 is the end-of-fit gather (Note [teardown
+        gather]): the largest allocation of the run, on the run's last second. Inside the fit, at its last step
+        (the last of ``max_steps``, or the last batch of the last epoch; ``max_time`` stops the same way), it
+        validates through the sharded engine like any validation, so the CLI gathers nothing at teardown
+        (``zero.gather_on_teardown=false``). A fit that ends otherwise without a validation at its last step is
+        validated after it, where the weights are whole (stages 0-2, or a gather that fit), else it says why not.
+    """
 
     step = -1
     started_at = 0
     start_line: float | None = None
+
+    def __init__(self, at_last_step: bool = False) -> None:
+        self.at_last_step = at_last_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self.at_last_step:
+            return
+        epochs = trainer.fit_loop
+        last_epoch = trainer.max_epochs is not None and trainer.max_epochs > 0 and \
+            trainer.current_epoch + 1 >= trainer.max_epochs and epochs.epoch_loop.batch_progress.is_last_batch
+        if (0 < trainer.max_steps <= trainer.global_step) or last_epoch:
+            trainer.should_stop = True  # Lightning then validates this step (check_val_every_n_epoch permitting)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started_at = trainer.global_step
@@ -263,6 +314,21 @@ def _validate_at_start(trainer: pl.Trainer, module: pl.LightningModule, data: pl
             printer.enable()
 
 
+def _validate_after_fit(trainer: pl.Trainer, module: pl.LightningModule, data: pl.LightningDataModule) -> float | None:
+    """``validate_at_end`` for a fit that did not validate at its last step (Note [end validation inside the fit]):
+    with the whole weights, or ``None`` and a warning where stage 3 left them released (no gather at teardown)."""
+    if not trainer.enable_validation:  # no validation data or batches: nothing to measure, as inside the fit
+        return None
+    if any(is_released(p) for p in module.parameters()):
+        rank_zero_warn(
+            f"trainer.validate_at_end: the fit ended at step {trainer.global_step} without a validation there, and "
+            "its stage-3 parameters were not gathered back after it (zero.gather_on_teardown=false, or they did not "
+            "fit), so there is no end validation (val_loss_end is null). A validation at the last step runs inside "
+            "the fit: keep check_val_every_n_epoch at 1, or set zero.gather_on_teardown=true.")
+        return None
+    return _val_loss(trainer.validate(module, data, verbose=False))
+
+
 def run_layout(strategy: pl.strategies.Strategy) -> dict[str, int]:
     """The dimensions the strategy's mesh spans and how many modules its tensor-parallel plan and its expert
     parallelism split: what ran, whatever the config asked (``result.json``'s ``layout``)."""
@@ -286,7 +352,7 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module, data = build_module(cfg), build_datamodule(cfg)
     kwargs = trainer_kwargs(cfg, run_dir)
-    last_validation = _LastValidation()
+    last_validation = _LastValidation(at_last_step=cfg.trainer.validate_at_end)
     kwargs["callbacks"] = [*kwargs["callbacks"], last_validation]
     strategy = build_strategy(cfg)
     trainer = pl.Trainer(strategy=strategy, **kwargs)
@@ -301,10 +367,12 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
     if cfg.trainer.resume_from and start is not None and any(isinstance(c, LineProgress) for c in trainer.callbacks):
         last_validation.start_line = start
     began = time.perf_counter()
-    trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
+    with warnings.catch_warnings():  # the CLI chose not to gather (Note [end validation inside the fit]): no news
+        warnings.filterwarnings("ignore", message=r"ZeroStrategy\(gather_on_teardown=False\)")
+        trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
     seconds = time.perf_counter() - began
     if cfg.trainer.validate_at_end and last_validation.step != trainer.global_step:  # else it just ran
-        end = _val_loss(trainer.validate(module, data, verbose=False))
+        end = _validate_after_fit(trainer, module, data)
     else:
         end = _val_loss(dict(trainer.callback_metrics))
     ckpt_dir = run_dir / "checkpoints"

@@ -87,8 +87,9 @@ class RankConsole:
 
         torchrun names as root cause the failure with the earliest timestamp, in whole seconds, the lowest
         rank winning a tie: a rank it stopped with SIGTERM because another was SIGKILLed in the same
-        second can come first. A failure the launcher did not cause (any other signal, or an exit code)
-        is preferred over a SIGTERM/SIGINT, the root cause over the others.
+        second can come first. The hang watchdog's exit (75, 76) is preferred (its finding is the cause; a
+        silent rank it ended shows as SIGKILL, Note [ending a silent rank]), then a failure the launcher did not
+        cause (any other signal, or an exit code) over a SIGTERM/SIGINT, the root cause over the others.
         """
         failures: list[tuple[bool, RankExit]] = []  # (is the root cause, failure)
         root = False
@@ -100,9 +101,9 @@ class RankConsole:
         if not failures:
             return None
 
-        def rank_key(item: tuple[bool, RankExit]) -> tuple[bool, bool]:
-            is_root, failure = item
-            return (failure.signal_name in _LAUNCHER_SIGNALS, not is_root)
+        def rank_key(item: tuple[bool, RankExit]) -> tuple[bool, bool, bool]:
+            is_root, failure = item  # the hang watchdog's exit first: it ended a silent rank with SIGKILL
+            return (failure.exitcode not in _HANG_EXITS, failure.signal_name in _LAUNCHER_SIGNALS, not is_root)
 
         return min(failures, key=rank_key)[1]
 

@@ -123,6 +123,9 @@ class ZeroSchema:
     param_persistence_threshold: int = 100_000
     # strategy options
     check_step_errors: bool = True
+    # stage 3: the whole model gathered back where it fits after fit (ZeroStrategy's gather_on_teardown). The CLI
+    # needs nothing back (validate_at_end runs inside the fit), so by default it does not gather (docs/zero.md)
+    gather_on_teardown: bool = False
     elementwise_optimizers: list[str] = field(default_factory=list)  # "module.path:ClassName"
     unit_classes: list[str] = field(default_factory=list)  # stage 3 units "module:Class"; [] = ModuleList children
 
@@ -315,10 +318,13 @@ class TrainerSchema:
     max_steps: int = -1
     max_epochs: int | None = None
     max_time: str | None = None  # "DD:HH:MM:SS"
-    val_check_interval: float | None = None
+    # Note [counts and shares]: an int counts (optimizer steps; batches), a float <= 1 is a share of an epoch / of the
+    # batches, so `1` and `1.0` differ as in Lightning. Typed Any: OmegaConf has no int | float, and a float field
+    # turned the command line's `trainer.limit_val_batches=1` into 1.0, every batch (config/validate.py checks them)
+    val_check_interval: Any = None  # int: every N optimizer steps; float <= 1: a share of an epoch
     check_val_every_n_epoch: int | None = 1
-    limit_train_batches: float | None = None
-    limit_val_batches: float | None = None
+    limit_train_batches: Any = None  # int: batches per rank; float in [0, 1]: a share of them
+    limit_val_batches: Any = None  # int: batches of all data-parallel replicas together; float in [0, 1]: a share
     num_sanity_val_steps: int = 0
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None

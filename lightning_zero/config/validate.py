@@ -214,6 +214,27 @@ def _range(out: list[str], key: str, value: float | None, low: float | None = No
         out.append(f"{key}={value:g} must be {want}." + (f" {fix}" if fix else ""))
 
 
+def counts(value: object) -> bool:
+    """Whether a ``trainer.limit_*_batches`` / ``val_check_interval`` value counts (batches, optimizer steps) rather
+    than being a share: an int, or a whole float above 1, as Lightning reads them (Note [counts and shares] in
+    config/schema.py)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value > 1 and value.is_integer())
+
+
+def _count_or_share(out: list[str], key: str, value: object, positive: bool) -> None:
+    """A count (:func:`counts`) >= 0, or a share in [0, 1]; ``positive``: > 0 either way."""
+    if value is None:
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        share = isinstance(value, float) and not counts(value)
+        if (value > 0 if positive else value >= 0) and (not share or value <= 1):
+            return
+    low = "(0" if positive else "[0"
+    out.append(f"trainer.{key}={value!r} must be a whole number (a count: trainer.{key}=1 is one) or a fraction in "
+               f"{low}, 1] (a share: 1.0 is all).")
+
+
 def _value_problems(cfg: TrainConfig) -> list[str]:
     """Single values out of their range: optimizer, schedule, batch, trainer cadence (one line each)."""
     m, d, t, out = cfg.model, cfg.data, cfg.trainer, []
@@ -243,14 +264,14 @@ def _value_problems(cfg: TrainConfig) -> list[str]:
     if t.max_steps < -1 or t.max_steps == 0:
         out.append(f"trainer.max_steps={t.max_steps} must be >= 1, or -1 (no step limit).")
     _range(out, "trainer.max_epochs", t.max_epochs, 1, None)
-    _range(out, "trainer.val_check_interval", t.val_check_interval, 0, None, low_open=True)
+    _count_or_share(out, "val_check_interval", t.val_check_interval, positive=True)
     _range(out, "trainer.check_val_every_n_epoch", t.check_val_every_n_epoch, 1, None)
     _range(out, "trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1, None)
     _range(out, "trainer.gradient_clip_val", t.gradient_clip_val, 0, None)
     _range(out, "trainer.log_every_n_steps", t.log_every_n_steps, 1, None)
     _range(out, "trainer.num_sanity_val_steps", t.num_sanity_val_steps, -1, None)
     for key in ("limit_train_batches", "limit_val_batches"):
-        _range(out, f"trainer.{key}", getattr(t, key), 0, None)
+        _count_or_share(out, key, getattr(t, key), positive=False)
     if t.max_time is not None and not re.fullmatch(r"\d+:\d\d:\d\d:\d\d", t.max_time):
         out.append(f"trainer.max_time={t.max_time} must be DD:HH:MM:SS, e.g. trainer.max_time=00:01:30:00.")
     _range(out, "trainer.checkpoint.every_n_train_steps", t.checkpoint.every_n_train_steps, 1, None)

@@ -7,11 +7,13 @@ its Lightning hooks delegate here, passing Lightning's own implementation where 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -46,6 +48,28 @@ from lightning_zero.tensor_parallel.lightning import refuse_pipeline_checkpoint
 from lightning_zero.tensor_parallel.pipeline_checkpoint import pipelined_sharded_parts
 
 Fallback = Callable[..., Any]  # Lightning's own implementation of the hook (the strategy's super())
+
+# Note [state dicts for the strategy's own save]
+#   ``Trainer.save_checkpoint`` (and ``ModelCheckpoint`` through it) builds the checkpoint dict in Lightning's
+#   ``_CheckpointConnector.dump_checkpoint``, which calls the strategy's ``lightning_module_state_dict`` and
+#   ``optimizer_state``, then hands the dict to the strategy's ``save_checkpoint``. In the sharded format that save
+#   writes every rank's shards and ignores both entries, so gathering them there would only put the whole model on
+#   every rank for nothing: for that caller alone the hooks return ``{}`` (docs/checkpoints.md: the hooks of a
+#   sharded save see them empty). Any other caller (a callback exporting weights at ``on_train_end``, a user after
+#   fit) gets the whole state, in every format. Lightning passes no flag saying who calls, so the hook looks at
+#   its caller's code: ``dump_checkpoint``'s own functions. Were they renamed, every caller would get the whole
+#   state (correct, only costlier), and tests/distributed/test_state_after_call.py, which checks both, would fail.
+_DUMP_CODES = frozenset(
+    getattr(_CheckpointConnector, name).__code__ for name in ("dump_checkpoint", "_get_lightning_module_state_dict")
+    if hasattr(_CheckpointConnector, name)
+)
+
+
+def called_by_checkpoint_dump(depth: int = 1) -> bool:
+    """Whether the strategy hook running ``depth`` frames above this call was called by Lightning's checkpoint dump
+    (Note [state dicts for the strategy's own save]): 1, the hook called this function itself."""
+    caller = sys._getframe(depth + 1)
+    return caller.f_code in _DUMP_CODES
 
 
 class CheckpointHost(Protocol):
@@ -178,15 +202,17 @@ class StrategyCheckpointing:
         state = tp.unsplit_optimizer_state(state, params) if tp is not None else state
         return ep.unsplit_optimizer_state(state, params) if ep is not None else state
 
-    def lightning_module_state_dict(self, fallback: Fallback) -> dict[str, Any]:
+    def lightning_module_state_dict(self, fallback: Fallback, for_save: bool) -> dict[str, Any]:
         """Whole tensors (stage 3 gathers them unit by unit; tensor-parallel slices are gathered over the TP
-        group and unsplit; every rank calls this). With an fp32 master the checkpoint holds fp32 weights
-        (the masters, gathered), like the module before the cast, so a resumed run starts from exact masters."""
+        group and unsplit, experts over the expert-parallel group; every rank calls this). With an fp32 master the
+        checkpoint holds fp32 weights (the masters, gathered), like the module before the cast, so a resumed run
+        starts from exact masters. ``for_save``: called by Lightning's checkpoint dump, which a sharded save ignores
+        (``{}`` then: Note [state dicts for the strategy's own save])."""
         engine, module = self._run.engine, self._host.lightning_module
         if engine is None or module is None:
             state = fallback()
             return self._unsplit(state, module) if module is not None else state
-        if self._writes_shards:
+        if for_save and self._writes_shards:
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
         pipeline = self._run.pipeline
         if pipeline is not None and pipeline.checkpoint is not None:  # unsplit names, all stages
@@ -203,10 +229,12 @@ class StrategyCheckpointing:
                     state[key] = value.to(engine.dtypes.master_dtype)
         return self._unsplit(state, module)
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: Optimizer, for_save: bool) -> dict[str, Any]:
+        """The whole optimizer state, numbered as the unsplit optimizer's, on rank 0 (``{}`` elsewhere; a
+        collective). ``for_save``: as for :meth:`lightning_module_state_dict`."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self._writes_shards:
+        if for_save and self._writes_shards:
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
         engine, pipeline = self._run.engine, self._run.pipeline
         if pipeline is not None and pipeline.checkpoint is not None and engine is not None:

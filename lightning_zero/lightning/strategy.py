@@ -46,7 +46,7 @@ from lightning_zero.lightning.mesh_setup import ParallelRun
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.registry import register_zero_strategies
 from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
-from lightning_zero.lightning.state import StrategyCheckpointing
+from lightning_zero.lightning.state import StrategyCheckpointing, called_by_checkpoint_dump
 from lightning_zero.lightning.steps import StepDispatch
 from lightning_zero.moe.config import ExpertParallelConfig
 from lightning_zero.observability.callbacks import add_monitor
@@ -234,11 +234,15 @@ class ZeroStrategy(DDPStrategy):
     # ------------------------------------------------------------------ state dicts and files (state.py)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._checkpointing.lightning_module_state_dict(super().lightning_module_state_dict)
+        """The module's whole state dict, at every stage and checkpoint format (a collective: call it on every
+        rank). Only Lightning's own checkpoint dump of a sharded save gets ``{}`` (Note [state dicts for the
+        strategy's own save] in state.py)."""
+        return self._checkpointing.lightning_module_state_dict(super().lightning_module_state_dict,
+                                                               called_by_checkpoint_dump())
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self._checkpointing.optimizer_state(optimizer)
+        return self._checkpointing.optimizer_state(optimizer, called_by_checkpoint_dump())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
