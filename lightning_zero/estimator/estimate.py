@@ -324,8 +324,8 @@ def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
         activation_line(est.activations, units),
     ]
     if est.tensor_parallel > 1 or est.expert_parallel > 1:
-        lines.append("DeepSpeed's: its estimators take no tensor- or expert-parallel size, so they are not shown "
-                     "with TP / EP")
+        lines.append("DeepSpeed's: its estimators take no tensor-parallel size (nor an expert-parallel one), so they "
+                     "are not shown with TP / EP")
     elif PRECISIONS[est.precision][0] == "mixed":
         lines.append(
             "DeepSpeed's: figures of DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (zero_init=True, "
