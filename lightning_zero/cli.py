@@ -166,6 +166,36 @@ def train_command(argv: list[str]) -> int:
     return run(argv)
 
 
+def _export_hf_run(checkpoint: str, out: str, shard_bytes: int) -> str:
+    """``convert --hf``: the run directory's ``config.yaml`` (above ``checkpoints/``) says where the model came from."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from lightning_zero.config.schema import HFCausalLMSchema, to_train_config
+    from lightning_zero.hf.export import export_pretrained
+
+    found = next((d / "config.yaml" for d in Path(checkpoint).resolve().parents if (d / "config.yaml").is_file()), None)
+    if found is None:
+        raise ValueError(f"no config.yaml of a run above {checkpoint}: --hf converts a checkpoint of a "
+                         "`lightning-zero train model=hf_causal_lm` run (<run dir>/checkpoints/last.ckpt).")
+    model = to_train_config(OmegaConf.to_container(OmegaConf.load(found))).model  # type: ignore[arg-type]
+    if not isinstance(model, HFCausalLMSchema):
+        raise ValueError(f"{found} is not a model=hf_causal_lm run (model: {getattr(model, 'kind', model)}); --hf "
+                         "writes transformers directories. Fix: convert to a .safetensors file instead.")
+    return str(export_pretrained(checkpoint, out, source=model.path, config=model.config, tokenizer=model.tokenizer,
+                                 max_shard_bytes=shard_bytes))
+
+
+def _evaluation(command: str) -> Callable[[list[str]], int]:
+    def handler(argv: list[str]) -> int:
+        from lightning_zero.config.launch import train_command as run
+
+        return run(argv, command)
+
+    return handler
+
+
 def convert_command(argv: list[str]) -> int:
     """``lightning-zero convert``: a sharded checkpoint directory (or a consolidated ``.ckpt``) -> one file (no
     process group)."""
@@ -173,16 +203,25 @@ def convert_command(argv: list[str]) -> int:
     def build(p: argparse.ArgumentParser) -> None:
         p.add_argument("checkpoint", help="a sharded checkpoint directory (or its name, e.g. last.ckpt), or a "
                        "consolidated Lightning .ckpt file (its state_dict)")
-        p.add_argument("out", help="output file: *.safetensors (safetensors), anything else: torch.save")
+        p.add_argument("out", help="output file: *.safetensors (safetensors), anything else: torch.save; with --hf a "
+                       "directory")
         p.add_argument("--lightning", action="store_true",
                        help="write a normal Lightning .ckpt (weights, optimizer, loops, hyper-parameters) "
                        "that LightningModule.load_from_checkpoint opens")
+        p.add_argument("--hf", action="store_true",
+                       help="a model=hf_causal_lm run's checkpoint -> a directory AutoModelForCausalLM.from_pretrained "
+                       "loads (safetensors shards and index, the run's config.json and tokenizer)")
+        p.add_argument("--shard-size", type=_typed(parse_size), default=2 * 1024**3,
+                       help="with --hf: the largest safetensors file, e.g. 500MB (default 2GiB)")
         p.add_argument("--prefix", default="", help="keep only keys under this prefix, without it (e.g. 'model.')")
 
     def act(a: argparse.Namespace) -> int:
         from lightning_zero.checkpoint import CheckpointError, convert_checkpoint
 
         try:
+            if a.hf:
+                print(f"wrote {_export_hf_run(a.checkpoint, a.out, int(a.shard_size))}")
+                return 0
             out = convert_checkpoint(a.checkpoint, a.out, lightning=a.lightning, prefix=a.prefix)
         except (CheckpointError, ValueError, NotImplementedError) as err:
             print(f"lightning-zero convert: {err}", file=sys.stderr)
@@ -228,6 +267,11 @@ COMMANDS: dict[str, Command] = {
     "advise": Command(advise_command, "the fastest ZeRO stage / offload that fits your hardware"),
     # Hydra parses its own argv: main() hands it over untouched
     "train": Command(train_command, "train from Hydra configs in conf/ (e.g. experiment=gpt_small zero=stage2)"),
+    "validate": Command(_evaluation("validate"), "the validation loop of train's groups on ckpt_path=<a checkpoint or "
+                        "a run directory>"),
+    "test": Command(_evaluation("test"), "the test loop, the same way (your DataModule's test_dataloader)"),
+    "predict": Command(_evaluation("predict"), "predict_step over the data, the same way; each rank's predictions "
+                       "to <run dir>/predictions/"),
     "convert": Command(convert_command, "a sharded checkpoint -> one .pt / .safetensors / Lightning .ckpt"),
     "hostfile": Command(hostfile_command, "a DeepSpeed hostfile -> the train command to run on each host (or --ssh)"),
 }

@@ -176,9 +176,12 @@ def oom_advice(cfg: TrainConfig) -> str | None:
         g = gpt_config(cfg.model)
         shape = dict(micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len, layers=g.n_layer,
                      hidden=g.n_embd, heads=g.n_head)
+    params = count_model_parameters(cfg)
+    if params is None:  # a model not counted before launch (your own `_target_`): no figure to advise from
+        return None
     try:
         tp = cfg.tensor_parallel.size
-        adv = advise(count_model_parameters(cfg), device_memory=device, cpu_memory=host, world_size=t.devices,
+        adv = advise(params, device_memory=device, cpu_memory=host, world_size=t.devices,
                      precision=precision, tensor_parallel=tp if tp > 1 else None, **shape)
     except ValueError:
         return None
@@ -188,7 +191,7 @@ def oom_advice(cfg: TrainConfig) -> str | None:
         return f"The estimator finds no configuration of this model that fits {size}: see `lightning-zero advise`."
     return (f"The estimator suggests for {size}: {adv.choice.label} -> {adv.overrides} "
             f"(`lightning-zero advise --device-memory {device / 1e9:.1f}GB --params "
-            f"{count_model_parameters(cfg)} --precision {precision}` explains why).")
+            f"{params} --precision {precision}` explains why).")
 
 
 def _offload_of(cfg: TrainConfig) -> str:
@@ -222,6 +225,8 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
         shape = dict(micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len, layers=g.n_layer,
                      hidden=g.n_embd, heads=g.n_head)
     params, precision = count_model_parameters(cfg), cfg.precision.name.value
+    if params is None:
+        return None
 
     tp = cfg.tensor_parallel.size  # offload composes with TP: its settings are offered as without it
 

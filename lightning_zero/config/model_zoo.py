@@ -1,8 +1,9 @@
 """The ``model=`` / ``data=`` options of a config as the LightningModule and DataModule they name.
 
 GPT options are a preset of :data:`lightning_zero.models.gpt.GPT_PRESETS` plus shape overrides
-(:func:`gpt_config`). The models are imported when built, so that validating a config stays cheap (and
-without Lightning: the launcher validates, the ranks build).
+(:func:`gpt_config`); ``model=hf_causal_lm`` is :class:`lightning_zero.hf.HFCausalLM`; a ``_target_`` node is the
+user's own class (Note [user targets] in ``lightning_zero/project/targets.py``). The models are imported when
+built, so that validating a config stays cheap (and without Lightning: the launcher validates, the ranks build).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_zero.config.schema import (
     GPTModelSchema,
+    HFCausalLMSchema,
     MLPModelSchema,
     TeacherDataSchema,
     TextDataSchema,
     TrainConfig,
 )
+from lightning_zero.project.targets import TargetNode
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -50,20 +53,46 @@ def gpt_overrides(m: GPTModelSchema) -> dict[str, Any]:
     return out
 
 
-def param_init_fn(cfg: TrainConfig) -> Any:
+def param_init_fn(cfg: TrainConfig, module: pl.LightningModule | None = None) -> Any:
     """The strategy's ``param_init_fn``: a GPT built on the meta device (pipelined, or ``build_in_configure_model``
-    at stage 3) is initialised by each stage / unit with GPT's own initialisation, the values a whole build gets
-    (``None`` for other models: ``reset_parameters``)."""
+    at stage 3) is initialised by each stage / unit with GPT's own initialisation, the values a whole build gets;
+    a Hugging Face model (``module``, built by :func:`build_module`) reads its weights from the checkpoint into
+    each unit (Note [loading a Hugging Face checkpoint sharded]); ``None`` for other models: ``reset_parameters``."""
     if isinstance(cfg.model, GPTModelSchema):
         from lightning_zero.models.gpt_model import gpt_param_init
 
         return gpt_param_init(gpt_config(cfg.model))
+    if isinstance(cfg.model, HFCausalLMSchema) and module is not None:
+        return module.init_parameters  # type: ignore[attr-defined]
+    return None
+
+
+def hf_tokenizer(cfg: TrainConfig) -> str | None:
+    """The tokenizer directory text data is tokenized with: ``data.tokenizer``, else a Hugging Face model's own
+    (``model.tokenizer``, else ``model.path``); ``None``: bytes."""
+    d, m = cfg.data, cfg.model
+    if isinstance(d, TextDataSchema) and d.tokenizer:
+        return d.tokenizer
+    if isinstance(m, HFCausalLMSchema):
+        return m.tokenizer or m.path
     return None
 
 
 def build_module(cfg: TrainConfig) -> pl.LightningModule:
     """The LightningModule of ``cfg.model`` (built in the current default device, e.g. meta)."""
     m = cfg.model
+    if isinstance(m, TargetNode):
+        from lightning_zero.project.instantiate import instantiate_target
+
+        return instantiate_target(m)
+    if isinstance(m, HFCausalLMSchema):
+        from lightning_zero.hf.module import HFCausalLM
+        from lightning_zero.sparse_attention import resolve_attention
+
+        return HFCausalLM(pretrained=m.path, config=m.config, lr=m.lr, weight_decay=m.weight_decay, betas=list(m.betas),
+                          warmup_steps=m.warmup_steps, optimizer=m.optimizer.value,
+                          attn_implementation=m.attn_implementation,
+                          sparse_attention=resolve_attention(m.attention, m.sparse_attention))
     if isinstance(m, GPTModelSchema):
         from lightning_zero.models.gpt import GPTLightningModule
 
@@ -86,13 +115,17 @@ def build_module(cfg: TrainConfig) -> pl.LightningModule:
 def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
     """The LightningDataModule of ``cfg.data``."""
     d = cfg.data
+    if isinstance(d, TargetNode):
+        from lightning_zero.project.instantiate import instantiate_target
+
+        return instantiate_target(d)
     if isinstance(d, TextDataSchema):
         from lightning_zero.models.data import TextDataModule
 
         return TextDataModule(seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, num_workers=d.num_workers,
                               max_bytes=d.max_bytes, path=d.path, val_fraction=d.val_fraction, seed=d.seed,
                               deterministic_order=d.deterministic_order, max_val_samples=d.max_val_samples,
-                              synthetic=d.synthetic, pattern=d.pattern)
+                              synthetic=d.synthetic, pattern=d.pattern, tokenizer=hf_tokenizer(cfg))
     if isinstance(d, TeacherDataSchema):
         from lightning_zero.models.mlp import TeacherDataModule
 

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from lightning_zero.config.schema import (
     ExpertParallelSchema,
     GPTModelSchema,
+    HFCausalLMSchema,
     LoggerSchema,
     MLPModelSchema,
     OffloadSchema,
@@ -54,6 +55,7 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("expert_parallel", "expert_parallel_schema"): ExpertParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
+    ("model", "hf_causal_lm_schema"): HFCausalLMSchema,
     ("data", "text_schema"): TextDataSchema,
     ("data", "teacher_schema"): TeacherDataSchema,
     ("trainer", "trainer_schema"): TrainerSchema,
@@ -84,7 +86,7 @@ def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", 
         return f"{text(name)}-{Path(str(deepspeed_config)).stem}"
     parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
     parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
-    if text(optimizer) != "adamw":
+    if isinstance(getattr(optimizer, "value", optimizer), str) and text(optimizer) != "adamw":  # not a `_target_` node
         parts.append(text(optimizer))
     return "-".join(parts)
 
@@ -124,3 +126,44 @@ class FitResult:
                  f"{self.resumed_at})" if self.resumed_at else f"steps={self.global_step}")
         return (f"{steps} fit_time={self.seconds:.1f}s val_loss {fmt(self.val_loss_start)} -> "
                 f"{fmt(self.val_loss_end)}{drop}")
+
+
+FIT = "fit"  # the Trainer's methods a command runs: `train` fits, the others are named as they are
+COMMAND_NAMES = {FIT: "train", "validate": "validate", "test": "test", "predict": "predict"}
+LAST_CHECKPOINT = ("checkpoints", "last.ckpt")  # where a run directory keeps its last checkpoint
+
+
+def checkpoint_of(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint ``ckpt_path`` names: a checkpoint file or sharded directory, or a finished run's directory
+    (its ``checkpoints/last.ckpt``, a link followed).
+
+    Raises:
+        FileNotFoundError: neither (the message says what was looked for).
+    """
+    path = Path(path).expanduser()
+    last = path.joinpath(*LAST_CHECKPOINT)
+    if (path / RESULT_FILE).is_file() or last.exists():  # a run directory
+        if not last.exists():
+            raise FileNotFoundError(f"ckpt_path={path} is a run directory without {'/'.join(LAST_CHECKPOINT)} "
+                                    "(trainer.checkpoint.enabled was off?). Fix: a checkpoint file or directory.")
+        return last.resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={path} does not exist (relative paths are taken from {Path.cwd()}). "
+                                "Fix: a checkpoint, or a finished run's directory.")
+    return path
+
+
+@dataclass
+class EvalResult:
+    """What ``lightning-zero validate / test / predict`` did (rank 0 writes it to ``run_dir/result.json``)."""
+
+    command: str
+    checkpoint: str | None
+    metrics: dict[str, float] = field(default_factory=dict)  # validate / test: the logged metrics
+    predictions: list[str] = field(default_factory=list)  # predict: each rank's file under run_dir
+
+    def summary(self) -> str:
+        """One line: the command, its checkpoint and its metrics (or prediction files)."""
+        what = ", ".join(f"{k} {v:.4f}" for k, v in sorted(self.metrics.items())) or \
+            (f"{len(self.predictions)} prediction file(s)" if self.predictions else "no metrics")
+        return f"{self.command} of {self.checkpoint or 'the initial weights'}: {what}"

@@ -26,8 +26,11 @@ from lightning_zero.config.parallel_checks import (
     tensor_parallel_problems,
 )
 from lightning_zero.config.schema import (
+    DataSchema,
     GPTModelSchema,
+    HFCausalLMSchema,
     MLPModelSchema,
+    ModelSchema,
     OffloadDevice,
     OptimizerName,
     PrecisionName,
@@ -46,6 +49,9 @@ from lightning_zero.core.offload.config import (
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.zero.config import ZeroConfig, ZeroStage
 from lightning_zero.core.zero.memory import OFFLOAD_STAGES
+from lightning_zero.hf.checks import HFRun, hf_problems
+from lightning_zero.project.locate import static_problems
+from lightning_zero.project.targets import TargetNode, user_nodes
 
 BUILT_STAGES = tuple(ZeroStage)
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
@@ -128,8 +134,11 @@ def nvme_bytes_per_node(cfg: TrainConfig) -> float:
     if (cfg.zero.stage not in OFFLOAD_STAGES.get(name, ()) or (gpt and not preset_known(cfg.model))
             or t.devices < 1 or t.num_nodes < 1):
         return 0.0
+    params = count_model_parameters(cfg)
+    if params is None:  # not counted before launch: the ranks check the space they need
+        return 0.0
     cluster = make_cluster(t.devices * t.num_nodes, t.num_nodes, t.devices)
-    estimate = estimate_config(cfg.zero.stage, name, ModelSpec(float(count_model_parameters(cfg))), cluster,
+    estimate = estimate_config(cfg.zero.stage, name, ModelSpec(float(params)), cluster,
                                cfg.precision.name.value)
     return estimate.nvme_bytes * t.devices
 
@@ -169,7 +178,12 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
         if isinstance(d, TextDataSchema) and d.seq_len > shape.seq_len:
             out.append(f"data.seq_len={d.seq_len} exceeds the model's context {shape.seq_len} ({m.preset}). "
                        f"Fix: data.seq_len={shape.seq_len} or less, or model.seq_len={d.seq_len}.")
-    if m.optimizer is OptimizerName.onebit_adam:
+    if isinstance(m, HFCausalLMSchema):
+        out += _hf_problems(cfg)
+    elif isinstance(d, TextDataSchema) and d.tokenizer:
+        out.append(f"data.tokenizer={d.tokenizer} with model.kind={getattr(m, 'kind', m)}: the package's GPT reads "
+                   "bytes (vocabulary 256). Fix: data.tokenizer=null, or model=hf_causal_lm.")
+    if isinstance(m, ModelSchema) and m.optimizer is OptimizerName.onebit_adam:
         if not isinstance(m, GPTModelSchema):
             out.append(f"model.optimizer=onebit_adam is built by the GPT experiment, not model.kind={m.kind}. "
                        "Fix: model.optimizer=adamw.")
@@ -197,6 +211,20 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
     except ValueError as err:
         out.append(str(err))
     return out
+
+
+def _hf_problems(cfg: TrainConfig) -> list[str]:
+    m, d = cfg.model, cfg.data
+    text = isinstance(d, TextDataSchema)
+    if not text and not isinstance(d, TargetNode):
+        return [f"model=hf_causal_lm needs text data, got data.kind={d.kind}. Fix: data=text_file data.path=... "
+                "(tokenized with the model's tokenizer), or your own data module."]
+    run = HFRun(path=m.path, config=m.config, tokenizer=(d.tokenizer if text else None) or m.tokenizer,
+                text_data=text, seq_len=d.seq_len if text else None,
+                shards_parameters=ZeroStage.of(cfg.zero.stage).shards_parameters if cfg.zero.stage in BUILT_STAGES
+                else False, tensor=cfg.tensor_parallel.size, sequence=cfg.sequence_parallel.size,
+                pipeline=cfg.pipeline.stages, sparse=m.attention != "dense" or bool(m.sparse_attention))
+    return hf_problems(run)
 
 
 def _range(out: list[str], key: str, value: float | None, low: float | None = None, high: float | None = None,
@@ -238,8 +266,9 @@ def _count_or_share(out: list[str], key: str, value: object, positive: bool) -> 
 def _value_problems(cfg: TrainConfig) -> list[str]:
     """Single values out of their range: optimizer, schedule, batch, trainer cadence (one line each)."""
     m, d, t, out = cfg.model, cfg.data, cfg.trainer, []
-    _range(out, "model.lr", m.lr, 0, None, low_open=True, fix="Fix: a positive learning rate, e.g. model.lr=3e-4.")
-    _range(out, "model.weight_decay", m.weight_decay, 0, None)
+    if isinstance(m, ModelSchema):
+        _range(out, "model.lr", m.lr, 0, None, low_open=True, fix="Fix: a positive learning rate, e.g. model.lr=3e-4.")
+        _range(out, "model.weight_decay", m.weight_decay, 0, None)
     if isinstance(m, GPTModelSchema):
         if len(m.betas) != 2:
             out.append(f"model.betas={list(m.betas)} must be two numbers, e.g. model.betas=[0.9,0.95].")
@@ -254,8 +283,9 @@ def _value_problems(cfg: TrainConfig) -> list[str]:
     elif isinstance(m, MLPModelSchema):
         for key in ("input_dim", "hidden_dim", "num_layers", "num_classes"):
             _range(out, f"model.{key}", getattr(m, key), 1, None)
-    _range(out, "data.micro_batch_size", d.micro_batch_size, 1, None)
-    _range(out, "data.num_workers", d.num_workers, 0, None)
+    if isinstance(d, DataSchema):
+        _range(out, "data.micro_batch_size", d.micro_batch_size, 1, None)
+        _range(out, "data.num_workers", d.num_workers, 0, None)
     if isinstance(d, TextDataSchema):
         _range(out, "data.seq_len", d.seq_len, 1, None)
         _range(out, "data.max_bytes", d.max_bytes, 1, None)
@@ -313,6 +343,8 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
                 import_object(path)
             except (ImportError, AttributeError, ValueError) as err:
                 problems.append(f"zero.{key}: cannot import {path!r} ({err}).")
+    for node in user_nodes(cfg.model, cfg.data, cfg.logger, cfg.callbacks):  # as far as their source says
+        problems += static_problems(node)
     problems += tensor_parallel_problems(cfg)
     for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems, _model_data_problems,
                   sequence_problems, expert_parallel_problems):
@@ -324,7 +356,8 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     """Valid settings that will not do what they are for (printed once, before launch)."""
     out = []
     m, max_steps = cfg.model, cfg.trainer.max_steps
-    if m.optimizer is OptimizerName.onebit_adam and max_steps is not None and 0 < max_steps <= m.freeze_step:
+    onebit = isinstance(m, ModelSchema) and m.optimizer is OptimizerName.onebit_adam
+    if onebit and max_steps is not None and 0 < max_steps <= m.freeze_step:
         out.append(f"model.freeze_step={m.freeze_step} >= trainer.max_steps={max_steps}: 1-bit Adam stays in its "
                    "AdamW warm-up for the whole run and never compresses. Fix: model.freeze_step="
                    f"{max(1, max_steps // 2)} (or more steps).")
@@ -362,8 +395,16 @@ def validate_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
     return cfg
 
 
-def count_model_parameters(cfg: TrainConfig) -> int:
-    """Parameters of the configured model, counted on the meta device (nothing is allocated)."""
+def count_model_parameters(cfg: TrainConfig) -> int | None:
+    """Parameters of the configured model, counted on the meta device (nothing is allocated); a Hugging Face
+    checkpoint's from its files' headers; ``None`` where counting would import the user's code or ``transformers``
+    (a ``_target_`` model, ``model.config`` without weights)."""
+    if isinstance(cfg.model, TargetNode):
+        return None
+    if isinstance(cfg.model, HFCausalLMSchema):
+        from lightning_zero.hf.directory import HFDirectory
+
+        return HFDirectory(Path(cfg.model.path)).num_parameters() if cfg.model.path else None
     if isinstance(cfg.model, GPTModelSchema):
         from lightning_zero.models.gpt_model import count_parameters
 
@@ -382,10 +423,13 @@ def count_model_parameters(cfg: TrainConfig) -> int:
 
 def describe(cfg: TrainConfig) -> str:
     """One line naming the run: model (size counted on meta), data, ZeRO stage and ranks."""
-    m, t = cfg.model, cfg.trainer
-    model = m.preset if isinstance(m, GPTModelSchema) else m.kind
-    data = cfg.data.kind if not isinstance(cfg.data, TextDataSchema) else (
-        "synthetic" if cfg.data.synthetic else (cfg.data.path or "python-stdlib"))
-    return (f"{cfg.name}: {model} ({count_model_parameters(cfg) / 1e6:.2f}M params) on {data}; ZeRO stage "
+    m, d, t = cfg.model, cfg.data, cfg.trainer
+    model = m.preset if isinstance(m, GPTModelSchema) else m.target if isinstance(m, TargetNode) else \
+        f"{m.kind} {m.path or 'from model.config'}" if isinstance(m, HFCausalLMSchema) else m.kind
+    data = d.target if isinstance(d, TargetNode) else d.kind if not isinstance(d, TextDataSchema) else (
+        "synthetic" if d.synthetic else (d.path or "python-stdlib"))
+    params = count_model_parameters(cfg)
+    size = "" if params is None else f" ({params / 1e6:.2f}M params)"
+    return (f"{cfg.name}: {model}{size} on {data}; ZeRO stage "
             f"{cfg.zero.stage}, {cfg.precision.name.value}, offload={offload_name(cfg)}, "
             f"{t.devices} x {t.accelerator}")

@@ -1,7 +1,8 @@
 """Byte-level text corpus, datasets, a deterministic rank-aware sampler and a LightningDataModule.
 
 The default corpus is the Python standard library's own source (present on every machine, no
-download). Tokenisation is the identity on bytes (vocabulary 256).
+download). Tokenisation is the identity on bytes (vocabulary 256), or a ``transformers`` tokenizer from a local
+directory (``tokenizer=``, what ``save_pretrained`` wrote: a Hugging Face model's own).
 """
 
 from __future__ import annotations
@@ -288,6 +289,14 @@ class ShardedDataModule(LightningDataModule):
         """Validation loader (in order; with ``deterministic_order`` sharded by our sampler, padded)."""
         return self._split_loader(train=False)
 
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split again (``lightning-zero test``): there is no third split."""
+        return self._split_loader(train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out split (``lightning-zero predict``)."""
+        return self._split_loader(train=False)
+
 
 class TextDataModule(ShardedDataModule):
     """Byte-level language-modelling data: stdlib source (default), a user file/directory, or synthetic.
@@ -305,6 +314,8 @@ class TextDataModule(ShardedDataModule):
         max_val_samples: evaluate on at most this many evenly spaced validation chunks (``None`` = all).
         synthetic: use :func:`markov_corpus` (``max_bytes`` bytes) instead of files.
         pattern: filename glob for directory corpora.
+        tokenizer: a local directory holding a ``transformers`` tokenizer: the corpus (decoded as UTF-8) is its
+            token ids, split and chunked like bytes (``None``: bytes).
     """
 
     def __init__(
@@ -320,6 +331,7 @@ class TextDataModule(ShardedDataModule):
         max_val_samples: int | None = 128,
         synthetic: bool = False,
         pattern: str | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__(micro_batch_size, num_workers, seed, deterministic_order)
         self.seq_len = seq_len
@@ -329,6 +341,7 @@ class TextDataModule(ShardedDataModule):
         self.max_val_samples = max_val_samples
         self.synthetic = synthetic
         self.pattern = pattern
+        self.tokenizer = tokenizer
         self.vocab_size = VOCAB_SIZE
 
     def setup(self, stage: str | None = None) -> None:
@@ -339,9 +352,23 @@ class TextDataModule(ShardedDataModule):
             data = markov_corpus(self.max_bytes or 1_000_000, seed=self.seed)
         else:
             data = load_corpus(self.path, self.max_bytes, self.pattern)
+        if self.tokenizer is not None:
+            data, self.vocab_size = tokenize(data, self.tokenizer)
         train, val = split_corpus(data, self.val_fraction)
         self.train_dataset = TokenChunkDataset(train, self.seq_len)
         self.val_dataset = TokenChunkDataset(val, self.seq_len, self.max_val_samples)
+
+
+def tokenize(data: torch.Tensor, tokenizer: str) -> tuple[torch.Tensor, int]:
+    """The token ids (``int32``) of a byte corpus decoded as UTF-8, by the tokenizer saved in directory
+    ``tokenizer`` (no special tokens added), and the tokenizer's vocabulary size."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    ids = tok(bytes(data.numpy()).decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+    if len(ids) < 2:
+        raise ValueError(f"the corpus is {len(ids)} token(s) long with the tokenizer of {tokenizer}")
+    return torch.tensor(ids, dtype=torch.int32), len(tok)
 
 
 def log_train_loss(module: Any, loss: torch.Tensor, batch_size: int) -> None:
@@ -353,3 +380,23 @@ def log_train_loss(module: Any, loss: torch.Tensor, batch_size: int) -> None:
     trainer = module._trainer
     monitored = trainer is not None and any(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks)
     module.log("train_loss", loss, prog_bar=not monitored, logger=not monitored, batch_size=batch_size)
+
+
+class NextTokenSteps:
+    """The training and validation steps of the language models (a mixin of a LightningModule with
+    ``loss(batch)``): the mean next-token loss of an ``(inputs, targets)`` batch, logged as ``train_loss``
+    (:func:`log_train_loss`) and ``val_loss`` (synchronised over the ranks). Training minimises
+    :meth:`training_loss` (the loss, plus what a model adds to it: the GPT's MoE router losses)."""
+
+    def training_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.loss(batch)  # type: ignore[attr-defined]
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.training_loss(batch)
+        log_train_loss(self, loss, batch[0].size(0))
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)  # type: ignore[attr-defined]
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch[0].size(0))  # type: ignore[attr-defined]
+        return loss

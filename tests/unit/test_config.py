@@ -34,12 +34,14 @@ GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "expe
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 CORPUS = "{corpus}"  # replaced by a small text file
+HF_DIR = "{hf_dir}"  # replaced by a directory with the files model=hf_causal_lm checks before launch
 
 # Options that need other groups to form a valid combination.
 COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("model", "mlp"): ["data=teacher"],
     ("data", "teacher"): ["model=mlp"],
     ("data", "text_file"): [f"data.path={CORPUS}"],
+    ("model", "hf_causal_lm"): [f"model.path={HF_DIR}"],
     ("experiment", "gpt_text_file"): [f"data.path={CORPUS}"],
     ("offload", "optimizer_nvme"): ["zero=stage1", "offload.nvme_path=/tmp"],
     ("offload", "param_cpu"): ["zero=stage3"],
@@ -65,6 +67,8 @@ SEQUENCE_PARALLEL = {("sequence_parallel", "sp2"), ("sequence_parallel", "sp4")}
 TENSOR_PARALLEL = {("tensor_parallel", "tp2"), ("tensor_parallel", "tp4")}
 # Expert-parallel options need N processes too: validated here, trained by tests/e2e/test_expert_parallel_cli.py.
 EXPERT_PARALLEL = {("expert_parallel", "ep2"), ("expert_parallel", "ep4")}
+# Hugging Face models need transformers and a saved model: validated here, trained by tests/e2e/test_hf_models.py.
+HUGGING_FACE = {("model", "hf_causal_lm")}
 CASES = OPTIONS + [("experiment", e) for e in EXPERIMENTS]
 _TRAINED: dict[str, dict] = {}  # one step per distinct (shrunk) configuration
 
@@ -76,8 +80,21 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def _overrides(group: str, option: str, corpus: str) -> list[str]:
-    return [f"{group}={option}"] + [o.replace(CORPUS, corpus) for o in COMPANIONS.get((group, option), [])]
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The files a save_pretrained directory holds, as far as the launcher reads them (no weights are read)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("hf")
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 256}))
+    (path / "tokenizer.json").write_text("{}")
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _overrides(group: str, option: str, corpus: str, hf: str = "") -> list[str]:
+    return [f"{group}={option}"] + [o.replace(CORPUS, corpus).replace(HF_DIR, hf)
+                                    for o in COMPANIONS.get((group, option), [])]
 
 
 def _tiny(cfg: TrainConfig, keep_model: bool) -> TrainConfig:
@@ -105,7 +122,7 @@ def _tiny(cfg: TrainConfig, keep_model: bool) -> TrainConfig:
 
 
 def test_every_option_and_experiment_is_listed() -> None:
-    assert GROUPS == ["data", "expert_parallel", "logger", "model", "offload", "pipeline", "precision",
+    assert GROUPS == ["callbacks", "data", "expert_parallel", "logger", "model", "offload", "pipeline", "precision",
                       "sequence_parallel", "tensor_parallel", "trainer", "zero"]
     assert {"stage0", "stage1", "stage2", "stage3"} <= {o for g, o in OPTIONS if g == "zero"}
     assert set(COMPANIONS) | set(UNBUILT) <= set(CASES), "a config file named here was renamed or removed"
@@ -113,9 +130,9 @@ def test_every_option_and_experiment_is_listed() -> None:
 
 
 @pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
-def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option: str, corpus: str,
+def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option: str, corpus: str, hf_dir: str,
                                                             tmp_path: Path) -> None:
-    cfg = compose_config(_overrides(group, option, corpus))
+    cfg = compose_config(_overrides(group, option, corpus, hf_dir))
     if (group, option) in UNBUILT:
         with pytest.raises(NotImplementedError, match=UNBUILT[(group, option)]):
             validate_config(cfg)
@@ -132,6 +149,9 @@ def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option:
         return
     if (group, option) in EXPERT_PARALLEL:
         assert validate_config(cfg).expert_parallel.size > 1 and describe(to_train_config(cfg))
+        return
+    if (group, option) in HUGGING_FACE:
+        assert "(0.00M params)" in describe(validate_config(cfg))  # counted from the file's header
         return
     typed = _tiny(validate_config(cfg), keep_model=group == "model")
     key = to_yaml(dataclasses.replace(typed, name=""))
