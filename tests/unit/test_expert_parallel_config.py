@@ -100,6 +100,13 @@ def test_the_cli_config_builds_expert_parallel_and_refuses_what_is_not_built_bef
     for override, message in cases.items():
         with pytest.raises(ValueError, match=message):
             validate_config(compose_config([*ok, override]))
+    from lightning_zero.config.parallel_checks import expert_parallel_problems
+    from lightning_zero.config.schema import HFCausalLMSchema
+
+    hf = replace(cfg, model=HFCausalLMSchema(config={"model_type": "qwen3_moe"}))  # its plan is found at setup
+    assert expert_parallel_problems(hf) == []
+    (why,) = expert_parallel_problems(replace(hf, zero=replace(hf.zero, stage=3)))
+    assert "hf_causal_lm at zero.stage=3 is not built yet" in why
 
 
 def test_the_model_state_formula_adds_the_dense_and_the_experts_partitions() -> None:
