@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from lightning_zero.config.schema import (
+    ExpertParallelSchema,
     GPTModelSchema,
     HFCausalLMSchema,
     LoggerSchema,
@@ -51,6 +52,7 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("pipeline", "pipeline_schema"): PipelineSchema,
     ("tensor_parallel", "tensor_parallel_schema"): TensorParallelSchema,
     ("sequence_parallel", "sequence_parallel_schema"): SequenceParallelSchema,
+    ("expert_parallel", "expert_parallel_schema"): ExpertParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
     ("model", "hf_causal_lm_schema"): HFCausalLMSchema,

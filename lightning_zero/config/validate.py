@@ -19,7 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.config.model_zoo import build_module, gpt_config, preset_known
 from lightning_zero.config.multinode import resolve_node
-from lightning_zero.config.parallel_checks import pipeline_problems, sequence_problems, tensor_parallel_problems
+from lightning_zero.config.parallel_checks import (
+    expert_parallel_problems,
+    pipeline_problems,
+    sequence_problems,
+    tensor_parallel_problems,
+)
 from lightning_zero.config.schema import (
     DataSchema,
     GPTModelSchema,
@@ -342,7 +347,7 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
         problems += static_problems(node)
     problems += tensor_parallel_problems(cfg)
     for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems, _model_data_problems,
-                  sequence_problems):
+                  sequence_problems, expert_parallel_problems):
         problems += check(cfg)
     return problems
 
