@@ -119,9 +119,13 @@ def estimate_command(argv: list[str]) -> int:
                        help="offload rows to show besides no offload (default: every valid option)")
         p.add_argument("--tensor-parallel", type=int, default=1,
                        help="ranks per tensor-parallel group (default 1: none); ZeRO partitions over the rest")
+        p.add_argument("--expert-parallel", type=int, default=1,
+                       help="ranks per expert-parallel group of a MoE model (default 1: none): each holds "
+                       "1/N of the experts")
 
     def act(a: argparse.Namespace) -> int:
-        est = estimate_memory(a.params, offload=a.offload, tensor_parallel=a.tensor_parallel, **_model_kwargs(a))
+        est = estimate_memory(a.params, offload=a.offload, tensor_parallel=a.tensor_parallel,
+                              expert_parallel=a.expert_parallel, **_model_kwargs(a))
         print(est.table(a.units))
         return 0
 
@@ -149,11 +153,14 @@ def advise_command(argv: list[str]) -> int:
         p.add_argument("--tensor-parallel", type=int, default=None,
                        help="ranks per tensor-parallel group to advise for (default: none, and the smallest size "
                        "that fits when nothing fits without it)")
+        p.add_argument("--expert-parallel", type=int, default=1,
+                       help="ranks per expert-parallel group of a MoE model to advise for (default 1: none)")
 
     def act(a: argparse.Namespace) -> int:
         result = advise(a.params, device_memory=a.device_memory, cpu_memory=a.cpu_memory, nvme=a.nvme,
                         headroom=a.headroom, activation_checkpointing=a.activation_checkpointing,
-                        nvme_path=a.nvme_path, tensor_parallel=a.tensor_parallel, **_model_kwargs(a))
+                        nvme_path=a.nvme_path, tensor_parallel=a.tensor_parallel,
+                        expert_parallel=a.expert_parallel, **_model_kwargs(a))
         print(result.table(a.units))
         problem = result.nvme_path_problem()
         if problem:  # the suggested command would be refused: say so, and how to fix it
@@ -204,10 +211,12 @@ def _evaluation(command: str) -> Callable[[list[str]], int]:
 
 
 def convert_command(argv: list[str]) -> int:
-    """``lightning-zero convert``: a sharded checkpoint directory -> one file (no process group)."""
+    """``lightning-zero convert``: a sharded checkpoint directory (or a consolidated ``.ckpt``) -> one file (no
+    process group)."""
 
     def build(p: argparse.ArgumentParser) -> None:
-        p.add_argument("checkpoint", help="a sharded checkpoint directory (or its name, e.g. last.ckpt)")
+        p.add_argument("checkpoint", help="a sharded checkpoint directory (or its name, e.g. last.ckpt), or a "
+                       "consolidated Lightning .ckpt file (its state_dict)")
         p.add_argument("out", help="output file: *.safetensors (safetensors), anything else: torch.save; with --hf a "
                        "directory")
         p.add_argument("--lightning", action="store_true",

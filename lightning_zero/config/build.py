@@ -69,6 +69,7 @@ def strategy_kwargs(cfg: TrainConfig, module: pl.LightningModule | None = None) 
         "pipeline": pipeline_config(cfg),
         "tensor_parallel": cfg.tensor_parallel.size if cfg.tensor_parallel.size > 1 else None,
         "sequence_parallel": cfg.sequence_parallel.size,
+        "expert_parallel": cfg.expert_parallel.size if cfg.expert_parallel.size > 1 else None,
         "offload": offload_config(cfg),
         "param_init_fn": param_init_fn(cfg, module),
         "resolved_config": config_hparams(cfg),  # compared across ranks at setup (Note [setup agreement])
@@ -332,14 +333,15 @@ def _validate_after_fit(trainer: pl.Trainer, module: pl.LightningModule, data: p
 
 
 def run_layout(strategy: pl.strategies.Strategy) -> dict[str, int]:
-    """The dimensions the strategy's mesh spans and how many modules its tensor-parallel plan split: what ran,
-    whatever the config asked (``result.json``'s ``layout``)."""
+    """The dimensions the strategy's mesh spans and how many modules its tensor-parallel plan and its expert
+    parallelism split: what ran, whatever the config asked (``result.json``'s ``layout``)."""
     if not isinstance(strategy, ZeroStrategy) or strategy._run.mesh is None:  # Lightning's own strategies: no mesh
         return {}
-    mesh, tp = strategy._run.mesh, strategy._run.tensor
+    mesh, tp, ep = strategy._run.mesh, strategy._run.tensor, strategy._run.expert
     d = mesh.dims
     return {"world_size": d.world_size, "data": d.data, "pipeline": d.pipeline, "tensor": d.tensor,
-            "sequence": d.sequence, "tensor_split_modules": len(tp.split) if tp is not None else 0}
+            "sequence": d.sequence, "tensor_split_modules": len(tp.split) if tp is not None else 0,
+            "expert": d.expert, "expert_split_layers": len(ep.layers) if ep is not None else 0}
 
 
 def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:

@@ -51,6 +51,8 @@ def gpt_overrides(m: GPTModelSchema) -> dict[str, Any]:
     section = resolve_attention(m.attention, m.sparse_attention)
     if section is not None:
         out["sparse_attention"] = section
+    if m.moe.num_experts > 0:
+        out["moe"] = {k: getattr(m.moe, k) for k in m.moe.__dataclass_fields__}
     return out
 
 

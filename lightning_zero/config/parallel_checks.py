@@ -17,6 +17,45 @@ from lightning_zero.core.zero.config import ZeroStage
 from lightning_zero.project.targets import TargetNode
 
 
+def expert_parallel_problems(cfg: TrainConfig) -> list[str]:
+    """``expert_parallel.size``: against the data ranks, the model's experts, the combinations not built yet."""
+    size, m = cfg.expert_parallel.size, cfg.model
+    if size < 1:
+        return [f"expert_parallel.size must be >= 1, got {size}. Fix: expert_parallel=none or ep2."]
+    if size == 1:
+        return []
+    out = []
+    data = data_parallel_size(cfg)
+    if data % size:
+        out.append(f"expert_parallel.size={size} does not divide the {data} data-parallel ranks (trainer.devices x "
+                   f"num_nodes over pipeline x tensor x sequence). Fix: trainer.devices={size} (or a multiple).")
+    for name, other in (("pipeline.stages", cfg.pipeline.stages), ("tensor_parallel.size", cfg.tensor_parallel.size),
+                        ("sequence_parallel.size", cfg.sequence_parallel.size)):
+        if other > 1:
+            out.append(f"expert_parallel with {name}={other} is not built yet. Fix: expert_parallel=none, or "
+                       f"{name.split('.')[0]}=none.")
+    if getattr(m, "optimizer", None) is OptimizerName.onebit_adam:
+        out.append("expert_parallel with model.optimizer=onebit_adam is not built. Fix: model.optimizer=adamw.")
+    if isinstance(m, TargetNode):  # your own module: its MoE layers are found (or refused) at setup
+        return out
+    if isinstance(m, HFCausalLMSchema):  # a Hugging Face MoE: its base_model_ep_plan is found at setup
+        if ZeroStage.of(cfg.zero.stage).shards_parameters:
+            out.append("expert_parallel with model=hf_causal_lm at zero.stage=3 is not built yet (the model is built "
+                       "on the meta device and streamed into shards; expert parallelism splits a whole model). Fix: "
+                       "zero=stage2, or expert_parallel=none.")
+        return out
+    if not isinstance(m, GPTModelSchema) or m.moe.num_experts == 0:
+        out.append("expert_parallel needs MoE layers: set model.moe.num_experts (a GPT model), or a Hugging Face "
+                   "MoE (model=hf_causal_lm). Fix: model.moe.num_experts=8, or expert_parallel=none.")
+    elif m.moe.num_experts % size:
+        out.append(f"model.moe.num_experts={m.moe.num_experts} does not split over expert_parallel.size={size}. Fix: "
+                   f"a multiple of {size} experts.")
+    if getattr(m, "build_in_configure_model", False):
+        out.append("expert_parallel with model.build_in_configure_model=true is not built yet (every rank builds the "
+                   "whole model and keeps its experts). Fix: model.build_in_configure_model=false.")
+    return out
+
+
 def data_parallel_size(cfg: TrainConfig) -> int:
     """Data-parallel replicas: the world over pipeline x tensor x sequence (the ranks of one replica share its
     samples; ``ParallelDims.data``)."""

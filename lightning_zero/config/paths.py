@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from lightning_zero.config.schema import (
+    ExpertParallelSchema,
     GPTModelSchema,
     HFCausalLMSchema,
     LoggerSchema,
@@ -51,6 +52,7 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("pipeline", "pipeline_schema"): PipelineSchema,
     ("tensor_parallel", "tensor_parallel_schema"): TensorParallelSchema,
     ("sequence_parallel", "sequence_parallel_schema"): SequenceParallelSchema,
+    ("expert_parallel", "expert_parallel_schema"): ExpertParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
     ("model", "hf_causal_lm_schema"): HFCausalLMSchema,
@@ -89,10 +91,10 @@ RUN_NAME_RESOLVER = "lz_run_name"  # conf/config.yaml's hydra.run.dir and hydra.
 
 def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", pipeline: str = "none",
              optimizer: Any = "adamw", deepspeed_config: str | None = None, tensor: Any = 1, sequence: Any = 1,
-             attention: Any = "dense") -> str:
+             attention: Any = "dense", expert: Any = 1) -> str:
     """A run's directory name from its choices, as TensorBoard lists the run, e.g. ``gpt_tiny-zero3-bf16``;
-    what is not the default is added: the offload and pipeline choices, tensor and sequence parallel
-    (``-tp2``, ``-sp2``), the attention (``-sparse_fixed``), an optimizer other than ``adamw``
+    what is not the default is added: the offload and pipeline choices, tensor, sequence and expert parallel
+    (``-tp2``, ``-sp2``, ``-ep2``), the attention (``-sparse_fixed``), an optimizer other than ``adamw``
     (``gpt_tiny-zero0-fp32-onebit_adam``). With a DeepSpeed JSON, which sets those after Hydra named the
     directory, the JSON file's name stands for them (``gpt_tiny-ds_config``)."""
     def text(value: Any) -> str:
@@ -102,7 +104,7 @@ def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", 
         return f"{text(name)}-{Path(str(deepspeed_config)).stem}"
     parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
     parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
-    parts += [f"{short}{size}" for short, size in (("tp", tensor), ("sp", sequence)) if int(size) > 1]
+    parts += [f"{short}{size}" for short, size in (("tp", tensor), ("sp", sequence), ("ep", expert)) if int(size) > 1]
     for value, default in ((attention, "dense"), (optimizer, "adamw")):
         if isinstance(getattr(value, "value", value), str) and text(value) != default:  # not a `_target_` node
             parts.append(text(value))

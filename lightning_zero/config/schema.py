@@ -181,6 +181,29 @@ class TensorParallelSchema:
 
 
 @dataclass
+class ExpertParallelSchema:
+    """``expert_parallel/``: ranks per expert-parallel group (each MoE layer's experts split over data ranks,
+    docs/expert_parallel.md; 1: off). The model needs MoE layers (``model.moe.num_experts``)."""
+
+    size: int = 1
+
+
+@dataclass
+class GPTMoESchema:
+    """``model.moe``: the GPT's mixture-of-experts option (``lightning_zero.models.gpt_config.GPTMoE``;
+    ``num_experts=0``: dense MLPs)."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = None  # None: dropless
+    eval_capacity_factor: float | None = None
+    min_capacity: int = 0
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    intermediate_size: int | None = None  # None: 4 x n_embd
+
+
+@dataclass
 class SequenceParallelSchema:
     """``sequence_parallel/``: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md; 1: off)."""
 
@@ -222,6 +245,7 @@ class GPTModelSchema(ModelSchema):
     attention: str = "dense"
     # DeepSpeed `sparse_attention` keys over the preset's (a DeepSpeed JSON's section lands here)
     sparse_attention: dict[str, Any] | None = None
+    moe: GPTMoESchema = field(default_factory=GPTMoESchema)  # model.moe.num_experts=8: MoE MLPs
 
 
 @dataclass
@@ -374,6 +398,7 @@ class TrainConfig:
     model: Any = MISSING  # ModelSchema | TargetNode
     # a default, not MISSING: configs saved before the group existed still load
     sequence_parallel: SequenceParallelSchema = field(default_factory=SequenceParallelSchema)
+    expert_parallel: ExpertParallelSchema = field(default_factory=ExpertParallelSchema)
     data: Any = MISSING  # DataSchema | TargetNode
     trainer: TrainerSchema = MISSING
     logger: Any = MISSING  # LoggerSchema | TargetNode | dict[str, TargetNode]

@@ -28,6 +28,7 @@ from lightning_zero.config.model_zoo import (
 from lightning_zero.config.multinode import node_device_problems, resolve_node
 from lightning_zero.config.parallel_checks import (
     data_parallel_size,
+    expert_parallel_problems,
     pipeline_problems,
     sequence_problems,
     tensor_parallel_problems,
@@ -395,7 +396,7 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
     problems += tensor_parallel_problems(cfg)
     problems += node_device_problems(str(cfg.trainer.accelerator), cfg.trainer.devices)
     for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems,
-                  _model_data_problems, sequence_problems):
+                  _model_data_problems, sequence_problems, expert_parallel_problems):
         problems += check(cfg)
     if not problems:  # sizes of a config that is otherwise valid (a corpus that exists, sizes >= 1)
         problems += epoch_problems(cfg)
@@ -474,12 +475,12 @@ def count_model_parameters(cfg: TrainConfig) -> int | None:
 
 # the value of each of run_choices' dimensions when it is off: the header line names the others
 DEFAULT_CHOICES: dict[str, Any] = {"pipeline": "none", "tensor_parallel": 1, "sequence_parallel": 1,
-                                   "attention": "dense", "optimizer": "adamw"}
+                                   "expert_parallel": 1, "attention": "dense", "optimizer": "adamw"}
 
 
 def run_choices(cfg: TrainConfig) -> dict[str, Any]:
     """What a run is beyond its model and data: ZeRO stage, precision, offload and the dimensions of
-    :data:`DEFAULT_CHOICES` (pipeline, tensor and sequence parallel, attention, optimizer), as the header line
+    :data:`DEFAULT_CHOICES` (pipeline, tensor, sequence and expert parallel, attention, optimizer), as the header line
     (:func:`describe`), TensorBoard's HParams (``build.run_hparams``) and the run directory (``paths.run_name``)
     name them."""
     m, p = cfg.model, cfg.pipeline
@@ -488,7 +489,7 @@ def run_choices(cfg: TrainConfig) -> dict[str, Any]:
     out = {"zero_stage": cfg.zero.stage, "precision": cfg.precision.name.value, "offload": offload_name(cfg),
            "pipeline": "none" if p.stages <= 1 else f"{p.stages} stages, {p.schedule.value}",
            "tensor_parallel": cfg.tensor_parallel.size, "sequence_parallel": cfg.sequence_parallel.size,
-           "attention": attention}
+           "expert_parallel": cfg.expert_parallel.size, "attention": attention}
     if isinstance(m, ModelSchema):  # a `_target_` model's optimizer is its own
         out["optimizer"] = m.optimizer.value
     return out

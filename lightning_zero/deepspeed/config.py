@@ -30,6 +30,7 @@ from lightning_zero.deepspeed.pipeline import PipelineSpec, parse_pipeline
 from lightning_zero.deepspeed.refused import REFUSED, refusal_message, refuse_unbuilt, refused_keys
 from lightning_zero.deepspeed.schedulers import check_scheduler_params
 from lightning_zero.deepspeed.tensor_parallel import SECTION, parse_tensor_parallel
+from lightning_zero.moe.config import DEEPSPEED_SECTION, expert_parallel_from_deepspeed
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -77,6 +78,7 @@ class DeepSpeedConfig:
         pipeline: the ``pipeline`` section (``deepspeed/pipeline.py``; ``None``: absent).
         sequence_parallel: ``sequence_parallel_size`` (docs/sequence_parallel.md; 1: off).
         tensor_parallel: ``tensor_parallel.autotp_size`` (docs/tensor_parallel.md; 1: off).
+        expert_parallel: ``expert_parallel.autoep_size`` when ``enabled`` (docs/expert_parallel.md; 1: off).
         sparse_attention: the ``sparse_attention`` section, checked (``None``: absent); the GPT
             experiment's attention (docs/sparse_attention.md).
         given: Hydra-style setting name -> the JSON key that set it.
@@ -100,6 +102,7 @@ class DeepSpeedConfig:
     sparse_attention: dict[str, Any] | None = None
     sequence_parallel: int = 1
     tensor_parallel: int = 1
+    expert_parallel: int = 1
     given: dict[str, str] = field(default_factory=dict)
     unsupported: tuple[str, ...] = ()
     source: str = "<dict>"
@@ -147,6 +150,10 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
     tensor_parallel = problems.attempt(lambda: parse_tensor_parallel(data.get(SECTION), root.used, unsupported), 1)
     if tensor_parallel > 1:
         given["tensor_parallel.size"] = f"{SECTION}.autotp_size"
+    expert_parallel = problems.attempt(
+        lambda: expert_parallel_from_deepspeed(data.get(DEEPSPEED_SECTION), root.used, unsupported), 1)
+    if expert_parallel > 1:
+        given["expert_parallel.size"] = f"{DEEPSPEED_SECTION}.autoep_size"
     problems.raise_any(origin)
     root.noop(_NOOP_TOP)
     amp = root.section("amp")
@@ -159,7 +166,7 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
                              gradient_clipping=clip or None, optimizer=optimizer, scheduler=scheduler,
                              steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, pipeline=pipeline,
                              sparse_attention=sparse_attention, sequence_parallel=sequence_parallel,
-                             tensor_parallel=tensor_parallel, given=given,
+                             tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, given=given,
                              unsupported=tuple(unsupported), source=origin)
     if config.unsupported and strict:
         raise ValueError(config.unsupported_message())

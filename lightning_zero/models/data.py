@@ -327,10 +327,14 @@ def log_train_loss(module: Any, loss: torch.Tensor, batch_size: int) -> None:
 class NextTokenSteps:
     """The training and validation steps of the language models (a mixin of a LightningModule with
     ``loss(batch)``): the mean next-token loss of an ``(inputs, targets)`` batch, logged as ``train_loss``
-    (:func:`log_train_loss`) and ``val_loss`` (synchronised over the ranks)."""
+    (:func:`log_train_loss`) and ``val_loss`` (synchronised over the ranks). Training minimises
+    :meth:`training_loss` (the loss, plus what a model adds to it: the GPT's MoE router losses)."""
+
+    def training_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.loss(batch)  # type: ignore[attr-defined]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)  # type: ignore[attr-defined]
+        loss = self.training_loss(batch)
         log_train_loss(self, loss, batch[0].size(0))
         return loss
 

@@ -174,6 +174,13 @@ class GPTLightningModule(NextTokenSteps, LightningModule):
             return self.pipeline_loss(self(x), y)
         return sp.loss(self(sp.slice(x)), sp.slice(y))
 
+    def training_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """:meth:`loss` plus, with the MoE option, the weighted router losses of that forward (what is trained on;
+        the validation loss is the cross-entropy alone)."""
+        loss = self.loss(batch)
+        router = self.model.router_loss() if self.model is not None else None
+        return loss if router is None else loss + router
+
     def _decay_horizon(self) -> int:
         hp = self.hparams
         if hp.lr_decay_steps:

@@ -257,8 +257,8 @@ def test_the_hparams_table_compares_runs_by_choices_and_a_few_metrics(runs) -> N
         config = main.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
         assert "reduce_bucket_size" in config and "max_val_samples" in config  # the rest of the config: Text tab
     assert set(hparams["fp32"]) == {"zero_stage", "offload", "precision", "pipeline", "tensor_parallel",
-                                    "sequence_parallel", "attention", "model", "params_M", "world_size",
-                                    "global_batch", "optimizer", "lr"}
+                                    "sequence_parallel", "expert_parallel", "attention", "model", "params_M",
+                                    "world_size", "global_batch", "optimizer", "lr"}
     assert {k for k in hparams["fp32"] if hparams["fp32"][k] != hparams["fp16"][k]} == {"precision"}
     assert hparams["fp32"]["world_size"] == 2 and hparams["fp32"]["global_batch"] == 16  # 2 ranks x 8
     assert hparams["fp32"]["optimizer"] == "adamw"

@@ -63,6 +63,9 @@ SKIP: dict[str, str] = {
         "converts the first command's checkpoint (each doc command runs alone); "
         "tests/distributed/test_tensor_parallel_checkpoints.py converts a TP-2 checkpoint and checks the unsplit "
         "weights",
+    "lightning-zero train experiment=gpt_tiny model.moe.num_experts=8 expert_parallel=ep2 trainer.devices=2":
+        "the same run (6 steps) is tests/e2e/test_expert_parallel_cli.py's, against the 1-rank run and 2-rank data "
+        "parallelism without expert parallelism",
     "lightning-zero train experiment=gpt_tiny model.attention=sparse_bigbird":
         "another preset of the same path; tests/e2e/test_sparse_gpt.py's CLI test trains bigbird from a JSON section",
     "lightning-zero train model=hf_causal_lm model.path=outputs/tiny_llama data=text_file  "

@@ -53,6 +53,8 @@ COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("sequence_parallel", "sp4"): ["trainer.devices=4"],
     ("tensor_parallel", "tp2"): ["trainer.devices=2"],  # with checkpoints (the experiment's default)
     ("tensor_parallel", "tp4"): ["trainer.devices=4"],
+    ("expert_parallel", "ep2"): ["trainer.devices=2", "model.moe.num_experts=4"],
+    ("expert_parallel", "ep4"): ["trainer.devices=4", "model.moe.num_experts=4"],
 }
 # Options whose feature is not built yet: the text their NotImplementedError must contain.
 UNBUILT: dict[tuple[str, str], str] = {}  # every option is built today (parameter offload was the last)
@@ -63,6 +65,8 @@ PIPELINED = {("pipeline", "pp2_gpipe"), ("pipeline", "pp2_1f1b"), ("pipeline", "
 SEQUENCE_PARALLEL = {("sequence_parallel", "sp2"), ("sequence_parallel", "sp4")}
 # Tensor-parallel options need N processes too: validated here, trained by tests/distributed/test_tensor_parallel.py.
 TENSOR_PARALLEL = {("tensor_parallel", "tp2"), ("tensor_parallel", "tp4")}
+# Expert-parallel options need N processes too: validated here, trained by tests/e2e/test_expert_parallel_cli.py.
+EXPERT_PARALLEL = {("expert_parallel", "ep2"), ("expert_parallel", "ep4")}
 # Hugging Face models need transformers and a saved model: validated here, trained by tests/e2e/test_hf_models.py.
 HUGGING_FACE = {("model", "hf_causal_lm")}
 CASES = OPTIONS + [("experiment", e) for e in EXPERIMENTS]
@@ -118,8 +122,8 @@ def _tiny(cfg: TrainConfig, keep_model: bool) -> TrainConfig:
 
 
 def test_every_option_and_experiment_is_listed() -> None:
-    assert GROUPS == ["callbacks", "data", "logger", "model", "offload", "pipeline", "precision", "sequence_parallel",
-                      "tensor_parallel", "trainer", "zero"]
+    assert GROUPS == ["callbacks", "data", "expert_parallel", "logger", "model", "offload", "pipeline", "precision",
+                      "sequence_parallel", "tensor_parallel", "trainer", "zero"]
     assert {"stage0", "stage1", "stage2", "stage3"} <= {o for g, o in OPTIONS if g == "zero"}
     assert set(COMPANIONS) | set(UNBUILT) <= set(CASES), "a config file named here was renamed or removed"
     assert "gpt_small" in EXPERIMENTS and len(EXPERIMENTS) >= 5
@@ -144,6 +148,9 @@ def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option:
         return
     if (group, option) in TENSOR_PARALLEL:
         assert validate_config(cfg).tensor_parallel.size > 1 and describe(to_train_config(cfg))
+        return
+    if (group, option) in EXPERT_PARALLEL:
+        assert validate_config(cfg).expert_parallel.size > 1 and describe(to_train_config(cfg))
         return
     if (group, option) in HUGGING_FACE:
         assert "(0.00M params)" in describe(validate_config(cfg))  # counted from the file's header

@@ -40,13 +40,15 @@ def test_help_lists_the_options_of_each_group_and_no_schema(tmp_path: Path, monk
 # ---------------------------------------------------------------------------------------- 6. what a run is
 @pytest.mark.parametrize(("overrides", "header", "directory", "hparams"), [
     ([], "ZeRO stage 2, fp32, offload=none, 2 x cpu", "gpt_tiny-zero2-fp32",
-     {"tensor_parallel": 1, "sequence_parallel": 1, "attention": "dense", "pipeline": "none"}),
+     {"tensor_parallel": 1, "sequence_parallel": 1, "expert_parallel": 1, "attention": "dense", "pipeline": "none"}),
     (["tensor_parallel=tp2"], "ZeRO stage 2, fp32, offload=none, tensor parallel 2, 2 x cpu", "gpt_tiny-zero2-fp32-tp2",
      {"tensor_parallel": 2}),
     (["sequence_parallel=sp2"], "offload=none, sequence parallel 2, 2 x cpu", "gpt_tiny-zero2-fp32-sp2",
      {"sequence_parallel": 2}),
     (["pipeline=pp2_1f1b", "zero=stage1"], "ZeRO stage 1, fp32, offload=none, pipeline 2 stages, one_f_one_b, 2 x cpu",
      "gpt_tiny-zero1-fp32-pp2_1f1b", {"pipeline": "2 stages, one_f_one_b"}),
+    (["expert_parallel=ep2", "model.moe.num_experts=4"], "offload=none, expert parallel 2, 2 x cpu",
+     "gpt_tiny-zero2-fp32-ep2", {"expert_parallel": 2}),
     (["model.attention=sparse_bigbird"], "offload=none, attention sparse_bigbird, 2 x cpu",
      "gpt_tiny-zero2-fp32-sparse_bigbird", {"attention": "sparse_bigbird"}),
     (["zero=stage3", "offload=param_cpu", "precision=bf16"], "ZeRO stage 3, bf16, offload=param_cpu, 2 x cpu",
