@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from lightning_zero.estimator import (
     OFFLOADS,
@@ -42,6 +43,18 @@ def _typed(parse: Callable[[str], float]) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(str(err)) from err
 
     return convert
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in two lines (the error, and where the options are) instead of the whole
+    usage (17 lines for ``advise``) above it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
+
+
+def _size(text: str) -> float:
+    return parse_size(text, unit_required=True)
 
 
 def _common_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,7 +97,7 @@ def _model_kwargs(a: argparse.Namespace) -> EstimateOptions:
 
 def _run(name: str, description: str, build: Callable[[argparse.ArgumentParser], None],
          act: Callable[[argparse.Namespace], int], argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"lightning-zero {name}", description=description)
+    parser = _Parser(prog=f"lightning-zero {name}", description=description)
     build(parser)
     try:
         args = parser.parse_args(argv)
@@ -123,10 +136,11 @@ def advise_command(argv: list[str]) -> int:
     """``lightning-zero advise``: the fastest ZeRO configuration that fits (exit code 1 if none does)."""
 
     def build(p: argparse.ArgumentParser) -> None:
-        hw = p.add_argument_group("hardware (sizes like 80GB, 80GiB, 512G, 2TB, 1.5e9; GB = 10^9 bytes)")
-        hw.add_argument("--device-memory", type=_typed(parse_size), required=True, help="accelerator memory per rank")
-        hw.add_argument("--cpu-memory", type=_typed(parse_size), default=0.0, help="host memory per node")
-        hw.add_argument("--nvme", type=_typed(parse_size), default=0.0, help="NVMe capacity per node")
+        hw = p.add_argument_group("hardware (sizes with their unit, like 80GB, 80GiB, 512G, 2TB; GB = 10^9 bytes, "
+                                  "GiB = 2^30)")
+        hw.add_argument("--device-memory", type=_typed(_size), required=True, help="accelerator memory per rank")
+        hw.add_argument("--cpu-memory", type=_typed(_size), default=0.0, help="host memory per node")
+        hw.add_argument("--nvme", type=_typed(_size), default=0.0, help="NVMe capacity per node")
         hw.add_argument("--nvme-path", default=tempfile.gettempdir(),
                         help="directory for the swap files of an NVMe choice, named in its overrides and checked "
                         "for writability and free space (default: the system's temporary directory, "

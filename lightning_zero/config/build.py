@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from omegaconf import OmegaConf
 
+from lightning_zero.checkpoint.reader import resume_path
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
 from lightning_zero.config.parallel_checks import data_parallel_size
 from lightning_zero.config.paths import RESULT_FILE, EvalResult, FitResult
@@ -37,7 +38,7 @@ from lightning_zero.config.schema import (
     to_container,
     to_yaml,
 )
-from lightning_zero.config.validate import counts, import_object, offload_config, zero_config
+from lightning_zero.config.validate import counts, import_object, offload_config, val_check_batches, zero_config
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.stage3.sharded_unit import is_released
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
@@ -110,10 +111,10 @@ def config_hparams(cfg: TrainConfig) -> dict[str, Any]:
 
 def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
     """The choices that define a run, as TensorBoard's HParams tab compares runs by (the rest of the
-    config goes to the Text tab): ZeRO stage, offload, precision, pipeline, model preset and size,
-    world size, global batch (samples per optimizer step), optimizer (``onebit_adam`` apart from ``adamw``),
-    learning rate."""
-    from lightning_zero.config.validate import count_model_parameters, offload_name
+    config goes to the Text tab): ZeRO stage, offload, precision, pipeline, tensor and sequence parallel,
+    attention, optimizer (``onebit_adam`` apart from ``adamw``) (``validate.run_choices``), model preset and size,
+    world size, global batch (samples per optimizer step), learning rate (those known for a ``_target_`` model)."""
+    from lightning_zero.config.validate import count_model_parameters, run_choices
 
     t, p, m = cfg.trainer, cfg.pipeline, cfg.model
     model = m.preset if isinstance(m, GPTModelSchema) else m.target if isinstance(m, TargetNode) else m.kind
@@ -121,13 +122,11 @@ def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
     micro_batches = p.micro_batches if p.stages > 1 else t.accumulate_grad_batches
     params, batch = count_model_parameters(cfg), getattr(cfg.data, "micro_batch_size", None)
     out = {
-        "zero_stage": cfg.zero.stage, "offload": offload_name(cfg), "precision": cfg.precision.name.value,
-        "pipeline": "none" if p.stages == 1 else f"{p.stages} stages, {p.schedule.value}",
-        "model": model, "params_M": None if params is None else round(params / 1e6, 3), "world_size": t.devices,
-        "global_batch": None if batch is None else batch * micro_batches * data_parallel,
+        **run_choices(cfg), "model": model, "params_M": None if params is None else round(params / 1e6, 3),
+        "world_size": t.devices, "global_batch": None if batch is None else batch * micro_batches * data_parallel,
     }
     if isinstance(m, ModelSchema):
-        out.update(optimizer=m.optimizer.value, lr=m.lr)
+        out.update(lr=m.lr)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -184,17 +183,6 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[Callback]:
     return out + instantiate_entries(cfg.callbacks)  # the user's own, `callbacks.<name>._target_`
 
 
-def val_check_batches(cfg: TrainConfig) -> float | None:
-    """``trainer.val_check_interval`` as Lightning counts it: the config's whole number (> 1) counts optimizer
-    steps, Lightning's counts training batches, so it is multiplied by the accumulation (a fraction <= 1 of
-    an epoch is passed as it is)."""
-    t = cfg.trainer
-    value = t.val_check_interval
-    if value is None or not counts(value):
-        return value
-    return int(value) * t.accumulate_grad_batches
-
-
 def val_batches_per_rank(cfg: TrainConfig) -> float | int | None:
     """``trainer.limit_val_batches`` as Lightning counts it (per rank).
 
@@ -249,7 +237,8 @@ def trainer_kwargs(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
         "accelerator": t.accelerator, "devices": t.devices, "num_nodes": t.num_nodes, "max_steps": t.max_steps,
         "check_val_every_n_epoch": t.check_val_every_n_epoch, "num_sanity_val_steps": t.num_sanity_val_steps,
         "accumulate_grad_batches": t.accumulate_grad_batches, "log_every_n_steps": t.log_every_n_steps,
-        "enable_progress_bar": t.enable_progress_bar, "enable_model_summary": t.enable_model_summary,
+        # the summary is ours when asked for (build_callbacks): Lightning adds none, and says nothing about it
+        "enable_progress_bar": t.enable_progress_bar, "enable_model_summary": False,
         "deterministic": t.deterministic, "default_root_dir": str(run_dir),
         "logger": build_logger(cfg, run_dir), "callbacks": build_callbacks(cfg, run_dir),
         "enable_checkpointing": t.checkpoint.enabled,
@@ -376,14 +365,14 @@ def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:
             logger.log_config_text(to_yaml(cfg))
         else:
             logger.log_hyperparams(config_hparams(cfg))
-    start = _validate_at_start(trainer, module, data, cfg.trainer.resume_from) if cfg.trainer.validate_at_start \
-        else None
-    if cfg.trainer.resume_from and start is not None and any(isinstance(c, LineProgress) for c in trainer.callbacks):
+    resume = str(resume_path(cfg.trainer.resume_from)) if cfg.trainer.resume_from else None  # a folder: last.ckpt
+    start = _validate_at_start(trainer, module, data, resume) if cfg.trainer.validate_at_start else None
+    if resume and start is not None and any(isinstance(c, LineProgress) for c in trainer.callbacks):
         last_validation.start_line = start
     began = time.perf_counter()
     with warnings.catch_warnings():  # the CLI chose not to gather (Note [end validation inside the fit]): no news
         warnings.filterwarnings("ignore", message=r"ZeroStrategy\(gather_on_teardown=False\)")
-        trainer.fit(module, data, ckpt_path=cfg.trainer.resume_from)
+        trainer.fit(module, data, ckpt_path=resume)
     seconds = time.perf_counter() - began
     if cfg.trainer.validate_at_end and last_validation.step != trainer.global_step:  # else it just ran
         end = _validate_after_fit(trainer, module, data)

@@ -38,6 +38,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import lightning_zero
+from lightning_zero.checkpoint.reader import resume_path
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
 from lightning_zero.config.paths import (
@@ -50,6 +51,7 @@ from lightning_zero.config.paths import (
     FitResult,
     checkpoint_of,
     conf_dir,
+    group_options,
     register_configs,
     register_run_name,
 )
@@ -70,22 +72,25 @@ class RankFailure(RuntimeError):
         self.code = code
 
 
-def group_options(group: str) -> list[str]:
-    """The options of a config group: its YAML files under ``conf/`` (the typed ``*_schema`` entries of
-    Hydra's ConfigStore are not options)."""
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
-
-
 def _refuse_schema_choices(overrides: Sequence[str]) -> None:
-    """``zero=zero_schema`` would compose the bare schema (its defaults) as if it were an option: refuse it."""
+    """``zero=zero_schema`` would compose the bare schema (its defaults) as if it were an option: refuse it; and
+    ``zero=3``, which Hydra refuses with "Config group override must be a string or a list. Got int", naming no
+    group: say which option it means (the one whose name ends in that number)."""
     schemas = {(group, name) for group, name in SCHEMAS if group is not None}
     for override in overrides:
         key, _, value = override.partition("=")
         group = key.lstrip("+~").lstrip("/")
         for name in value.split(","):
-            if (group, name.strip()) in schemas:
-                raise ValueError(f"{group}={name.strip()}: `{name.strip()}` is the typed schema behind conf/{group}/, "
+            name = name.strip()
+            if (group, name) in schemas:
+                raise ValueError(f"{group}={name}: `{name}` is the typed schema behind conf/{group}/, "
                                  f"not an option. Options: {', '.join(group_options(group))}.")
+            if re.fullmatch(r"[-+]?\d+(\.\d*)?", name) and (conf_dir() / group).is_dir():
+                options = group_options(group)
+                meant = [o for o in options if re.search(rf"\D{re.escape(name)}$", o)]
+                hint = f" Did you mean {group}={meant[0]}?" if len(meant) == 1 else ""
+                raise ValueError(f"{group}={name}: a config group takes an option's name, not a number.{hint} "
+                                 f"Options: {', '.join(options)}.")
 
 
 def with_config_dir(overrides: Sequence[str], config_dir: str | None) -> list[str]:
@@ -263,8 +268,8 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
         typed.deepspeed_config = to_absolute_path(typed.deepspeed_config)
     if isinstance(typed.data, TextDataSchema) and typed.data.path:
         typed.data.path = to_absolute_path(typed.data.path)  # the ranks may run elsewhere
-    if typed.trainer.resume_from:
-        typed.trainer.resume_from = to_absolute_path(typed.trainer.resume_from)
+    if typed.trainer.resume_from:  # a run's checkpoints/ folder: its last.ckpt (what validation checked)
+        typed.trainer.resume_from = str(resume_path(to_absolute_path(typed.trainer.resume_from)))
     if typed.offload.nvme_path:
         typed.offload.nvme_path = to_absolute_path(typed.offload.nvme_path)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -275,8 +280,10 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
     node = resolve_node(typed.trainer.num_nodes, typed.trainer.node_rank, typed.trainer.rdzv_endpoint)
     if typed.trainer.devices == 1 and node is None:
         from lightning_zero.config.build import evaluate, fit
+        from lightning_zero.config.console import in_process_console
 
-        result = fit(typed, run_dir) if command == FIT else evaluate(typed, run_dir, command)
+        with in_process_console():
+            result = fit(typed, run_dir) if command == FIT else evaluate(typed, run_dir, command)
     else:
         launch_ranks(config_file, typed.trainer.devices, node, command)
         data = json.loads((run_dir / RESULT_FILE).read_text())

@@ -1,4 +1,7 @@
-"""The ``model=`` / ``data=`` options of a config as the LightningModule and DataModule they name.
+"""The ``model=`` / ``data=`` options of a config as the LightningModule and DataModule they name, and what is
+known of them before anything is built: a text corpus's training batches per epoch (from its files' sizes),
+whether ``trainer.resume_from`` holds a checkpoint of this model (its metadata and file headers, no tensor read),
+whether a sparse-attention layout is sparse at the run's sequence length.
 
 GPT options are a preset of :data:`lightning_zero.models.gpt.GPT_PRESETS` plus shape overrides
 (:func:`gpt_config`); ``model=hf_causal_lm`` is :class:`lightning_zero.hf.HFCausalLM`; a ``_target_`` node is the
@@ -131,3 +134,79 @@ def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
 
         return TeacherDataModule(**{name: getattr(d, name) for name in inspect.signature(TeacherDataModule).parameters})
     raise ValueError(f"no builder for data.kind={d.kind!r}")
+
+
+def resume_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with ``trainer.resume_from``, found without reading its tensors: no checkpoint there, an
+    incomplete or truncated one (``checkpoint.reader.open_to_resume``), or one of another model's shapes."""
+    from lightning_zero.checkpoint.plain import CheckpointError
+    from lightning_zero.checkpoint.reader import open_to_resume, resume_path, shape_mismatches
+
+    resume = cfg.trainer.resume_from
+    if not resume:
+        return []
+    try:
+        checkpoint = open_to_resume(resume_path(resume))
+    except (CheckpointError, OSError) as err:
+        return [f"trainer.resume_from={resume}: {err}"]
+    if checkpoint is None or not isinstance(cfg.model, GPTModelSchema) or not preset_known(cfg.model):
+        return []
+    from lightning_zero.models.gpt_model import state_shapes
+
+    wrong = shape_mismatches(checkpoint, state_shapes(gpt_config(cfg.model)))
+    if not wrong:
+        return []
+    hparams = checkpoint.meta.get("lightning", {}).get("hyper_parameters", {})
+    writer = hparams.get("model") if isinstance(hparams, dict) else None
+    more = f"; and {len(wrong) - 2} more" if len(wrong) > 2 else ""
+    return [f"trainer.resume_from={resume} holds another model than model={cfg.model.preset}: "
+            f"{'; '.join(wrong[:2])}{more}. Fix: resume with the model that wrote it"
+            f"{f' (model={writer})' if isinstance(writer, str) else ''}, or drop trainer.resume_from."]
+
+
+def epoch_batches(cfg: TrainConfig, replicas: int) -> tuple[int, int, int] | None:
+    """``(bytes, training samples, batches per rank)`` of one epoch of a text corpus on ``replicas`` data-parallel
+    ranks, counted from its files' sizes as :class:`~lightning_zero.models.data.TextDataModule` splits and chunks
+    them (the last ``val_fraction`` of the bytes held out, samples of ``seq_len + 1`` bytes at stride ``seq_len``)
+    and its loaders batch them (Lightning's sampler pads to whole replicas, ``deterministic_order``'s drops the
+    rest; whole micro-batches); ``None`` for other data, text a tokenizer reads (its token count is not known
+    without tokenizing it), or a corpus that is not there (refused apart)."""
+    from lightning_zero.models.corpus import chunk_count, corpus_bytes, split_sizes
+
+    d = cfg.data
+    if not isinstance(d, TextDataSchema) or hf_tokenizer(cfg) is not None:
+        return None
+    try:
+        size = (d.max_bytes or 1_000_000) if d.synthetic else corpus_bytes(d.path, d.max_bytes, d.pattern)
+    except FileNotFoundError:
+        return None
+    samples = chunk_count(split_sizes(size, d.val_fraction)[0], d.seq_len)
+    per_rank = samples // replicas if d.deterministic_order else -(-samples // replicas)
+    return size, samples, per_rank // d.micro_batch_size
+
+
+def dense_layout_warning(cfg: TrainConfig) -> str | None:
+    """The warning for a sparse-attention layout that keeps, at ``data.seq_len``, every block a causal query sees
+    (it computes dense attention's result through the slower sparse path), with the length it is sparse from;
+    ``None`` otherwise (dense attention, ``mode: dense`` on purpose, a layout that is sparse).
+
+    Raises:
+        ValueError: the layout does not fit ``data.seq_len`` (a window of more blocks than the sequence has).
+    """
+    from lightning_zero.sparse_attention.section import dense_at, resolve_attention, sparse_from
+
+    m, d = cfg.model, cfg.data
+    if not isinstance(m, GPTModelSchema) or not isinstance(d, TextDataSchema) or not preset_known(m):
+        return None
+    section = resolve_attention(m.attention, m.sparse_attention)
+    heads = gpt_config(m).n_head
+    if section is None or section.get("mode") == "dense" or not dense_at(section, heads, d.seq_len):
+        return None
+    block = int(section.get("block", 16))
+    start = sparse_from(section, heads, limit=64 * block)
+    name = m.attention if m.attention != "dense" else f"sparse_attention mode {section.get('mode', 'fixed')}"
+    longer = (f" It is sparse from {start} tokens: data.seq_len={start} or more (and model.seq_len, the model's "
+              f"context, at least that)." if start else "")
+    return (f"model.attention={name} is dense at data.seq_len={d.seq_len} ({-(-d.seq_len // block)} blocks of "
+            f"{block}): its layout keeps every block a causal query sees, so it computes dense attention's result, "
+            f"slower.{longer} Or model.attention=dense.")

@@ -63,6 +63,22 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
 }
 
 
+def group_options(group: str) -> list[str]:
+    """The options of a config group: its YAML files under ``conf/`` (the typed ``*_schema`` entries of
+    Hydra's ConfigStore are not options)."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def config_groups_text() -> str:
+    """``group: option, option, ...`` for every group of ``conf/``, as Hydra's ``--help`` lists them but without
+    the schemas (which Hydra would list as options: they are refused when chosen)."""
+    groups = sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and any(p.glob("*.yaml")))
+    return "\n".join(f"{group}: {', '.join(group_options(group))}" for group in groups)
+
+
+HELP_GROUPS_RESOLVER = "lz_config_groups"  # conf/config.yaml's hydra.help.template uses it
+
+
 def register_configs() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent; call before composing ``conf/``)."""
     cs = ConfigStore.instance()
@@ -74,9 +90,11 @@ RUN_NAME_RESOLVER = "lz_run_name"  # conf/config.yaml's hydra.run.dir and hydra.
 
 
 def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", pipeline: str = "none",
-             optimizer: Any = "adamw", deepspeed_config: str | None = None) -> str:
+             optimizer: Any = "adamw", deepspeed_config: str | None = None, tensor: Any = 1, sequence: Any = 1,
+             attention: Any = "dense", expert: Any = 1) -> str:
     """A run's directory name from its choices, as TensorBoard lists the run, e.g. ``gpt_tiny-zero3-bf16``;
-    offload and pipeline choices other than ``none`` and an optimizer other than ``adamw`` are added
+    what is not the default is added: the offload and pipeline choices, tensor, sequence and expert parallel
+    (``-tp2``, ``-sp2``, ``-ep2``), the attention (``-sparse_fixed``), an optimizer other than ``adamw``
     (``gpt_tiny-zero0-fp32-onebit_adam``). With a DeepSpeed JSON, which sets those after Hydra named the
     directory, the JSON file's name stands for them (``gpt_tiny-ds_config``)."""
     def text(value: Any) -> str:
@@ -86,15 +104,20 @@ def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", 
         return f"{text(name)}-{Path(str(deepspeed_config)).stem}"
     parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
     parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
-    if isinstance(getattr(optimizer, "value", optimizer), str) and text(optimizer) != "adamw":  # not a `_target_` node
-        parts.append(text(optimizer))
+    parts += [f"{short}{size}" for short, size in (("tp", tensor), ("sp", sequence), ("ep", expert)) if int(size) > 1]
+    for value, default in ((attention, "dense"), (optimizer, "adamw")):
+        if isinstance(getattr(value, "value", value), str) and text(value) != default:  # not a `_target_` node
+            parts.append(text(value))
     return "-".join(parts)
 
 
 def register_run_name() -> None:
-    """Register :func:`run_name` as the OmegaConf resolver ``lz_run_name`` (idempotent; before Hydra composes)."""
+    """Register :func:`run_name` as the OmegaConf resolver ``lz_run_name``, and :func:`config_groups_text` as
+    ``lz_config_groups`` (``--help``'s groups) (idempotent; before Hydra composes)."""
     if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
         OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, run_name)
+    if not OmegaConf.has_resolver(HELP_GROUPS_RESOLVER):
+        OmegaConf.register_new_resolver(HELP_GROUPS_RESOLVER, config_groups_text)
 
 
 RESULT_FILE = "result.json"

@@ -17,9 +17,17 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zero.config.model_zoo import build_module, gpt_config, preset_known
-from lightning_zero.config.multinode import resolve_node
+from lightning_zero.config.model_zoo import (
+    build_module,
+    dense_layout_warning,
+    epoch_batches,
+    gpt_config,
+    preset_known,
+    resume_problems,
+)
+from lightning_zero.config.multinode import node_device_problems, resolve_node
 from lightning_zero.config.parallel_checks import (
+    data_parallel_size,
     expert_parallel_problems,
     pipeline_problems,
     sequence_problems,
@@ -203,9 +211,7 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
                    f"{Path.cwd()}). Fix: data.path=/path/to/corpus.txt.")
     if isinstance(d, TextDataSchema) and not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction must be in (0, 1) for a held-out validation split, got {d.val_fraction}.")
-    resume = cfg.trainer.resume_from
-    if resume and not Path(resume).expanduser().exists():  # a file, or a sharded checkpoint directory
-        out.append(f"trainer.resume_from={resume} is not a checkpoint file or directory.")
+    out += resume_problems(cfg)
     try:  # multi-node: this node's rank and node 0's endpoint (config or environment)
         resolve_node(cfg.trainer.num_nodes, cfg.trainer.node_rank, cfg.trainer.rdzv_endpoint)
     except ValueError as err:
@@ -248,6 +254,44 @@ def counts(value: object) -> bool:
     config/schema.py)."""
     return (isinstance(value, int) and not isinstance(value, bool)) or (
         isinstance(value, float) and value > 1 and value.is_integer())
+
+
+def val_check_batches(cfg: TrainConfig) -> float | None:
+    """``trainer.val_check_interval`` as Lightning counts it: the config's whole number (> 1) counts optimizer
+    steps, Lightning's counts training batches, so it is multiplied by the accumulation (a fraction <= 1 of
+    an epoch is passed as it is)."""
+    t = cfg.trainer
+    value = t.val_check_interval
+    if value is None or not counts(value):
+        return value
+    return int(value) * t.accumulate_grad_batches
+
+
+def epoch_problems(cfg: TrainConfig) -> list[str]:
+    """A text corpus too small for the run, known from its files' sizes (``model_zoo.epoch_batches``): no training
+    batch at all, or fewer per epoch than ``trainer.val_check_interval`` (which Lightning refuses once the ranks
+    have started)."""
+    replicas, t, d = data_parallel_size(cfg), cfg.trainer, cfg.data
+    counted = epoch_batches(cfg, replicas)
+    if counted is None or not isinstance(d, TextDataSchema):
+        return []
+    size, samples, batches = counted
+    limit = t.limit_train_batches
+    if limit is not None:
+        batches = min(batches, int(limit)) if counts(limit) else int(batches * limit)
+    where = "data.synthetic=true" if d.synthetic else f"data.path={d.path}" if d.path else "the standard library"
+    size_text = (f"{where} holds {size:,} bytes: {samples} training samples of data.seq_len={d.seq_len} (the last "
+                 f"{d.val_fraction:.0%} held out), {batches} batch(es) of data.micro_batch_size={d.micro_batch_size} "
+                 f"per epoch on each of {replicas} data-parallel rank(s)")
+    if batches < 1:
+        return [f"{size_text}: no training batch. Fix: more data, or a smaller data.seq_len / data.micro_batch_size."]
+    interval = val_check_batches(cfg)
+    if isinstance(interval, int) and interval > batches and t.check_val_every_n_epoch is not None:
+        return [f"trainer.val_check_interval={t.val_check_interval} steps is more than one epoch: {size_text}. "
+                f"Fix: trainer.val_check_interval={batches // t.accumulate_grad_batches} or less, "
+                f"trainer.check_val_every_n_epoch=null (validation every {t.val_check_interval} steps across "
+                "epochs), or more data."]
+    return []
 
 
 def _count_or_share(out: list[str], key: str, value: object, positive: bool) -> None:
@@ -331,6 +375,10 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
         else:
             if section is not None and preset_known(cfg.model) and gpt_config(cfg.model).dropout:
                 problems.append("sparse attention has no attention dropout: set model.dropout=0")
+            try:
+                dense_layout_warning(cfg)
+            except ValueError as err:  # the pattern's own check, which the first forward would make on every rank
+                problems.append(f"model.attention={cfg.model.attention} at data.seq_len={cfg.data.seq_len}: {err}.")
     try:
         zero_config(cfg)
     except ValueError as err:
@@ -346,9 +394,12 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
     for node in user_nodes(cfg.model, cfg.data, cfg.logger, cfg.callbacks):  # as far as their source says
         problems += static_problems(node)
     problems += tensor_parallel_problems(cfg)
-    for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems, _model_data_problems,
-                  sequence_problems, expert_parallel_problems):
+    problems += node_device_problems(str(cfg.trainer.accelerator), cfg.trainer.devices)
+    for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems,
+                  _model_data_problems, sequence_problems, expert_parallel_problems):
         problems += check(cfg)
+    if not problems:  # sizes of a config that is otherwise valid (a corpus that exists, sizes >= 1)
+        problems += epoch_problems(cfg)
     return problems
 
 
@@ -361,7 +412,8 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
         out.append(f"model.freeze_step={m.freeze_step} >= trainer.max_steps={max_steps}: 1-bit Adam stays in its "
                    "AdamW warm-up for the whole run and never compresses. Fix: model.freeze_step="
                    f"{max(1, max_steps // 2)} (or more steps).")
-    return out
+    dense = dense_layout_warning(cfg)
+    return [*out, dense] if dense else out
 
 
 def unbuilt_features(cfg: TrainConfig) -> list[str]:
@@ -421,8 +473,31 @@ def count_model_parameters(cfg: TrainConfig) -> int | None:
     return sum(p.numel() for p in module.parameters())
 
 
+# the value of each of run_choices' dimensions when it is off: the header line names the others
+DEFAULT_CHOICES: dict[str, Any] = {"pipeline": "none", "tensor_parallel": 1, "sequence_parallel": 1,
+                                   "expert_parallel": 1, "attention": "dense", "optimizer": "adamw"}
+
+
+def run_choices(cfg: TrainConfig) -> dict[str, Any]:
+    """What a run is beyond its model and data: ZeRO stage, precision, offload and the dimensions of
+    :data:`DEFAULT_CHOICES` (pipeline, tensor, sequence and expert parallel, attention, optimizer), as the header line
+    (:func:`describe`), TensorBoard's HParams (``build.run_hparams``) and the run directory (``paths.run_name``)
+    name them."""
+    m, p = cfg.model, cfg.pipeline
+    name, section = getattr(m, "attention", "dense"), getattr(m, "sparse_attention", None)  # GPT, HF causal LM
+    attention = name if name != "dense" or not section else f"sparse_{section.get('mode', 'fixed')}"
+    out = {"zero_stage": cfg.zero.stage, "precision": cfg.precision.name.value, "offload": offload_name(cfg),
+           "pipeline": "none" if p.stages <= 1 else f"{p.stages} stages, {p.schedule.value}",
+           "tensor_parallel": cfg.tensor_parallel.size, "sequence_parallel": cfg.sequence_parallel.size,
+           "expert_parallel": cfg.expert_parallel.size, "attention": attention}
+    if isinstance(m, ModelSchema):  # a `_target_` model's optimizer is its own
+        out["optimizer"] = m.optimizer.value
+    return out
+
+
 def describe(cfg: TrainConfig) -> str:
-    """One line naming the run: model (size counted on meta), data, ZeRO stage and ranks."""
+    """One line naming the run: model (size counted on meta), data, ZeRO stage, precision, offload, every other
+    dimension that is not the default (:func:`run_choices`), and ranks."""
     m, d, t = cfg.model, cfg.data, cfg.trainer
     model = m.preset if isinstance(m, GPTModelSchema) else m.target if isinstance(m, TargetNode) else \
         f"{m.kind} {m.path or 'from model.config'}" if isinstance(m, HFCausalLMSchema) else m.kind
@@ -430,6 +505,9 @@ def describe(cfg: TrainConfig) -> str:
         "synthetic" if d.synthetic else (d.path or "python-stdlib"))
     params = count_model_parameters(cfg)
     size = "" if params is None else f" ({params / 1e6:.2f}M params)"
+    choices = run_choices(cfg)
+    others = "".join(f"{key.replace('_', ' ')} {choices[key]}, " for key, off in DEFAULT_CHOICES.items()
+                     if choices.get(key, off) != off)
     return (f"{cfg.name}: {model}{size} on {data}; ZeRO stage "
-            f"{cfg.zero.stage}, {cfg.precision.name.value}, offload={offload_name(cfg)}, "
+            f"{cfg.zero.stage}, {cfg.precision.name.value}, offload={offload_name(cfg)}, {others}"
             f"{t.devices} x {t.accelerator}")

@@ -8,68 +8,18 @@ directory (``tokenizer=``, what ``save_pretrained`` wrote: a Hugging Face model'
 from __future__ import annotations
 
 import math
-import os
-import sysconfig
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_zero.models.corpus import chunk_count, load_corpus, split_corpus
+from lightning_zero.models.corpus import list_corpus_files as list_corpus_files  # the documented path
+from lightning_zero.models.corpus import stdlib_path as stdlib_path
+
 VOCAB_SIZE = 256
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
-
-
-def stdlib_path() -> Path:
-    """Directory of the running interpreter's pure-Python standard library."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def list_corpus_files(path: str | os.PathLike[str] | None = None, pattern: str | None = None) -> list[Path]:
-    """Files making up a corpus, in sorted (deterministic) relative-path order.
-
-    ``path=None`` means the standard library (``*.py``, skipping ``site-packages`` and ``test``/``tests``
-    directories). A file path is returned as is; a directory is searched recursively for ``pattern``
-    (default ``*.py`` for the standard library, ``*`` otherwise), skipping the same directories.
-    """
-    root = stdlib_path() if path is None else Path(path)
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise FileNotFoundError(f"corpus path {root} does not exist")
-    pattern = pattern or ("*.py" if path is None else "*")
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
-        found.extend(Path(dirpath, f) for f in filenames if Path(f).match(pattern))
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
-def load_corpus(
-    path: str | os.PathLike[str] | None = None, max_bytes: int | None = 8_000_000, pattern: str | None = None
-) -> torch.Tensor:
-    """Concatenate the corpus files (newline separated) into a 1-D ``uint8`` tensor of at most ``max_bytes``.
-
-    Unreadable files are skipped; reading stops as soon as the cap is reached, so start-up is fast.
-    """
-    chunks: list[bytes] = []
-    total = 0
-    for file in list_corpus_files(path, pattern):
-        if max_bytes is not None and total >= max_bytes:
-            break
-        try:
-            raw = file.read_bytes()
-        except OSError:
-            continue
-        if raw:
-            chunks.append(raw + b"\n")
-            total += len(raw) + 1
-    data = b"".join(chunks)[:max_bytes]
-    if len(data) < 2:
-        raise ValueError(f"corpus at {path or stdlib_path()} is empty")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def markov_corpus(num_bytes: int, seed: int = 0, branching: int = 4) -> torch.Tensor:
@@ -87,21 +37,13 @@ def markov_corpus(num_bytes: int, seed: int = 0, branching: int = 4) -> torch.Te
     return torch.tensor(out, dtype=torch.uint8)
 
 
-def split_corpus(data: torch.Tensor, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split into (train, validation); the validation part is the last ``val_fraction`` of the bytes."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError("val_fraction must be in [0, 1)")
-    n_val = int(len(data) * val_fraction)
-    return data[: len(data) - n_val], data[len(data) - n_val :]
-
-
 class TokenChunkDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Contiguous chunks of ``seq_len + 1`` bytes at stride ``seq_len``; item = (inputs, inputs shifted by 1)."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, max_samples: int | None = None) -> None:
         self.data = data
         self.seq_len = seq_len
-        n = max(0, (len(data) - 1) // seq_len)
+        n = chunk_count(len(data), seq_len)
         if max_samples is not None and n > max_samples:
             self.starts = torch.linspace(0, n - 1, max_samples).long() * seq_len  # evenly spread subset
         else:

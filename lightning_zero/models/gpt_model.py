@@ -143,3 +143,11 @@ def count_parameters(config: GPTConfig | str | dict[str, Any]) -> int:
     with torch.device("meta"), _SkipInit():
         model = GPT(resolve_config(config))
     return sum(p.numel() for p in model.parameters())
+
+
+def state_shapes(config: GPTConfig | str | dict[str, Any], prefix: str = "model") -> dict[str, tuple[int, ...]]:
+    """The shape of every state-dict key of a GPT held as ``prefix`` (``GPTLightningModule.model``), as a
+    checkpoint names them; built on the meta device (not initialised)."""
+    with torch.device("meta"), _SkipInit():
+        model = GPT(resolve_config(config))
+    return {f"{prefix}.{key}": tuple(value.shape) for key, value in model.state_dict().items()}

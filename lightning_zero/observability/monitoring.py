@@ -62,7 +62,7 @@ def _dashboard_charts() -> dict[str, dict[str, str]]:
             "router losses (load balancing, z)": r"^moe/(aux|z)_loss$",
             "expert all-to-all bytes per optimizer step (rank 0)": r"^traffic/all_to_all_bytes_per_step$"},
         "step time per rank (s)": {f"{key} time (s)": rf"^time/{key}_rank\d+$" for key in TIME_KEYS},
-        "memory per rank (MiB)": {f"{key} memory (MiB)": rf"^memory/{key}_rank\d+$" for key in MEMORY_KEYS},
+        "memory per rank (MiB)": {f"{key} memory (MiB)": rf"^memory_MiB/{key}_rank\d+$" for key in MEMORY_KEYS},
     }
 
 
