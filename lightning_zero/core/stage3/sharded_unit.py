@@ -168,8 +168,9 @@ class ShardedUnit:
             self.state = UnitState.GATHERING
             return
         for i, g in enumerate(self.groups):
+            c = comm.of(g.experts)  # the experts' groups gather over their expert-data group
             # Note [one rank]: no copy (an offloaded shard is read by shard_io instead)
-            if comm.world_size == 1 and may_lend and self.lend and self.shard_io is None and lend(g.flat, g.shard):
+            if c.world_size == 1 and may_lend and self.lend and self.shard_io is None and lend(g.flat, g.shard):
                 self._lent[i], g.shard = g.shard, g.flat[:]
                 continue
             self._fill(g)
@@ -180,7 +181,7 @@ class ShardedUnit:
                     self.shard_io.read(g, g.flat[start:end])
                     source = None
                 # Note [gather from the shard] in core/comm/data_parallel.py
-                self._handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True, source=source))
+                self._handles.append(c.all_gather_flat(g.flat, start, end, async_op=True, source=source))
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -218,7 +219,7 @@ class ShardedUnit:
             start, end = g.shard_range()
             if g.shard.data_ptr() != g.flat[start:end].data_ptr():
                 g.flat[start:end].copy_(g.shard)
-            handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
+            handles.append(comm.of(g.experts).all_gather_flat(g.flat, start, end, async_op=True))
         return handles
 
 
