@@ -20,7 +20,7 @@ from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.stage3.materialize import parameters_on_meta, replace_meta_parameters
 from lightning_zero.testing.memory import proc_status_bytes
 
-WIDTH, UNITS = 1024, 144  # 144 units of 1.05M parameters: 151M, 16 bytes each in fp32 with AdamW = 2.42 GB
+WIDTH, UNITS = 1024, 224  # 224 units of 1.05M parameters: 235M, 16 bytes each in fp32 with AdamW = 3.76 GB
 
 
 def main(out: str, nvme: str, mode: str) -> None:
