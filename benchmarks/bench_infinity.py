@@ -19,7 +19,8 @@ rank's resident memory every 0.2 s; the ranks' monitor logs the step-time breakd
     sudo python benchmarks/bench_infinity.py --runs gpt_125m/stage3/none,gpt_125m/stage3/param_nvme --steps 2
 
 A run is ``model/zero/offload`` (``zero``: ``stage0`` is DDP, ``stage1`` .. ``stage3``; ``offload``: a
-``conf/offload`` name); extra Hydra overrides for every run follow ``--``.
+``conf/offload`` name), optionally ``/override;override`` of its own (``gpt_1b/stage3/param_nvme/model.n_layer=26``);
+extra Hydra overrides for every run follow ``--``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ from lightning_zero.estimator import estimate_memory  # noqa: E402
 from lightning_zero.testing.cgroups import cgroups_available, make_group  # noqa: E402
 
 WORKER = "lightning_zero.config.worker"  # a rank's command line contains it
+
+
+def _parse(run: str) -> tuple[str, str, str, list[str]]:
+    """``model/zero/offload[/override;override...]``: the model, zero and offload groups, the run's own overrides."""
+    model, zero, offload, *rest = run.split("/", 3)
+    return model, zero, offload, [o for o in (rest[0].split(";") if rest else []) if o]
+
+
+def _model(run: str) -> str:
+    model, _, _, overrides = _parse(run)
+    return model + (f" ({', '.join(overrides)})" if overrides else "")
 
 
 @dataclass
@@ -92,10 +104,10 @@ class Result:
 
 
 def _job(run: str, args: argparse.Namespace, extra: list[str], work: Path) -> Result:
-    model, zero, offload = run.split("/")
-    name = f"lz_bench_inf_{os.getpid()}_{run.replace('/', '_')}"
+    model, zero, offload, own = _parse(run)
+    name = f"lz_bench_inf_{os.getpid()}_{abs(hash(run))}"
     group = make_group(name, args.limit)
-    cwd = work / run.replace("/", "_")
+    cwd = work / name
     cwd.mkdir(parents=True, exist_ok=True)
     nvme = Path(args.nvme) / f"lz_inf_{os.getpid()}"
     nvme.mkdir(parents=True, exist_ok=True)
@@ -103,7 +115,7 @@ def _job(run: str, args: argparse.Namespace, extra: list[str], work: Path) -> Re
                f"offload={offload}", f"offload.nvme_path={nvme}", "precision=fp32", f"data.seq_len={args.seq_len}",
                "data.micro_batch_size=1", f"trainer.max_steps={args.steps}", "trainer.validate_at_start=false",
                "trainer.validate_at_end=false", "trainer.val_check_interval=1000", "trainer.log_every_n_steps=1",
-               "logger=csv", "model.build_in_configure_model=true", *extra]
+               "logger=csv", "model.build_in_configure_model=true", *own, *extra]
     join = f'echo $$ > "{group.path}/cgroup.procs" && exec "$0" "$@"'
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
     seen, stop = Sampled(), threading.Event()
@@ -160,7 +172,9 @@ def _steady(res: Result, key: str) -> float:
 
 def _estimate(run: str, seq_len: int) -> float:
     """The estimator's per-rank working set of stage 3 + ``param_nvme`` (``nan`` where it has none)."""
-    model, offload = run.split("/")[0], "param_nvme"
+    model, _, offload, own = _parse(run)
+    if own:  # the estimate of a preset with its shape changed: not computed here
+        return float("nan")
     est = estimate_memory(model=model, world_size=2, precision="fp32", offload=offload, micro_batch=1,
                           seq_len=seq_len, accelerator="cpu")
     row = next(c for c in est.configs if c.stage == 3 and c.offload == offload)
@@ -180,7 +194,8 @@ def report(results: list[Result], args: argparse.Namespace, bandwidth: tuple[flo
           "| read / written per rank per step | disk bandwidth |")
     print("| :-- | :-- | --: | :-- | --: | --: | --: | --: | --: |")
     for res in results:
-        model, zero, offload = res.run.split("/")
+        _, zero, offload, _ = _parse(res.run)
+        model = _model(res.run)
         config = ("DDP" if zero == "stage0" else zero.replace("stage", "stage ")) + (
             "" if offload == "none" else f" + {offload}")
         exit_text = "0" if res.code == 0 else f"{res.code} (OOM-killed x{res.kills})" if res.kills else str(res.code)
@@ -190,7 +205,7 @@ def report(results: list[Result], args: argparse.Namespace, bandwidth: tuple[flo
         step = f"{_steady(res, 'time/rank{r}/step'):.1f}" if ok else "-"
         print(f"| {model} | {config} | {args.limit / 2**30:g} GiB | {exit_text} | {_gb(res.peak)} "
               f"| {_gb(res.seen.group_anon)} | {step} | {io} | {write_bw / 1e6:.0f} / {read_bw / 1e6:.0f} MB/s |")
-    nvme = [r for r in results if r.run.endswith("param_nvme") and r.code == 0]
+    nvme = [r for r in results if _parse(r.run)[2] == "param_nvme" and r.code == 0]
     if nvme:
         print("\nWorking set per rank (stage 3 + param_nvme): peak anonymous memory (sampled every 0.2 s) and peak "
               "resident set (VmHWM, mapped file pages included) of each rank, against `lightning-zero estimate`\n")
@@ -199,26 +214,29 @@ def report(results: list[Result], args: argparse.Namespace, bandwidth: tuple[flo
         for res in nvme:
             est = _estimate(res.run, args.seq_len)
             anon, hwm = max(res.seen.anon.values(), default=0), max(res.seen.hwm.values(), default=0)
-            print(f"| {res.run.split('/')[0]} | {_gb(anon)} | {_gb(hwm)} | {_gb(est)} | {anon / est:.2f} |")
+            print(f"| {_model(res.run)} | {_gb(anon)} | {_gb(hwm)} | {_gb(est)} | {anon / est:.2f} |")
         print("\nThe step against the disk (steps after the first, max over ranks): compute, the I/O threads' busy "
-              "time, the training thread's wait for them (the part not overlapped), and the step's swap I/O at the "
-              "measured bandwidth (per rank, both ranks on the one disk)\n")
-        print("| model | step s | forward | backward | optimizer | I/O busy | I/O waited | overlapped | I/O at disk "
-              "bandwidth | step / max(compute, I/O) |")
-        print("| :-- | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
+              "time, the training thread's wait for them (the part not overlapped), and the bytes that reached the "
+              "disk (/proc/self/io; the rest of the swap I/O was served by the page cache) at the measured "
+              "bandwidth (both ranks on the one disk)\n")
+        print("| model | step s | forward | backward | optimizer | I/O busy | I/O waited | overlapped | disk read / "
+              "written per rank | disk time at bandwidth | step / max(compute, disk) |")
+        print("| :-- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
         for res in nvme:
             step, busy, wait = (_steady(res, f"{k}") for k in ("time/rank{r}/step", "io/rank{r}/busy",
                                                                 "io/rank{r}/wait"))
             parts = [_steady(res, f"time/rank{{r}}/{k}") for k in ("forward", "backward", "optimizer")]
-            disk_s = 2 * (_steady(res, "io/rank{r}/read") / read_bw + _steady(res, "io/rank{r}/written") / write_bw)
+            disk_read, disk_written = _steady(res, "io/rank{r}/disk_read"), _steady(res, "io/rank{r}/disk_written")
+            disk_s = 2 * (disk_read / read_bw + disk_written / write_bw)
             compute = step - wait
-            print(f"| {res.run.split('/')[0]} | {step:.1f} | {parts[0]:.1f} | {parts[1]:.1f} | {parts[2]:.1f} "
-                  f"| {busy:.1f} | {wait:.1f} | {max(busy - wait, 0.0):.1f} | {disk_s:.1f} "
+            print(f"| {_model(res.run)} | {step:.1f} | {parts[0]:.1f} | {parts[1]:.1f} | {parts[2]:.1f} "
+                  f"| {busy:.1f} | {wait:.1f} | {max(busy - wait, 0.0):.1f} | {_gb(disk_read)} / {_gb(disk_written)} "
+                  f"| {disk_s:.1f} "
                   f"| {step / max(compute, disk_s):.2f} |")
     by_model: dict[str, list[Result]] = {}
     for res in results:
         if res.code == 0 and res.steps:
-            by_model.setdefault(res.run.split("/")[0], []).append(res)
+            by_model.setdefault(_model(res.run), []).append(res)
     for model, runs in by_model.items():
         if len(runs) > 1:
             print(f"\nLosses of {model}, step by step\n")
