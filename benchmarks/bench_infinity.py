@@ -4,7 +4,8 @@ Every run is ``lightning-zero train`` (2 ranks, fp32, seq 128, micro-batch 1, a 
 cgroup v1 memory group with a limit for the whole job (root only), so the kernel enforces the memory claim: a job
 that needs more than the limit, less the page cache the kernel can take back, is OOM-killed. A sampler reads each
 rank's resident memory every 0.2 s; the ranks' monitor logs the step-time breakdown and the swap I/O
-(``time/rank<r>/*``, ``io/rank<r>/*``). Printed (markdown, as in docs/benchmarks.md):
+(``time/rank<r>/*``, ``io/rank<r>/*``). The fit runs its steps with no time limit and saves no checkpoint at its end (what is measured is
+training). Printed (markdown, as in docs/benchmarks.md):
 
 * the jobs: model, configuration, cgroup, exit, the group's peak usage (page cache included) and peak anonymous
   memory, step time, swap bytes read and written per rank per step, the disk's bandwidth measured on the same
@@ -115,7 +116,8 @@ def _job(run: str, args: argparse.Namespace, extra: list[str], work: Path) -> Re
                f"offload={offload}", f"offload.nvme_path={nvme}", "precision=fp32", f"data.seq_len={args.seq_len}",
                "data.micro_batch_size=1", f"trainer.max_steps={args.steps}", "trainer.validate_at_start=false",
                "trainer.validate_at_end=false", "trainer.val_check_interval=1000", "trainer.log_every_n_steps=1",
-               "logger=csv", "model.build_in_configure_model=true", *own, *extra]
+               "logger=csv", "model.build_in_configure_model=true", "trainer.max_time=null",
+               "trainer.checkpoint.enabled=false", *own, *extra]
     join = f'echo $$ > "{group.path}/cgroup.procs" && exec "$0" "$@"'
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
     seen, stop = Sampled(), threading.Event()
