@@ -4,8 +4,8 @@ Every run is ``lightning-zero train`` (2 ranks, fp32, seq 128, micro-batch 1, a 
 cgroup v1 memory group with a limit for the whole job (root only), so the kernel enforces the memory claim: a job
 that needs more than the limit, less the page cache the kernel can take back, is OOM-killed. A sampler reads each
 rank's resident memory every 0.2 s; the ranks' monitor logs the step-time breakdown and the swap I/O
-(``time/rank<r>/*``, ``io/rank<r>/*``). The fit runs its steps with no time limit and saves no checkpoint at its end (what is measured is
-training). Printed (markdown, as in docs/benchmarks.md):
+(``time/rank<r>/*``, ``io/rank<r>/*``). The fit runs its steps with no time limit and saves no checkpoint at its
+end (what is measured is training). Printed (markdown, as in docs/benchmarks.md):
 
 * the jobs: model, configuration, cgroup, exit, the group's peak usage (page cache included) and peak anonymous
   memory, step time, swap bytes read and written per rank per step, the disk's bandwidth measured on the same
