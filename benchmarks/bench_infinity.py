@@ -200,7 +200,8 @@ def report(results: list[Result], args: argparse.Namespace, bandwidth: tuple[flo
         model = _model(res.run)
         config = ("DDP" if zero == "stage0" else zero.replace("stage", "stage ")) + (
             "" if offload == "none" else f" + {offload}")
-        exit_text = "0" if res.code == 0 else f"{res.code} (OOM-killed x{res.kills})" if res.kills else str(res.code)
+        exit_text = (f"0 ({len(res.steps)} steps)" if res.code == 0 else f"{res.code} (OOM-killed x{res.kills})"
+                     if res.kills else str(res.code))
         ok = bool(res.steps) and res.code == 0
         io = (f"{_gb(_steady(res, 'io/rank{r}/read'))} / {_gb(_steady(res, 'io/rank{r}/written'))}"
               if ok and offload.endswith("nvme") else "-")
