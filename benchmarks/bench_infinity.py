@@ -42,8 +42,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
 from benchmarks.bench_offload import _raw  # noqa: E402
 from lightning_zero.estimator import estimate_memory  # noqa: E402
+from lightning_zero.models.gpt import GPT  # noqa: E402
+from lightning_zero.models.gpt_config import resolve_config  # noqa: E402
 from lightning_zero.testing.cgroups import cgroups_available, make_group  # noqa: E402
 
 WORKER = "lightning_zero.config.worker"  # a rank's command line contains it
@@ -173,12 +177,17 @@ def _steady(res: Result, key: str) -> float:
 
 
 def _estimate(run: str, seq_len: int) -> float:
-    """The estimator's per-rank working set of stage 3 + ``param_nvme`` (``nan`` where it has none)."""
-    model, _, offload, own = _parse(run)
-    if own:  # the estimate of a preset with its shape changed: not computed here
-        return float("nan")
+    """The estimator's per-rank working set of stage 3 + ``param_nvme`` for the run's GPT (``nan`` where it has
+    none)."""
+    preset, _, offload, own = _parse(run)
+    offload = "param_nvme"
+    shape = {k.removeprefix("model."): int(v) for k, v in (o.split("=", 1) for o in own) if k.startswith("model.")}
+    config = resolve_config(preset, shape)
+    with torch.device("meta"):  # the preset with its shape overrides, counted on meta
+        model = GPT(config)
     est = estimate_memory(model=model, world_size=2, precision="fp32", offload=offload, micro_batch=1,
-                          seq_len=seq_len, accelerator="cpu")
+                          seq_len=seq_len, accelerator="cpu", layers=config.n_layer, hidden=config.n_embd,
+                          heads=config.n_head)
     row = next(c for c in est.configs if c.stage == 3 and c.offload == offload)
     return float("nan") if row.working_set is None else row.working_set.total
 
