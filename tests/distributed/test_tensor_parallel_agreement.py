@@ -68,7 +68,7 @@ def test_a_nan_in_one_tp_ranks_slice_raises_on_every_rank_naming_the_parameter(g
     """``nonfinite="raise"``: both TP ranks raise at step 1, naming the parameter (before the fix only rank 0
     raised; rank 1 stepped on and then waited for it)."""
     for rank, r in enumerate(gloo_pool.run("tests.distributed.test_tensor_parallel_agreement:nonfinite_body",
-                                           policy="raise")):
+                                           _timeout_s=120, policy="raise")):  # before the fix: a hang
         assert r["error"] is not None and r["error"].startswith("NonFiniteGradientError: Non-finite gradient at "
                                                                 "optimizer step 1"), (rank, r)
         assert f"reduced gradient is '{POISONED}'" in r["error"], (rank, r)
@@ -165,9 +165,11 @@ def unseeded_body(precision: str) -> dict[str, Any]:
         def on_train_start(self, trainer: Any, module: Any) -> None:
             first.update({n: p.detach().float().clone() for n, p in module.named_parameters()
                           if split_dim(p) is None})
+            first.update({f"buffer:{n}": b.detach().float().clone() for n, b in module.named_buffers()})
 
     torch.manual_seed(1000 + dist.get_rank())
     module = _Recorded()
+    module.register_buffer("noise", torch.randn(3))  # a replicated buffer: DDP broadcasts these too
     strategy = ZeroStrategy(stage=1, tensor_parallel=2, precision=ZeroPrecision(precision), timeout_s=60)
     try:
         make_trainer(strategy, devices=2, max_steps=2, callbacks=[AtStart()]).fit(module, _loader(1))
@@ -187,7 +189,7 @@ def test_tp_ranks_seeded_differently_start_from_tp_rank_0s_replicated_weights(gl
     steps."""
     a, b = gloo_pool.run("tests.distributed.test_tensor_parallel_agreement:unseeded_body", precision=precision)
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
-    assert "model.pos_emb.weight" in a["first"] and a["first"].keys() == b["first"].keys()
+    assert {"model.pos_emb.weight", "buffer:noise"} <= a["first"].keys() and a["first"].keys() == b["first"].keys()
     for when in ("first", "last"):
         differ = {n: float((a[when][n] - b[when][n]).abs().max()) for n in a[when]
                   if not torch.equal(a[when][n], b[when][n])}

@@ -53,6 +53,17 @@ def test_the_projects_config_composes_typed_and_round_trips_through_the_ranks_fi
     assert set(to_train_config(off).callbacks) == {"step_trace"}
 
 
+def test_hydra_searchpath_adds_the_projects_groups_as_config_dir_does(project: Path) -> None:
+    """``hydra.searchpath=[file://conf]`` instead of ``--config-dir conf``: the same groups, the same config."""
+    (by_dir,) = check_jobs([RUN[2:]], config_dir="conf")
+    (by_searchpath,) = check_jobs([["hydra.searchpath=[file://conf]", *RUN[2:]]])
+    assert by_searchpath == by_dir and by_searchpath.model.target == "wave.model.WaveNet"
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException):  # without either, the project's groups are not found
+        check_jobs([RUN[2:]])
+
+
 def test_a_wrong_target_is_refused_before_launch_with_the_name_it_meant(project: Path, capsys) -> None:
     err = _refused(capsys, "model._target_=wave.model.WaveNett")
     assert "model._target_=wave.model.WaveNett: module wave.model" in err
