@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.common.choices import ZeroStage
 
 WORLD = {"bubble": 2, "memory": 4, "reduction": 4}  # ranks each part runs on
 

@@ -157,7 +157,7 @@ def run(phase: str, root: str) -> None:
     trainer = make_trainer(strategy, max_steps=4, callbacks=[phases])
     loader = ResumableLoader(token_loader(n=32, seq=SEQ + 1, batch_size=2))
     loader.trainer = trainer
-    import lightning_zero.core.stage3.teardown as teardown
+    import lightning_zero.core.zero.teardown as teardown
 
     trainer.fit(model, loader, ckpt_path=ckpt if phase == "resume" else None)
     runtime = strategy._run.last_runtime

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_zero.core.zero.memory import StorageCounter
+from lightning_zero.core.common.memory import StorageCounter
 
 if TYPE_CHECKING:
     from benchmarks.harness.recorder import StepRecorder

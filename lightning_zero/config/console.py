@@ -208,7 +208,7 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
     import torch
 
     from lightning_zero.config.validate import count_model_parameters
-    from lightning_zero.core.zero.memory import OFFLOAD_STAGES
+    from lightning_zero.core.common.memory import OFFLOAD_STAGES
     from lightning_zero.estimator import estimate_memory, format_bytes
 
     t = cfg.trainer

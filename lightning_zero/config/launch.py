@@ -36,7 +36,6 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_zero
 from lightning_zero.config.deepspeed import apply_deepspeed_config
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
 from lightning_zero.config.paths import (
@@ -158,7 +157,7 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
     cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={devices}",
            "-m", "lightning_zero.config.worker", str(config_file)]
     env = dict(os.environ)
-    root = str(Path(lightning_zero.__file__).resolve().parents[1])  # the ranks import this checkout
+    root = str(Path(__file__).resolve().parents[2])  # the ranks import this checkout
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     log.info("launching %d ranks: %s", devices, " ".join(cmd))

@@ -12,7 +12,7 @@ from lightning_zero.config.schema import (
     TextDataSchema,
     TrainConfig,
 )
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.common.choices import ZeroStage
 
 
 def data_parallel_size(cfg: TrainConfig) -> int:

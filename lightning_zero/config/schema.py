@@ -19,13 +19,13 @@ import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from enum import Enum
-from typing import Any, get_args, get_type_hints
+from typing import Any, get_type_hints
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.common.choices import Collective as CoreCollective
+from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.zero import config as core_config
 from lightning_zero.models.mlp_parts import TeacherTask
 from lightning_zero.observability.monitoring import ProfilerWindow
 
@@ -59,7 +59,7 @@ def _mirror(name: str, doc: str, *parts: tuple[str, Any, Any] | type, base: type
     return schema
 
 
-Collective = _choices("Collective", get_args(core_config.Collective),
+Collective = _choices("Collective", [c.value for c in CoreCollective],
                       "Gradient / parameter collectives of the ZeRO engine (``ZeroConfig.collective``).")
 
 

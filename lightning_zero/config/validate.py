@@ -32,15 +32,16 @@ from lightning_zero.config.schema import (
     TrainConfig,
     to_train_config,
 )
-from lightning_zero.core.offload.config import (
+from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.common.memory import OFFLOAD_STAGES
+from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.settings.offload import (
     DEFAULT_BUFFER_COUNT,
     DEFAULT_MAX_IN_CPU,
     OffloadConfig,
     nvme_path_problem,
 )
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.zero.config import ZeroConfig, ZeroStage
-from lightning_zero.core.zero.memory import OFFLOAD_STAGES
+from lightning_zero.core.settings.zero import ZeroConfig
 
 BUILT_STAGES = tuple(ZeroStage)
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
@@ -99,7 +100,7 @@ def _offload_problems(cfg: TrainConfig) -> list[str]:
         problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
         if problem:  # the check the ranks repeat, here before any of them starts
             out.append(problem)
-    if o.buffer_count != DEFAULT_BUFFER_COUNT:  # DeepSpeed's swap-buffer pool: not built (core/offload/config.py)
+    if o.buffer_count != DEFAULT_BUFFER_COUNT:  # DeepSpeed's swap-buffer pool: not built (core/settings/offload.py)
         out.append(f"offload.buffer_count={o.buffer_count} is not built: there is no pool of swap buffers to size "
                    f"(offload.sub_group_size sets how much is swapped at once). Fix: drop offload.buffer_count (the "
                    f"default is {DEFAULT_BUFFER_COUNT}).")

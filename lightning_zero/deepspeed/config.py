@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from lightning_zero.core.offload.config import DEFAULT_MAX_IN_CPU, OffloadConfig
+from lightning_zero.core.common.memory import OFFLOAD_STAGES
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.core.zero.memory import OFFLOAD_STAGES
+from lightning_zero.core.settings.offload import DEFAULT_MAX_IN_CPU, OffloadConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
 from lightning_zero.deepspeed.json_section import AUTO, JsonSection, load_json, refuse_nulls
 from lightning_zero.deepspeed.optim import optimizer_recipe

@@ -220,19 +220,6 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
         super().teardown()
 
 
-def _deprecated_from_deepspeed_config(cls: type, source: str | Path | Mapping[str, Any] | DeepSpeedConfig, /,
-                                      **kwargs: Any) -> DeepSpeedZeroStrategy:
-    """``ZeroStrategy.from_deepspeed_config``, the name before the method moved to ``DeepSpeedZeroStrategy``."""
-    warnings.warn("ZeroStrategy.from_deepspeed_config is deprecated and will be removed in the next release: use "
-                  "lightning_zero.DeepSpeedZeroStrategy.from_deepspeed_config (same arguments).", DeprecationWarning,
-                  stacklevel=2)
-    return DeepSpeedZeroStrategy.from_deepspeed_config(source, **kwargs)
-
-
-# the old name keeps working for a release (ZeroStrategy cannot import this module: it would be a cycle)
-ZeroStrategy.from_deepspeed_config = classmethod(_deprecated_from_deepspeed_config)  # type: ignore[attr-defined]
-
-
 def _check_sparse_attention(section: Mapping[str, Any], module: pl.LightningModule, source: str) -> None:
     """An accepted ``sparse_attention`` section must be what the model runs (docs/sparse_attention.md): the model
     has sparse attention (a pipeline stage's blocks keep their attention modules), and each one's layout is the
@@ -318,13 +305,3 @@ def configure_optimizers(strategy: DeepSpeedZeroStrategy,
                 "optimizer_source='config' to use the config's.")
         configs = json_schedulers(optimizers[0])
     return optimizers, configs
-
-
-def __getattr__(name: str) -> object:
-    if name in ("precision_plugin_args", "build_precision_plugin"):  # moved in issue 30's file-size split
-        warnings.warn(f"lightning_zero.deepspeed.strategy.{name} moved to lightning_zero.deepspeed.strategy_args; "
-                      "import from there (this path goes away in the next release)", DeprecationWarning, stacklevel=2)
-        from lightning_zero.deepspeed import strategy_args
-
-        return getattr(strategy_args, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ from typing import Any
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.deepspeed.config import DeepSpeedConfig
 from lightning_zero.deepspeed.pipeline import merged_pipeline
 from lightning_zero.lightning.precision import ZeroPrecision

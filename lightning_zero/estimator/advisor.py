@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from typing_extensions import Unpack
 
-from lightning_zero.core.offload.config import nvme_path_problem
+from lightning_zero.core.settings.offload import nvme_path_problem
 from lightning_zero.estimator import (
     PRECISIONS,
     Activations,

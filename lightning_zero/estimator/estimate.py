@@ -16,8 +16,8 @@ from typing import TypedDict
 
 from torch import nn
 
-from lightning_zero.core.zero.config import ZeroStage
-from lightning_zero.core.zero.memory import OFFLOAD_STAGES, ModelStateBytes, offloaded_model_state
+from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.common.memory import OFFLOAD_STAGES, ModelStateBytes, offloaded_model_state
 from lightning_zero.estimator.activations import Activations, activation_memory
 from lightning_zero.estimator.cluster import Cluster, make_cluster
 from lightning_zero.estimator.deepspeed_figures import DeepSpeedFigures, deepspeed_figures

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_zero.core.zero.memory import OFFLOAD_STAGES
+from lightning_zero.core.common.memory import OFFLOAD_STAGES
 
 # user spelling -> (formula precision of model_state_formula, Hydra `precision/` option)
 PRECISIONS: dict[str, tuple[str, str]] = {

@@ -21,14 +21,14 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.mesh import Axis, ProcessMesh
-from lightning_zero.core.offload.config import OffloadConfig, offload_from_args
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.settings.offload import OffloadConfig, offload_from_args
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
 from lightning_zero.core.stage3.runtime import Stage3Runtime
-from lightning_zero.core.stage3.teardown import plan_teardown
-from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import StageCoupling, ZeroEngine
 from lightning_zero.core.zero.engine_step import weighted_norm_excess
+from lightning_zero.core.zero.teardown import plan_teardown
 from lightning_zero.lightning.precision import ZeroPrecision, strategy_precision
 from lightning_zero.observability.monitoring import ProfilerWindow
 from lightning_zero.pipeline.config import PipelineConfig

@@ -22,10 +22,10 @@ from torch.optim import Optimizer
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.process_groups import own, reusable
 from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
-from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
-from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.lightning.compose import ParallelPlan, apply_parallelisms, release_parallelisms
 from lightning_zero.lightning.precision import ZeroPrecision

@@ -17,7 +17,7 @@ Note [loading a converted module]
     the loaded weights and left with the initial ones. So every load into a converted module
     without an engine runs inside :meth:`ZeroPrecision.whole_precision`: it loads into the module in
     its own dtype and converts again from there. With an engine the masters take the loaded values
-    (``core/stage3/loading.py``), and the pre-cast weights still kept (parameters without a master: frozen
+    (``core/zero/loading.py``), and the pre-cast weights still kept (parameters without a master: frozen
     ones) are replaced by the loaded values (:meth:`ZeroPrecision.refresh_originals`).
 
 Gradient clipping has to see every shard, so the plugin hands clipping to the ZeRO engine (global
@@ -47,8 +47,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.core.precision.loss_scaler import LossScaler, LossScalerConfig
+from lightning_zero.core.settings.zero import DtypePolicy
 from lightning_zero.core.stage3.sharded_unit import is_released
-from lightning_zero.core.zero.config import DtypePolicy
 from lightning_zero.core.zero.engine import ZeroEngine
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]

@@ -28,11 +28,11 @@ from lightning_zero.checkpoint.owned import load_owned_optimizer_state, load_own
 from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.checkpoint.tensor_file import own_bytes
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.stage3.loading import load_full_state_dict
+from lightning_zero.core.common.memory import ModelStateBytes
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import has_meta_parameters
 from lightning_zero.core.stage3.sharded_unit import is_released
-from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.core.zero.memory import ModelStateBytes
+from lightning_zero.core.zero.loading import load_full_state_dict
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
 from lightning_zero.lightning.mesh_setup import ParallelRun
 from lightning_zero.lightning.precision import ZeroPrecision

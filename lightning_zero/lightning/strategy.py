@@ -35,12 +35,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.common.memory import ModelStateBytes
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
-from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
-from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.lightning.compose import only_optimizer, strategy_options
 from lightning_zero.lightning.mesh_setup import ParallelRun
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision

@@ -24,10 +24,10 @@ from torch.utils.data import DataLoader
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.process_groups import own
 from lightning_zero.core.mesh import ProcessMesh
-from lightning_zero.core.stage3.loading import load_full_state_dict
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
-from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.loading import load_full_state_dict
 from lightning_zero.observability.callbacks import ZeroStatsMonitor
 from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint

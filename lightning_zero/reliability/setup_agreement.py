@@ -1,5 +1,5 @@
 """The settings ``ZeroStrategy`` asks the ranks to agree on at setup, besides the model itself
-(compared by one hash before the first collective: Note [setup agreement] in core/reliability/agreement.py)."""
+(compared by one hash before the first collective: Note [setup agreement] in core/comm/agreement.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class AgreedSettings(Protocol):
 
 
 def setup_settings(strategy: AgreedSettings, trainer: pl.Trainer) -> dict[str, str]:
-    """What must agree across ranks besides the model (Note [setup agreement] in core/reliability/agreement.py):
+    """What must agree across ranks besides the model (Note [setup agreement] in core/comm/agreement.py):
     the ZeRO config, precision, the Trainer's step settings and the resolved config the CLI ran."""
     out = {f"zero.{k}": repr(v) for k, v in vars(strategy.zero_config).items()}
     out["precision"] = str(strategy.precision_plugin.precision)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_zero.checkpoint.slices import split_dim
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.mesh.groups import ProcessMesh
@@ -42,7 +43,6 @@ from lightning_zero.tensor_parallel.layers import (
     SliceMemo,
     has_storage,
     slice_local,
-    split_dim,
 )
 from lightning_zero.tensor_parallel.plan import apply_plan, check_heads, find_plan, resolve_plan
 from lightning_zero.tensor_parallel.rng import agree_default_rng

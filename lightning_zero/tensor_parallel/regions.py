@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_zero.checkpoint.slices import split_dim
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.layers import split_dim
 from lightning_zero.tensor_parallel.styles import Colwise, ReplicateGradSum, Style
 
 FIX = ("plan its module 'replicated_with_grad_allreduce' (a whole parameter applied to each rank's own heads or "

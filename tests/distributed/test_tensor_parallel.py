@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_zero import TensorParallelConfig, ZeroStrategy
-from lightning_zero.core.zero.memory import model_state_formula, tensor_parallel_model_state
+from lightning_zero.core.common.memory import model_state_formula, tensor_parallel_model_state
 from lightning_zero.models.gpt import GPTConfig, GPTLightningModule
 from lightning_zero.tensor_parallel import Colwise, Rowwise, VocabEmbedding, split_dim
 from lightning_zero.tensor_parallel.plan import auto_plan, find_plan, resolve_plan

@@ -284,7 +284,7 @@ def teardown_body(room: int | None, fail: bool = False) -> dict[str, Any]:
     real figure); returns what the module holds afterwards and the warnings."""
     import warnings
 
-    from lightning_zero.core.stage3 import teardown
+    from lightning_zero.core.zero import teardown
 
     real = teardown.available_bytes
     if room is not None:

@@ -19,8 +19,8 @@ from lightning_zero.config.deepspeed import apply_deepspeed_config, deepspeed_se
 from lightning_zero.config.launch import compose_config
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import invalid_combinations, validate_config
-from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.deepspeed import BatchSizes, parse_deepspeed_config
 from lightning_zero.deepspeed import strategy as ds_strategy
 from lightning_zero.deepspeed.strategy_args import precision_plugin_args

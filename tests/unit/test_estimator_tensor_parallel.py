@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zero.cli import main
-from lightning_zero.core.zero.memory import tensor_parallel_model_state
+from lightning_zero.core.common.memory import tensor_parallel_model_state
 from lightning_zero.estimator import OFFLOADS, PRESETS, activation_memory, estimate_memory, resolve_model
 from lightning_zero.estimator.advisor import PREFERENCE, advise
 

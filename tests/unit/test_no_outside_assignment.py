@@ -19,9 +19,9 @@ SCANNED = ("lightning_zero", "benchmarks", "experiments")
 OWNED_NAMES = {"engine", "_engine", "strategy", "_strategy"}  # objects that must not be assigned into
 # any other name ending so (a class, ``ddp_strategy``, ``self.zero_engine``) is one too
 OWNED_SUFFIXES = ("strategy", "engine")
-# the one allowed, with its reason: a deprecated alias of a moved classmethod, installed by the module it moved
-# to (ZeroStrategy cannot import that module: it is a layer above); removed with the alias next release
-ALLOWED = {"lightning_zero/deepspeed/strategy.py: ZeroStrategy.from_deepspeed_config"}
+# none allowed (a former method, ``ZeroStrategy.from_deepspeed_config``, is set on its class by lightning_zero/compat
+# with the other former paths: Note [former paths]); an entry is "file: target" with its reason beside it
+ALLOWED: set[str] = set()
 
 
 def _last_name(node: ast.expr) -> str | None:

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from lightning_zero.core.offload import shard_store, store
-from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.offload.file_store import FileStore
 from lightning_zero.core.offload.host_store import HostStore
 from lightning_zero.core.offload.shard_store import DeviceStore, ShardStore
-from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 
 OPERATIONS = sorted(n for n, v in vars(ShardStore).items() if inspect.isfunction(v) and not n.startswith("_"))

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from lightning_zero import NonFinitePolicy, OffloadConfig, OffloadDevice, ZeroConfig, ZeroStage
+from lightning_zero.core.common.memory import model_state_formula
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.engine_step import StepState, StepStateError
 from lightning_zero.core.zero.grad_reducer import ReductionMode
-from lightning_zero.core.zero.memory import model_state_formula
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_zero"
 

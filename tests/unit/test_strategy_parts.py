@@ -16,7 +16,7 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.offload.param_offload import ParamOffload
 from lightning_zero.core.reliability.progress_record import ProgressRecord
 from lightning_zero.core.zero.engine_step import GradReduction

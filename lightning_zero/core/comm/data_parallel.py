@@ -26,8 +26,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from lightning_zero.core.common.choices import Collective
 from lightning_zero.core.reliability.progress_record import RECORD
-from lightning_zero.core.zero.config import Collective
 
 
 def _all_gather_single(output: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGroup | None,
@@ -94,7 +94,7 @@ class DataParallelComm:
     Args:
         group: the data-parallel process group (``None``: the default group when one is
             initialised, otherwise a single rank with no communication).
-        collective: see :class:`~lightning_zero.core.zero.config.ZeroConfig`.
+        collective: see :class:`~lightning_zero.core.settings.zero.ZeroConfig`.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, collective: Collective = "auto") -> None:

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
 
 if TYPE_CHECKING:
-    from lightning_zero.core.zero.flat_param import FlatParamGroup
+    from lightning_zero.core.common.flat_param import FlatParamGroup
 
 # a sub-group: (flat group, first element, one past the last) ranges, at master-piece boundaries
 SubGroup = list[tuple[int, int, int]]

@@ -182,14 +182,5 @@ def local_sum_of_squares(tensors: Iterable[torch.Tensor]) -> float:
     return float(torch.stack(parts).square().sum()) if parts else 0.0  # one device sync
 
 
-def __getattr__(name: str) -> type[LossScaler]:
-    """``DynamicLossScaler``, the former name of :class:`LossScaler` (which also does the static scale)."""
-    if name == "DynamicLossScaler":
-        warnings.warn("DynamicLossScaler is now LossScaler (it does the static scale too): import LossScaler.",
-                      DeprecationWarning, stacklevel=2)
-        return LossScaler
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def non_finite(value: float) -> bool:
     return not math.isfinite(value)

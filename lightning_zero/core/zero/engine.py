@@ -32,13 +32,16 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
+from lightning_zero.core.common.flat_param import FlatParamGroup
+from lightning_zero.core.common.memory import ModelStateBytes
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.zero import DtypePolicy, ZeroConfig
 from lightning_zero.core.stage3 import gathered
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.zero.engine_setup import (
     SelfReducingOptimizer,
     broadcast_from_rank0,
@@ -50,9 +53,7 @@ from lightning_zero.core.zero.engine_setup import (
 )
 from lightning_zero.core.zero.engine_step import GradReduction, NormExcess, StepPreparation
 from lightning_zero.core.zero.engine_views import WholeModelViews, unit_modules
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer, ReductionMode
-from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.core.zero.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
 
 
@@ -92,7 +93,7 @@ class ZeroEngine:
             initialises a module's own parameters (default ``reset_parameters``).
         init_seed: base seed of that initialisation (Note [sharded construction] in materialize.py).
         setup_settings: settings that must agree across ranks (the resolved config), compared with the
-            parameter names / shapes / dtypes before the first collective (``core/reliability/agreement.py``).
+            parameter names / shapes / dtypes before the first collective (``core/comm/agreement.py``).
         offload: where the optimizer shards live (docs/offload.md); default: with the parameters.
         coupling: a pipeline stage's engine: how its step combines with the other stages' (default: none).
     """

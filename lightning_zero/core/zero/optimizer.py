@@ -24,10 +24,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice, ZeroStage
+from lightning_zero.core.common.flat_param import FlatParamGroup, overlap
 from lightning_zero.core.offload.shard_store import DeviceStore, ShardStore, SubGroup
-from lightning_zero.core.zero.config import ZeroStage
-from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
 
 MASTER_PIECE_NUMEL = 1 << 20  # elements per optimizer tensor (Note [master pieces])
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.common.choices import ZeroStage
 
 # bytes per element
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}

@@ -15,22 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_zero.core.zero.config import StrChoice, ZeroStage
-from lightning_zero.core.zero.memory import format_bytes
-
-
-class OffloadDevice(StrChoice):
-    """Where offloaded state lives (DeepSpeed's ``offload_optimizer.device`` / ``offload_param.device``).
-
-    The member names are the strings, so the Hydra ``offload/`` group's YAML (``optimizer_device: cpu``) parses.
-    """
-
-    none = "none"
-    """Not offloaded: the state stays with the parameters, on the training device."""
-    cpu = "cpu"
-    """Separate host memory (pinned with ``pin_memory`` and an accelerator)."""
-    nvme = "nvme"
-    """Run-private swap files under ``nvme_path``, mapped as tensors (Note [swap files] in ``swap_file.py``)."""
+from lightning_zero.core.common.choices import OffloadDevice, ZeroStage
+from lightning_zero.core.common.memory import format_bytes
 
 # DeepSpeed's I/O-buffer knobs: lightning_zero has no swap-buffer pool and keeps no offloaded parameters
 # in host memory under "nvme", so only these values (the defaults) are accepted; others are refused

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_zero.core.zero.flat_param import overlap
+from lightning_zero.core.common.flat_param import overlap
 
 if TYPE_CHECKING:
     from lightning_zero.core.zero.engine import ZeroEngine

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_zero.core.zero.memory import model_state_formula
+from lightning_zero.core.common.memory import model_state_formula
 
 if TYPE_CHECKING:
     from lightning_zero.core.zero.engine import ZeroEngine

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_zero.core.stage3.materialize import is_uninitialized
+from lightning_zero.core.common.uninitialized import is_uninitialized
 
 
 def overlap(start: int, end: int, other_start: int, other_end: int) -> tuple[int, int]:

@@ -1,108 +1,14 @@
-"""Policies of the ZeRO core: small frozen dataclasses, one per axis (see ``docs/design.md``)."""
+"""The ZeRO node of the settings tree: what is partitioned and how it is communicated (``ZeroConfig``), and the
+dtypes of the flat buffers (``DtypePolicy``)."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-Collective = Literal["auto", "all_reduce", "reduce_scatter"]
-
-
-class StrChoice(str, enum.Enum):
-    """A setting users give as a string (YAML, JSON, keyword arguments): each member equals its string.
-
-    ``str()``, f-strings and ``repr()`` (in error messages) read as the string itself, so messages and
-    logs look as they did when the setting was a plain string.
-    """
-
-    @classmethod
-    def of(cls, value: str | StrChoice, what: str | None = None) -> StrChoice:
-        """The member ``value`` names, or a ``ValueError`` listing the valid strings (``what``: the setting)."""
-        try:
-            return cls(value)
-        except ValueError:
-            *most, last = [repr(m.value) for m in cls]
-            raise ValueError(f"`{what or cls.__name__}` must be {', '.join(most)} or {last}, got {value!r}.") from None
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
-class NonFinitePolicy(StrChoice):
-    """What a ``nan`` / ``inf`` reduced gradient does in fp32 / bf16 (Note [non-finite policy] in
-    ``core/precision/nonfinite.py``; fp16 keeps its loss scaler)."""
-
-    OFF = "off"
-    """Not checked: the optimizer steps on whatever the gradients hold (no collective spent on it)."""
-    SKIP = "skip"
-    """The step is skipped on every rank (parameters and optimizer state unchanged) and counted."""
-    RAISE = "raise"
-    """Every rank raises ``NonFiniteGradientError`` naming the first parameter with such a gradient."""
-
-
-class ZeroStage(enum.IntEnum):
-    """How much of the training state is partitioned over the data-parallel ranks.
-
-    An ``IntEnum``: ``stage == 3``, ``f"zero{stage}"`` and logged hyperparameters still read as the
-    plain number; code asks the predicates (``shards_gradients``) instead of comparing numbers.
-    """
-
-    DATA_PARALLEL = 0
-    """Nothing partitioned: every rank holds the whole model state; gradients are all-reduced (DDP)."""
-    OPTIMIZER_STATE = 1
-    """The master weights and optimizer state are sharded; parameters and gradients stay whole."""
-    GRADIENTS = 2
-    """Stage 1 plus the reduced gradients: each rank keeps only its shard of them."""
-    PARAMETERS = 3
-    """Stage 2 plus the parameters: units are gathered just in time for forward and backward."""
-
-    @classmethod
-    def of(cls, value: int | str | ZeroStage) -> ZeroStage:
-        """The stage a user gave (``3``, ``"3"``, ``ZeroStage.PARAMETERS``); a ``ValueError`` names the valid ones."""
-        if isinstance(value, cls):
-            return value
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            number = int(value) if isinstance(value, str) else value
-            if isinstance(number, int):
-                return cls(number)
-        except ValueError:
-            pass
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {value!r}.")
-
-    def __str__(self) -> str:  # the number, as Python >= 3.11 prints an IntEnum (3.10 too)
-        return str(int(self))
-
-    def __format__(self, spec: str) -> str:
-        return format(int(self), spec)
-
-    def __repr__(self) -> str:  # error messages quote the setting as the user wrote it: stage=3
-        return str(int(self))
-
-    @property
-    def shards_optimizer(self) -> bool:
-        """Whether the master weights and optimizer state are sharded (stage >= 1)."""
-        return self >= ZeroStage.OPTIMIZER_STATE
-
-    @property
-    def shards_gradients(self) -> bool:
-        """Whether each rank keeps only its shard of the reduced gradients (stage >= 2)."""
-        return self >= ZeroStage.GRADIENTS
-
-    @property
-    def shards_parameters(self) -> bool:
-        """Whether the parameters are sharded and gathered per unit (stage 3)."""
-        return self is ZeroStage.PARAMETERS
+from lightning_zero.core.common.choices import Collective, NonFinitePolicy, ZeroStage
 
 
 @dataclass(frozen=True)
@@ -146,7 +52,7 @@ class ZeroConfig:
     stage: ZeroStage = ZeroStage.GRADIENTS
     reduce_bucket_size: int = 10_000_000
     overlap_comm: bool = True
-    collective: Collective = "auto"
+    collective: Collective = Collective.AUTO
     timeout_s: float = 300.0
     hang_timeout_s: float = 45.0
     nonfinite: NonFinitePolicy = NonFinitePolicy.OFF
@@ -171,10 +77,7 @@ class ZeroConfig:
                              f"gathered from its forward into its backward), got {reuse!r}.")
         if self.param_persistence_threshold < 0:
             raise ValueError("`param_persistence_threshold` must be >= 0 (0 shards every parameter).")
-        if self.collective not in ("auto", "all_reduce", "reduce_scatter"):
-            raise ValueError(
-                f"`collective` must be 'auto', 'all_reduce' or 'reduce_scatter', got {self.collective!r}."
-            )
+        object.__setattr__(self, "collective", Collective.of(self.collective, "collective"))  # users pass strings
         for cls in self.unit_classes:
             if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
                 raise ValueError(f"`unit_classes` must hold nn.Module subclasses, got {cls!r}.")

@@ -1,0 +1,91 @@
+"""Every former path of the package, in one table: where each name or module moved, and the release that drops it.
+
+A former module is served by :mod:`~lightning_zero.compat.finder` as the module (or modules) it moved to; a former
+name of a module that still exists is looked up on that module through the ``__getattr__`` the finder adds to it.
+Either warns once per import or look-up, naming the new place. ``docs/design.md`` ("Former paths") lists the same
+entries for readers; ``tests/unit/test_public_names.py`` checks that each still resolves and warns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REMOVED_IN = "0.2"  # the release after 0.1: every path below goes then
+
+
+@dataclass(frozen=True)
+class FormerModule:
+    """A module path that no longer has a file: its names are those of ``new`` (the first that has the name)."""
+
+    old: str
+    new: tuple[str, ...]
+    removed_in: str = REMOVED_IN
+
+
+@dataclass(frozen=True)
+class FormerName:
+    """``module.name`` that moved to ``target`` (``"module:attribute"``); ``note`` replaces the warning's text."""
+
+    module: str
+    name: str
+    target: str
+    note: str = ""
+    removed_in: str = REMOVED_IN
+
+
+_CORE = "lightning_zero.core"
+FORMER_MODULES: tuple[FormerModule, ...] = (
+    # issue 20's move of the core into folders
+    FormerModule(f"{_CORE}.engine", (f"{_CORE}.zero.engine",)),
+    FormerModule(f"{_CORE}.config", (f"{_CORE}.settings.zero",)),
+    FormerModule(f"{_CORE}.loss_scaler", (f"{_CORE}.precision.loss_scaler",)),
+    FormerModule(f"{_CORE}.memory", (f"{_CORE}.common.memory",)),
+    FormerModule("lightning_zero.advisor", ("lightning_zero.estimator.advisor",)),
+    FormerModule("lightning_zero.callbacks", ("lightning_zero.observability.callbacks",
+                                              "lightning_zero.observability.model_summary")),
+    FormerModule("lightning_zero.monitoring", ("lightning_zero.observability.monitoring",)),
+    FormerModule("lightning_zero.progress", ("lightning_zero.observability.progress",)),
+    # issue 30's file-size split
+    FormerModule("lightning_zero.lightning.own_bytes", ("lightning_zero.checkpoint.tensor_file",)),
+    # issue 47's one order inside core/: the leaf (common/), the settings tree (settings/), the engine's on top
+    FormerModule(f"{_CORE}.zero.config", (f"{_CORE}.settings.zero", f"{_CORE}.common.choices")),
+    FormerModule(f"{_CORE}.zero.flat_param", (f"{_CORE}.common.flat_param",)),
+    FormerModule(f"{_CORE}.zero.memory", (f"{_CORE}.common.memory",)),
+    FormerModule(f"{_CORE}.offload.config", (f"{_CORE}.settings.offload", f"{_CORE}.common.choices")),
+    FormerModule(f"{_CORE}.reliability.agreement", (f"{_CORE}.comm.agreement",)),
+    FormerModule(f"{_CORE}.stage3.teardown", (f"{_CORE}.zero.teardown",)),
+    FormerModule(f"{_CORE}.stage3.loading", (f"{_CORE}.zero.loading",)),
+)
+
+_LOSS_SCALER = f"{_CORE}.precision.loss_scaler:LossScaler"
+_SCALER_NOTE = "DynamicLossScaler is now LossScaler (it does the static scale too): import LossScaler."
+FORMER_NAMES: tuple[FormerName, ...] = (
+    FormerName("lightning_zero", "DynamicLossScaler", _LOSS_SCALER, _SCALER_NOTE),
+    FormerName(f"{_CORE}.precision.loss_scaler", "DynamicLossScaler", _LOSS_SCALER, _SCALER_NOTE),
+    FormerName(f"{_CORE}.offload.store", "OptimizerOffload", "lightning_zero.compat.adapters:optimizer_offload",
+               "lightning_zero.core.offload.store.OptimizerOffload is now HostStore ('cpu') / FileStore ('nvme'); "
+               "use lightning_zero.core.offload.open_shard_store(config, rank, units, groups, master_dtype)"),
+    *(FormerName(f"{_CORE}.offload", name, f"{_CORE}.settings.offload:{name}")
+      for name in ("OffloadConfig", "nvme_path_problem", "offload_from_args", "DEFAULT_BUFFER_COUNT",
+                   "DEFAULT_MAX_IN_CPU")),
+    FormerName(f"{_CORE}.offload", "OffloadDevice", f"{_CORE}.common.choices:OffloadDevice"),
+    *(FormerName(f"{_CORE}.zero", name, f"{_CORE}.{where}:{name}") for name, where in (
+        ("DtypePolicy", "settings.zero"), ("ZeroConfig", "settings.zero"), ("NonFinitePolicy", "common.choices"),
+        ("StrChoice", "common.choices"), ("ZeroStage", "common.choices"), ("FlatParamGroup", "common.flat_param"),
+        ("ModelStateBytes", "common.memory"), ("format_bytes", "common.memory"),
+        ("model_state_formula", "common.memory"))),
+    FormerName("lightning_zero.observability.callbacks", "ZeroModelSummary",
+               "lightning_zero.observability.model_summary:ZeroModelSummary"),
+    *(FormerName("lightning_zero.deepspeed.strategy", name, f"lightning_zero.deepspeed.strategy_args:{name}")
+      for name in ("precision_plugin_args", "build_precision_plugin")),
+)
+
+# a method that moved to another class: (module, class, method) -> (the new "module:Class", warning); it warns when
+# called (a class attribute cannot warn on look-up)
+FORMER_METHODS: dict[tuple[str, str, str], tuple[str, str]] = {
+    ("lightning_zero.lightning.strategy", "ZeroStrategy", "from_deepspeed_config"): (
+        "lightning_zero.deepspeed.strategy:DeepSpeedZeroStrategy",
+        "ZeroStrategy.from_deepspeed_config is deprecated and will be removed in the next release: use "
+        "lightning_zero.DeepSpeedZeroStrategy.from_deepspeed_config (same arguments).",
+    ),
+}
