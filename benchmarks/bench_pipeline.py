@@ -86,7 +86,7 @@ def _trainer(stage: int, config: Any, world: int, steps: int, callbacks: list, b
 def bubble(args: argparse.Namespace) -> list[tuple[str, int, int, float]]:
     from torch.distributed.pipelining import PipelineStage
 
-    from lightning_zero.pipeline.config import PipelineConfig
+    from lightning_zero.core.settings.pipeline import PipelineConfig
     from lightning_zero.pipeline.runner import PipelineRunner
 
     busy: list[float] = []
@@ -131,7 +131,7 @@ def bubble(args: argparse.Namespace) -> list[tuple[str, int, int, float]]:
 def memory(args: argparse.Namespace) -> list[tuple[int, str, float, float, int]]:
     import lightning.pytorch as pl
 
-    from lightning_zero.pipeline.config import PipelineConfig
+    from lightning_zero.core.settings.pipeline import PipelineConfig
     from lightning_zero.pipeline.lightning import StrategyPipeline
 
     peaks: list[float] = []
@@ -172,7 +172,7 @@ def reduction(args: argparse.Namespace) -> list[tuple[str, int, float, float, fl
     import lightning.pytorch as pl
     from torch.distributed.pipelining import PipelineStage
 
-    from lightning_zero.pipeline.config import PipelineConfig
+    from lightning_zero.core.settings.pipeline import PipelineConfig
     from lightning_zero.pipeline.lightning import StrategyPipeline
 
     engines: list[Any] = []

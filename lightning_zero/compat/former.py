@@ -37,7 +37,7 @@ _CORE = "lightning_zero.core"
 FORMER_MODULES: tuple[FormerModule, ...] = (
     # issue 20's move of the core into folders
     FormerModule(f"{_CORE}.engine", (f"{_CORE}.zero.engine",)),
-    FormerModule(f"{_CORE}.config", (f"{_CORE}.settings.zero",)),
+    FormerModule(f"{_CORE}.config", (f"{_CORE}.settings.zero", f"{_CORE}.settings.precision")),
     FormerModule(f"{_CORE}.loss_scaler", (f"{_CORE}.precision.loss_scaler",)),
     FormerModule(f"{_CORE}.memory", (f"{_CORE}.common.memory",)),
     FormerModule("lightning_zero.advisor", ("lightning_zero.estimator.advisor",)),
@@ -48,13 +48,18 @@ FORMER_MODULES: tuple[FormerModule, ...] = (
     # issue 30's file-size split
     FormerModule("lightning_zero.lightning.own_bytes", ("lightning_zero.checkpoint.tensor_file",)),
     # issue 47's one order inside core/: the leaf (common/), the settings tree (settings/), the engine's on top
-    FormerModule(f"{_CORE}.zero.config", (f"{_CORE}.settings.zero", f"{_CORE}.common.choices")),
+    FormerModule(f"{_CORE}.zero.config", (f"{_CORE}.settings.zero", f"{_CORE}.settings.precision",
+                                          f"{_CORE}.common.choices")),
     FormerModule(f"{_CORE}.zero.flat_param", (f"{_CORE}.common.flat_param",)),
     FormerModule(f"{_CORE}.zero.memory", (f"{_CORE}.common.memory",)),
     FormerModule(f"{_CORE}.offload.config", (f"{_CORE}.settings.offload", f"{_CORE}.common.choices")),
     FormerModule(f"{_CORE}.reliability.agreement", (f"{_CORE}.comm.agreement",)),
     FormerModule(f"{_CORE}.stage3.teardown", (f"{_CORE}.zero.teardown",)),
     FormerModule(f"{_CORE}.stage3.loading", (f"{_CORE}.zero.loading",)),
+    # issue 47's settings tree: its nodes in core/settings, the Hydra route's translation in config/settings.py
+    FormerModule("lightning_zero.pipeline.config", (f"{_CORE}.settings.pipeline",)),
+    FormerModule("lightning_zero.tensor_parallel.config", (f"{_CORE}.settings.tensor",)),
+    FormerModule("lightning_zero.config.parallel_checks", ("lightning_zero.config.settings",)),
 )
 
 _LOSS_SCALER = f"{_CORE}.precision.loss_scaler:LossScaler"
@@ -70,14 +75,24 @@ FORMER_NAMES: tuple[FormerName, ...] = (
                    "DEFAULT_MAX_IN_CPU")),
     FormerName(f"{_CORE}.offload", "OffloadDevice", f"{_CORE}.common.choices:OffloadDevice"),
     *(FormerName(f"{_CORE}.zero", name, f"{_CORE}.{where}:{name}") for name, where in (
-        ("DtypePolicy", "settings.zero"), ("ZeroConfig", "settings.zero"), ("NonFinitePolicy", "common.choices"),
+        ("DtypePolicy", "settings.precision"), ("ZeroConfig", "settings.zero"), ("NonFinitePolicy", "common.choices"),
         ("StrChoice", "common.choices"), ("ZeroStage", "common.choices"), ("FlatParamGroup", "common.flat_param"),
         ("ModelStateBytes", "common.memory"), ("format_bytes", "common.memory"),
         ("model_state_formula", "common.memory"))),
+    *(FormerName("lightning_zero.config.validate", old, f"lightning_zero.config.settings:{new}")
+      for old, new in (("zero_config", "zero_settings"), ("offload_config", "offload_settings"),
+                       ("import_object", "import_object"))),
+    FormerName("lightning_zero.config.build", "strategy_kwargs", "lightning_zero.config.build:strategy_arguments"),
+    FormerName("lightning_zero.config.build", "pipeline_config", "lightning_zero.config.settings:pipeline_settings"),
+    FormerName("lightning_zero.deepspeed.strategy_args", "strategy_kwargs",
+               "lightning_zero.deepspeed.strategy_args:json_strategy_arguments"),
     FormerName("lightning_zero.observability.callbacks", "ZeroModelSummary",
                "lightning_zero.observability.model_summary:ZeroModelSummary"),
-    *(FormerName("lightning_zero.deepspeed.strategy", name, f"lightning_zero.deepspeed.strategy_args:{name}")
-      for name in ("precision_plugin_args", "build_precision_plugin")),
+    *(FormerName(module, name, f"lightning_zero.compat.adapters:{name}",
+                 f"lightning_zero.deepspeed.strategy.{name} is now DeepSpeedConfig.precision_settings(default), the "
+                 "JSON's precision node (ZeroPrecision.of(node) builds its plugin)")
+      for name in ("precision_plugin_args", "build_precision_plugin")
+      for module in ("lightning_zero.deepspeed.strategy", "lightning_zero.deepspeed.strategy_args")),
 )
 
 # a method that moved to another class: (module, class, method) -> (the new "module:Class", warning); it warns when

@@ -13,7 +13,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,63 +24,43 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import OmegaConf
 
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
-from lightning_zero.config.parallel_checks import data_parallel_size
 from lightning_zero.config.paths import RESULT_FILE, FitResult
 from lightning_zero.config.schema import (
-    LIGHTNING_PRECISION,
     GPTModelSchema,
     LoggerKind,
     TrainConfig,
     to_yaml,
 )
-from lightning_zero.config.validate import import_object, offload_config, zero_config
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.config.settings import data_parallel_size, settings_of
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
-from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.strategy import ZeroStrategy
 from lightning_zero.observability.dashboard import ZeroTensorBoardLogger
 from lightning_zero.observability.model_summary import ZeroModelSummary
 from lightning_zero.observability.monitoring import ProfilerWindow, log_hyperparams
 from lightning_zero.observability.progress import LineProgress
-from lightning_zero.pipeline import PipelineConfig
 
 
-def strategy_kwargs(cfg: TrainConfig) -> dict[str, Any]:
-    """Keyword arguments of :class:`~lightning_zero.ZeroStrategy` for ``cfg``."""
-    extra = tuple(import_object(p) for p in cfg.zero.elementwise_optimizers)
-    units = tuple(import_object(p) for p in cfg.zero.unit_classes)
+def strategy_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    """Keyword arguments of :class:`~lightning_zero.ZeroStrategy` for ``cfg``: its settings tree
+    (:func:`~lightning_zero.config.settings.settings_of`) and the strategy's other arguments."""
     return {
-        "config": replace(zero_config(cfg), elementwise_optimizers=extra, unit_classes=units),
-        "precision": build_precision(cfg),
+        "settings": settings_of(cfg),
         "check_step_errors": cfg.zero.check_step_errors,
         "process_group_backend": cfg.trainer.process_group_backend,
         "monitor": cfg.logger.monitor,
         "profiler": build_profiler(cfg),
-        "pipeline": pipeline_config(cfg),
-        "tensor_parallel": cfg.tensor_parallel.size if cfg.tensor_parallel.size > 1 else None,
-        "sequence_parallel": cfg.sequence_parallel.size,
-        "offload": offload_config(cfg),
         "param_init_fn": param_init_fn(cfg),
         "resolved_config": config_hparams(cfg),  # compared across ranks at setup (Note [setup agreement])
     }
 
 
-def pipeline_config(cfg: TrainConfig) -> PipelineConfig | None:
-    """The :class:`~lightning_zero.PipelineConfig` of ``cfg.pipeline`` (``None`` for ``pipeline=none``)."""
-    pp = cfg.pipeline
-    if pp.stages <= 1:
-        return None
-    return PipelineConfig(stages=pp.stages, micro_batches=pp.micro_batches, schedule=pp.schedule.value,
-                          virtual_stages=pp.virtual_stages, partition_method=pp.partition_method,
-                          activation_checkpoint_interval=pp.activation_checkpoint_interval,
-                          reduce_per_micro_batch=pp.reduce_per_micro_batch)
 def build_deepspeed_strategy(cfg: TrainConfig) -> ZeroStrategy:
     """The ranks' strategy for a merged, typed config with ``deepspeed_config``: the Hydra-side strategy
     arguments (equal to the JSON's wherever the JSON sets a value, after
     :func:`~lightning_zero.config.deepspeed.apply_deepspeed_config`) as overrides of
     ``DeepSpeedZeroStrategy.from_deepspeed_config``, whose optimizer / scheduler sections replace the model's."""
     return DeepSpeedZeroStrategy.from_deepspeed_config(cfg.deepspeed_config, strict=cfg.deepspeed_strict,
-                                              optimizer_source="config", **strategy_kwargs(cfg))
+                                              optimizer_source="config", **strategy_arguments(cfg))
 
 
 def build_profiler(cfg: TrainConfig) -> ProfilerWindow | None:
@@ -118,21 +98,11 @@ def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
     }
 
 
-def build_precision(cfg: TrainConfig) -> ZeroPrecision:
-    """The :class:`~lightning_zero.ZeroPrecision` of ``cfg.precision`` (fp16 on CPU stays fp16)."""
-    p = cfg.precision
-    name = LIGHTNING_PRECISION[p.name.value]
-    scaler = None
-    if name == "16-mixed":
-        scaler = LossScalerConfig(**{f.name: getattr(p, f.name) for f in fields(LossScalerConfig)})
-    return ZeroPrecision(name, loss_scaler=scaler, reduce_dtype=p.reduce_dtype, grad_accum_dtype=p.grad_accum_dtype)
-
-
 def build_strategy(cfg: TrainConfig) -> ZeroStrategy:
     """The configured :class:`~lightning_zero.ZeroStrategy` (from ``deepspeed_config`` when one is set)."""
     if cfg.deepspeed_config:
         return build_deepspeed_strategy(cfg)
-    return ZeroStrategy(**strategy_kwargs(cfg))
+    return ZeroStrategy(**strategy_arguments(cfg))
 
 
 def build_logger(cfg: TrainConfig, run_dir: Path) -> Logger | bool:
@@ -265,12 +235,7 @@ def _validate_at_start(trainer: pl.Trainer, module: pl.LightningModule, data: pl
 def run_layout(strategy: pl.strategies.Strategy) -> dict[str, int]:
     """The dimensions the strategy's mesh spans and how many modules its tensor-parallel plan split: what ran,
     whatever the config asked (``result.json``'s ``layout``)."""
-    if not isinstance(strategy, ZeroStrategy) or strategy._run.mesh is None:  # Lightning's own strategies: no mesh
-        return {}
-    mesh, tp = strategy._run.mesh, strategy._run.tensor
-    d = mesh.dims
-    return {"world_size": d.world_size, "data": d.data, "pipeline": d.pipeline, "tensor": d.tensor,
-            "sequence": d.sequence, "tensor_split_modules": len(tp.split) if tp is not None else 0}
+    return strategy.layout() if isinstance(strategy, ZeroStrategy) else {}  # Lightning's own strategies: no mesh
 
 
 def fit(cfg: TrainConfig, run_dir: str | Path) -> FitResult:

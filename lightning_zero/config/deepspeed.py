@@ -40,8 +40,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.config.paths import conf_dir
-from lightning_zero.config.schema import LIGHTNING_PRECISION, TrainConfig
-from lightning_zero.config.validate import offload_config, zero_config
+from lightning_zero.config.schema import TrainConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, ResolvedBatch
 from lightning_zero.deepspeed.config import DeepSpeedConfig, parse_deepspeed_config
 from lightning_zero.deepspeed.pipeline import pipeline_batch
@@ -207,21 +206,3 @@ def _pipeline_batch_settings(batch: ResolvedBatch, how: str) -> dict[str, tuple[
         "trainer.accumulate_grad_batches": (1, f"{GAS}={micro_batches} as pipeline micro-batches, so Lightning "
                                                "accumulates nothing"),
     }
-
-
-def strategy_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """The strategy-level settings of a typed config, shaped like :func:`deepspeed_settings` for comparison."""
-    p = cfg.precision
-    scaler = {k: getattr(p, k) for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                                         "consecutive_hysteresis", "min_loss_scale")}
-    return {"zero": zero_config(cfg), "offload": offload_config(cfg),
-            "precision": LIGHTNING_PRECISION[p.name.value], "loss_scaler": scaler if p.name.value == "fp16" else None}
-
-
-def deepspeed_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
-    """The strategy-level settings a parsed JSON gives (see :func:`strategy_settings`)."""
-    scaler = None
-    if ds.loss_scaler is not None:
-        scaler = {k: getattr(ds.loss_scaler, k) for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
-                                                          "hysteresis", "consecutive_hysteresis", "min_loss_scale")}
-    return {"zero": ds.zero, "offload": ds.offload, "precision": ds.precision or "32-true", "loss_scaler": scaler}

@@ -8,44 +8,35 @@ device here (:func:`describe`), never materialised.
 
 from __future__ import annotations
 
-import importlib
 import re
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.config.model_zoo import build_module, gpt_config, preset_known
 from lightning_zero.config.multinode import resolve_node
-from lightning_zero.config.parallel_checks import pipeline_problems, sequence_problems, tensor_parallel_problems
 from lightning_zero.config.schema import (
     GPTModelSchema,
     MLPModelSchema,
-    OffloadDevice,
     OptimizerName,
-    PrecisionName,
-    PrecisionSchema,
     TeacherDataSchema,
     TextDataSchema,
     TrainConfig,
     to_train_config,
 )
-from lightning_zero.core.common.choices import ZeroStage
-from lightning_zero.core.common.memory import OFFLOAD_STAGES
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.settings.offload import (
-    DEFAULT_BUFFER_COUNT,
-    DEFAULT_MAX_IN_CPU,
-    OffloadConfig,
-    nvme_path_problem,
+from lightning_zero.config.settings import (
+    hydra_settings_problems,
+    pipeline_problems,
+    sequence_problems,
+    tensor_parallel_problems,
+    world_problems,
 )
-from lightning_zero.core.settings.zero import ZeroConfig
+from lightning_zero.core.common.choices import OffloadDevice, ZeroStage
+from lightning_zero.core.common.memory import OFFLOAD_STAGES
+from lightning_zero.core.settings.offload import nvme_path_problem
 
 BUILT_STAGES = tuple(ZeroStage)
-_SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
-_DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
 
 
 def offload_name(cfg: TrainConfig) -> str:
@@ -56,58 +47,14 @@ def offload_name(cfg: TrainConfig) -> str:
     return "none" if opt is OffloadDevice.none else f"optimizer_{opt.value}"
 
 
-def zero_config(cfg: TrainConfig) -> ZeroConfig:
-    """The core :class:`ZeroConfig` of ``cfg.zero`` (``elementwise_optimizers`` left out: they are imports)."""
-    z = cfg.zero
-    return ZeroConfig(stage=z.stage, reduce_bucket_size=int(z.reduce_bucket_size), overlap_comm=z.overlap_comm,
-                      collective=z.collective.value, timeout_s=z.timeout_s,
-                      hang_timeout_s=z.hang_timeout_s, nonfinite=z.nonfinite,
-                      prefetch_bucket_size=int(z.prefetch_bucket_size), max_live_parameters=int(z.max_live_parameters),
-                      max_reuse_distance=int(z.max_reuse_distance),
-                      param_persistence_threshold=int(z.param_persistence_threshold))
-
-
-def offload_config(cfg: TrainConfig) -> OffloadConfig:
-    """The core :class:`OffloadConfig` of ``cfg.offload`` (what a JSON's offload sections are compared with)."""
-    o = cfg.offload
-    return OffloadConfig(optimizer_device=o.optimizer_device.value, param_device=o.param_device.value,
-                         nvme_path=o.nvme_path, pin_memory=pin_memory(cfg), buffer_count=o.buffer_count,
-                         max_in_cpu=int(o.max_in_cpu), sub_group_size=int(o.sub_group_size))
-
-
-def pin_memory(cfg: TrainConfig) -> bool:
-    """``offload.pin_memory``, with ``null`` resolved: pinned where the run has a CUDA accelerator."""
-    if cfg.offload.pin_memory is not None:
-        return bool(cfg.offload.pin_memory)
-    return str(cfg.trainer.accelerator) not in ("cpu",) and torch.cuda.is_available()
-
-
 def _offload_problems(cfg: TrainConfig) -> list[str]:
-    o, stage, name = cfg.offload, cfg.zero.stage, offload_name(cfg)
-    out = []
-    if o.param_device is not OffloadDevice.none and o.optimizer_device is OffloadDevice.none:
-        out.append("offload.param_device is set but offload.optimizer_device is none: parameter offload moves "
-                   "the optimizer state too. Fix: offload=param_cpu or offload=param_nvme.")
-    elif stage not in OFFLOAD_STAGES[name]:
-        what = "offload_param" if name.startswith("param_") else "offload_optimizer"
-        needs = "ZeRO stage 3 (partitioned parameters)" if OFFLOAD_STAGES[name] == (3,) else \
-            "a partitioned optimizer (ZeRO stage >= 1)"
-        fix = "zero=stage3" if OFFLOAD_STAGES[name] == (3,) else "zero=stage1 or higher"
-        out.append(f"offload={name} ({what}) needs {needs}, got zero.stage={stage}. Fix: {fix}, or offload=none.")
-    if OffloadDevice.nvme in (o.optimizer_device, o.param_device) and not o.nvme_path:
-        out.append(f"offload={name} needs offload.nvme_path (a directory on a local NVMe drive).")
-    elif OffloadDevice.nvme in (o.optimizer_device, o.param_device):
-        problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
-        if problem:  # the check the ranks repeat, here before any of them starts
-            out.append(problem)
-    if o.buffer_count != DEFAULT_BUFFER_COUNT:  # DeepSpeed's swap-buffer pool: not built (core/settings/offload.py)
-        out.append(f"offload.buffer_count={o.buffer_count} is not built: there is no pool of swap buffers to size "
-                   f"(offload.sub_group_size sets how much is swapped at once). Fix: drop offload.buffer_count (the "
-                   f"default is {DEFAULT_BUFFER_COUNT}).")
-    if int(o.max_in_cpu) != DEFAULT_MAX_IN_CPU:
-        out.append(f"offload.max_in_cpu={o.max_in_cpu} is not built: with offload=param_nvme every offloaded "
-                   "parameter shard is on disk. Fix: drop offload.max_in_cpu.")
-    return out
+    """The swap directory of ``"nvme"`` offload, checked here before any rank starts, with the room the estimator
+    counts (the offload node's values and its rules with the stage are checked with the settings tree)."""
+    o = cfg.offload
+    if OffloadDevice.nvme not in (o.optimizer_device, o.param_device) or not o.nvme_path:
+        return []
+    problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
+    return [problem] if problem else []  # the check the ranks repeat, here before any of them starts
 
 
 def nvme_bytes_per_node(cfg: TrainConfig) -> float:
@@ -128,25 +75,6 @@ def nvme_bytes_per_node(cfg: TrainConfig) -> float:
     estimate = estimate_config(cfg.zero.stage, name, ModelSpec(float(count_model_parameters(cfg))), cluster,
                                cfg.precision.name.value)
     return estimate.nvme_bytes * t.devices
-
-
-def _precision_problems(cfg: TrainConfig) -> list[str]:
-    p, out = cfg.precision, []
-    defaults = PrecisionSchema()
-    changed = [k for k in _SCALER_KNOBS if getattr(p, k) != getattr(defaults, k)]
-    if p.name is not PrecisionName.fp16 and changed:
-        out.append(f"precision.{', precision.'.join(changed)} set with precision={p.name.value}: loss scaling "
-                   "applies to fp16 only. Fix: precision=fp16, or drop those overrides.")
-    for key in ("reduce_dtype", "grad_accum_dtype"):
-        value = getattr(p, key)
-        if value is not None and value not in _DTYPES:
-            out.append(f"precision.{key}={value} is not a floating dtype. Fix: one of float32, float16, bfloat16, "
-                       "or null (the compute dtype).")
-    if p.loss_scale < 0 or p.min_loss_scale <= 0:
-        out.append("precision.loss_scale must be >= 0 (0 = dynamic) and precision.min_loss_scale > 0.")
-    if not 0 <= p.initial_scale_power <= 63 or p.loss_scale_window < 1 or p.hysteresis < 1:
-        out.append("precision.initial_scale_power must be in [0, 63], loss_scale_window and hysteresis >= 1.")
-    return out
 
 
 def _model_data_problems(cfg: TrainConfig) -> list[str]:
@@ -255,14 +183,6 @@ def _value_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def import_object(path: str) -> Any:
-    """The object at ``"package.module:Name"`` (or ``"package.module.Name"``)."""
-    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module or not name:
-        raise ValueError(f"expected 'module.path:Name', got {path!r}")
-    return getattr(importlib.import_module(module), name)
-
-
 def invalid_combinations(cfg: TrainConfig) -> list[str]:
     """Every reason ``cfg`` cannot work, each with its fix (empty when it is valid)."""
     problems: list[str] = []
@@ -276,21 +196,13 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
         else:
             if section is not None and preset_known(cfg.model) and gpt_config(cfg.model).dropout:
                 problems.append("sparse attention has no attention dropout: set model.dropout=0")
-    try:
-        zero_config(cfg)
-    except ValueError as err:
-        if cfg.zero.stage not in BUILT_STAGES:  # the root problem: every stage-dependent check would follow from it
-            return [f"zero.stage={cfg.zero.stage}: {err} Fix: zero=stage0, stage1, stage2 or stage3."]
-        problems.append(f"zero: {err}")
-    for key in ("elementwise_optimizers", "unit_classes"):
-        for path in getattr(cfg.zero, key):
-            try:
-                import_object(path)
-            except (ImportError, AttributeError, ValueError) as err:
-                problems.append(f"zero.{key}: cannot import {path!r} ({err}).")
-    problems += tensor_parallel_problems(cfg)
-    for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems, _model_data_problems,
-                  sequence_problems):
+    if cfg.zero.stage not in BUILT_STAGES:  # the root problem: every stage-dependent check would follow from it
+        stage = cfg.zero.stage
+        return [f"zero.stage={stage}: ZeRO stage must be 0, 1, 2 or 3, got {stage}. Fix: zero=stage0, stage1, stage2 "
+                "or stage3."]
+    problems += hydra_settings_problems(cfg)  # each node's values, the rules across nodes (core/settings/)
+    problems += world_problems(cfg) + tensor_parallel_problems(cfg)
+    for check in (_value_problems, _offload_problems, pipeline_problems, _model_data_problems, sequence_problems):
         problems += check(cfg)
     return problems
 

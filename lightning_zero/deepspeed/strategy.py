@@ -29,6 +29,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,7 +52,7 @@ from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import pipeline_for_batch
 from lightning_zero.deepspeed.report import DeepSpeedReport
 from lightning_zero.deepspeed.schedulers import NEEDS_TOTAL_STEPS, build_scheduler
-from lightning_zero.deepspeed.strategy_args import strategy_conflict, strategy_kwargs
+from lightning_zero.deepspeed.strategy_args import json_strategy_arguments, strategy_conflict
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.strategy import ZeroStrategy
 from lightning_zero.sparse_attention import SparseSelfAttention, make_sparsity_config
@@ -107,8 +108,10 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
             ds = parse_deepspeed_config(source, strict=strict, warn=False)
             if ds.unsupported:
                 rank_zero_warn(ds.unsupported_message())
-        return cls(deepspeed_config=ds, optimizer_source=optimizer_source,
-                   pipeline_from_json=overrides.get("pipeline") is None, **strategy_kwargs(ds, overrides))
+        base = overrides.get("settings")  # the Hydra route's whole tree
+        callers = overrides.get("pipeline") or (base.parallel.pipeline if base is not None else None)
+        return cls(deepspeed_config=ds, optimizer_source=optimizer_source, pipeline_from_json=callers is None,
+                   **json_strategy_arguments(ds, overrides))
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZeroPrecision:
@@ -153,8 +156,9 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
         manual = not self.lightning_module.automatic_optimization
         batch = self.resolved_batch
         if batch is not None and pipe is not None:  # GAS are the pipeline's micro-batches: nothing to accumulate
-            if ds.batch.gives_accumulation:
-                self.pipeline_config = pipeline_for_batch(pipe, batch, self.pipeline_from_json, ds.source)
+            if ds.batch.gives_accumulation:  # this strategy's settings tree, with the batch's pipeline
+                pipeline = pipeline_for_batch(pipe, batch, self.pipeline_from_json, ds.source)
+                self.settings = replace(self.settings, parallel=replace(self.settings.parallel, pipeline=pipeline))
             if trainer.accumulate_grad_batches != 1:
                 problems.append(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with a pipeline "
                                 f"and the DeepSpeed config {ds.source}: its {GAS} are the pipeline's micro-batches.")

@@ -12,30 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.mesh import Axis, ProcessMesh
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.settings.offload import OffloadConfig, offload_from_args
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.pipeline import PipelineConfig
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_parameters, replace_meta_parameters
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.zero.engine import StageCoupling, ZeroEngine
 from lightning_zero.core.zero.engine_step import weighted_norm_excess
 from lightning_zero.core.zero.teardown import plan_teardown
-from lightning_zero.lightning.precision import ZeroPrecision, strategy_precision
-from lightning_zero.observability.monitoring import ProfilerWindow
-from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.pipeline.lightning import StrategyPipeline
-from lightning_zero.sequence_parallel.checks import check_sequence_parallel
 from lightning_zero.sequence_parallel.lightning import StrategySequenceParallel
-from lightning_zero.tensor_parallel.config import TensorParallelConfig
 from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
 
 
@@ -51,83 +45,6 @@ class ParallelPlan:
     param_init_fn: ParamInitFn | None = None
     tensor_parallel: StrategyTensorParallel | None = None
     sequence_parallel: StrategySequenceParallel | None = None
-
-
-@dataclass(frozen=True)
-class StrategyOptions:
-    """``ZeroStrategy``'s constructor arguments as the typed settings it keeps (one attribute of the same name
-    each), checked by :func:`strategy_options` before any process starts.
-
-    Args:
-        zero_config: the ZeRO settings (``config``, or ``stage`` and the ``ZeroConfig`` keywords).
-        offload: where shards live (``offload``, or the three shortcuts), checked against the stage.
-        tensor_parallel: the tensor-parallel size and plan (size 1: off).
-        sequence_parallel: ranks per sequence group (1: off).
-        pipeline_config: the pipeline (``None``: no split; a one-stage pipeline is none).
-        precision_plugin: the strategy's own precision (``None``: the Trainer's, converted at setup).
-        checkpoint_format: ``"auto"``, ``"sharded"`` or ``"consolidated"``.
-        monitor: whether a fit adds a ``ZeroStatsMonitor``.
-        profiler: the monitor's profiler window (``None``: none).
-    """
-
-    zero_config: ZeroConfig
-    offload: OffloadConfig
-    tensor_parallel: TensorParallelConfig
-    sequence_parallel: int
-    pipeline_config: PipelineConfig | None
-    precision_plugin: Precision | None
-    checkpoint_format: str
-    monitor: bool
-    profiler: ProfilerWindow | None
-
-
-def strategy_options(
-    stage: int,
-    zero_options: dict[str, Any],
-    *,
-    config: ZeroConfig | None,
-    precision: str | ZeroPrecision | None,
-    loss_scaler: LossScalerConfig | None,
-    precision_plugin: Precision | None,
-    checkpoint_format: str,
-    monitor: bool,
-    profiler: ProfilerWindow | bool | None,
-    pipeline: PipelineConfig | None,
-    offload: OffloadConfig | None,
-    offload_optimizer: str | None,
-    offload_param: str | None,
-    nvme_path: str | None,
-    tensor_parallel: int | TensorParallelConfig | None,
-    sequence_parallel: int,
-) -> StrategyOptions:
-    """Check ``ZeroStrategy``'s arguments (each as its constructor documents it) and resolve them into
-    :class:`StrategyOptions`; bad input is refused here, before any process starts, with the fix in the error.
-    The combinations of parallel sizes not built are refused with the reason (tensor parallel composes with
-    pipelines and offload)."""
-    zero = config or ZeroConfig.from_kwargs(stage, zero_options)
-    where = offload_from_args(offload, offload_optimizer, offload_param, nvme_path)
-    where.check(zero.stage)
-    where.check_path()
-    tensor = TensorParallelConfig.coerce(tensor_parallel)
-    check_sequence_parallel(
-        sequence_parallel, pipeline=pipeline.stages if pipeline is not None else 1, tensor=tensor.size
-    )
-    plugin = strategy_precision(precision, loss_scaler, precision_plugin)
-    if checkpoint_format not in ("auto", "sharded", "consolidated"):
-        raise ValueError(f"checkpoint_format must be 'auto', 'sharded' or 'consolidated', got {checkpoint_format!r}.")
-    if profiler and not monitor:
-        raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
-    return StrategyOptions(
-        zero_config=zero,
-        offload=where,
-        tensor_parallel=tensor,
-        sequence_parallel=sequence_parallel,
-        pipeline_config=pipeline if pipeline is not None and pipeline.stages > 1 else None,
-        precision_plugin=plugin,
-        checkpoint_format=checkpoint_format,
-        monitor=monitor,
-        profiler=ProfilerWindow() if profiler is True else (profiler or None),
-    )
 
 
 def only_optimizer(optimizers: list[Optimizer]) -> Optimizer:
@@ -220,7 +137,7 @@ def apply_parallelisms(
     optimizer = make_optimizer() if make_optimizer is not None else None
     if pipeline is not None and optimizer is not None:
         pipeline.restrict_optimizer(optimizer)
-        pipeline.check_engine(plan.zero)
+        pipeline.check_engine()
     if plan.tensor_parallel is not None and optimizer is not None:
         plan.tensor_parallel.check_optimizer(optimizer)
     # 6. ZeRO last: it flattens and shards what the rank holds after every rewrite above (stage 3 per unit,

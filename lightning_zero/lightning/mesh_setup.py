@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -22,17 +21,17 @@ from torch.optim import Optimizer
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.process_groups import own, reusable
 from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
-from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.pipeline import PipelineConfig
+from lightning_zero.core.settings.tensor import TensorParallelConfig
+from lightning_zero.core.settings.tree import Settings
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.lightning.compose import ParallelPlan, apply_parallelisms, release_parallelisms
 from lightning_zero.lightning.precision import ZeroPrecision
-from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.sequence_parallel.lightning import StrategySequenceParallel
-from lightning_zero.tensor_parallel.config import TensorParallelConfig
 from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
 
 
@@ -83,30 +82,6 @@ def new_strategy_mesh(mesh: ProcessMesh | None, comm: DataParallelComm | None, p
     return build_mesh(dims, dist.get_rank() if initialized else 0, tensor, zero)
 
 
-class RunHost(Protocol):
-    """What :class:`ParallelRun` reads of its strategy (``ZeroStrategy`` is one)."""
-
-    zero_config: ZeroConfig
-    offload: OffloadConfig
-    pipeline_config: PipelineConfig | None
-    tensor_parallel: TensorParallelConfig
-    sequence_parallel: int
-    param_init_fn: ParamInitFn | None
-    gather_on_teardown: bool
-
-    @property
-    def precision_plugin(self) -> ZeroPrecision: ...
-
-    @property
-    def root_device(self) -> torch.device: ...
-
-    @property
-    def lightning_module(self) -> pl.LightningModule | None: ...
-
-    @property
-    def optimizers(self) -> list[Optimizer]: ...
-
-
 class ParallelRun:
     """The strategy's part that holds its mesh and what each setup composes on it; the other parts read it.
 
@@ -114,14 +89,10 @@ class ParallelRun:
     mesh, when on) are made by the first setup and reused (Note [one mesh per strategy]); ``pipeline`` (this
     rank's stage) and ``engine`` exist from setup to teardown (the engine when fitting, or evaluating a model built
     sharded); ``last_runtime`` is the last fit's stage-3 runtime (its peak counters) and ``after_fit_refusal`` a
-    pipelined fit's reason why a save after it is incomplete.
-
-    Args:
-        host: the strategy, whose settings are read at each setup (a subclass may change them before).
+    pipelined fit's reason why a save after it is incomplete. Each setup hands it the settings tree it runs with.
     """
 
-    def __init__(self, host: RunHost) -> None:
-        self._host = host
+    def __init__(self) -> None:
         self.mesh: ProcessMesh | None = None
         self.comm: DataParallelComm | None = None
         self.tensor: StrategyTensorParallel | None = None
@@ -131,43 +102,43 @@ class ParallelRun:
         self.last_runtime: Stage3Runtime | None = None
         self.after_fit_refusal: tuple[str, bool] | None = None
 
-    def open_mesh(self) -> ProcessMesh:
+    def open_mesh(self, settings: Settings) -> ProcessMesh:
         """This setup's groups: the strategy's mesh while they live, else a new one (collective over the world)."""
-        h = self._host
-        made = new_strategy_mesh(
-            self.mesh, self.comm, h.pipeline_config, h.tensor_parallel, h.sequence_parallel, h.zero_config
-        )
+        parallel = settings.parallel
+        made = new_strategy_mesh(self.mesh, self.comm, parallel.pipeline, parallel.tensor, parallel.sequence,
+                                 settings.zero)
         if made is not None:
             self.mesh, self.comm, self.tensor, self.sequence = made.mesh, made.comm, made.tensor, made.sequence
         assert self.mesh is not None
         return self.mesh
 
-    def compose(self, make_optimizer: Callable[[], Optimizer] | None, settings: Mapping[str, str]) -> None:
-        """Apply every parallelism to the strategy's module on the mesh :meth:`open_mesh` opened
-        (:func:`~lightning_zero.lightning.compose.apply_parallelisms`: ``make_optimizer`` when fitting, ``settings``
+    def compose(self, module: pl.LightningModule | None, settings: Settings, precision: ZeroPrecision,
+                device: torch.device, make_optimizer: Callable[[], Optimizer] | None, agreed: Mapping[str, str],
+                param_init_fn: ParamInitFn | None) -> None:
+        """Apply every parallelism to ``module`` on the mesh :meth:`open_mesh` opened
+        (:func:`~lightning_zero.lightning.compose.apply_parallelisms`: ``make_optimizer`` when fitting, ``agreed``
         compared across ranks)."""
-        h, module = self._host, self._host.lightning_module
         assert self.mesh is not None and self.comm is not None and module is not None
-        plan = ParallelPlan(h.zero_config, h.offload, h.pipeline_config, h.param_init_fn, self.tensor, self.sequence)
-        composed = apply_parallelisms(
-            module, self.mesh, self.comm, plan, h.precision_plugin, h.root_device, make_optimizer, settings
-        )
+        plan = ParallelPlan(settings.zero, settings.offload, settings.parallel.pipeline, param_init_fn, self.tensor,
+                            self.sequence)
+        composed = apply_parallelisms(module, self.mesh, self.comm, plan, precision, device, make_optimizer, agreed)
         self.pipeline, self.engine = composed.pipeline, composed.engine
 
-    def release(self, failed: bool) -> None:
+    def layout(self) -> dict[str, int]:
+        """The dimensions the mesh spans and how many modules the tensor-parallel plan split (empty before the
+        first setup)."""
+        if self.mesh is None:
+            return {}
+        d, tp = self.mesh.dims, self.tensor
+        return {"world_size": d.world_size, "data": d.data, "pipeline": d.pipeline, "tensor": d.tensor,
+                "sequence": d.sequence, "tensor_split_modules": len(tp.split) if tp is not None else 0}
+
+    def release(self, module: pl.LightningModule | None, optimizers: list[Optimizer], precision: ZeroPrecision,
+                failed: bool, gather_on_teardown: bool) -> None:
         """Teardown: :func:`~lightning_zero.lightning.compose.release_parallelisms` (no collective after an error,
         ``failed``); the engine and the stage go, what the last fit leaves for later reads stays."""
-        h = self._host
-        released = release_parallelisms(
-            h.lightning_module,
-            self.engine,
-            self.pipeline,
-            self.sequence,
-            h.optimizers,
-            h.precision_plugin,
-            failed,
-            h.gather_on_teardown,
-        )
+        released = release_parallelisms(module, self.engine, self.pipeline, self.sequence, optimizers, precision,
+                                        failed, gather_on_teardown)
         self.engine = self.pipeline = None
         self.last_runtime = released.last_runtime or self.last_runtime
         self.after_fit_refusal = released.pipeline_refusal or self.after_fit_refusal

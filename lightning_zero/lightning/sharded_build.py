@@ -12,9 +12,9 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from lightning_zero.core.settings.pipeline import PipelineConfig
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import has_unmaterialized_tensors, parameters_on_meta
-from lightning_zero.pipeline.config import PipelineConfig
 
 
 @contextmanager

@@ -24,14 +24,13 @@ from torch.utils.data import DataLoader
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.process_groups import own
 from lightning_zero.core.mesh import ProcessMesh
-from lightning_zero.core.settings.zero import ZeroConfig
+from lightning_zero.core.settings.pipeline import PipelineConfig, short_last_batch
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.loading import load_full_state_dict
 from lightning_zero.observability.callbacks import ZeroStatsMonitor
 from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
-from lightning_zero.pipeline.config import PipelineConfig, short_last_batch
 from lightning_zero.pipeline.mesh import PipelineGroups, PipelineMesh, pipeline_groups
 from lightning_zero.pipeline.model import LocalModel, plan_split, reassemble, split_batch, split_module
 from lightning_zero.pipeline.runner import PipelineRunner
@@ -120,12 +119,9 @@ class StrategyPipeline:
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p in local]
 
-    def check_engine(self, config: ZeroConfig) -> None:
-        """Before the engine is built, on every rank: refuse a per-micro-batch reduction that cannot run here."""
-        if self.config.reduce_per_micro_batch and not config.stage.shards_gradients:
-            raise ValueError(f"PipelineConfig(reduce_per_micro_batch=True) with ZeRO stage {config.stage}: it "
-                             "saves memory only at stages 2-3 (stages 0-1 keep the whole gradient buffer anyway). "
-                             "Fix: ZeRO stage 2 or 3, or reduce_per_micro_batch=False.")
+    def check_engine(self) -> None:
+        """Before the engine is built, on every rank: refuse a per-micro-batch reduction that cannot run with this
+        model (its ZeRO stage is a rule of the settings: ``core/settings/rules.py``)."""
         if self.config.reduce_per_micro_batch and self.tie_sets:
             raise ValueError("PipelineConfig(reduce_per_micro_batch=True) with parameters tied across pipeline stages "
                              f"(stages {self.tie_sets}): their gradients are summed over the stages once per step. "

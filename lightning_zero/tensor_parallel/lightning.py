@@ -34,9 +34,9 @@ from lightning_zero.checkpoint.slices import split_dim
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.mesh.groups import ProcessMesh
+from lightning_zero.core.settings.tensor import TensorParallelConfig
 from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.config import TensorParallelConfig
 from lightning_zero.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -331,7 +331,7 @@ def overflow_body(zero_stages: list[int]) -> dict[int, dict[str, Any]]:
 
 def _overflow_fit(zero_stage: int) -> list[tuple[float, int, bool]]:
     from lightning_zero import ZeroPrecision
-    from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+    from lightning_zero.core.settings.precision import LossScalerConfig
 
     model, now = PipeLM("sgd"), {"step": -1}
     target = model.blocks[0].fc.weight  # layer 1 of 5: stage 0 under the uniform split [0, 2, 5]

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.core.settings.zero import DtypePolicy, ZeroConfig
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

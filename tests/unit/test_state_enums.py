@@ -5,6 +5,7 @@ state machine and the reducer's reduction mode."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def test_the_hydra_schema_uses_the_core_offload_enum() -> None:
 
     from lightning_zero.config import schema
 
-    assert schema.OffloadDevice is OffloadDevice
+    assert {f.name: f.type for f in dataclasses.fields(schema.OffloadSchema)}["optimizer_device"] is OffloadDevice
     node = OmegaConf.merge(OmegaConf.structured(schema.OffloadSchema), {"optimizer_device": "cpu"})
     assert node.optimizer_device is OffloadDevice.cpu
     assert "optimizer_device: cpu" in OmegaConf.to_yaml(node)

@@ -127,3 +127,55 @@ class OffloadDevice(StrChoice):
     """Separate host memory (pinned with ``pin_memory`` and an accelerator)."""
     nvme = "nvme"
     """Run-private swap files under ``nvme_path``, mapped as tensors (Note [swap files] in ``swap_file.py``)."""
+
+
+class CheckpointFormat(StrChoice):
+    """How the strategy saves checkpoints (``ZeroStrategy(checkpoint_format=...)``; both formats are read)."""
+
+    AUTO = "auto"
+    """``SHARDED`` when the optimizer is sharded (ZeRO stage >= 1), else ``CONSOLIDATED``."""
+    SHARDED = "sharded"
+    """Every rank writes its own shards into one directory (docs/checkpoints.md)."""
+    CONSOLIDATED = "consolidated"
+    """Lightning's one file, gathered on rank 0."""
+
+
+class PipeSchedule(StrChoice):
+    """The pipeline schedules built (torch's ``torch.distributed.pipelining``; docs/pipeline.md)."""
+
+    GPIPE = "gpipe"
+    """Fill-drain: every micro-batch's forward, then every backward."""
+    ONE_F_ONE_B = "1f1b"
+    """One forward one backward (DeepSpeed's TrainSchedule): at most ``stages`` micro-batches in flight."""
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    """1F1B over ``virtual_stages`` model chunks per rank."""
+
+    @classmethod
+    def of(cls, value: str | StrChoice, what: str | None = None) -> StrChoice:
+        """Also the spellings of the Hydra group and DeepSpeed (``one_f_one_b``, ``interleaved``)."""
+        return super().of({"one_f_one_b": "1f1b", "interleaved": "interleaved_1f1b"}.get(str(value), value), what)
+
+
+class PrecisionMode(StrChoice):
+    """The training precision, in Lightning's names (docs/precision.md)."""
+
+    FP32 = "32-true"
+    """Everything fp32; the master is the parameter buffer itself."""
+    FP16_MIXED = "16-mixed"
+    """fp16 parameters and gradients, fp32 master shards, DeepSpeed's loss scaler."""
+    BF16_MIXED = "bf16-mixed"
+    """bf16 parameters and gradients, fp32 master shards."""
+    BF16_TRUE = "bf16-true"
+    """bf16 parameters, gradients and optimizer state; no master copy."""
+
+    @classmethod
+    def of(cls, value: str | StrChoice, what: str | None = None) -> StrChoice:
+        """Also Lightning's short names (``"32"``, ``"16"``, ``"bf16"``); ``"16-true"`` is refused with the reason."""
+        name = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(str(value), str(value))
+        try:
+            return cls(name)
+        except ValueError:
+            hint = (" fp16 weights without an fp32 master lose small updates; use '16-mixed' (fp32 master "
+                    "shards) or 'bf16-true'." if name == "16-true" else "")
+            raise ValueError(f"Unknown precision {value!r} for ZeroStrategy. Use one of '32-true', '16-mixed', "
+                             f"'bf16-mixed', 'bf16-true'.{hint}") from None

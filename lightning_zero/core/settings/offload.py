@@ -1,8 +1,9 @@
-"""Where partitioned state lives: the offload policy (ZeRO-Offload / ZeRO-Infinity) and its checks.
+"""The offload node of the settings tree: where partitioned state lives (ZeRO-Offload / ZeRO-Infinity).
 
 The fields are those of DeepSpeed's ``zero_optimization.offload_optimizer`` / ``offload_param``
 and of the Hydra ``offload/`` group. The mechanism is in ``store.py`` and its stores (optimizer shards)
-and ``param_offload.py`` (stage-3 parameter shards); see docs/offload.md.
+and ``param_offload.py`` (stage-3 parameter shards); see docs/offload.md. Its rules with the ZeRO stage are in
+``rules.py`` (Note [one rule, many spellings]).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_zero.core.common.choices import OffloadDevice, ZeroStage
+from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.common.memory import format_bytes
 
 # DeepSpeed's I/O-buffer knobs: lightning_zero has no swap-buffer pool and keeps no offloaded parameters
@@ -81,27 +82,6 @@ class OffloadConfig:
     @property
     def uses_nvme(self) -> bool:
         return OffloadDevice.nvme in (self.optimizer_device, self.param_device)
-
-    def check(self, stage: int | ZeroStage) -> None:
-        """Refuse, with the fix, a policy that ``stage`` cannot run (no file system access).
-
-        Raises:
-            ValueError: an invalid combination.
-        """
-        if not self.enabled:
-            return
-        stage = ZeroStage.of(stage)
-        if self.param_device is not OffloadDevice.none and not stage.shards_parameters:
-            raise ValueError(f"offload_param={self.param_device!r} needs ZeRO stage 3 (partitioned parameters), "
-                             f"got stage {stage}. Fix: stage=3, or offload_param='none'.")
-        if self.param_device is not OffloadDevice.none and self.optimizer_device is OffloadDevice.none:
-            raise ValueError(f"offload_param={self.param_device!r} moves the optimizer state too. Fix: also set "
-                             f"offload_optimizer={self.param_device!r}.")
-        if not stage.shards_optimizer:
-            raise ValueError(f"offload_optimizer={self.optimizer_device!r} offloads this rank's optimizer shard and "
-                             "needs ZeRO stage 1, 2 or 3, got stage 0. Fix: stage>=1, or offload_optimizer='none'.")
-        if self.uses_nvme and not self.nvme_path:
-            raise ValueError(f"offload={self.name} needs `nvme_path`: an existing, writable directory on a local disk.")
 
     def warn_unused(self) -> None:
         """An engine without an optimizer (validate / test / predict outside fit) offloads nothing: say so."""

@@ -1,5 +1,4 @@
-"""The ZeRO node of the settings tree: what is partitioned and how it is communicated (``ZeroConfig``), and the
-dtypes of the flat buffers (``DtypePolicy``)."""
+"""The ZeRO node of the settings tree: what is partitioned and how it is communicated (``ZeroConfig``)."""
 
 from __future__ import annotations
 
@@ -96,58 +95,3 @@ class ZeroConfig:
         if unknown:
             raise TypeError(f"Unknown ZeRO option(s) {unknown}. Valid options: {sorted(valid - {'stage'})}.")
         return cls(stage=stage, **kwargs)
-
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-@dataclass(frozen=True)
-class DtypePolicy:
-    """Dtypes of the flat buffers (see Note [flat shard layout] in ``flat_param.py``).
-
-    Args:
-        param_dtype: dtype of the module's parameters and of forward / backward.
-        reduce_dtype: dtype gradients are reduced in (``None``: ``param_dtype``).
-        master_dtype: dtype of the optimizer's master shard. When equal to ``param_dtype`` the
-            master shard is a view of the parameter buffer, never a second copy.
-        accum_dtype: dtype the reduced gradients are kept and accumulated in across micro-steps
-            (DeepSpeed's ``grad_accum_dtype``; ``None``: the reduce dtype).
-
-    Note [gradient dtypes]
-        Autograd produces gradients in ``param_dtype``; they are added into buffers of
-        ``grad_accum_dtype`` and reduced in ``grad_dtype`` (a bucket is cast for the collective
-        when the two differ). The optimizer sees them in ``master_dtype``: when that differs from
-        ``grad_accum_dtype`` (mixed precision) the master's gradient is a transient copy made by
-        ``ZeroEngine.prepare_step`` and freed by the step.
-    """
-
-    param_dtype: torch.dtype = torch.float32
-    reduce_dtype: torch.dtype | None = None
-    master_dtype: torch.dtype = torch.float32
-    accum_dtype: torch.dtype | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "master_dtype", "accum_dtype"):
-            value = getattr(self, name)
-            if value is not None and value not in _FLOAT_DTYPES:
-                raise ValueError(f"`{name}` must be a floating dtype (torch.float32, torch.float16 or "
-                                 f"torch.bfloat16), got {value!r}.")
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        """The dtype gradients are reduced in."""
-        return self.reduce_dtype or self.param_dtype
-
-    @property
-    def grad_accum_dtype(self) -> torch.dtype:
-        """The dtype the reduced gradient buffers (whole or shard) are kept in."""
-        return self.accum_dtype or self.grad_dtype
-
-    @property
-    def master_is_param_view(self) -> bool:
-        return self.master_dtype == self.param_dtype
-
-    @property
-    def master_grad_is_view(self) -> bool:
-        """Whether the optimizer can step on the reduced gradient buffers without a cast copy."""
-        return self.master_dtype == self.grad_accum_dtype

@@ -36,7 +36,10 @@ from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.common.memory import ModelStateBytes
 from lightning_zero.core.settings.offload import OffloadConfig
-from lightning_zero.core.settings.zero import DtypePolicy, ZeroConfig
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.rules import check_settings
+from lightning_zero.core.settings.tree import Settings
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3 import gathered
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.stage3.materialize import ParamInitFn
@@ -113,7 +116,7 @@ class ZeroEngine:
         coupling: StageCoupling | None = None,
     ) -> None:
         self.offload_config = offload or OffloadConfig()
-        self.offload_config.check(config.stage)
+        check_settings(Settings(zero=config, offload=self.offload_config))  # Note [one rule, many spellings]
         self.module = module
         self.optimizer = optimizer
         self.config = config

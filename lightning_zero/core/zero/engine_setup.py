@@ -20,7 +20,8 @@ from lightning_zero.core.common.choices import ZeroStage
 from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.offload.store import open_shard_store
 from lightning_zero.core.settings.offload import OffloadConfig
-from lightning_zero.core.settings.zero import DtypePolicy, ZeroConfig
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit

@@ -19,7 +19,8 @@ from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.flat_param import FlatParamGroup, overlap
 from lightning_zero.core.precision.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.precision.nonfinite import first_nonfinite_parameter
-from lightning_zero.core.settings.zero import DtypePolicy, ZeroConfig
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.grad_reducer import GradReducer
 from lightning_zero.core.zero.optimizer import ShardedOptimizer
 

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.common.memory import ModelStateBytes, StorageCounter
-from lightning_zero.core.settings.zero import DtypePolicy
+from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.stage3.units import plan_units

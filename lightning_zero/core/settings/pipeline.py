@@ -1,4 +1,4 @@
-"""``PipelineConfig``: the pipeline-parallel policy (stages, schedule, micro-batches, partitioning).
+"""The pipeline node of the settings tree, ``PipelineConfig``: stages, schedule, micro-batches, partitioning.
 
 Field names follow DeepSpeed's pipeline engine where it has one (``partition_method``,
 ``activation_checkpoint_interval``, ``micro_batches``). The schedules are PyTorch's own
@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+from lightning_zero.core.common.choices import PipeSchedule
+
+SCHEDULES: tuple[str, ...] = tuple(s.value for s in PipeSchedule)
 # torch schedules refused, with the reason (docs/pipeline.md)
 REFUSED_SCHEDULES: dict[str, str] = {
     name: "it is not wired into lightning_zero: the zero-bubble schedules compute weight gradients in a "
@@ -18,7 +20,6 @@ REFUSED_SCHEDULES: dict[str, str] = {
     "their stage placement and that pass are untested with ZeRO here); use 'gpipe', '1f1b' or 'interleaved_1f1b'"
     for name in ("interleaved_zero_bubble", "zbv_zero_bubble", "zero_bubble", "dualpipev", "looped_bfs")
 }
-_ALIASES = {"one_f_one_b": "1f1b", "interleaved": "interleaved_1f1b"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class PipelineConfig:
             the quotient is the data-parallel size over which ZeRO partitions.
         micro_batches: micro-batches per batch; must divide the per-data-parallel-rank batch size.
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one forward one backward, DeepSpeed's
-            TrainSchedule) or ``"interleaved_1f1b"`` (needs ``virtual_stages >= 2``).
+            TrainSchedule) or ``"interleaved_1f1b"`` (needs ``virtual_stages >= 2``): a :class:`PipeSchedule`.
         virtual_stages: model chunks per rank (interleaved schedules).
         partition_method: ``"uniform"`` (equal layer counts), ``"parameters"`` (balanced parameter
             counts) or ``"type:<regex>"`` (balance the layers whose class name matches).
@@ -44,25 +45,26 @@ class PipelineConfig:
 
     stages: int = 2
     micro_batches: int = 4
-    schedule: str = "1f1b"
+    schedule: PipeSchedule = PipeSchedule.ONE_F_ONE_B
     virtual_stages: int = 1
     partition_method: str = "parameters"
     activation_checkpoint_interval: int = 0
     reduce_per_micro_batch: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", _ALIASES.get(self.schedule, self.schedule))
-        if self.schedule in REFUSED_SCHEDULES:
-            reason = REFUSED_SCHEDULES[self.schedule]
-            raise ValueError(f"pipeline schedule {self.schedule!r} is not supported: {reason}.")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
+        if str(self.schedule) in REFUSED_SCHEDULES:
+            reason = REFUSED_SCHEDULES[str(self.schedule)]
+            raise ValueError(f"pipeline schedule {str(self.schedule)!r} is not supported: {reason}.")
+        try:
+            object.__setattr__(self, "schedule", PipeSchedule.of(self.schedule))  # users pass strings
+        except ValueError:
+            raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}.") from None
         for name in ("stages", "micro_batches", "virtual_stages"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"pipeline `{name}` must be >= 1, got {getattr(self, name)!r}.")
         if self.activation_checkpoint_interval < 0:
             raise ValueError("`activation_checkpoint_interval` must be >= 0 (0: no activation checkpointing).")
-        interleaved = self.schedule == "interleaved_1f1b"
+        interleaved = self.schedule is PipeSchedule.INTERLEAVED_1F1B
         if interleaved != (self.virtual_stages > 1):
             raise ValueError(
                 f"schedule={self.schedule!r} with virtual_stages={self.virtual_stages}: the interleaved schedule needs "
@@ -71,7 +73,7 @@ class PipelineConfig:
         if interleaved and self.micro_batches % self.stages:
             raise ValueError(f"interleaved_1f1b needs micro_batches ({self.micro_batches}) to be a multiple of "
                              f"stages ({self.stages}).")
-        if self.schedule == "1f1b" and self.micro_batches < self.stages:
+        if self.schedule is PipeSchedule.ONE_F_ONE_B and self.micro_batches < self.stages:
             raise ValueError(f"schedule='1f1b' needs micro_batches >= stages ({self.micro_batches} < {self.stages}); "
                              "use more micro-batches, or schedule='gpipe'.")
         method = self.partition_method

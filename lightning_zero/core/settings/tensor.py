@@ -1,4 +1,5 @@
-"""``TensorParallelConfig``: how many ranks split each layer, with which plan; checked when built."""
+"""The tensor-parallel node of the settings tree, ``TensorParallelConfig``: how many ranks split each layer, with
+which plan; checked when built."""
 
 from __future__ import annotations
 

@@ -1,0 +1,239 @@
+"""A Hydra config as the settings tree (:func:`settings_of`: the Hydra route in, Note [one settings tree] in
+``core/settings/tree.py``), and the checks of those settings that need the model, the data or the world (the
+pipeline's layers, the heads tensor and sequence parallelism split, the ranks), each with its fix; ``validate.py``
+runs them before any rank starts.
+
+Each ``*_settings`` function translates one group into its node and adds no rule: a node checks its own values,
+``core/settings/rules.py`` the rules across nodes, named here as the Hydra keys (:data:`HYDRA_KEYS`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from lightning_zero.config.model_zoo import gpt_config, preset_known
+from lightning_zero.config.schema import (
+    LIGHTNING_PRECISION,
+    GPTModelSchema,
+    MLPModelSchema,
+    OptimizerName,
+    PipeSchedule,
+    PrecisionSchema,
+    TextDataSchema,
+    TrainConfig,
+)
+from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.mesh.dims import ParallelDims
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.pipeline import PipelineConfig
+from lightning_zero.core.settings.precision import LossScalerConfig, PrecisionConfig
+from lightning_zero.core.settings.rules import CANONICAL, settings_problems
+from lightning_zero.core.settings.tensor import TensorParallelConfig
+from lightning_zero.core.settings.tree import ParallelSettings, Settings
+from lightning_zero.core.settings.zero import ZeroConfig
+
+HYDRA_KEYS = CANONICAL  # the tree's keys are the Hydra groups' (Note [one rule, many spellings])
+_SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
+
+
+def import_object(path: str) -> Any:
+    """The object at ``"package.module:Name"`` (or ``"package.module.Name"``)."""
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"expected 'module.path:Name', got {path!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def zero_settings(cfg: TrainConfig, imports: bool = True) -> ZeroConfig:
+    """The ZeRO node of ``cfg.zero`` (its ``elementwise_optimizers`` / ``unit_classes`` imported, unless
+    ``imports=False``: the launcher's checks and a JSON's comparison leave them out)."""
+    z = cfg.zero
+    classes = {key: tuple(import_object(p) for p in getattr(z, key)) if imports else ()
+               for key in ("elementwise_optimizers", "unit_classes")}
+    return ZeroConfig(stage=z.stage, reduce_bucket_size=int(z.reduce_bucket_size), overlap_comm=z.overlap_comm,
+                      collective=z.collective.value, timeout_s=z.timeout_s,
+                      hang_timeout_s=z.hang_timeout_s, nonfinite=z.nonfinite,
+                      prefetch_bucket_size=int(z.prefetch_bucket_size), max_live_parameters=int(z.max_live_parameters),
+                      max_reuse_distance=int(z.max_reuse_distance),
+                      param_persistence_threshold=int(z.param_persistence_threshold), **classes)
+
+
+def offload_settings(cfg: TrainConfig) -> OffloadConfig:
+    """The offload node of ``cfg.offload`` (``pin_memory: null`` resolved: pinned where the run has CUDA)."""
+    o = cfg.offload
+    pin = bool(o.pin_memory) if o.pin_memory is not None else \
+        str(cfg.trainer.accelerator) not in ("cpu",) and torch.cuda.is_available()
+    return OffloadConfig(optimizer_device=o.optimizer_device.value, param_device=o.param_device.value,
+                         nvme_path=o.nvme_path, pin_memory=pin, buffer_count=o.buffer_count,
+                         max_in_cpu=int(o.max_in_cpu), sub_group_size=int(o.sub_group_size))
+
+
+def pipeline_settings(cfg: TrainConfig) -> PipelineConfig | None:
+    """The pipeline node of ``cfg.pipeline`` (``None`` for ``pipeline=none``)."""
+    pp = cfg.pipeline
+    if pp.stages <= 1 or pp.schedule is PipeSchedule.none:  # a schedule without stages: pipeline_problems
+        return None
+    return PipelineConfig(stages=pp.stages, micro_batches=pp.micro_batches, schedule=pp.schedule.value,
+                          virtual_stages=pp.virtual_stages, partition_method=pp.partition_method,
+                          activation_checkpoint_interval=pp.activation_checkpoint_interval,
+                          reduce_per_micro_batch=pp.reduce_per_micro_batch)
+
+
+def precision_settings(cfg: TrainConfig) -> PrecisionConfig:
+    """The precision node of ``cfg.precision``: a loss scaler when fp16, or when any of its knobs is set."""
+    p, defaults = cfg.precision, PrecisionSchema()
+    knobs = {k: getattr(p, k) for k in _SCALER_KNOBS}
+    scaled = p.name.value == "fp16" or any(v != getattr(defaults, k) for k, v in knobs.items())
+    return PrecisionConfig(LIGHTNING_PRECISION[p.name.value], LossScalerConfig(**knobs) if scaled else None,
+                           p.reduce_dtype, p.grad_accum_dtype)
+
+
+_NODES: dict[str, Callable[[TrainConfig], Any]] = {
+    "zero": zero_settings, "offload": offload_settings, "pipeline": pipeline_settings,
+    "precision": precision_settings,
+    "tensor_parallel": lambda cfg: TensorParallelConfig(cfg.tensor_parallel.size),
+}
+
+
+def settings_of(cfg: TrainConfig) -> Settings:
+    """The settings tree of a validated config (what ``lightning-zero train``'s ranks run with)."""
+    nodes = {group: node(cfg) for group, node in _NODES.items()}
+    return Settings(zero=nodes["zero"], offload=nodes["offload"], precision=nodes["precision"],
+                    parallel=ParallelSettings(nodes["pipeline"], nodes["tensor_parallel"], cfg.sequence_parallel.size))
+
+
+def hydra_settings_problems(cfg: TrainConfig) -> list[str]:
+    """Every reason the settings tree of ``cfg`` cannot be built, named as the Hydra keys: each node's own
+    error (``group: why``), then every rule across nodes that is broken."""
+    nodes, out = {}, []
+    for group, node in _NODES.items():
+        try:
+            nodes[group] = node(cfg)
+        except (ValueError, TypeError) as err:
+            out.append(f"{group}: {err}")
+        except (ImportError, AttributeError) as err:  # elementwise_optimizers / unit_classes
+            out.append(f"zero: cannot import a class of zero.elementwise_optimizers / zero.unit_classes ({err}).")
+    if out:
+        return out
+    try:
+        parallel = ParallelSettings(nodes["pipeline"], nodes["tensor_parallel"], cfg.sequence_parallel.size)
+    except ValueError as err:
+        return [f"sequence_parallel: {err}"]
+    tree = Settings(zero=nodes["zero"], offload=nodes["offload"], parallel=parallel, precision=nodes["precision"])
+    return settings_problems(tree, HYDRA_KEYS)
+
+
+def data_parallel_size(cfg: TrainConfig) -> int:
+    """Data-parallel replicas: what the world leaves over pipeline x tensor x sequence (the mesh's sizes,
+    ``ParallelDims.data``: the one place the data dimension is derived); 1 when they do not divide it (refused
+    by :func:`world_problems`)."""
+    try:
+        return _dims(cfg).data
+    except ValueError:
+        return 1
+
+
+def _dims(cfg: TrainConfig) -> ParallelDims:
+    return ParallelDims(cfg.trainer.devices * cfg.trainer.num_nodes, pipeline=max(1, cfg.pipeline.stages),
+                        tensor=max(1, cfg.tensor_parallel.size), sequence=max(1, cfg.sequence_parallel.size))
+
+
+def world_problems(cfg: TrainConfig) -> list[str]:
+    """The launched ranks against the parallel sizes (the mesh's own check, ``core/mesh/dims.py``)."""
+    try:
+        _dims(cfg)
+    except ValueError as err:
+        return [f"{err}."]
+    return []
+
+
+def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
+    """``tensor_parallel.size`` against the model, the optimizer and checkpointing, each with its fix."""
+    size, out = cfg.tensor_parallel.size, []
+    if size <= 1:
+        return out
+    if cfg.model.optimizer is OptimizerName.onebit_adam:
+        out.append("tensor_parallel with model.optimizer=onebit_adam is not built yet. Fix: model.optimizer=adamw.")
+    if cfg.pipeline.stages > 1 and not ZeroStage.of(cfg.zero.stage).shards_optimizer and cfg.trainer.checkpoint.enabled:
+        out.append("checkpoints of pipeline x tensor_parallel at zero.stage=0 are not built yet (they are written "
+                   "from the shards of ZeRO stage >= 1, in the sharded format). Fix: zero.stage=1 (or higher), or "
+                   "trainer.checkpoint.enabled=false.")
+    if getattr(cfg.model, "build_in_configure_model", False) and cfg.pipeline.stages == 1:
+        out.append("tensor_parallel with a model built on the meta device (model.build_in_configure_model=true, "
+                   "unpipelined) is not built yet: the plan slices whole layers (Note [slice after build]). Fix: "
+                   "model.build_in_configure_model=false, or a pipeline (pipeline=pp2_gpipe builds each stage "
+                   "alone), or tensor_parallel=none.")
+    if not isinstance(cfg.model, GPTModelSchema):
+        out.append("tensor_parallel needs a model with a plan: model=mlp has none. Fix: a GPT model "
+                   "(model=gpt_tiny ..).")
+    elif preset_known(cfg.model):
+        gpt = gpt_config(cfg.model)
+        for what, count in (("model.n_head (attention heads)", gpt.n_head), ("model.vocab_size", gpt.vocab_size),
+                            ("model.n_embd", gpt.n_embd)):
+            if count % size:
+                out.append(f"{what} = {count} does not split over tensor_parallel.size={size}. Fix: a size dividing "
+                           f"{count}.")
+    return out
+
+
+def pipeline_problems(cfg: TrainConfig) -> list[str]:
+    """``pipeline`` against the data's batch and the model's layers, each with its fix (its own values are the
+    pipeline node's checks)."""
+    pp, out = cfg.pipeline, []
+    if pp.stages < 1 or pp.micro_batches < 1 or pp.virtual_stages < 1:
+        return []  # the node refuses them
+    if (pp.stages == 1) != (pp.schedule is PipeSchedule.none):
+        out.append(f"pipeline.stages={pp.stages} with pipeline.schedule={pp.schedule.value}: a schedule needs "
+                   "stages > 1 and stages > 1 needs a schedule. Fix: pipeline=none or a pipeline/ preset.")
+    batch = getattr(cfg.data, "micro_batch_size", None)
+    if pp.stages > 1 and batch is not None and batch % pp.micro_batches:
+        out.append(f"data.micro_batch_size={batch} (the batch per data-parallel rank) does not split into "
+                   f"pipeline.micro_batches={pp.micro_batches} equal micro-batches. Fix: a multiple of "
+                   f"{pp.micro_batches}, or other micro_batches.")
+    if (pp.stages > 1 and pp.reduce_per_micro_batch and isinstance(cfg.model, GPTModelSchema)
+            and preset_known(cfg.model) and gpt_config(cfg.model).tie_weights):
+        out.append("pipeline.reduce_per_micro_batch=true with a GPT whose token embedding and head are tied across "
+                   "the first and last stage (their gradients are summed once per step). Fix: model.tie_weights=false.")
+    layers = _layers(cfg)
+    if pp.stages > 1 and isinstance(cfg.model, MLPModelSchema):
+        out.append("pipeline.stages > 1 with model=mlp: the MLP classifier does not follow the pipeline protocol "
+                   "(pipeline_layers / pipeline_loss, docs/pipeline.md). Fix: a GPT model, or pipeline=none.")
+    if isinstance(cfg.model, GPTModelSchema) and layers:
+        layers += 2  # pipeline_layers(): the embedding, the blocks, the head
+    if pp.stages > 1 and layers < pp.stages * pp.virtual_stages:
+        out.append(f"the model has {layers} pipeline layers, fewer than pipeline.stages x virtual_stages = "
+                   f"{pp.stages * pp.virtual_stages} chunks.")
+    return out
+
+
+def sequence_problems(cfg: TrainConfig) -> list[str]:
+    """``sequence_parallel.size`` against the world, the model's heads, the data's length, the pipeline."""
+    from lightning_zero.sequence_parallel import check_sequence_parallel
+
+    size, m, d = cfg.sequence_parallel.size, cfg.model, cfg.data
+    if size == 1:
+        return []
+    if not isinstance(m, GPTModelSchema):
+        return [f"sequence_parallel.size={size} with model.kind={m.kind}: only the GPT experiment splits its "
+                "sequences. Fix: sequence_parallel=none, or a GPT model."]
+    checks = [dict(world_size=cfg.trainer.devices * cfg.trainer.num_nodes),
+              dict(heads=gpt_config(m).n_head if preset_known(m) else None),
+              dict(seq_len=d.seq_len if isinstance(d, TextDataSchema) else None)]
+    out = []
+    for known in checks:
+        try:
+            check_sequence_parallel(size, **known)
+        except ValueError as err:
+            out.append(f"{err}.")
+    return out
+
+
+def _layers(cfg: TrainConfig) -> int:
+    if isinstance(cfg.model, GPTModelSchema):
+        return gpt_config(cfg.model).n_layer if preset_known(cfg.model) else 0
+    return cfg.model.num_layers if isinstance(cfg.model, MLPModelSchema) else 0
