@@ -112,6 +112,7 @@ def apply_parallelisms(
         tp.apply(module)
     if tp is not None:
         precision.replace_originals(tp.slice_originals)
+        tp.agree_replicated(module, precision.master_init())  # TP rank 0's replicated weights, as DDP's rank 0's
         tp.agree_rng(device)  # replicated dropout masks agree across the TP group (Note [dropout streams])
     # 2b. Sequence parallel: the model takes its sequence group (its attention then runs between the all-to-alls
     #     over mesh.group(Axis.SEQUENCE)); after tensor parallel (whose heads it would split) and before ZeRO

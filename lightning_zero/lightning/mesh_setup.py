@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.process_groups import own, reusable
-from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
+from lightning_zero.core.mesh import ORDER, Axis, ParallelDims, ProcessMesh
 from lightning_zero.core.settings.pipeline import PipelineConfig
 from lightning_zero.core.settings.tensor import TensorParallelConfig
 from lightning_zero.core.settings.tree import Settings
@@ -47,13 +47,15 @@ def parallel_dims(world: int, pipeline: PipelineConfig | None, tensor: TensorPar
 
 @dataclass(frozen=True)
 class StrategyMesh:
-    """What :func:`build_mesh` made: the mesh, ZeRO's comm over ``zero_axes`` and, when on, the tensor- and
-    sequence-parallel dimensions."""
+    """What :func:`build_mesh` made: the mesh, ZeRO's comm over ``zero_axes``, when on the tensor- and
+    sequence-parallel dimensions, and the comm over every rank holding part of the model (the step-error
+    agreement: data x tensor x pipeline x sequence)."""
 
     mesh: ProcessMesh
     comm: DataParallelComm
     tensor: StrategyTensorParallel | None
     sequence: StrategySequenceParallel | None
+    everyone: DataParallelComm  # every rank of the run (``comm`` when ZeRO's group is the world): the step errors
 
 
 def build_mesh(dims: ParallelDims, rank: int, tensor: TensorParallelConfig, zero: ZeroConfig) -> StrategyMesh:
@@ -62,12 +64,16 @@ def build_mesh(dims: ParallelDims, rank: int, tensor: TensorParallelConfig, zero
     axis_sets = [dims.zero_axes] + [(a,) for a in (Axis.PIPELINE, Axis.SEQUENCE, Axis.TENSOR) if dims.enabled(a)]
     if dims.pipeline_enabled and dims.tensor_enabled:  # the engine's norm and overflow agreement: one group
         axis_sets.append((Axis.PIPELINE, Axis.TENSOR))
+    beyond_zero = dims.pipeline_enabled or dims.tensor_enabled  # ZeRO's group is not every rank
+    if beyond_zero:
+        axis_sets.append(ORDER)
     mesh = own(ProcessMesh(dims, rank, axis_sets, zero.timeout_s))
     comm = own(DataParallelComm(mesh.group(*dims.zero_axes), zero.collective))
     return StrategyMesh(
         mesh, comm,
         StrategyTensorParallel(tensor, mesh) if dims.tensor_enabled else None,
         StrategySequenceParallel(mesh) if dims.sequence_enabled else None,
+        own(DataParallelComm(mesh.group(*ORDER), zero.collective)) if beyond_zero else comm,
     )
 
 
@@ -86,15 +92,17 @@ class ParallelRun:
     """The strategy's part that holds its mesh and what each setup composes on it; the other parts read it.
 
     ``mesh``, ``comm`` (ZeRO's group and its collectives), ``tensor`` and ``sequence`` (the dimensions on the
-    mesh, when on) are made by the first setup and reused (Note [one mesh per strategy]); ``pipeline`` (this
-    rank's stage) and ``engine`` exist from setup to teardown (the engine when fitting, or evaluating a model built
-    sharded); ``last_runtime`` is the last fit's stage-3 runtime (its peak counters) and ``after_fit_refusal`` a
-    pipelined fit's reason why a save after it is incomplete. Each setup hands it the settings tree it runs with.
+    mesh, when on) and ``everyone`` (every rank's collectives: the step-error agreement) are made by the first
+    setup and reused (Note [one mesh per strategy]); ``pipeline`` (this rank's stage) and ``engine`` exist from
+    setup to teardown (the engine when fitting, or evaluating a model built sharded); ``last_runtime`` is the last
+    fit's stage-3 runtime (its peak counters) and ``after_fit_refusal`` a pipelined fit's reason why a save after
+    it is incomplete. Each setup hands it the settings tree it runs with.
     """
 
     def __init__(self) -> None:
         self.mesh: ProcessMesh | None = None
         self.comm: DataParallelComm | None = None
+        self.everyone: DataParallelComm | None = None  # every rank of the run: the step-error agreement
         self.tensor: StrategyTensorParallel | None = None
         self.sequence: StrategySequenceParallel | None = None
         self.pipeline: StrategyPipeline | None = None
@@ -109,6 +117,7 @@ class ParallelRun:
                                  settings.zero)
         if made is not None:
             self.mesh, self.comm, self.tensor, self.sequence = made.mesh, made.comm, made.tensor, made.sequence
+            self.everyone = made.everyone
         assert self.mesh is not None
         return self.mesh
 

@@ -7,6 +7,7 @@ estimator import (no Lightning in the launcher: Note [lazy package names] in ``c
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -59,10 +60,11 @@ class GPT(nn.Module):
         if whole > self.config.seq_len:
             raise ValueError(f"sequence length {whole} exceeds the model's seq_len {self.config.seq_len}")
         pos = torch.arange(t, device=idx.device) if sp is None else sp.positions(t, idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        with nullcontext() if sp is None else sp.dropout_stream(idx.device):  # split tokens: this rank's masks
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
 
 
 class GPTEmbedding(nn.Module):

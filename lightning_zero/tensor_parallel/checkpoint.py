@@ -24,6 +24,7 @@ from lightning_zero.checkpoint.collect import StageLayout
 from lightning_zero.checkpoint.layout import FORMAT_VERSION, TensorParallelRecord
 from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.checkpoint.slices import SplitTag, parts_ref, split_of
+from lightning_zero.core.comm.deferred import strategy_collective
 from lightning_zero.core.mesh.dims import Axis, ParallelDims
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.tensor_parallel.collectives import TPGroup
@@ -33,10 +34,17 @@ Merge = Callable[[dict[str, Any] | None], dict[str, Any] | None]
 
 
 def _gathered(tp: TPGroup, value: Tensor, tag: SplitTag) -> Tensor:
-    """The unsplit tensor from every TP rank's slice (a collective over the TP group)."""
-    pieces = [torch.empty_like(value) for _ in range(tp.size)]
-    dist.all_gather(pieces, value.contiguous(), group=tp.group)
-    return unslice_tensors(pieces, tag.dim, tag.chunks)
+    """The unsplit tensor from every TP rank's slice (a collective over the TP group, on the group's device:
+    after a fit the module is on the CPU, which NCCL refuses), where ``value`` is."""
+    return unslice_tensors(tp.all_gather_pieces(value), tag.dim, tag.chunks)
+
+
+def _gathered_objects(tp: TPGroup, value: Any) -> list[Any]:
+    """Every TP rank's ``value`` (a collective over the TP group)."""
+    out: list[Any] = [None] * tp.size
+    with strategy_collective("tensor-parallel all_gather_object"):
+        dist.all_gather_object(out, value, group=tp.group)
+    return out
 
 
 class TensorParallelCheckpoint:
@@ -105,8 +113,7 @@ class TensorParallelCheckpoint:
         from lightning_zero.core.zero.optimizer import original_index
 
         assert engine.sharded is not None
-        counts: list[Any] = [None] * self.tp.size
-        dist.all_gather_object(counts, len(engine.all_groups), group=self.tp.group)
+        counts = _gathered_objects(self.tp, len(engine.all_groups))
         here = self.dims.coordinates(self.rank)
         whole = {}
         if self.rank == 0:  # the module's buffers, written once
@@ -121,8 +128,7 @@ class TensorParallelCheckpoint:
         by_index = {i: p for p, i in index.items()}
 
         def merge(meta: dict[str, Any] | None) -> dict[str, Any] | None:
-            parts: list[Any] = [None] * self.tp.size
-            dist.all_gather_object(parts, meta, group=self.tp.group)
+            parts = _gathered_objects(self.tp, meta)
             if self.rank != 0:
                 return None
             missing = [t for t, part in enumerate(parts) if part is None]

@@ -36,7 +36,7 @@ from torch import nn
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
-from lightning_zero.tensor_parallel.regions import check_split_regions, sum_grads_over_tp, watch_replicated_grads
+from lightning_zero.tensor_parallel.regions import sum_grads_over_tp, watch_replicated_grads
 from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG
 from lightning_zero.tensor_parallel.styles import (
     Colwise,
@@ -169,7 +169,6 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, Any], source: str) -> Resol
                              f"{style} splits an {need.__name__}: leave it out of the plan")
     order = [n for n in modules if n in chosen]
     entries = tuple((n, chosen[n]) for n in order)
-    check_split_regions(root, chosen, source)
     if not any(not isinstance(s, (Replicate, ReplicateGradSum)) for _, s in entries):
         raise ValueError(f"tensor_parallel plan ({source}) splits no module: every rank would hold the whole model. "
                          "Fix: split at least one nn.Linear ('colwise' / 'rowwise') or nn.Embedding "
@@ -218,7 +217,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         if isinstance(style, Replicate):
             continue
         if isinstance(style, ReplicateGradSum):
-            sum_grads_over_tp(module, tp)
+            sum_grads_over_tp(module, tp, name)
             summed.update(id(p) for p in module.parameters())
             continue
         if isinstance(style, Colwise):

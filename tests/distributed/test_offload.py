@@ -204,7 +204,7 @@ def test_a_file_in_place_of_the_directory_and_a_full_disk_are_refused(tmp_path, 
     not_a_dir.write_text("")
     with pytest.raises(ValueError, match="does not exist or is not a directory"):
         OffloadConfig(optimizer_device="nvme", nvme_path=str(not_a_dir)).check_path()
-    monkeypatch.setattr("lightning_zero.core.offload.config.os.access", lambda path, mode: False)
+    monkeypatch.setattr("lightning_zero.core.settings.offload.os.access", lambda path, mode: False)
     with pytest.raises(ValueError, match="is not writable"):
         OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)).check_path()
 
@@ -215,7 +215,7 @@ def test_the_engine_refuses_a_disk_without_room_for_the_estimated_state(tmp_path
     from lightning_zero import ZeroConfig, ZeroEngine
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("lightning_zero.core.offload.config.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
+    monkeypatch.setattr("lightning_zero.core.settings.offload.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
     model = torch.nn.Linear(100, 100)
     with pytest.raises(ValueError, match=r"has 1 kB free but the offloaded state needs 162 kB. Fix: nvme_path=<"):
         ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2),
@@ -249,7 +249,7 @@ def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
 
     script = (
         "import os, sys, torch\n"
-        "from lightning_zero.core.offload.config import OffloadConfig\n"
+        "from lightning_zero.core.settings.offload import OffloadConfig\n"
         "from lightning_zero.core.offload.store import open_shard_store\n"
         f"store = open_shard_store(OffloadConfig(optimizer_device='nvme', nvme_path={str(tmp_path)!r}))\n"
         "master = store.new_master(0, torch.zeros(1 << 20), torch.float32)\n"

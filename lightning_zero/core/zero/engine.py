@@ -65,8 +65,8 @@ class StageCoupling:
     """How a pipeline stage's engine combines its step with the other stages' (Note [deferred reduction]).
 
     Args:
-        model_parallel: the ranks holding the other pipeline stages, over which gradient norms and the
-            overflow decision are combined (``None``: no other stage).
+        model_parallel: the ranks holding the rest of the model (other pipeline stages, other TP ranks), over
+            which gradient norms, the overflow decision and the non-finite check are combined (``None``: none).
         norm_excess: ``fn(grads, groups, norm_type)``: the norm share to leave out (tied parameters
             another stage counts).
     """

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.flat_param import FlatParamGroup, overlap
 from lightning_zero.core.precision.loss_scaler import any_rank, local_sum_of_squares, non_finite
-from lightning_zero.core.precision.nonfinite import first_nonfinite_parameter
+from lightning_zero.core.precision.nonfinite import agree_over_model_parallel, first_nonfinite_parameter
 from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.grad_reducer import GradReducer
@@ -118,8 +118,9 @@ class StepPreparation:
         reducer: the gradient buffers the backward filled.
         sharded: the optimizer re-pointed at master shards (``None``: it steps the parameters).
         master_grad_is_view: whether the optimizer steps on the reduced buffers themselves (no cast, no offload).
-        model_parallel: pipelines: the ranks holding the other stages, over which norms and the overflow
-            decision are combined (Note [deferred reduction] in engine.py).
+        model_parallel: the ranks holding the rest of the model (other pipeline stages, other TP ranks), over
+            which norms, the overflow decision and the non-finite check are combined (Note [deferred reduction]
+            in engine.py).
         norm_excess: pipelines: ``fn(grads, groups, norm_type)``, the norm share another stage counts (tied
             parameters).
     """
@@ -272,7 +273,8 @@ class StepPreparation:
     @torch.no_grad()
     def first_nonfinite_gradient(self) -> str | None:
         """After the last backward of a step: the name of the first parameter (module order) whose reduced
-        gradient holds ``nan`` / ``inf`` on any rank, or ``None`` (a collective; Note [non-finite policy])."""
+        gradient holds ``nan`` / ``inf`` on any rank of data x tensor x pipeline x sequence, or ``None`` (a
+        collective; Note [non-finite policy])."""
         grads: list[tuple[torch.Tensor, int] | None] = []
         for i, g in enumerate(self.groups):
             if not self.config.stage.shards_optimizer:
@@ -282,7 +284,10 @@ class StepPreparation:
                 grads.append((self.reducer.shard_grad(i), g.shard_range()[0]))
         order = list(self.names)
         first = first_nonfinite_parameter(self.groups, grads, order, self.comm)
-        return None if first is None else self.names[order[first]]
+        name = None if first is None else self.names[order[first]]
+        if self.model_parallel is not None:  # the other stages / TP ranks too: every rank decides alike
+            name = agree_over_model_parallel(name, self.model_parallel)
+        return name
 
     def skip_step(self) -> None:
         """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
