@@ -132,7 +132,7 @@ def memory(args: argparse.Namespace) -> list[tuple[int, str, float, float, int]]
     import lightning.pytorch as pl
 
     from lightning_zero.core.settings.pipeline import PipelineConfig
-    from lightning_zero.pipeline.lightning import StrategyPipeline
+    from lightning_zero.parallel.pipeline import StrategyPipeline
 
     peaks: list[float] = []
     original = StrategyPipeline.backward
@@ -173,7 +173,7 @@ def reduction(args: argparse.Namespace) -> list[tuple[str, int, float, float, fl
     from torch.distributed.pipelining import PipelineStage
 
     from lightning_zero.core.settings.pipeline import PipelineConfig
-    from lightning_zero.pipeline.lightning import StrategyPipeline
+    from lightning_zero.parallel.pipeline import StrategyPipeline
 
     engines: list[Any] = []
     peaks: list[float] = []

@@ -50,7 +50,7 @@ def _digest(module: Any) -> str:
 
 
 def fit_body(model: str, stage: int, precision: str | None = None, tensor_parallel: int = 1,
-             sequence_parallel: int = 1, pipeline: int = 1, **offload: str) -> dict[str, Any]:
+             sequence_parallel: int = 1, pipeline: int = 1, steps: int = 4, **offload: str) -> dict[str, Any]:
     """One fit on this rank: its losses and the digest of its final parameters, and the CPU seconds it took."""
     import lightning.pytorch as pl
     import torch
@@ -68,7 +68,7 @@ def fit_body(model: str, stage: int, precision: str | None = None, tensor_parall
             self.losses.append("none" if loss is None else float(loss).hex())
 
     kwargs: dict[str, Any] = {}
-    trainer_kwargs: dict[str, Any] = {"max_steps": 4, "gradient_clip_val": 0.05}
+    trainer_kwargs: dict[str, Any] = {"max_steps": steps, "gradient_clip_val": 0.05}
     if model == "tiny":
         from tests.models import TinyTransformer, token_loader
 
@@ -138,13 +138,42 @@ def run_cases(names: list[str]) -> dict[str, Any]:
     return out
 
 
+def cpu_per_step(names: list[str], steps: int, rounds: int) -> dict[str, list[float]]:
+    """Each case's CPU seconds per optimizer step and rank: a fit of ``4 + steps`` steps less one of 4 (its setup
+    and first steps cancel), ``rounds`` times; the median is printed."""
+    from lightning_zero.testing.pool import GlooPool
+
+    out: dict[str, list[float]] = {name: [] for name in names}
+    pools: dict[int, GlooPool] = {}
+    try:
+        for _ in range(rounds):
+            for name in names:
+                ranks, kwargs = CASES[name]
+                pool = pools.get(ranks) or pools.setdefault(ranks, GlooPool(world_size=ranks, timeout_s=600))
+                short = pool.run("benchmarks.bitwise_parity:fit_body", **kwargs)
+                long = pool.run("benchmarks.bitwise_parity:fit_body", **kwargs, steps=4 + steps)
+                out[name].append(sum(b["cpu_s"] - a["cpu_s"] for a, b in zip(short, long)) / len(long) / steps)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    for name, values in out.items():
+        print(f"{name}: cpu ms per step and rank, median of {rounds}: {1e3 * sorted(values)[len(values) // 2]:.1f} "
+              f"({', '.join(f'{1e3 * v:.1f}' for v in values)})", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--record", type=Path, help="write the cases' losses and parameter digests here")
     what.add_argument("--compare", type=Path, help="compare with a recorded file; exit 1 on any difference")
+    what.add_argument("--cpu-steps", type=int, help="CPU time per step of each case over this many extra steps")
+    parser.add_argument("--rounds", type=int, default=3, help="--cpu-steps: repetitions (the median is printed)")
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     args = parser.parse_args(argv)
+    if args.cpu_steps is not None:
+        cpu_per_step(args.cases, args.cpu_steps, args.rounds)
+        return 0
     got = run_cases(args.cases)
     if args.record is not None:
         args.record.write_text(json.dumps(got, indent=1) + "\n")

@@ -60,6 +60,14 @@ FORMER_MODULES: tuple[FormerModule, ...] = (
     FormerModule("lightning_zero.pipeline.config", (f"{_CORE}.settings.pipeline",)),
     FormerModule("lightning_zero.tensor_parallel.config", (f"{_CORE}.settings.tensor",)),
     FormerModule("lightning_zero.config.parallel_checks", ("lightning_zero.config.settings",)),
+    # issue 47's parallel/: each parallelism an apply, one parallelize() / release()
+    FormerModule("lightning_zero.pipeline.lightning", ("lightning_zero.parallel.pipeline",)),
+    FormerModule("lightning_zero.tensor_parallel.lightning", ("lightning_zero.parallel.tensor",)),
+    FormerModule("lightning_zero.sequence_parallel.lightning", ("lightning_zero.parallel.sequence",)),
+    FormerModule("lightning_zero.lightning.compose", ("lightning_zero.parallel.parallelize",
+                                                     "lightning_zero.parallel.zero")),
+    FormerModule("lightning_zero.lightning.mesh_setup", ("lightning_zero.lightning.run",
+                                                        "lightning_zero.parallel.mesh")),
 )
 
 _LOSS_SCALER = f"{_CORE}.precision.loss_scaler:LossScaler"
@@ -86,6 +94,10 @@ FORMER_NAMES: tuple[FormerName, ...] = (
     FormerName("lightning_zero.config.build", "pipeline_config", "lightning_zero.config.settings:pipeline_settings"),
     FormerName("lightning_zero.deepspeed.strategy_args", "strategy_kwargs",
                "lightning_zero.deepspeed.strategy_args:json_strategy_arguments"),
+    FormerName("lightning_zero.sequence_parallel", "StrategySequenceParallel",
+               "lightning_zero.parallel.sequence:StrategySequenceParallel"),
+    *(FormerName("lightning_zero.lightning", name, f"lightning_zero.parallel.parallelize:{new}")
+      for name, new in (("apply_parallelisms", "parallelize"), ("release_parallelisms", "release"))),
     FormerName("lightning_zero.observability.callbacks", "ZeroModelSummary",
                "lightning_zero.observability.model_summary:ZeroModelSummary"),
     *(FormerName(module, name, f"lightning_zero.compat.adapters:{name}",

@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_zero.config.paths import conf_dir
 from lightning_zero.config.schema import TrainConfig
+from lightning_zero.core.mesh.dims import ParallelDims
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, ResolvedBatch
 from lightning_zero.deepspeed.config import DeepSpeedConfig, parse_deepspeed_config
 from lightning_zero.deepspeed.pipeline import pipeline_batch
@@ -157,7 +158,8 @@ def apply_deepspeed_config(cfg: DictConfig | TrainConfig, overrides: Sequence[st
     sequence = ds.sequence_parallel if "sequence_parallel.size" in ds.given else int(node.sequence_parallel.size)
     tensor = ds.tensor_parallel if "tensor_parallel.size" in ds.given else int(node.tensor_parallel.size)
     try:  # over the data-parallel ranks: a pipeline's stages, a sequence or a tensor group share their samples
-        batch = ds.batch.resolve(devices // (stages * max(1, sequence) * max(1, tensor)))
+        dims = ParallelDims(devices, pipeline=stages, sequence=max(1, sequence), tensor=max(1, tensor))
+        batch = ds.batch.resolve(dims.data)  # the mesh's data dimension: the one place it is derived
     except ValueError as err:
         raise ValueError(f"DeepSpeed config {ds.source} with trainer.devices={devices}"
                          f"{f' / pipeline.stages={stages}' if stages > 1 else ''}: {err}") from err

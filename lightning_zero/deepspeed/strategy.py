@@ -55,6 +55,7 @@ from lightning_zero.deepspeed.schedulers import NEEDS_TOTAL_STEPS, build_schedul
 from lightning_zero.deepspeed.strategy_args import json_strategy_arguments, strategy_conflict
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.strategy import ZeroStrategy
+from lightning_zero.parallel.mesh import parallel_dims
 from lightning_zero.sparse_attention import SparseSelfAttention, make_sparsity_config
 
 OptimizerSource = Literal["auto", "config"]
@@ -149,8 +150,7 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
         pipe = self.pipeline_config
         try:  # pipelined: over the data-parallel ranks of a stage (Note [DeepSpeed pipeline batches])
             # ... and over data only with sequence / tensor parallel: such a group shares its samples
-            self.resolved_batch = ds.batch.resolve(self.world_size // (
-                (pipe.stages if pipe is not None else 1) * self.sequence_parallel * self.tensor_parallel.size))
+            self.resolved_batch = ds.batch.resolve(parallel_dims(self.world_size, self.settings.parallel).data)
         except ValueError as err:
             raise ValueError(f"DeepSpeed config {ds.source}: {err}") from err
         manual = not self.lightning_module.automatic_optimization

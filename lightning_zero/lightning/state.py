@@ -34,12 +34,12 @@ from lightning_zero.core.stage3.materialize import has_meta_parameters
 from lightning_zero.core.stage3.sharded_unit import is_released
 from lightning_zero.core.zero.loading import load_full_state_dict
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
-from lightning_zero.lightning.mesh_setup import ParallelRun
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.run import ParallelRun
 from lightning_zero.lightning.state_files import open_state_dict
 from lightning_zero.lightning.steps import StepDispatch
+from lightning_zero.parallel.tensor import refuse_pipeline_checkpoint
 from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
-from lightning_zero.tensor_parallel.lightning import refuse_pipeline_checkpoint
 from lightning_zero.tensor_parallel.pipeline_checkpoint import pipelined_sharded_parts
 
 Fallback = Callable[..., Any]  # Lightning's own implementation of the hook (the strategy's super())

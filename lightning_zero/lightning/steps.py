@@ -31,9 +31,10 @@ from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.mesh import Axis
 from lightning_zero.core.reliability.progress_record import RECORD
 from lightning_zero.core.settings.tree import ParallelSettings
-from lightning_zero.lightning.mesh_setup import ParallelRun, parallel_dims
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.run import ParallelRun
 from lightning_zero.lightning.uneven import JoinedEvalLoader, check_training_batches
+from lightning_zero.parallel.mesh import parallel_dims
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.step_errors import AGREEMENT_WAIT_S, FirstStepError, StepFailedElsewhere, step_failed
 
@@ -217,15 +218,18 @@ class StepDispatch:
 
     # ------------------------------------------------------------------ data
     def sampler_kwargs(self, parallel: ParallelSettings) -> dict[str, Any] | None:
-        """The sampler's replicas and rank: the data dimension of the mesh only (the ranks of a pipeline, a
-        tensor-parallel or a sequence group see the same samples; Note [rank order]); ``None``: Lightning's
-        (every rank is a data-parallel rank)."""
-        host = self._lightning
+        """The sampler's replicas and rank: the data dimension of the mesh only (its ``data_shard``: the ranks of a
+        pipeline, a tensor-parallel or a sequence group see the same samples; Note [rank order]); ``None``:
+        Lightning's (every rank is a data-parallel rank). Before the first setup (a data module's ``setup``) the mesh
+        those sizes will make, ``parallel`` on the launched world."""
+        host, mesh = self._lightning, self._run.mesh
         world = host.num_nodes * host.num_processes
-        dims = parallel_dims(world, parallel.pipeline, parallel.tensor, parallel.sequence)
-        if dims.data == world:
-            return None
-        return {"num_replicas": dims.data, "rank": dims.coordinates(host.global_rank)[Axis.DATA]}
+        if mesh is not None and mesh.dims.world_size == world:
+            replicas, rank = mesh.data_shard
+        else:
+            dims = parallel_dims(world, parallel)
+            replicas, rank = dims.data, dims.coordinates(host.global_rank)[Axis.DATA]
+        return None if replicas == world else {"num_replicas": replicas, "rank": rank}
 
     def evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``step``: Lightning's ``validation_step`` / ``test_step`` / ``predict_step`` of the strategy."""

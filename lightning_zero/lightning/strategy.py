@@ -2,10 +2,10 @@
 
 The strategy is thin glue: process groups and launchers come from Lightning's DDP machinery, its arguments are
 the settings tree (``settings``, translated by ``arguments.py``: Note [one settings tree]), and all partitioning lives
-in :mod:`lightning_zero.core`, which it drives through its parts (``mesh_setup.ParallelRun``, ``steps.StepDispatch``,
+in :mod:`lightning_zero.core`, which it drives through its parts (``run.ParallelRun``, ``steps.StepDispatch``,
 ``state.StrategyCheckpointing``), each given the settings and collaborators it needs explicitly:
 
-    setup            -> ZeroEngine(module, optimizer)       flat buffers, hooks, broadcast (compose.py)
+    setup            -> ZeroEngine(module, optimizer)       flat buffers, hooks, broadcast (parallel/)
     block_backward_sync (non-boundary micro-steps) -> engine.no_sync()
     backward         -> loss.backward(); engine.finish_backward()
     clip (precision plugin) -> engine.clip_grad_norm_()     global norm over shards
@@ -48,10 +48,9 @@ from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.lightning.arguments import strategy_arguments
-from lightning_zero.lightning.compose import only_optimizer
-from lightning_zero.lightning.mesh_setup import ParallelRun
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.registry import register_zero_strategies
+from lightning_zero.lightning.run import ParallelRun
 from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
 from lightning_zero.lightning.state import StrategyCheckpointing
 from lightning_zero.lightning.steps import StepDispatch
@@ -62,6 +61,17 @@ from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
 
 log = logging.getLogger(__name__)
+
+
+def only_optimizer(optimizers: list[Optimizer]) -> Optimizer:
+    """The one optimizer of Lightning's ``configure_optimizers``, refused unless it made exactly one (ZeRO shards
+    one optimizer's state)."""
+    if len(optimizers) != 1:
+        raise NotImplementedError(
+            f"ZeroStrategy supports exactly one optimizer, got {len(optimizers)}. Put several "
+            "parameter sets in param groups of one optimizer."
+        )
+    return optimizers[0]
 
 
 class ZeroStrategy(DDPStrategy):
@@ -160,7 +170,7 @@ class ZeroStrategy(DDPStrategy):
         self._fixed_precision = args.precision_plugin is not None  # it wins over the Trainer's
         self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/reliability/heartbeat.py)
         self._nonfinite = NonFiniteGuard(self.settings.zero.nonfinite)
-        self._run = ParallelRun()  # the mesh, and the engine and stage setup composes on it (mesh_setup.py)
+        self._run = ParallelRun()  # the mesh, and what each setup parallelizes on it (run.py)
         # how each Lightning step runs (steps.py)
         self._steps = StepDispatch(self, self._run, check_step_errors=check_step_errors, nonfinite=self._nonfinite)
         self._checkpointing = StrategyCheckpointing(self, self._run, self._steps)  # state dicts, files (state.py)
@@ -348,7 +358,7 @@ class ZeroStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             add_monitor(trainer, self.monitor, self.profiler)
-        self._run.compose(
+        self._run.setup(
             self.lightning_module, settings, self.precision_plugin, self.root_device,
             make_optimizer=(lambda: self._the_optimizer(trainer)) if fitting else None,
             agreed=setup_settings(settings, self.precision_plugin, self.resolved_config, trainer),

@@ -56,15 +56,15 @@ class PipelineRunner:
         # reduce_per_micro_batch: called before and after each micro-batch's backward of a local chunk
         self.around_backward: tuple[Callable[[], None], Callable[[], None]] | None = None
         self._schedules: dict[tuple[Any, ...], Any] = {}
-        self.last_rank = groups.mesh.global_rank(config.stages - 1, groups.mesh.dp_rank)
+        self.last_rank = groups.peer(config.stages - 1)
 
     @property
     def is_first(self) -> bool:
-        return self.groups.mesh.stage == 0
+        return self.groups.stage == 0
 
     @property
     def is_last(self) -> bool:
-        return self.groups.mesh.stage == self.config.stages - 1
+        return self.groups.stage == self.config.stages - 1
 
     def _scaled_loss(self, micro_batches: int) -> Callable[[Any, Any], torch.Tensor]:
         def loss(output: Any, target: Any) -> torch.Tensor:
@@ -193,7 +193,7 @@ class PipelineRunner:
         """The share of ``param``'s norm terms this rank leaves out: all of a tied parameter's whose gradient
         another stage owns, so that it counts once in the global norm (Note [counting a parameter once] in
         core/zero/engine_step.py); nothing of the others."""
-        return 0.0 if self.local.owner_stage.get(param, self.groups.mesh.stage) == self.groups.mesh.stage else 1.0
+        return 0.0 if self.local.owner_stage.get(param, self.groups.stage) == self.groups.stage else 1.0
 
 
 def _batch_size(inputs: Any) -> int:

@@ -8,7 +8,7 @@ Note [split tags]
     checkpoint's slice references in ``checkpoint/slices.py``, which reads it too and sits below this folder.
     The tags are ordinary attributes of a plain ``nn.Parameter``: ZeRO's flat buffers lay
     out the local slices like any other tensor, and the gradient norm counts an untagged parameter
-    once over its TP group (``tensor_parallel/lightning.py``, Note [norm over tensor x data]).
+    once over its TP group (``parallel/tensor.py``, Note [norm over tensor x data]).
 
 Layers are built from an existing, initialised ``nn.Linear`` by slicing its weights
 (:func:`slice_param`), so one seed gives the same model whatever the tensor-parallel size.

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.lightning", "lightning_zero.observability", "lightning_zero.reliability",
         "lightning_zero.checkpoint", "lightning_zero.deepspeed", "lightning_zero.models", "lightning_zero.pipeline",
         "lightning_zero.tensor_parallel",
-        "lightning_zero.sequence_parallel",
+        "lightning_zero.sequence_parallel", "lightning_zero.parallel",
     )),
     ("tools", (
         "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator",

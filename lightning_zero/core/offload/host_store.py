@@ -88,6 +88,7 @@ class HostStore:
 
     device = OffloadDevice.cpu
     runs_step = True
+    offloaded = True
     nvme = False  # the optimizer state is in swap files (``FileStore``)
 
     def __init__(self, config: OffloadConfig, rank: int = 0, units: list[ShardedUnit] | None = None) -> None:

@@ -32,7 +32,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.common.memory import ModelStateBytes
 from lightning_zero.core.settings.offload import OffloadConfig
@@ -179,8 +178,9 @@ class ZeroEngine:
 
     @property
     def master_grad_is_view(self) -> bool:
-        """Whether the optimizer steps on the reduced gradient buffers themselves (no cast, no offload)."""
-        return self.dtypes.master_grad_is_view and self.offload_config.optimizer_device is OffloadDevice.none
+        """Whether the optimizer steps on the reduced gradient buffers themselves: no cast, and its store keeps the
+        shards with the parameters (the store is asked: Note [one storage interface])."""
+        return self.dtypes.master_grad_is_view and (self.sharded is None or not self.sharded.store.offloaded)
 
     # ------------------------------------------------------------------ backward
     @contextmanager

@@ -37,7 +37,7 @@ def weighted_norm_excess(weight: Callable[[nn.Parameter], float]) -> NormExcess:
         counted ``k`` times; each holder subtracting ``weight`` of its terms before the sums makes it count
         once (a tie: 1 on every stage but its owner; a replicated parameter: ``1 - 1/tp`` everywhere). The
         maximum norm needs no correction. Zero weights cost nothing: the pipeline's and tensor parallel's
-        weights compose as their maximum (``lightning/compose.py``).
+        weights compose as their maximum (``parallel/zero.py``).
     """
 
     def excess(grads: list[torch.Tensor], groups: list[FlatParamGroup], norm_type: float) -> float:

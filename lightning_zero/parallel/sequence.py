@@ -1,5 +1,5 @@
-"""The strategy's sequence dimension: the sequence groups on the device mesh, the model told its
-:class:`SequenceGroup`, and the data sharded over the data dimension only.
+"""Sequence parallelism applied to a module (:func:`apply`): the sequence groups on the device mesh, the model told
+its :class:`SequenceGroup`; the data is sharded over the data dimension only (the mesh's ``data_shard``).
 
 Note [sequence parallel in the strategy]
     With ``sequence_parallel=P`` the world is ``data x sequence`` (Note [rank order] in core/mesh/dims.py:
@@ -12,11 +12,9 @@ Note [sequence parallel in the strategy]
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
-from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
+from lightning_zero.core.mesh import Axis, ProcessMesh
 from lightning_zero.sequence_parallel.checks import check_sequence_parallel
 from lightning_zero.sequence_parallel.group import SequenceGroup
 
@@ -32,9 +30,6 @@ class StrategySequenceParallel:
         self.rank = mesh.rank
         check_sequence_parallel(self.dims.sequence, world_size=self.dims.world_size)
         self.group = SequenceGroup(mesh.group(Axis.SEQUENCE), self.dims.sequence, mesh.index(Axis.SEQUENCE))
-
-    def sampler_kwargs(self) -> dict[str, Any]:
-        return sampler_kwargs(self.dims, self.rank)
 
     def attach(self, module: nn.Module) -> None:
         """Tell ``module`` its sequence group; refuse a module that cannot take it."""
@@ -55,6 +50,11 @@ class StrategySequenceParallel:
             hook(None)
 
 
-def sampler_kwargs(dims: ParallelDims, rank: int) -> dict[str, Any]:
-    """``DistributedSampler`` arguments sharding over the data dimension only (Note [sequence parallel ...])."""
-    return {"num_replicas": dims.data, "rank": dims.coordinates(rank)[Axis.DATA]}
+def apply_sequence_parallel(module: nn.Module, mesh: ProcessMesh) -> StrategySequenceParallel | None:
+    """Tell ``module`` its sequence group on ``mesh`` (``None``: the mesh has no sequence dimension); its attention
+    then runs between the all-to-alls. :meth:`StrategySequenceParallel.detach` undoes it."""
+    if not mesh.dims.sequence_enabled:
+        return None
+    sequence = StrategySequenceParallel(mesh)
+    sequence.attach(module)
+    return sequence

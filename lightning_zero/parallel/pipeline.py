@@ -1,8 +1,9 @@
-"""Lightning glue of pipelines: what ``ZeroStrategy`` calls when it has a ``PipelineConfig``.
+"""The pipeline applied to a module (:func:`apply`), and what the strategy calls of it (:class:`StrategyPipeline`).
 
-``ZeroStrategy.setup`` builds a :class:`StrategyPipeline` (its groups from the strategy's process mesh,
-this rank's chunks, the schedules); the engine then partitions only the local chunks over the stage's
-data-parallel group, and its constructor takes the coupling ``lightning/compose.py`` makes of the stage's
+``parallelize`` (``parallelize.py``) applies it: this rank's stage (its groups from the strategy's one mesh, its
+chunks, the schedules), tensor parallelism applied to the stage once its layers exist (``tensor.apply``, as
+torchtitan's pipeline parallelizes each stage); the engine then partitions only the local chunks over the stage's
+data-parallel group, and its constructor takes the coupling ``parallelize.py`` makes of the stage's
 :meth:`StrategyPipeline.norm_weight` (and tensor parallel's) over the model-parallel group.
 ``training_step`` / evaluation steps run the schedules instead of the module's step methods and log
 ``<stage>_loss`` (or call the module's ``on_pipeline_loss(stage, loss, batch)`` when it has one); while a
@@ -11,7 +12,7 @@ data-parallel group, and its constructor takes the coupling ``lightning/compose.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,16 +23,17 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.comm.process_groups import own
 from lightning_zero.core.mesh import ProcessMesh
 from lightning_zero.core.settings.pipeline import PipelineConfig, short_last_batch
+from lightning_zero.core.settings.tree import Settings
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.loading import load_full_state_dict
 from lightning_zero.observability.callbacks import ZeroStatsMonitor
+from lightning_zero.parallel.tensor import StrategyTensorParallel, apply_tensor_parallel
 from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
-from lightning_zero.pipeline.mesh import PipelineGroups, PipelineMesh, pipeline_groups
+from lightning_zero.pipeline.mesh import PipelineGroups, pipeline_groups
 from lightning_zero.pipeline.model import LocalModel, plan_split, reassemble, split_batch, split_module
 from lightning_zero.pipeline.runner import PipelineRunner
 
@@ -43,49 +45,46 @@ class StrategyPipeline:
         config: the pipeline policy.
         module: the LightningModule (split in place: the other stages' weights become placeholders).
         device: this rank's device.
-        mesh: the strategy's process mesh (pipeline x data), with its ZeRO and pipeline groups.
-        timeout_s: timeout of the groups of tied parameters (the mesh's timeout).
+        mesh: the strategy's process mesh (pipeline x data), with its ZeRO and pipeline groups (and, made here,
+            the groups of tied parameters).
         init_fn: ``param_init_fn`` of a module built on the meta device (``configure_model``): only
             this rank's layers are materialised (Note [local construction] in ``pipeline/build.py``).
         init_seed: the base seed of that initialisation (rank 0's is used everywhere).
-        slice_layers: tensor parallel's plan, applied to ``module`` once this rank's layers exist (Note [TP
-            composition order] in tensor_parallel/lightning.py); the split is then re-read with the same
-            bounds, since the plan replaced modules inside the layers.
+        settings: the run's settings (its tensor parallelism is applied to ``module`` once this rank's layers
+            exist, Note [TP composition order] in ``parallel/tensor.py``; the split is then re-read with the same
+            bounds, since the plan replaced modules inside the layers: ``tensor``).
+        previous_tensor: the last setup's tensor parallelism (``apply_tensor_parallel``).
     """
 
     def __init__(self, config: PipelineConfig, module: pl.LightningModule, device: torch.device,
-                 mesh: ProcessMesh, timeout_s: float, init_fn: ParamInitFn | None = None, init_seed: int = 0,
-                 slice_layers: Callable[[nn.Module], None] | None = None) -> None:
+                 mesh: ProcessMesh, init_fn: ParamInitFn | None = None, init_seed: int = 0,
+                 settings: Settings | None = None, previous_tensor: StrategyTensorParallel | None = None) -> None:
         if mesh.dims.pipeline != config.stages:
             raise ValueError(f"the process mesh has {mesh.dims.pipeline} pipeline stages, the PipelineConfig "
                              f"{config.stages}: build the mesh from ParallelDims(world, pipeline=config.stages)")
         self.config = config
-        self.mesh = PipelineMesh.of(mesh)
         if config.stages > 1 and not dist.is_initialized():
             raise RuntimeError("A pipeline with stages > 1 needs one process per stage: devices x num_nodes >= stages.")
         self.built_on_meta = prepare_meta_module(module, torch.device("cpu"))  # configure_model: nothing real yet
         _, _, tie_sets = plan_split(module, config)  # the protocol and the layer count are checked here
         self.tie_sets = tie_sets
-        self.groups: PipelineGroups = own(pipeline_groups(mesh, tie_sets, timeout_s))  # ties: closed at exit
-        self.local: LocalModel = split_module(module, config, self.mesh.stage, config.activation_checkpoint_interval)
+        self.groups: PipelineGroups = pipeline_groups(mesh, tie_sets)  # the ties' groups: the mesh's
+        self.local: LocalModel = split_module(module, config, self.groups.stage, config.activation_checkpoint_interval)
         if self.built_on_meta:
             seed = torch.tensor([init_seed], dtype=torch.int64)
             if dist.is_initialized():
                 dist.broadcast(seed, src=0)  # every stage initialises its layers from the same base seed
             materialize_local(module, set(self.local.names), init_fn, int(seed))
-        if slice_layers is not None:
-            slice_layers(module)
-            self.local = split_module(module, config, self.mesh.stage, config.activation_checkpoint_interval,
+        # tensor parallelism on this stage: its layers by their slices, the others' by placeholders of them
+        self.tensor = apply_tensor_parallel(module, mesh, settings, previous_tensor) if settings is not None else None
+        if self.tensor is not None:
+            self.local = split_module(module, config, self.groups.stage, config.activation_checkpoint_interval,
                                       self.local.bounds)
         self.local.module.to(device)
         self.runner = PipelineRunner(config, self.local, self.groups, module.pipeline_loss, device)  # type: ignore[arg-type]
         self.checkpoint: PipelineCheckpoint | None = None  # set by restrict_optimizer (fit)
 
     # ------------------------------------------------------------------ setup
-    def sampler_kwargs(self) -> dict[str, int]:
-        """The sampler shards over the data-parallel group only: every stage of a replica sees the same batch."""
-        return {"num_replicas": self.mesh.dp_size, "rank": self.mesh.dp_rank}
-
     def check_train_loader(self, trainer: pl.Trainer) -> None:
         """Before the first training step, on every rank: refuse a train DataLoader whose batch size, or
         whose short last batch (``drop_last=False``), does not split into ``micro_batches`` (what cannot be
@@ -143,12 +142,12 @@ class StrategyPipeline:
             return
 
         def broadcast(t: Tensor, stage: int) -> None:
-            dist.broadcast(t, src=self.mesh.global_rank(stage, self.mesh.dp_rank), group=self.groups.pp)
+            dist.broadcast(t, src=self.groups.peer(stage), group=self.groups.pp)
 
         # the owners' dtypes: after a mixed-precision fit the engine leaves its parameters in the original
         # dtype, while the other stages' placeholders kept the converted one
         owned = {self.local.unsplit[p]: p.dtype for p in self.local.names
-                 if self.local.owner_stage[p] == self.mesh.stage}
+                 if self.local.owner_stage[p] == self.groups.stage}
         parts: list[Any] = [None] * self.config.stages
         dist.all_gather_object(parts, owned, group=self.groups.pp)
         dtypes = {name: dtype for part in parts for name, dtype in part.items()}
@@ -305,3 +304,14 @@ class StrategyPipeline:
         shown = not (stage == "train" and trainer is not None
                      and any(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks))
         module.log(f"{stage}_loss", loss, prog_bar=shown, logger=shown, batch_size=size, sync_dist=stage != "train")
+
+
+def apply_pipeline(module: pl.LightningModule, mesh: ProcessMesh, settings: Settings, device: torch.device,
+          init_fn: ParamInitFn | None, init_seed: int,
+          previous_tensor: StrategyTensorParallel | None = None) -> StrategyPipeline | None:
+    """Split ``module`` into this rank's pipeline stage (``None``: ``settings`` has no pipeline), tensor parallelism
+    applied to the stage (:attr:`StrategyPipeline.tensor`; see :class:`StrategyPipeline`)."""
+    pipeline = settings.parallel.pipeline
+    if pipeline is None:
+        return None
+    return StrategyPipeline(pipeline, module, device, mesh, init_fn, init_seed, settings, previous_tensor)

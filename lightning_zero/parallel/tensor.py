@@ -1,9 +1,9 @@
-"""The strategy's side of tensor parallelism: the mesh's groups, applying the plan, its share of the engine's
-norm over tensor x pipeline x data, and the combinations refused (the sampler over data only is the
-strategy's, from the mesh).
+"""Tensor parallelism applied to a module (:func:`apply`), and the strategy's side of it: the mesh's groups, the
+plan, its share of the engine's norm over tensor x pipeline x data, and the combinations refused (the sampler over
+data only is the mesh's).
 
 Note [TP composition order]
-    Inside ``ZeroStrategy.setup`` (``lightning/compose.py``): the precision plugin converts the module, the
+    Inside ``ZeroStrategy.setup`` (``parallel/parallelize.py``): the precision plugin converts the module, the
     pipeline split picks the layers this rank's stage holds (materialising only those of a module built on
     the meta device), then the plan slices the planned layers: every TP rank of a stage builds the same
     whole layers and keeps its slices (Note [slice after build]); the other stages' layers, storage-less
@@ -37,6 +37,7 @@ from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.mesh.groups import ProcessMesh
 from lightning_zero.core.settings.tensor import TensorParallelConfig
+from lightning_zero.core.settings.tree import Settings
 from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import (
@@ -58,6 +59,7 @@ class StrategyTensorParallel:
 
     def __init__(self, config: TensorParallelConfig, mesh: ProcessMesh) -> None:
         self.config = config
+        self.mesh = mesh
         self.dims = mesh.dims
         self.tp = TPGroup(mesh.group(Axis.TENSOR), config.size, mesh.index(Axis.TENSOR))
         self.split: list[str] = []
@@ -148,3 +150,16 @@ def refuse_pipeline_checkpoint(config: TensorParallelConfig, pipelined: bool, fr
             "the sharded format, written during fit from the shards of ZeRO stage >= 1): use "
             "checkpoint_format='sharded' or 'auto' with ZeRO stage >= 1 and save during fit (ModelCheckpoint, or "
             "trainer.save_checkpoint in a callback)")
+
+
+def apply_tensor_parallel(module: nn.Module, mesh: ProcessMesh, settings: Settings,
+          previous: StrategyTensorParallel | None = None) -> StrategyTensorParallel | None:
+    """Tensor parallelism of ``settings`` applied to ``module`` on ``mesh`` (``None``: off): the planned layers
+    replaced by this rank's slices. ``previous``, the last setup's on the same mesh, is kept: it knows the module it
+    split already (``validate`` then ``fit`` of one module)."""
+    if not mesh.dims.tensor_enabled:
+        return None
+    tensor = previous if previous is not None and previous.mesh is mesh else \
+        StrategyTensorParallel(settings.parallel.tensor, mesh)
+    tensor.apply(module)
+    return tensor
