@@ -68,6 +68,12 @@ FORMER_MODULES: tuple[FormerModule, ...] = (
                                                      "lightning_zero.parallel.zero")),
     FormerModule("lightning_zero.lightning.mesh_setup", ("lightning_zero.lightning.run",
                                                         "lightning_zero.parallel.mesh")),
+    # issue 47's leaf: the usage error every layer raises (issue 42 put it at core/'s root)
+    FormerModule(f"{_CORE}.errors", (f"{_CORE}.common.errors",)),
+    # issue 47's order: the experts' reducers extend ZeRO's reducer, so they sit beside it (partition stays below)
+    FormerModule(f"{_CORE}.experts.reducers", (f"{_CORE}.zero.partitioned_reducer",)),
+    # issue 47's parallel/: expert parallelism an apply beside the others (issue 44 put it in moe/)
+    FormerModule("lightning_zero.moe.lightning", ("lightning_zero.parallel.expert",)),
 )
 
 _LOSS_SCALER = f"{_CORE}.precision.loss_scaler:LossScaler"
@@ -81,6 +87,9 @@ FORMER_NAMES: tuple[FormerName, ...] = (
     *(FormerName(f"{_CORE}.offload", name, f"{_CORE}.settings.offload:{name}")
       for name in ("OffloadConfig", "nvme_path_problem", "offload_from_args", "DEFAULT_BUFFER_COUNT",
                    "DEFAULT_MAX_IN_CPU")),
+    FormerName("lightning_zero.moe.config", "ExpertParallelConfig", f"{_CORE}.settings.expert:ExpertParallelConfig"),
+    *(FormerName(f"{_CORE}.experts", name, f"{_CORE}.zero.partitioned_reducer:{name}")
+      for name in ("PartitionedReducer", "make_reducer")),
     FormerName(f"{_CORE}.offload", "OffloadDevice", f"{_CORE}.common.choices:OffloadDevice"),
     *(FormerName(f"{_CORE}.zero", name, f"{_CORE}.{where}:{name}") for name, where in (
         ("DtypePolicy", "settings.precision"), ("ZeroConfig", "settings.zero"), ("NonFinitePolicy", "common.choices"),

@@ -20,6 +20,7 @@ from lightning_zero.config.model_zoo import gpt_config, preset_known
 from lightning_zero.config.schema import (
     LIGHTNING_PRECISION,
     GPTModelSchema,
+    HFCausalLMSchema,
     MLPModelSchema,
     OptimizerName,
     PipeSchedule,
@@ -29,6 +30,7 @@ from lightning_zero.config.schema import (
 )
 from lightning_zero.core.common.choices import ZeroStage
 from lightning_zero.core.mesh.dims import ParallelDims
+from lightning_zero.core.settings.expert import ExpertParallelConfig
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.settings.pipeline import PipelineConfig
 from lightning_zero.core.settings.precision import LossScalerConfig, PrecisionConfig
@@ -36,6 +38,7 @@ from lightning_zero.core.settings.rules import CANONICAL, settings_problems
 from lightning_zero.core.settings.tensor import TensorParallelConfig
 from lightning_zero.core.settings.tree import ParallelSettings, Settings
 from lightning_zero.core.settings.zero import ZeroConfig
+from lightning_zero.project.targets import TargetNode
 
 HYDRA_KEYS = CANONICAL  # the tree's keys are the Hydra groups' (Note [one rule, many spellings])
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
@@ -97,6 +100,8 @@ _NODES: dict[str, Callable[[TrainConfig], Any]] = {
     "zero": zero_settings, "offload": offload_settings, "pipeline": pipeline_settings,
     "precision": precision_settings,
     "tensor_parallel": lambda cfg: TensorParallelConfig(cfg.tensor_parallel.size),
+    "expert_parallel": lambda cfg: ExpertParallelConfig(cfg.expert_parallel.size) if cfg.expert_parallel.size != 1
+    else None,
 }
 
 
@@ -104,7 +109,8 @@ def settings_of(cfg: TrainConfig) -> Settings:
     """The settings tree of a validated config (what ``lightning-zero train``'s ranks run with)."""
     nodes = {group: node(cfg) for group, node in _NODES.items()}
     return Settings(zero=nodes["zero"], offload=nodes["offload"], precision=nodes["precision"],
-                    parallel=ParallelSettings(nodes["pipeline"], nodes["tensor_parallel"], cfg.sequence_parallel.size))
+                    parallel=ParallelSettings(nodes["pipeline"], nodes["tensor_parallel"], cfg.sequence_parallel.size,
+                                              nodes["expert_parallel"]))
 
 
 def hydra_settings_problems(cfg: TrainConfig) -> list[str]:
@@ -121,7 +127,8 @@ def hydra_settings_problems(cfg: TrainConfig) -> list[str]:
     if out:
         return out
     try:
-        parallel = ParallelSettings(nodes["pipeline"], nodes["tensor_parallel"], cfg.sequence_parallel.size)
+        parallel = ParallelSettings(nodes["pipeline"], nodes["tensor_parallel"], cfg.sequence_parallel.size,
+                                    nodes["expert_parallel"])
     except ValueError as err:
         return [f"sequence_parallel: {err}"]
     tree = Settings(zero=nodes["zero"], offload=nodes["offload"], parallel=parallel, precision=nodes["precision"])
@@ -130,8 +137,8 @@ def hydra_settings_problems(cfg: TrainConfig) -> list[str]:
 
 def data_parallel_size(cfg: TrainConfig) -> int:
     """Data-parallel replicas: what the world leaves over pipeline x tensor x sequence (the mesh's sizes,
-    ``ParallelDims.data``: the one place the data dimension is derived); 1 when they do not divide it (refused
-    by :func:`world_problems`)."""
+    ``ParallelDims.data``: the one place the data dimension is derived); 1 when they do not divide it, or expert
+    parallelism does not divide what is left (refused by :func:`world_problems`)."""
     try:
         return _dims(cfg).data
     except ValueError:
@@ -140,7 +147,8 @@ def data_parallel_size(cfg: TrainConfig) -> int:
 
 def _dims(cfg: TrainConfig) -> ParallelDims:
     return ParallelDims(cfg.trainer.devices * cfg.trainer.num_nodes, pipeline=max(1, cfg.pipeline.stages),
-                        tensor=max(1, cfg.tensor_parallel.size), sequence=max(1, cfg.sequence_parallel.size))
+                        tensor=max(1, cfg.tensor_parallel.size), sequence=max(1, cfg.sequence_parallel.size),
+                        expert=max(1, cfg.expert_parallel.size))
 
 
 def world_problems(cfg: TrainConfig) -> list[str]:
@@ -157,7 +165,7 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
     size, out = cfg.tensor_parallel.size, []
     if size <= 1:
         return out
-    if cfg.model.optimizer is OptimizerName.onebit_adam:
+    if getattr(cfg.model, "optimizer", None) is OptimizerName.onebit_adam:
         out.append("tensor_parallel with model.optimizer=onebit_adam is not built yet. Fix: model.optimizer=adamw.")
     if cfg.pipeline.stages > 1 and not ZeroStage.of(cfg.zero.stage).shards_optimizer and cfg.trainer.checkpoint.enabled:
         out.append("checkpoints of pipeline x tensor_parallel at zero.stage=0 are not built yet (they are written "
@@ -168,7 +176,9 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
                    "unpipelined) is not built yet: the plan slices whole layers (Note [slice after build]). Fix: "
                    "model.build_in_configure_model=false, or a pipeline (pipeline=pp2_gpipe builds each stage "
                    "alone), or tensor_parallel=none.")
-    if not isinstance(cfg.model, GPTModelSchema):
+    if isinstance(cfg.model, (TargetNode, HFCausalLMSchema)):
+        pass  # your own module's plan is checked on the ranks at setup; a Hugging Face model's in hf/checks.py
+    elif not isinstance(cfg.model, GPTModelSchema):
         out.append("tensor_parallel needs a model with a plan: model=mlp has none. Fix: a GPT model "
                    "(model=gpt_tiny ..).")
     elif preset_known(cfg.model):
@@ -205,7 +215,8 @@ def pipeline_problems(cfg: TrainConfig) -> list[str]:
                    "(pipeline_layers / pipeline_loss, docs/pipeline.md). Fix: a GPT model, or pipeline=none.")
     if isinstance(cfg.model, GPTModelSchema) and layers:
         layers += 2  # pipeline_layers(): the embedding, the blocks, the head
-    if pp.stages > 1 and layers < pp.stages * pp.virtual_stages:
+    known = isinstance(cfg.model, (GPTModelSchema, MLPModelSchema))  # your own module's split points: at setup
+    if pp.stages > 1 and known and layers < pp.stages * pp.virtual_stages:
         out.append(f"the model has {layers} pipeline layers, fewer than pipeline.stages x virtual_stages = "
                    f"{pp.stages * pp.virtual_stages} chunks.")
     return out
@@ -216,13 +227,13 @@ def sequence_problems(cfg: TrainConfig) -> list[str]:
     from lightning_zero.sequence_parallel import check_sequence_parallel
 
     size, m, d = cfg.sequence_parallel.size, cfg.model, cfg.data
-    if size == 1:
+    if size == 1 or isinstance(m, HFCausalLMSchema):  # a Hugging Face model: refused in hf/checks.py
         return []
-    if not isinstance(m, GPTModelSchema):
+    if not isinstance(m, (TargetNode, GPTModelSchema)):  # your own module: configure_sequence_parallel, at setup
         return [f"sequence_parallel.size={size} with model.kind={m.kind}: only the GPT experiment splits its "
                 "sequences. Fix: sequence_parallel=none, or a GPT model."]
     checks = [dict(world_size=cfg.trainer.devices * cfg.trainer.num_nodes),
-              dict(heads=gpt_config(m).n_head if preset_known(m) else None),
+              dict(heads=None if isinstance(m, TargetNode) else gpt_config(m).n_head if preset_known(m) else None),
               dict(seq_len=d.seq_len if isinstance(d, TextDataSchema) else None)]
     out = []
     for known in checks:
@@ -230,6 +241,36 @@ def sequence_problems(cfg: TrainConfig) -> list[str]:
             check_sequence_parallel(size, **known)
         except ValueError as err:
             out.append(f"{err}.")
+    return out
+
+
+def expert_parallel_problems(cfg: TrainConfig) -> list[str]:
+    """``expert_parallel.size`` against the model's experts and the combinations not built yet (its size against
+    the data ranks is the mesh's check, :func:`world_problems`; with the other parallelisms, the settings tree's
+    rule)."""
+    size, m = cfg.expert_parallel.size, cfg.model
+    if size <= 1:
+        return []  # below 1: the node refuses it
+    out = []
+    if getattr(m, "optimizer", None) is OptimizerName.onebit_adam:
+        out.append("expert_parallel with model.optimizer=onebit_adam is not built. Fix: model.optimizer=adamw.")
+    if isinstance(m, TargetNode):  # your own module: its MoE layers are found (or refused) at setup
+        return out
+    if isinstance(m, HFCausalLMSchema):  # a Hugging Face MoE: its base_model_ep_plan is found at setup
+        if ZeroStage.of(cfg.zero.stage).shards_parameters:
+            out.append("expert_parallel with model=hf_causal_lm at zero.stage=3 is not built yet (the model is built "
+                       "on the meta device and streamed into shards; expert parallelism splits a whole model). Fix: "
+                       "zero=stage2, or expert_parallel=none.")
+        return out
+    if not isinstance(m, GPTModelSchema) or m.moe.num_experts == 0:
+        out.append("expert_parallel needs MoE layers: set model.moe.num_experts (a GPT model), or a Hugging Face "
+                   "MoE (model=hf_causal_lm). Fix: model.moe.num_experts=8, or expert_parallel=none.")
+    elif m.moe.num_experts % size:
+        out.append(f"model.moe.num_experts={m.moe.num_experts} does not split over expert_parallel.size={size}. Fix: "
+                   f"a multiple of {size} experts.")
+    if getattr(m, "build_in_configure_model", False):
+        out.append("expert_parallel with model.build_in_configure_model=true is not built yet (every rank builds the "
+                   "whole model and keeps its experts). Fix: model.build_in_configure_model=false.")
     return out
 
 

@@ -34,24 +34,34 @@ from typing import NoReturn
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from lightning_zero.config.paths import COMMAND_NAMES, FIT
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
 from lightning_zero.core.comm.process_groups import close_all
+from lightning_zero.core.common.errors import USAGE_EXIT, UsageError
 
 
 @record  # torchrun's failure summary then shows this rank's traceback
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the rank; the run directory is the config file's folder. Returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m lightning_zero.config.worker <run_dir>/config.yaml", file=sys.stderr)
+    if len(args) not in (1, 2) or (len(args) == 2 and args[1] not in COMMAND_NAMES):
+        print("usage: python -m lightning_zero.config.worker <run_dir>/config.yaml [validate|test|predict]",
+              file=sys.stderr)
         return 2
-    from lightning_zero.config.build import fit  # Lightning: here, not for ``python -m lightning_zero``'s exit
+    from lightning_zero.config.build import evaluate, fit  # Lightning: here, not for ``python -m lightning_zero``
 
     path = Path(args[0]).resolve()
     cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(path))))  # type: ignore[arg-type]
     try:
-        fit(cfg, path.parent)
+        if args[1:] and args[1] != FIT:
+            evaluate(cfg, path.parent, args[1])
+        else:
+            fit(cfg, path.parent)
+    except UsageError as err:  # what the user asked for, seen only here (a `_target_`, a checkpoint's keys)
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same: said once
+            print(f"lightning-zero: error: {err}", file=sys.stderr, flush=True)
+        return USAGE_EXIT
     finally:
         # the process groups (the strategy's too) die now, not during interpreter finalization:
         # Note [clean exit] in lightning_zero/core/comm/process_groups.py

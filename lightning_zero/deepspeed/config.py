@@ -19,19 +19,21 @@ from typing import Any
 
 import torch
 
+from lightning_zero.core.settings.expert import ExpertParallelConfig
 from lightning_zero.core.settings.offload import DEFAULT_MAX_IN_CPU, OffloadConfig
 from lightning_zero.core.settings.precision import LossScalerConfig, PrecisionConfig
-from lightning_zero.core.settings.rules import check_settings
+from lightning_zero.core.settings.rules import settings_problems
 from lightning_zero.core.settings.tensor import TensorParallelConfig
 from lightning_zero.core.settings.tree import ParallelSettings, Settings
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
-from lightning_zero.deepspeed.json_section import AUTO, JsonSection, load_json, refuse_nulls
+from lightning_zero.deepspeed.json_section import AUTO, JsonSection, Problems, load_json, refuse_nulls
 from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import PipelineSpec, parse_pipeline
 from lightning_zero.deepspeed.refused import REFUSED, refusal_message, refuse_unbuilt, refused_keys
 from lightning_zero.deepspeed.schedulers import check_scheduler_params
 from lightning_zero.deepspeed.tensor_parallel import SECTION, parse_tensor_parallel
+from lightning_zero.moe.config import DEEPSPEED_SECTION, expert_parallel_from_deepspeed
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -79,6 +81,7 @@ class DeepSpeedConfig:
         pipeline: the ``pipeline`` section (``deepspeed/pipeline.py``; ``None``: absent).
         sequence_parallel: ``sequence_parallel_size`` (docs/sequence_parallel.md; 1: off).
         tensor_parallel: ``tensor_parallel.autotp_size`` (docs/tensor_parallel.md; 1: off).
+        expert_parallel: ``expert_parallel.autoep_size`` when ``enabled`` (docs/expert_parallel.md; 1: off).
         sparse_attention: the ``sparse_attention`` section, checked (``None``: absent); the GPT
             experiment's attention (docs/sparse_attention.md).
         given: Hydra-style setting name -> the JSON key that set it.
@@ -102,6 +105,7 @@ class DeepSpeedConfig:
     sparse_attention: dict[str, Any] | None = None
     sequence_parallel: int = 1
     tensor_parallel: int = 1
+    expert_parallel: int = 1
     given: dict[str, str] = field(default_factory=dict)
     unsupported: tuple[str, ...] = ()
     source: str = "<dict>"
@@ -144,56 +148,83 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
     root = JsonSection(data, "", unsupported)
     root.used.update(r.path[0] for r in REFUSED if len(r.path) == 1 and r.path[0] in data)  # present, switched off
     given: dict[str, str] = {}
-    zero, offload = _zero(root, given, unsupported)
-    precision, scaler, reduce_dtype, grad_accum_dtype = _precision(root, given)
-    batch = BatchSizes(root.get(TBS, int), root.get(MICRO, int), root.get(GAS, int))
-    clip = root.get("gradient_clipping", float)
-    if clip is not None and clip < 0:
-        raise ValueError(f"DeepSpeed config: `gradient_clipping` must be >= 0, got {clip}.")
-    if clip:
-        given["trainer.gradient_clip_val"] = "gradient_clipping"
-    optimizer, scheduler = _spec(root, "optimizer"), _spec(root, "scheduler")
-    if optimizer is not None:
-        optimizer_recipe(optimizer.type, optimizer.params)  # unknown types / params fail here, before any run
-    if scheduler is not None:
-        check_scheduler_params(scheduler.type, scheduler.params)
-    steps_per_print = root.get("steps_per_print", int)
-    if steps_per_print is not None and steps_per_print < 1:
-        raise ValueError(f"DeepSpeed config: `steps_per_print` must be >= 1, got {steps_per_print}.")
-    wall_clock = root.get("wall_clock_breakdown", bool, False)
-    pipeline = parse_pipeline(root.section("pipeline"), given)
-    sparse_attention = _sparse_attention(root, given)
-    sequence_parallel = root.get("sequence_parallel_size", int, 1)
-    if sequence_parallel < 1:
-        raise ValueError(f"DeepSpeed config: `sequence_parallel_size` must be >= 1, got {sequence_parallel}.")
-    if "sequence_parallel_size" in data:
-        given["sequence_parallel.size"] = "sequence_parallel_size"
-    tensor_parallel = parse_tensor_parallel(data.get(SECTION), root.used, unsupported)
+    problems = Problems()  # every section is read and checked; their problems are raised together
+    zero, offload = problems.attempt(lambda: _zero(root, given, unsupported), (ZeroConfig(), OffloadConfig()))
+    precision, scaler, reduce_dtype, grad_accum_dtype = problems.attempt(lambda: _precision(root, given),
+                                                                         (None, None, None, None))
+    batch = problems.attempt(lambda: BatchSizes(root.get(TBS, int), root.get(MICRO, int), root.get(GAS, int)),
+                             BatchSizes())
+    clip = problems.attempt(lambda: _clipping(root, given), None)
+    optimizer, scheduler = problems.attempt(lambda: _sections(root), (None, None))
+    steps_per_print, wall_clock = problems.attempt(lambda: _reporting(root), (None, False))
+    pipeline = problems.attempt(lambda: parse_pipeline(root.section("pipeline"), given), None)
+    sparse_attention = problems.attempt(lambda: _sparse_attention(root, given), None)
+    sequence_parallel = problems.attempt(lambda: _sequence_parallel(root, given), 1)
+    tensor_parallel = problems.attempt(lambda: parse_tensor_parallel(data.get(SECTION), root.used, unsupported), 1)
     if tensor_parallel > 1:
         given["tensor_parallel.size"] = f"{SECTION}.autotp_size"
+    expert_parallel = problems.attempt(
+        lambda: expert_parallel_from_deepspeed(data.get(DEEPSPEED_SECTION), root.used, unsupported), 1)
+    if expert_parallel > 1:
+        given["expert_parallel.size"] = f"{DEEPSPEED_SECTION}.autoep_size"
+    # the rules across the nodes the JSON sets (its pipeline joins them in the strategy, with the batch)
+    problems.add(settings_problems(Settings(zero=zero, offload=offload, parallel=ParallelSettings(
+        None, TensorParallelConfig(tensor_parallel), sequence_parallel,
+        ExpertParallelConfig(expert_parallel) if expert_parallel > 1 else None)), json_keys(given=given)))
+    problems.raise_any(origin)
     root.noop(_NOOP_TOP)
     amp = root.section("amp")
     if amp is not None:
         amp.noop({"enabled": (False,)})
         amp.finish()
     root.finish()
-    try:  # the rules across the nodes the JSON sets (its pipeline joins them in the strategy, with the batch)
-        check_settings(Settings(zero=zero, offload=offload, parallel=ParallelSettings(
-            None, TensorParallelConfig(tensor_parallel), sequence_parallel)), json_keys(given=given))
-    except ValueError as err:
-        raise ValueError(f"DeepSpeed config: {err}") from None
     config = DeepSpeedConfig(zero=zero, offload=offload, precision=precision, loss_scaler=scaler,
                              reduce_dtype=reduce_dtype, grad_accum_dtype=grad_accum_dtype, batch=batch,
                              gradient_clipping=clip or None, optimizer=optimizer, scheduler=scheduler,
                              steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, pipeline=pipeline,
                              sparse_attention=sparse_attention, sequence_parallel=sequence_parallel,
-                             tensor_parallel=tensor_parallel, given=given,
+                             tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, given=given,
                              unsupported=tuple(unsupported), source=origin)
     if config.unsupported and strict:
         raise ValueError(config.unsupported_message())
     if config.unsupported and warn:
         warnings.warn(config.unsupported_message(), UserWarning, stacklevel=2)
     return config
+
+
+def _clipping(root: JsonSection, given: dict[str, str]) -> float | None:
+    clip = root.get("gradient_clipping", float)
+    if clip is not None and clip < 0:
+        raise ValueError(f"DeepSpeed config: `gradient_clipping` must be >= 0, got {clip}.")
+    if clip:
+        given["trainer.gradient_clip_val"] = "gradient_clipping"
+    return clip
+
+
+def _sections(root: JsonSection) -> tuple[SectionSpec | None, SectionSpec | None]:
+    """The ``optimizer`` and ``scheduler`` sections, their types and params checked."""
+    optimizer, scheduler = _spec(root, "optimizer"), _spec(root, "scheduler")
+    if optimizer is not None:
+        optimizer_recipe(optimizer.type, optimizer.params)  # unknown types / params fail here, before any run
+    if scheduler is not None:
+        check_scheduler_params(scheduler.type, scheduler.params)
+    return optimizer, scheduler
+
+
+def _reporting(root: JsonSection) -> tuple[int | None, bool]:
+    steps_per_print = root.get("steps_per_print", int)
+    if steps_per_print is not None and steps_per_print < 1:
+        raise ValueError(f"DeepSpeed config: `steps_per_print` must be >= 1, got {steps_per_print}.")
+    return steps_per_print, root.get("wall_clock_breakdown", bool, False)
+
+
+def _sequence_parallel(root: JsonSection, given: dict[str, str]) -> int:
+    size = root.get("sequence_parallel_size", int, 1)
+    if size < 1:
+        raise ValueError(f"DeepSpeed config: `sequence_parallel_size` must be >= 1, got {size}.")
+    if "sequence_parallel_size" in root.data:
+        given["sequence_parallel.size"] = "sequence_parallel_size"
+    return size
 
 
 def _sparse_attention(root: JsonSection, given: dict[str, str]) -> dict[str, Any] | None:
@@ -302,6 +333,7 @@ def json_keys(ds: DeepSpeedConfig | None = None, given: Mapping[str, str] | None
             "parallel.pipeline": named.get("pipeline.stages", "pipeline.stages"),
             "parallel.tensor": named.get("tensor_parallel.size", f"{SECTION}.autotp_size"),
             "parallel.sequence": named.get("sequence_parallel.size", "sequence_parallel_size"),
+            "parallel.expert": named.get("expert_parallel.size", f"{DEEPSPEED_SECTION}.autoep_size"),
             "pipeline.reduce_per_micro_batch": "pipeline.reduce_per_micro_batch"}
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning.pytorch.plugins.precision import Precision
 
+from lightning_zero.core.settings.expert import ExpertParallelConfig
 from lightning_zero.core.settings.precision import PrecisionConfig
 from lightning_zero.core.settings.rules import check_settings
 from lightning_zero.core.settings.tensor import TensorParallelConfig
@@ -47,7 +48,8 @@ def json_strategy_arguments(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -
     ``overrides`` are ``ZeroStrategy`` arguments: ``settings=`` (a whole tree: every value counts as set, as the
     Hydra route passes it), ``config=`` (a ``ZeroConfig``: every field counts as set), ``ZeroConfig`` fields
     (``stage=``, ``reduce_bucket_size=``, ...), ``precision=`` / ``precision_plugin=``, ``offload=``,
-    ``pipeline=``, ``tensor_parallel=``, ``sequence_parallel=``, ``checkpoint_format=``, and the rest
+    ``pipeline=``, ``tensor_parallel=``, ``sequence_parallel=``, ``expert_parallel=``, ``checkpoint_format=``, and
+    the rest
     (``check_step_errors``, ``process_group_backend``, ...) as is.
 
     Raises:
@@ -100,6 +102,13 @@ def json_strategy_arguments(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -
             raise ValueError("conflicting settings:\n  - " + strategy_conflict(
                 ds, "tensor_parallel.size", ds.tensor_parallel, "tensor_parallel", user_tp))
         tensor = replace(tensor, size=ds.tensor_parallel)
+    user_ep = rest.pop("expert_parallel", None) or (base.parallel.expert if base is not None else None)
+    expert = ExpertParallelConfig.coerce(user_ep)
+    if "expert_parallel.size" in ds.given:  # autoep_size
+        if expert is not None and expert.size != ds.expert_parallel:
+            raise ValueError("conflicting settings:\n  - " + strategy_conflict(
+                ds, "expert_parallel.size", ds.expert_parallel, "expert_parallel", user_ep))
+        expert = ExpertParallelConfig(ds.expert_parallel)
     scaler = rest.pop("loss_scaler", None)
     json_node = ds.precision_settings(default=precision if isinstance(precision, str) else (
         str(mine.mode) if mine is not None else None))
@@ -112,7 +121,7 @@ def json_strategy_arguments(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -
     settings = Settings(
         zero=replace(ds.zero, **{n: v for n, v in user.items() if f"zero.{n}" not in ds.given}),
         offload=offload,
-        parallel=ParallelSettings(pipeline, tensor, sequence or 1),
+        parallel=ParallelSettings(pipeline, tensor, sequence or 1, expert),
         precision=mine if plugin is None or isinstance(plugin, ZeroPrecision) else None,
         checkpoint_format=rest.pop("checkpoint_format", base.checkpoint_format if base is not None else "auto"),
     )

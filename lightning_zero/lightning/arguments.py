@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning.pytorch.plugins.precision import Precision
 
+from lightning_zero.core.settings.expert import ExpertParallelConfig
 from lightning_zero.core.settings.offload import OffloadConfig, offload_from_args
 from lightning_zero.core.settings.pipeline import PipelineConfig
 from lightning_zero.core.settings.precision import LossScalerConfig, PrecisionConfig
@@ -32,6 +33,7 @@ KEYWORDS = {
     "parallel.pipeline": "PipelineConfig.stages",
     "parallel.tensor": "tensor_parallel",
     "parallel.sequence": "sequence_parallel",
+    "parallel.expert": "expert_parallel",
     "pipeline.reduce_per_micro_batch": "PipelineConfig.reduce_per_micro_batch",
 }
 
@@ -62,6 +64,7 @@ def strategy_arguments(
     nvme_path: str | None,
     tensor_parallel: int | TensorParallelConfig | None,
     sequence_parallel: int,
+    expert_parallel: int | ExpertParallelConfig | None = None,
 ) -> StrategyArguments:
     """The settings tree of ``ZeroStrategy``'s arguments (each as its constructor documents it), checked.
 
@@ -74,7 +77,8 @@ def strategy_arguments(
         given = {name for name, value in (
             ("config", config), ("precision", precision), ("loss_scaler", loss_scaler), ("pipeline", pipeline),
             ("offload", offload), ("offload_optimizer", offload_optimizer), ("offload_param", offload_param),
-            ("nvme_path", nvme_path), ("tensor_parallel", tensor_parallel)) if value is not None}
+            ("nvme_path", nvme_path), ("tensor_parallel", tensor_parallel), ("expert_parallel", expert_parallel))
+            if value is not None}
         given |= set(zero_options) | ({"sequence_parallel"} if sequence_parallel != 1 else set())
         given |= {"checkpoint_format"} if checkpoint_format != "auto" else set()
         if given:
@@ -83,7 +87,8 @@ def strategy_arguments(
         settings = Settings(
             zero=config or ZeroConfig.from_kwargs(stage, zero_options),
             offload=offload_from_args(offload, offload_optimizer, offload_param, nvme_path),
-            parallel=ParallelSettings(pipeline, TensorParallelConfig.coerce(tensor_parallel), sequence_parallel),
+            parallel=ParallelSettings(pipeline, TensorParallelConfig.coerce(tensor_parallel), sequence_parallel,
+                                      ExpertParallelConfig.coerce(expert_parallel)),
             precision=_precision_settings(precision, loss_scaler, precision_plugin),
             checkpoint_format=checkpoint_format,
         )

@@ -17,6 +17,7 @@ from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.parallel.expert import StrategyExpertParallel
 from lightning_zero.parallel.mesh import StrategyMesh, open_mesh
 from lightning_zero.parallel.parallelize import Parallelized, parallelize, release
 from lightning_zero.parallel.pipeline import StrategyPipeline
@@ -27,10 +28,10 @@ from lightning_zero.parallel.tensor import StrategyTensorParallel
 class ParallelRun:
     """The strategy's mesh and what each setup applied on it.
 
-    ``strategy_mesh`` (the mesh, ZeRO's collectives and every rank's: Note [one mesh per strategy]) is made by the
-    first setup and reused; ``parallelized`` exists from setup to teardown (:meth:`setup`, :meth:`release`), and
-    its pieces are read through ``engine``, ``pipeline``, ``sequence``; ``tensor`` (tensor parallelism, which knows
-    the module it split), ``last_runtime`` (the last fit's stage-3 runtime: its peak counters) and
+    ``strategy_mesh`` (the mesh, ZeRO's collectives and every rank's: Note [one mesh per strategy]) is made by the first
+    setup and reused; ``parallelized`` exists from setup to teardown (:meth:`setup`, :meth:`release`), and its pieces
+    are read through ``engine``, ``pipeline``, ``sequence``; ``tensor`` and ``expert`` (tensor and expert parallelism,
+    which know the module they split), ``last_runtime`` (the last fit's stage-3 runtime: its peak counters) and
     ``after_fit_refusal`` (a pipelined fit's reason why a save after it is incomplete) stay after teardown.
     """
 
@@ -38,6 +39,7 @@ class ParallelRun:
         self.strategy_mesh: StrategyMesh | None = None
         self.parallelized: Parallelized | None = None
         self.tensor: StrategyTensorParallel | None = None
+        self.expert: StrategyExpertParallel | None = None
         self.last_runtime: Stage3Runtime | None = None
         self.after_fit_refusal: tuple[str, bool] | None = None
 
@@ -79,18 +81,19 @@ class ParallelRun:
         fitting, ``agreed`` compared across ranks)."""
         assert module is not None and self.strategy_mesh is not None
         self.parallelized = parallelize(module, self.strategy_mesh, settings, precision, device, make_optimizer,
-                                        agreed, param_init_fn, self.tensor)
-        self.tensor = self.parallelized.tensor
+                                        agreed, param_init_fn, self.tensor, self.expert)
+        self.tensor, self.expert = self.parallelized.tensor, self.parallelized.expert
         return self.parallelized
 
     def layout(self) -> dict[str, int]:
-        """The dimensions the mesh spans and how many modules the tensor-parallel plan split (empty before the
-        first setup)."""
+        """The dimensions the mesh spans and how many modules the tensor-parallel plan and expert parallelism split
+        (empty before the first setup)."""
         if self.mesh is None:
             return {}
-        d, tp = self.mesh.dims, self.tensor
+        d, tp, ep = self.mesh.dims, self.tensor, self.expert
         return {"world_size": d.world_size, "data": d.data, "pipeline": d.pipeline, "tensor": d.tensor,
-                "sequence": d.sequence, "tensor_split_modules": len(tp.split) if tp is not None else 0}
+                "sequence": d.sequence, "tensor_split_modules": len(tp.split) if tp is not None else 0,
+                "expert": d.expert, "expert_split_layers": len(ep.layers) if ep is not None else 0}
 
     def release(self, module: pl.LightningModule | None, optimizers: list[Optimizer], precision: ZeroPrecision,
                 failed: bool, gather_on_teardown: bool) -> None:

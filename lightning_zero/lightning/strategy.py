@@ -39,23 +39,26 @@ from typing_extensions import override
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.choices import CheckpointFormat
 from lightning_zero.core.common.memory import ModelStateBytes
+from lightning_zero.core.settings.expert import ExpertParallelConfig
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.settings.pipeline import PipelineConfig
 from lightning_zero.core.settings.precision import LossScalerConfig
+from lightning_zero.core.settings.rules import check_settings
 from lightning_zero.core.settings.tensor import TensorParallelConfig
 from lightning_zero.core.settings.tree import Settings
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.zero.engine import ZeroEngine
-from lightning_zero.lightning.arguments import strategy_arguments
+from lightning_zero.lightning.arguments import KEYWORDS, strategy_arguments
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.registry import register_zero_strategies
 from lightning_zero.lightning.run import ParallelRun
 from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
-from lightning_zero.lightning.state import StrategyCheckpointing
+from lightning_zero.lightning.state import StrategyCheckpointing, called_by_checkpoint_dump
 from lightning_zero.lightning.steps import StepDispatch
 from lightning_zero.observability.callbacks import add_monitor
 from lightning_zero.observability.monitoring import ProfilerWindow
+from lightning_zero.parallel.expert import expert_settings
 from lightning_zero.reliability.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
@@ -109,6 +112,8 @@ class ZeroStrategy(DDPStrategy):
             plan): the planned layers split across adjacent ranks, ZeRO over data only (docs/tensor_parallel.md).
         sequence_parallel: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md; the module needs
             ``configure_sequence_parallel``): ZeRO partitions over data x sequence.
+        expert_parallel: ranks per expert-parallel group or an :class:`~lightning_zero.ExpertParallelConfig`: each MoE
+            layer's experts split over data ranks, tokens sent to them (docs/expert_parallel.md).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         resolved_config: the CLI's resolved config, which must agree on every rank (Note [setup agreement]).
@@ -138,6 +143,7 @@ class ZeroStrategy(DDPStrategy):
         offload: OffloadConfig | None = None,
         tensor_parallel: int | TensorParallelConfig | None = None,
         sequence_parallel: int = 1,
+        expert_parallel: int | ExpertParallelConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -152,7 +158,7 @@ class ZeroStrategy(DDPStrategy):
             stage, zero_options, settings=settings, config=config, precision=precision, loss_scaler=loss_scaler,
             precision_plugin=precision_plugin, checkpoint_format=checkpoint_format, pipeline=pipeline,
             offload=offload, offload_optimizer=offload_optimizer, offload_param=offload_param, nvme_path=nvme_path,
-            tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+            tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
         )
         if profiler and not monitor:
             raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
@@ -204,13 +210,18 @@ class ZeroStrategy(DDPStrategy):
         return self.settings.parallel.sequence
 
     @property
+    def expert_parallel(self) -> ExpertParallelConfig | None:
+        """The expert-parallel node of :attr:`settings` (``None``: the MoE layers' ``ep_size``, else off)."""
+        return self.settings.parallel.expert
+
+    @property
     def checkpoint_format(self) -> CheckpointFormat:
         """How checkpoints are saved (:attr:`settings`); assigning one replaces the settings tree's value."""
         return self.settings.checkpoint_format
 
     @checkpoint_format.setter
     def checkpoint_format(self, value: str | CheckpointFormat) -> None:
-        self.settings = replace(self.settings, checkpoint_format=value)
+        self.settings = check_settings(replace(self.settings, checkpoint_format=value), KEYWORDS)
 
     # ------------------------------------------------------------------ read-outs (state.py and the engine)
     @property
@@ -291,11 +302,15 @@ class ZeroStrategy(DDPStrategy):
     # ------------------------------------------------------------------ state dicts and files (state.py)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._checkpointing.lightning_module_state_dict(self.settings, super().lightning_module_state_dict)
+        """The module's whole state dict, at every stage and checkpoint format (a collective: call it on every
+        rank). Only Lightning's own checkpoint dump of a sharded save gets ``{}`` (Note [state dicts for the
+        strategy's own save] in state.py)."""
+        return self._checkpointing.lightning_module_state_dict(self.settings, super().lightning_module_state_dict,
+                                                               called_by_checkpoint_dump())
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self._checkpointing.optimizer_state(self.settings, optimizer)
+        return self._checkpointing.optimizer_state(self.settings, optimizer, called_by_checkpoint_dump())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -352,7 +367,9 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        settings = self.settings
+        # the expert size the module's MoE layers ask for, when the strategy sets none (Note [expert parallel in
+        # the strategy]): this setup's tree; the strategy's own stays as it was given
+        settings = expert_settings(self.settings, self.lightning_module, KEYWORDS)
         self._run.open_mesh(settings)
         self._hang = add_hang_watchdog(trainer, settings.zero.hang_timeout_s)
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -3,7 +3,8 @@ undone in reverse (:func:`release`).
 
 Each parallelism is an ``apply_*`` of its own module here, on the strategy's one mesh (``mesh.py``) with the settings
 tree: the pipeline (``pipeline.py``, which applies tensor parallelism to its stage), tensor parallelism
-(``tensor.py``), sequence parallelism (``sequence.py``) and ZeRO (``zero.py``, last). Each step below states why
+(``tensor.py``), sequence parallelism (``sequence.py``), expert parallelism (``expert.py``) and ZeRO (``zero.py``,
+last). Each step below states why
 it comes where it does (as torchtitan's ``parallelize_*`` functions do). What was applied is one object,
 :class:`Parallelized`, which the strategy's parts read from setup to teardown and :func:`release` takes back.
 """
@@ -23,6 +24,7 @@ from lightning_zero.core.stage3.materialize import ParamInitFn, has_meta_paramet
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.teardown import plan_teardown
+from lightning_zero.parallel.expert import StrategyExpertParallel, apply_expert_parallel
 from lightning_zero.parallel.mesh import StrategyMesh
 from lightning_zero.parallel.pipeline import StrategyPipeline, apply_pipeline
 from lightning_zero.parallel.sequence import StrategySequenceParallel, apply_sequence_parallel
@@ -32,16 +34,17 @@ from lightning_zero.parallel.zero import PrecisionPlugin, apply_zero
 
 @dataclass(frozen=True)
 class Parallelized:
-    """What :func:`parallelize` applied to a module: the settings it applied, the mesh it applied them on, this
-    rank's pipeline stage, tensor and sequence parallelism (each ``None`` when off), the ZeRO engine (``None`` when
-    neither fitting nor evaluating a model built sharded), and whether the model was built on the meta device for
-    stage 3 (``built_sharded``: it exists only as shards until :func:`release`)."""
+    """What :func:`parallelize` applied to a module: the settings it applied, the mesh it applied them on, this rank's
+    pipeline stage, tensor, sequence and expert parallelism (each ``None`` when off), the ZeRO engine (``None`` when
+    neither fitting nor evaluating a model built sharded), and whether the model was built on the meta device for stage
+    3 (``built_sharded``: it exists only as shards until :func:`release`)."""
 
     settings: Settings
     mesh: StrategyMesh
     pipeline: StrategyPipeline | None
     tensor: StrategyTensorParallel | None
     sequence: StrategySequenceParallel | None
+    expert: StrategyExpertParallel | None
     engine: ZeroEngine | None
     built_sharded: bool
 
@@ -56,14 +59,15 @@ def parallelize(
     agreed: Mapping[str, str],
     param_init_fn: ParamInitFn | None = None,
     previous_tensor: StrategyTensorParallel | None = None,
+    previous_expert: StrategyExpertParallel | None = None,
 ) -> Parallelized:
-    """Apply precision, the pipeline split, tensor parallel, sequence parallel, ZeRO (with stage 3 and offload)
-    and the precision wiring to ``module``, in that order (the comment beside each step says why).
+    """Apply precision, the pipeline split, tensor parallel, sequence parallel, expert parallel, ZeRO (with stage 3
+    and offload) and the precision wiring to ``module``, in that order (the comment beside each step says why).
 
     Args:
         module: the LightningModule, converted and split in place.
         mesh: the strategy's mesh (its groups are made once per strategy) and ZeRO's collectives.
-        settings: what to apply.
+        settings: what to apply (its expert size resolved against the module: ``expert.expert_settings``).
         precision: the strategy's precision plugin.
         device: this rank's device.
         make_optimizer: fitting: makes the one optimizer (Lightning's ``configure_optimizers``); ``None`` when
@@ -71,7 +75,8 @@ def parallelize(
         agreed: settings that must agree on every rank (checked with the model's structure).
         param_init_fn: initialises the parameters of a model built on the meta device (the base seed is
             ``torch.initial_seed()`` where each step initialises, rank 0's everywhere).
-        previous_tensor: the last setup's tensor parallelism (it knows the module it split already).
+        previous_tensor, previous_expert: the last setup's tensor and expert parallelism (each knows the module it
+            split already).
     """
     # 1. Precision first: every later step takes the dtype the parameters have (the pipeline's placeholders,
     #    which a later cast would allocate whole; ZeRO's flat buffers); the plugin keeps the pre-cast weights
@@ -96,6 +101,15 @@ def parallelize(
     #     over mesh.group(Axis.SEQUENCE)); after tensor parallel (whose heads it would split) and before ZeRO
     #     applies activation checkpointing to stage 3's units, so a recomputed forward runs the wrapper too.
     sequence = apply_sequence_parallel(module, mesh.mesh)
+    # 2c. Expert parallel: each MoE layer keeps this rank's experts (their tokens travel to them through the
+    #     all-to-alls over mesh.group(Axis.EXPERT)); like tensor parallel's slicing, before anything records
+    #     parameters (the optimizer, ZeRO's flat buffers, which partition the experts over their expert-data
+    #     group), and the precision plugin's pre-cast weights are cut alike (Note [expert parallel in the strategy]).
+    expert = apply_expert_parallel(module, mesh.mesh, previous_expert)
+    experts: frozenset[torch.nn.Parameter] = frozenset()
+    if expert is not None:
+        precision.replace_originals(expert.slice_originals)
+        experts = expert.experts
     # 3. A model built on the meta device (configure_model under stage 3): storage-less stand-ins that ZeRO
     #    initialises one unit at a time; before the device move, which would refuse meta tensors.
     built_sharded = pipeline is None and has_meta_parameters(module)
@@ -124,18 +138,18 @@ def parallelize(
     #    only for a model that exists as shards; else the ranks start from rank 0's weights.
     engine = None
     if optimizer is not None or built_sharded:
-        engine = apply_zero(module, optimizer, mesh, settings, precision, param_init_fn, agreed, pipeline,
-                                     tp)
+        engine = apply_zero(module, optimizer, mesh, settings, precision, param_init_fn, agreed, pipeline, tp,
+                            experts)
     elif pipeline is not None:
         pipeline.broadcast_local(mesh.comm)
     else:
-        _broadcast_module_states(module, mesh.comm)
+        _broadcast_module_states(module, mesh.comm, experts)
     # 7. The precision plugin steps, clips and unscales through the engine; the pre-cast weights of the
     #    parameters the engine now holds masters of are no longer needed.
     if optimizer is not None and engine is not None:
         precision.release_originals({s.param for g in engine.groups for s in g.slots})
         precision.bind_engine(engine)
-    return Parallelized(settings, mesh, pipeline, tp, sequence, engine, built_sharded)
+    return Parallelized(settings, mesh, pipeline, tp, sequence, expert, engine, built_sharded)
 
 
 @dataclass(frozen=True)
@@ -178,6 +192,11 @@ def release(parallelized: Parallelized | None, module: pl.LightningModule | None
 
 
 @torch.no_grad()
-def _broadcast_module_states(module: torch.nn.Module, comm: DataParallelComm) -> None:
-    for t in (*module.parameters(), *module.buffers()):
-        comm.broadcast(t.data)
+def _broadcast_module_states(module: torch.nn.Module, comm: DataParallelComm,
+                             experts: frozenset[torch.nn.Parameter]) -> None:
+    """Rank 0's parameters and buffers on every data rank; a rank's experts from its expert-data group's first rank
+    (the other expert-parallel ranks hold other experts)."""
+    for p in module.parameters():
+        comm.of(p in experts).broadcast(p.data)
+    for b in module.buffers():
+        comm.broadcast(b)

@@ -1,5 +1,5 @@
-"""Sequence parallelism applied to a module (:func:`apply`): the sequence groups on the device mesh, the model told
-its :class:`SequenceGroup`; the data is sharded over the data dimension only (the mesh's ``data_shard``).
+"""Sequence parallelism applied to a module (:func:`apply_sequence_parallel`): the sequence groups on the device mesh,
+the model told its :class:`SequenceGroup`; the data is sharded over the data dimension only (the mesh's ``data_shard``).
 
 Note [sequence parallel in the strategy]
     With ``sequence_parallel=P`` the world is ``data x sequence`` (Note [rank order] in core/mesh/dims.py:
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_zero.core.common.errors import UsageError
 from lightning_zero.core.mesh import Axis, ProcessMesh
 from lightning_zero.sequence_parallel.checks import check_sequence_parallel
 from lightning_zero.sequence_parallel.group import SequenceGroup
@@ -35,7 +36,7 @@ class StrategySequenceParallel:
         """Tell ``module`` its sequence group; refuse a module that cannot take it."""
         hook = getattr(module, HOOK, None)
         if hook is None:
-            raise ValueError(
+            raise UsageError(
                 f"sequence_parallel={self.group.size}: {type(module).__name__} has no `{HOOK}(sequence_group)` "
                 "method, so nothing would split its sequences. The GPT experiment (lightning_zero.models.gpt) "
                 "has it; for your own model implement it (slice the batch, global positions, attention through "

@@ -1,9 +1,9 @@
-"""ZeRO applied to a module (:func:`apply`): the engine over what this rank holds after every other parallelism,
+"""ZeRO applied to a module (:func:`apply_zero`): the engine over what this rank holds after every other parallelism,
 coupled to the ranks that hold the rest of the model (:func:`model_parallel_coupling`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from typing import Protocol
 
 import torch
@@ -45,19 +45,21 @@ class PrecisionPlugin(Protocol):
 
 
 def apply_zero(module: nn.Module, optimizer: Optimizer | None, mesh: StrategyMesh, settings: Settings,
-          precision: PrecisionPlugin, param_init_fn: ParamInitFn | None, agreed: Mapping[str, str],
-          pipeline: StrategyPipeline | None, tensor: StrategyTensorParallel | None) -> ZeroEngine:
+               precision: PrecisionPlugin, param_init_fn: ParamInitFn | None, agreed: Mapping[str, str],
+               pipeline: StrategyPipeline | None, tensor: StrategyTensorParallel | None,
+               experts: Set[nn.Parameter] = frozenset()) -> ZeroEngine:
     """The ZeRO engine of ``settings`` over ``module`` (this rank's pipeline stage when pipelined) and
     ``optimizer`` (``None``: evaluating a model that exists only as shards), partitioned over ZeRO's group of the
     mesh (``zero_axes``) and coupled to the pipeline stages and tensor-parallel ranks (``agreed``: the settings
-    compared across ranks with the model's structure)."""
+    compared across ranks with the model's structure); ``experts`` (expert parallelism's parameters) are
+    partitioned over the experts' ZeRO group instead (``mesh.comm.expert_data``)."""
     return ZeroEngine(
         pipeline.local.module if pipeline is not None else module, optimizer, settings.zero, mesh.comm,
         dtypes=precision.dtype_policy(module),
         master_init=precision.master_init() if optimizer is not None else None,
         param_init_fn=param_init_fn, init_seed=torch.initial_seed() % 2**63, setup_settings=agreed,
         offload=settings.offload,
-        coupling=model_parallel_coupling(mesh.mesh, pipeline, tensor, settings.zero),
+        coupling=model_parallel_coupling(mesh.mesh, pipeline, tensor, settings.zero), experts=experts,
     )
 
 

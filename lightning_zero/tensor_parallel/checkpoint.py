@@ -13,7 +13,7 @@ Loading a whole (unsplit) state into a split module cuts each split tensor to th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_zero.checkpoint.collect import StageLayout
 from lightning_zero.checkpoint.layout import FORMAT_VERSION, TensorParallelRecord
 from lightning_zero.checkpoint.plain import CheckpointError
-from lightning_zero.checkpoint.slices import SplitTag, parts_ref, split_of
+from lightning_zero.checkpoint.slices import CutOnRead, SplitTag, parts_ref, split_of
 from lightning_zero.core.comm.deferred import strategy_collective
 from lightning_zero.core.mesh.dims import Axis, ParallelDims
 from lightning_zero.core.zero.engine import ZeroEngine
@@ -93,7 +93,7 @@ class TensorParallelCheckpoint:
         """``state`` (whole tensors) as this rank's module holds it: split tensors cut to its slices, on access."""
         params = dict(module.named_parameters(remove_duplicate=False))
         tags = {prefix + k: t for k, p in params.items() if (t := split_of(p)) is not None}
-        return _Sliced(state, tags)
+        return CutOnRead(state, {k: (lambda v, t=t: slice_tensor(v, t)) for k, t in tags.items()})
 
     @staticmethod
     def split_optimizer_state(state: Mapping[str, Any], params: list[nn.Parameter]) -> dict[str, Any]:
@@ -169,21 +169,3 @@ class TensorParallelCheckpoint:
         record = TensorParallelRecord(self.tp.size, split)
         return {**parts[0], "version": FORMAT_VERSION, "groups": groups, "state_dict": entries,
                 "optimizers": optimizers, "tensor_parallel": record.to_json()}
-
-
-class _Sliced(Mapping[str, Tensor]):
-    """A whole state dict whose split tensors are cut to this rank's slices when read."""
-
-    def __init__(self, state: Mapping[str, Tensor], tags: Mapping[str, SplitTag]) -> None:
-        self._state, self._tags = state, tags
-
-    def __getitem__(self, key: str) -> Tensor:
-        value = self._state[key]
-        tag = self._tags.get(key)
-        return slice_tensor(value, tag) if tag is not None else value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._state)
-
-    def __len__(self) -> int:
-        return len(self._state)

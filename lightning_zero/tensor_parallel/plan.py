@@ -34,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_zero.core.common.errors import UsageError
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
 from lightning_zero.tensor_parallel.regions import sum_grads_over_tp, watch_replicated_grads
@@ -126,7 +127,7 @@ def find_plan(root: nn.Module, plan: Mapping[str, Any] | str | None) -> tuple[Ma
         return own, "the LightningModule's tensor_parallel_plan (over the Hugging Face model's _tp_plan)"
     if found:
         return found, "the Hugging Face model's _tp_plan"
-    raise ValueError(f"{type(root).__name__} carries no tensor-parallel plan: define `tensor_parallel_plan()` on it "
+    raise UsageError(f"{type(root).__name__} carries no tensor-parallel plan: define `tensor_parallel_plan()` on it "
                      "(a dict of module-name patterns to styles), pass TensorParallelConfig(plan={...}), or "
                      "plan='auto' for plain nn.Linear stacks")
 

@@ -63,8 +63,23 @@ SKIP: dict[str, str] = {
         "converts the first command's checkpoint (each doc command runs alone); "
         "tests/distributed/test_tensor_parallel_checkpoints.py converts a TP-2 checkpoint and checks the unsplit "
         "weights",
+    "lightning-zero train experiment=gpt_tiny model.moe.num_experts=8 expert_parallel=ep2 trainer.devices=2":
+        "the same run (6 steps) is tests/e2e/test_expert_parallel_cli.py's, against the 1-rank run and 2-rank data "
+        "parallelism without expert parallelism",
     "lightning-zero train experiment=gpt_tiny model.attention=sparse_bigbird":
         "another preset of the same path; tests/e2e/test_sparse_gpt.py's CLI test trains bigbird from a JSON section",
+    "lightning-zero train model=hf_causal_lm model.path=outputs/tiny_llama data=text_file  "
+    "data.path=outputs/corpus.txt data.seq_len=32 data.micro_batch_size=2 data.max_val_samples=8 zero=stage3  "
+    "model.lr=1e-2 trainer.max_steps=10 trainer.val_check_interval=5 hydra.run.dir=outputs/llama_run":
+        "trains the model the page's previous command saved (each doc command runs alone); tests/e2e/test_hf_models.py "
+        "trains the same tiny Llama (and a GPT-2) at stage 3 on 2 ranks",
+    "lightning-zero convert outputs/llama_run/checkpoints/last.ckpt outputs/llama_finetuned --hf --shard-size 40KB":
+        "converts the previous command's run; tests/e2e/test_hf_models.py converts its runs the same way and loads "
+        "them with from_pretrained",
+    "lightning-zero validate model=hf_causal_lm model.path=outputs/tiny_llama data=text_file  "
+    "data.path=outputs/corpus.txt data.seq_len=32 data.micro_batch_size=2 data.max_val_samples=8 zero=stage3  "
+    "ckpt_path=outputs/llama_run hydra.run.dir=outputs/llama_validate":
+        "validates the run of the page's train command; tests/e2e/test_hf_models.py validates its run's directory",
 }
 # benchmark commands take minutes each (their numbers in docs/benchmarks.md are measured runs)
 SKIP_PREFIXES = {

@@ -233,3 +233,14 @@ def test_a_tp2_fit_on_nccl_saves_after_the_fit(tmp_path: Any) -> None:
     shapes = json.loads((tmp_path / "shapes.json").read_text())
     assert shapes["model.lm_head.weight"] == [64, 32] and shapes["model.blocks.0.attn.qkv.weight"] == [96, 32]
     assert (tmp_path / "after_fit.ckpt").exists()
+
+
+def test_the_teardown_gather_on_a_gpu_counts_the_devices_memory() -> None:
+    """Note [memory pools]: a CUDA gather draws from the device (free plus the caching allocator's unused memory),
+    named by the device's UUID, so ranks sharing one GPU sum their needs (the stage-3 fits above get their weights
+    back through it: ``test_every_stage_trains_as_stage_0_on_one_gpu``)."""
+    from lightning_zero.core.stage3.memory_room import memory_pools
+
+    (pool,) = memory_pools(torch.device("cuda:0"))
+    free, total = torch.cuda.mem_get_info(0)
+    assert pool.key.startswith("cuda:") and free <= pool.room <= total and "CUDA device cuda:0" in pool.what

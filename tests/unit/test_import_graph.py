@@ -26,11 +26,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.lightning", "lightning_zero.observability", "lightning_zero.reliability",
         "lightning_zero.checkpoint", "lightning_zero.deepspeed", "lightning_zero.models", "lightning_zero.pipeline",
         "lightning_zero.tensor_parallel",
-        "lightning_zero.sequence_parallel", "lightning_zero.parallel",
+        "lightning_zero.sequence_parallel", "lightning_zero.parallel", "lightning_zero.moe", "lightning_zero.hf",
     )),
     ("tools", (
         "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator",
-        "lightning_zero.testing", "lightning_zero.__main__",
+        "lightning_zero.testing", "lightning_zero.__main__", "lightning_zero.project",
         "lightning_zero.compat",  # the former paths' table and finder: imports only core/lazy.py, by name the rest
     )),
 )
@@ -176,7 +176,7 @@ def test_imports_point_down_the_layers() -> None:
 # core/'s folders, lowest first (docs/design.md, "One order inside core"): a module of one may import its own folder
 # and the folders before it, never one after it. ``common`` is the leaf everything shares; ``zero`` (the engine)
 # composes the rest and is imported back by nothing in core/.
-CORE_ORDER = ("common", "settings", "mesh", "reliability", "comm", "precision", "stage3", "offload", "zero")
+CORE_ORDER = ("common", "settings", "mesh", "reliability", "comm", "experts", "precision", "stage3", "offload", "zero")
 
 
 def _folder(module: str) -> str:

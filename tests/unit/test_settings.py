@@ -15,6 +15,7 @@ from lightning_zero.config import validate_config
 from lightning_zero.config.launch import compose_config
 from lightning_zero.core.settings import (
     RULES,
+    ExpertParallelConfig,
     OffloadConfig,
     ParallelSettings,
     PipelineConfig,
@@ -39,6 +40,10 @@ BROKEN = {
     rules_module.NVME_NEEDS_PATH: Settings(ZeroConfig(stage=2), OffloadConfig("nvme")),
     rules_module.SEQUENCE_IN_PIPELINE: Settings(parallel=ParallelSettings(PipelineConfig(stages=2), sequence=2)),
     rules_module.SEQUENCE_WITH_TENSOR: Settings(parallel=ParallelSettings(tensor=TensorParallelConfig(2), sequence=2)),
+    rules_module.EXPERT_ALONE: Settings(parallel=ParallelSettings(tensor=TensorParallelConfig(2),
+                                                                 expert=ExpertParallelConfig(2))),
+    rules_module.EXPERT_SHARDED_CHECKPOINTS: Settings(parallel=ParallelSettings(expert=ExpertParallelConfig(2)),
+                                                      checkpoint_format="sharded"),
     rules_module.MICRO_BATCH_REDUCTION_NEEDS_SHARDS: Settings(
         ZeroConfig(stage=1), parallel=ParallelSettings(PipelineConfig(stages=2, reduce_per_micro_batch=True))),
 }

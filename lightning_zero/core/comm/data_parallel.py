@@ -95,10 +95,15 @@ class DataParallelComm:
         group: the data-parallel process group (``None``: the default group when one is
             initialised, otherwise a single rank with no communication).
         collective: see :class:`~lightning_zero.core.settings.zero.ZeroConfig`.
+        expert_data: with expert parallelism, the collectives over the ranks holding this rank's experts (the
+            expert-data group, Note [expert axes] in core/mesh/dims.py), which the experts' flat groups use
+            (:meth:`of`); ``None``: no expert partition.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, collective: Collective = "auto") -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, collective: Collective = "auto",
+                 expert_data: DataParallelComm | None = None) -> None:
         self.group = group
+        self.expert_data = expert_data
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size: int = dist.get_world_size(group) if initialized else 1  # ranks in the DP group
         self.rank: int = dist.get_rank(group) if initialized else 0  # this rank's index in the DP group
@@ -111,6 +116,13 @@ class DataParallelComm:
         self.use_owner_exchange: bool = collective == "auto" and self.backend == "gloo"
         self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
         self.bytes_sent: int = 0  # bytes this rank sent, ever, under the ring model (see the module doc)
+
+    def of(self, experts: bool) -> DataParallelComm:
+        """The collectives of a flat group: the expert-data group's for the experts' (``experts``), else these."""
+        if experts and self.expert_data is None:
+            raise ValueError("a flat group of expert parameters needs the expert-data group: build the comm with "
+                             "expert_data=DataParallelComm(<the expert-data group>)")
+        return self.expert_data if experts and self.expert_data is not None else self
 
     def _count(self, tensor: torch.Tensor, hops: int) -> None:
         """Add ``hops``/N of ``tensor``'s bytes to :attr:`bytes_sent` (2(N-1) for an all-reduce, else N-1)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from lightning_zero.core.common.choices import OffloadDevice
+from lightning_zero.core.common.choices import CheckpointFormat, OffloadDevice
 from lightning_zero.core.settings.tree import Settings
 
 Key = Callable[[str], str]  # canonical key -> the key as the route's users write it
@@ -30,7 +30,9 @@ CANONICAL: Mapping[str, str] = {
     "parallel.pipeline": "pipeline.stages",
     "parallel.tensor": "tensor_parallel.size",
     "parallel.sequence": "sequence_parallel.size",
+    "parallel.expert": "expert_parallel.size",
     "pipeline.reduce_per_micro_batch": "pipeline.reduce_per_micro_batch",
+    "checkpoint_format": "checkpoint_format",  # ZeroStrategy's keyword; the Hydra groups and the JSON set none
 }
 
 
@@ -79,6 +81,23 @@ def _sequence_with_tensor(s: Settings, k: Key) -> str:
             f"tensor-parallel group). Fix: one of them, {k('parallel.sequence')}=1 or {k('parallel.tensor')}=1.")
 
 
+def _expert_with_model_parallel(s: Settings, k: Key) -> str:
+    sizes = {"parallel.pipeline": s.parallel.stages, "parallel.tensor": s.parallel.tensor.size,
+             "parallel.sequence": s.parallel.sequence}
+    others = [key for key, size in sizes.items() if size > 1]
+    named = " and ".join(f"{k(key)}={sizes[key]}" for key in others)
+    return (f"{k('parallel.expert')}={s.parallel.experts} with {named}: {EXPERT_ALONE} (the MoE layers' all-to-alls "
+            f"and the experts' expert-data partition are composed with data parallelism and ZeRO 0-3 only). Fix: "
+            f"{k('parallel.expert')}=1, or " + " and ".join(f"{k(key)}=1" for key in others) + ".")
+
+
+def _expert_sharded_checkpoints(s: Settings, k: Key) -> str:
+    return (f"{k('checkpoint_format')}='sharded' with {k('parallel.expert')}={s.parallel.experts}: "
+            f"{EXPERT_SHARDED_CHECKPOINTS} (each rank's shards would hold its own experts). Fix: "
+            f"{k('checkpoint_format')}='consolidated' or 'auto', whose files hold the unsplit experts and resume at "
+            "any expert-parallel size.")
+
+
 def _micro_batch_reduction_needs_stage_2(s: Settings, k: Key) -> str:
     return (f"{k('pipeline.reduce_per_micro_batch')}=True with {k('zero.stage')}={s.zero.stage}: "
             f"{MICRO_BATCH_REDUCTION_NEEDS_SHARDS}. Fix: {k('zero.stage')}=2 or 3, or "
@@ -91,6 +110,8 @@ OPTIMIZER_NEEDS_SHARDS = "offloads this rank's optimizer shard and needs ZeRO st
 NVME_NEEDS_PATH = "keeps its swap files under"
 SEQUENCE_IN_PIPELINE = "sequence parallel inside pipeline stages is not built"
 SEQUENCE_WITH_TENSOR = "sequence parallel with tensor parallel is not built"
+EXPERT_ALONE = "expert parallel with pipeline, tensor or sequence parallel is not built yet"
+EXPERT_SHARDED_CHECKPOINTS = "sharded checkpoints with expert parallelism are not built yet"
 MICRO_BATCH_REDUCTION_NEEDS_SHARDS = "reducing per micro-batch saves memory only at ZeRO stages 2-3"
 
 _NONE = OffloadDevice.none
@@ -106,6 +127,12 @@ RULES: tuple[Rule, ...] = (
     Rule(NVME_NEEDS_PATH, lambda s: s.offload.uses_nvme and not s.offload.nvme_path, _nvme_needs_path),
     Rule(SEQUENCE_IN_PIPELINE, lambda s: s.parallel.sequence > 1 and s.parallel.stages > 1, _sequence_with_pipeline),
     Rule(SEQUENCE_WITH_TENSOR, lambda s: s.parallel.sequence > 1 and s.parallel.tensor.size > 1, _sequence_with_tensor),
+    Rule(EXPERT_ALONE,
+         lambda s: s.parallel.experts > 1 and max(s.parallel.stages, s.parallel.tensor.size, s.parallel.sequence) > 1,
+         _expert_with_model_parallel),
+    Rule(EXPERT_SHARDED_CHECKPOINTS,
+         lambda s: s.parallel.experts > 1 and s.checkpoint_format is CheckpointFormat.SHARDED,
+         _expert_sharded_checkpoints),
     Rule(MICRO_BATCH_REDUCTION_NEEDS_SHARDS,
          lambda s: (s.parallel.pipeline is not None and s.parallel.pipeline.reduce_per_micro_batch
                     and not s.zero.stage.shards_gradients),

@@ -123,6 +123,8 @@ class StepPreparation:
             in engine.py).
         norm_excess: pipelines: ``fn(grads, groups, norm_type)``, the norm share another stage counts (tied
             parameters).
+        shares: stage 0 with expert groups: each group's share of its norm terms, the norm then summed over the
+            data group (``engine_setup.norm_shares``); ``None``: every term counts once here.
     """
 
     def __init__(
@@ -137,8 +139,10 @@ class StepPreparation:
         master_grad_is_view: bool,
         model_parallel: DataParallelComm | None = None,
         norm_excess: NormExcess | None = None,
+        shares: list[float] | None = None,
     ) -> None:
         self.config = config
+        self.shares = shares
         self.comm = comm
         self.dtypes = dtypes
         self.names = names
@@ -235,7 +239,7 @@ class StepPreparation:
         if loss_scale != 1.0:
             for t in self._grads_to_scale():
                 t.mul_(1.0 / loss_scale)
-        sumsq = torch.tensor([local_sum_of_squares(self._grads_for_norm()) - self._norm_excess(2.0)],
+        sumsq = torch.tensor([self._local_sumsq() - self._norm_excess(2.0)],
                              dtype=torch.float32, device=self.comm.device)
         if check_overflow and self._any_rank(non_finite(float(sumsq))):
             self.skip_step()
@@ -250,6 +254,13 @@ class StepPreparation:
         self._norm = sumsq.sqrt().reshape(())
         self.last_grad_norm = float(self._norm)
         return False
+
+    def _local_sumsq(self) -> float:
+        """This rank's squared norm terms, each group's weighted by its share when ``shares`` are given."""
+        grads = self._grads_for_norm()
+        if self.shares is None:
+            return local_sum_of_squares(grads)
+        return sum(share * local_sum_of_squares([g]) for share, g in zip(self.shares, grads, strict=True))
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any data-parallel rank, or any rank of the other pipeline stages."""
@@ -317,6 +328,10 @@ class StepPreparation:
                 self.model_parallel.all_reduce_max(value)
             return value
         parts = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in local]) if local else torch.zeros(1)
+        if self.shares is not None:
+            grads = self._grads_for_norm()
+            parts = torch.stack([torch.linalg.vector_norm(t.float(), norm_type) for t in grads])
+            parts = parts * torch.tensor(self.shares, dtype=parts.dtype) ** (1.0 / norm_type)
         total = parts.pow(norm_type).sum() - self._norm_excess(norm_type)
         if self._norm_is_partial and self.comm.active:
             self.comm.all_reduce_sum(total)
@@ -337,7 +352,8 @@ class StepPreparation:
             every rank (so every rank clips by the same factor), and never below the norm of the
             averaged gradient, so clipping is at least as strict as before the freeze.
         """
-        return self.config.stage.shards_optimizer or self.grad_reduction is GradReduction.BY_OPTIMIZER
+        return (self.config.stage.shards_optimizer or self.grad_reduction is GradReduction.BY_OPTIMIZER
+                or self.shares is not None)
 
     def comm_max(self, value: torch.Tensor) -> None:
         self.comm.all_reduce_max(value)
