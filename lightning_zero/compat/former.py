@@ -59,7 +59,6 @@ FORMER_MODULES: tuple[FormerModule, ...] = (
     # issue 47's settings tree: its nodes in core/settings, the Hydra route's translation in config/settings.py
     FormerModule("lightning_zero.pipeline.config", (f"{_CORE}.settings.pipeline",)),
     FormerModule("lightning_zero.tensor_parallel.config", (f"{_CORE}.settings.tensor",)),
-    FormerModule("lightning_zero.config.parallel_checks", ("lightning_zero.config.settings",)),
     # issue 47's parallel/: each parallelism an apply, one parallelize() / release()
     FormerModule("lightning_zero.pipeline.lightning", ("lightning_zero.parallel.pipeline",)),
     FormerModule("lightning_zero.tensor_parallel.lightning", ("lightning_zero.parallel.tensor",)),
@@ -68,6 +67,9 @@ FORMER_MODULES: tuple[FormerModule, ...] = (
                                                      "lightning_zero.parallel.zero")),
     FormerModule("lightning_zero.lightning.mesh_setup", ("lightning_zero.lightning.run",
                                                         "lightning_zero.parallel.mesh")),
+    # issue 47's config/run/: the launch side on top of config/'s schemas, settings route and checks
+    *(FormerModule(f"lightning_zero.config.{name}", (f"lightning_zero.config.run.{name}",))
+      for name in ("launch", "worker", "console", "build", "deepspeed")),
     # issue 47's leaf: the usage error every layer raises (issue 42 put it at core/'s root)
     FormerModule(f"{_CORE}.errors", (f"{_CORE}.common.errors",)),
     # issue 47's order: the experts' reducers extend ZeRO's reducer, so they sit beside it (partition stays below)
@@ -99,6 +101,13 @@ FORMER_NAMES: tuple[FormerName, ...] = (
     *(FormerName("lightning_zero.config.validate", old, f"lightning_zero.config.settings:{new}")
       for old, new in (("zero_config", "zero_settings"), ("offload_config", "offload_settings"),
                        ("import_object", "import_object"))),
+    # issue 47's split of config/validate.py (over 500 lines), one concern per module beside it
+    *(FormerName("lightning_zero.config.validate", name, f"lightning_zero.config.{where}:{name}")
+      for name, where in (("counts", "value_checks"), ("val_check_batches", "value_checks"),
+                          ("epoch_problems", "model_checks"), ("nvme_bytes_per_node", "offload_checks"),
+                          ("offload_name", "describe"), ("count_model_parameters", "describe"),
+                          ("run_choices", "describe"), ("describe", "describe"), ("DEFAULT_CHOICES", "describe"),
+                          ("gpt_config", "model_zoo"))),
     FormerName("lightning_zero.config.build", "strategy_kwargs", "lightning_zero.config.build:strategy_arguments"),
     FormerName("lightning_zero.config.build", "pipeline_config", "lightning_zero.config.settings:pipeline_settings"),
     FormerName("lightning_zero.deepspeed.strategy_args", "strategy_kwargs",

@@ -388,8 +388,9 @@ def test_a_hugging_face_llama_trains_with_its_own_tp_plan_and_follows_the_unspli
 def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() -> None:
     from omegaconf import OmegaConf
 
-    from lightning_zero.config.launch import compose_config
-    from lightning_zero.config.settings import settings_of, tensor_parallel_problems, world_problems
+    from lightning_zero.config.parallel_checks import tensor_parallel_problems, world_problems
+    from lightning_zero.config.run.launch import compose_config
+    from lightning_zero.config.settings import settings_of
     from lightning_zero.config.validate import validate_config
 
     ok = ["experiment=gpt_tiny", "tensor_parallel=tp2", "trainer.devices=2"]

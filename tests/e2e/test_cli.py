@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_zero.cli import main
-from lightning_zero.config.launch import CONFIG_FILE, RankFailure, compose_config, launch_ranks
+from lightning_zero.config.run.launch import CONFIG_FILE, RankFailure, compose_config, launch_ranks
 from lightning_zero.config.schema import to_yaml
 from lightning_zero.config.validate import validate_config
 
@@ -136,7 +136,7 @@ def test_a_one_bit_adam_freeze_step_past_the_run_warns_once_before_launch(
     """docs/onebit_adam.md's command had model.freeze_step=30 on gpt_tiny's 20 steps: it never compressed."""
     from types import SimpleNamespace
 
-    import lightning_zero.config.launch as launch
+    import lightning_zero.config.run.launch as launch
 
     started: list[int] = []
 

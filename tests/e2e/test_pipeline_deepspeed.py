@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from lightning_zero import PipelineConfig
 from lightning_zero.cli import main
-from lightning_zero.config.launch import CONFIG_FILE
+from lightning_zero.config.run.launch import CONFIG_FILE
 from lightning_zero.config.validate import validate_config
 from lightning_zero.deepspeed.config import parse_deepspeed_config
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy

@@ -16,8 +16,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from lightning_zero.config.build import RESULT_FILE, build_strategy
-from lightning_zero.config.launch import CONFIG_FILE, compose_config, conf_dir, expand_sweep, run_job
+from lightning_zero.config.describe import describe
+from lightning_zero.config.run.build import RESULT_FILE, build_strategy
+from lightning_zero.config.run.launch import CONFIG_FILE, compose_config, conf_dir, expand_sweep, run_job
 from lightning_zero.config.schema import (
     GPTModelSchema,
     MLPModelSchema,
@@ -27,7 +28,7 @@ from lightning_zero.config.schema import (
     to_train_config,
     to_yaml,
 )
-from lightning_zero.config.validate import describe, validate_config
+from lightning_zero.config.validate import validate_config
 
 CONF = conf_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
@@ -376,7 +377,7 @@ def test_val_check_interval_counts_optimizer_steps_under_accumulation() -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lightning_zero.config.build import val_check_batches
+    from lightning_zero.config.run.build import val_check_batches
 
     cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.accumulate_grad_batches=2",
                                           "trainer.val_check_interval=2"]))

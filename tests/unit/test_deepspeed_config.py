@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from lightning_zero import DeepSpeedZeroStrategy, ZeroConfig
-from lightning_zero.config.build import strategy_arguments as hydra_strategy_arguments
-from lightning_zero.config.deepspeed import apply_deepspeed_config
-from lightning_zero.config.launch import compose_config
+from lightning_zero.config.run.build import strategy_arguments as hydra_strategy_arguments
+from lightning_zero.config.run.deepspeed import apply_deepspeed_config
+from lightning_zero.config.run.launch import compose_config
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.settings import settings_of
 from lightning_zero.config.validate import invalid_combinations, validate_config

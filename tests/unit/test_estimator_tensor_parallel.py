@@ -128,7 +128,7 @@ def test_the_advisor_proposes_tp_when_a_layer_is_bigger_than_a_rank_and_says_so(
     code, out, _ = run_cli(capsys, "advise", *argv)
     assert code == 0 and "Recommended: stage 2 + TP 2" in out and "Tensor parallelism is what makes it fit" in out, out
     # the overrides are a valid training configuration
-    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.settings import settings_of
     from lightning_zero.config.validate import validate_config
 
@@ -165,7 +165,7 @@ def test_the_advisor_proposes_tp_with_offload_when_tp_alone_does_not_fit(capsys:
     code, out, _ = run_cli(capsys, "advise", *argv)
     assert code == 0 and "Recommended: stage 2 + optimizer_cpu + TP 2" in out, out
     # the overrides are a valid training configuration (offload x TP is not refused)
-    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.settings import settings_of
     from lightning_zero.config.validate import validate_config
 

@@ -98,9 +98,9 @@ def test_a_deepspeed_json_expert_parallel_section_sets_the_size_and_refuses_what
 
 
 def test_the_cli_config_builds_expert_parallel_and_refuses_what_is_not_built_before_launch() -> None:
-    from lightning_zero.config.build import strategy_arguments
-    from lightning_zero.config.launch import compose_config
     from lightning_zero.config.model_zoo import gpt_config
+    from lightning_zero.config.run.build import strategy_arguments
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.validate import validate_config
 
     ok = ["experiment=gpt_tiny", "model.moe.num_experts=8", "expert_parallel=ep2", "trainer.devices=2"]
@@ -119,8 +119,8 @@ def test_the_cli_config_builds_expert_parallel_and_refuses_what_is_not_built_bef
     for override, message in cases.items():
         with pytest.raises(ValueError, match=message):
             validate_config(compose_config([*ok, override]))
+    from lightning_zero.config.parallel_checks import expert_parallel_problems
     from lightning_zero.config.schema import HFCausalLMSchema
-    from lightning_zero.config.settings import expert_parallel_problems
 
     hf = replace(cfg, model=HFCausalLMSchema(config={"model_type": "qwen3_moe"}))  # its plan is found at setup
     assert expert_parallel_problems(hf) == []

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero.checkpoint.reader import ShardedCheckpoint
 from lightning_zero.cli import main
-from lightning_zero.config.launch import check_jobs
+from lightning_zero.config.run.launch import check_jobs
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
 from tests.models import TinyTransformer, make_trainer, token_loader

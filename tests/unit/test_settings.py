@@ -12,7 +12,7 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.config import validate_config
-from lightning_zero.config.launch import compose_config
+from lightning_zero.config.run.launch import compose_config
 from lightning_zero.core.settings import (
     RULES,
     ExpertParallelConfig,

@@ -222,7 +222,8 @@ def oom_advice(cfg: TrainConfig) -> str | None:
 
     import torch
 
-    from lightning_zero.config.validate import count_model_parameters, gpt_config
+    from lightning_zero.config.describe import count_model_parameters
+    from lightning_zero.config.model_zoo import gpt_config
     from lightning_zero.estimator.advisor import advise
 
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -270,7 +271,7 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
     the data) comes on top."""
     import torch
 
-    from lightning_zero.config.validate import count_model_parameters
+    from lightning_zero.config.describe import count_model_parameters
     from lightning_zero.core.common.memory import OFFLOAD_STAGES
     from lightning_zero.estimator import estimate_memory, format_bytes
 
@@ -278,7 +279,7 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
     on_cpu = not (t.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available())
     shape: dict[str, int] = {}
     if isinstance(cfg.model, GPTModelSchema) and isinstance(cfg.data, TextDataSchema):
-        from lightning_zero.config.validate import gpt_config
+        from lightning_zero.config.model_zoo import gpt_config
 
         g = gpt_config(cfg.model)
         shape = dict(micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len, layers=g.n_layer,

@@ -4,13 +4,13 @@ The flow of one run (each job of a ``-m`` multirun does the same in its own outp
 
 1. Before Hydra starts any job, every job of the command line (a sweep expanded like Hydra's basic
    sweeper) is composed, its ``deepspeed_config`` JSON (if any) merged in
-   (:func:`~lightning_zero.config.deepspeed.apply_deepspeed_config`), and validated
+   (:func:`~lightning_zero.config.run.deepspeed.apply_deepspeed_config`), and validated
    (:func:`~lightning_zero.config.validate.validate_config`), so an invalid or unbuilt combination
    stops the command before any run or process starts.
 2. ``hydra.main`` runs the job: it writes ``.hydra/`` (composed config, overrides) into the job's
    output directory, and :func:`run_job` writes the resolved, typed config to ``config.yaml`` there.
 3. With ``trainer.devices=1`` the run trains in this process. Otherwise :func:`launch_ranks` starts
-   ``python -m torch.distributed.run --standalone --nproc_per_node=N -m lightning_zero.config.worker
+   ``python -m torch.distributed.run --standalone --nproc_per_node=N -m lightning_zero.config.run.worker
    <job dir>/config.yaml``: the ranks read that file and never re-enter Hydra, so no rank creates an
    output directory or re-runs a sweep (Lightning's own launcher would re-run ``sys.argv``).
    A rank's failure makes torchrun exit non-zero, which fails the job and the command.
@@ -38,7 +38,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_zero.checkpoint.reader import resume_path
-from lightning_zero.config.deepspeed import apply_deepspeed_config
+from lightning_zero.config.describe import describe
 from lightning_zero.config.multinode import NodeLaunch, resolve_node
 from lightning_zero.config.paths import (
     COMMAND_NAMES,
@@ -54,8 +54,9 @@ from lightning_zero.config.paths import (
     register_configs,
     register_run_name,
 )
+from lightning_zero.config.run.deepspeed import apply_deepspeed_config
 from lightning_zero.config.schema import TextDataSchema, TrainConfig, to_train_config, to_yaml
-from lightning_zero.config.validate import config_warnings, describe, validate_config
+from lightning_zero.config.validate import config_warnings, validate_config
 from lightning_zero.core.common.errors import USAGE_EXIT, UsageError
 from lightning_zero.project.locate import record_project_dir
 
@@ -214,20 +215,20 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
     """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port), or
     this node's ranks of a multi-node job (``node``: Note [multi-node] in config/multinode.py).
 
-    The ranks' stderr goes through :class:`~lightning_zero.config.console.RankConsole`: all of it into
+    The ranks' stderr goes through :class:`~lightning_zero.config.run.console.RankConsole`: all of it into
     the run's ``train.log``, the console without the known noise (their stdout is left alone).
 
     Raises:
         RankFailure: torchrun exited non-zero; the message says which rank failed and how (a rank killed
             by a signal has no traceback: the likely cause and a configuration that fits instead).
     """
-    from lightning_zero.config.console import RankConsole, failure_summary, host_memory_note, oom_advice
+    from lightning_zero.config.run.console import RankConsole, failure_summary, host_memory_note, oom_advice
 
     where = node.torchrun_args() if node is not None else ["--standalone"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={devices}",
-           "-m", "lightning_zero.config.worker", str(config_file), *([command] if command != FIT else [])]
+           "-m", "lightning_zero.config.run.worker", str(config_file), *([command] if command != FIT else [])]
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])  # the ranks import this checkout
+    root = str(Path(__file__).resolve().parents[3])  # the ranks import this checkout
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     log.info("launching %d ranks: %s", devices, " ".join(cmd))
@@ -278,8 +279,8 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
     log.info("run directory: %s", run_dir)
     node = resolve_node(typed.trainer.num_nodes, typed.trainer.node_rank, typed.trainer.rdzv_endpoint)
     if typed.trainer.devices == 1 and node is None:
-        from lightning_zero.config.build import evaluate, fit
-        from lightning_zero.config.console import in_process_console
+        from lightning_zero.config.run.build import evaluate, fit
+        from lightning_zero.config.run.console import in_process_console
 
         with in_process_console():
             result = fit(typed, run_dir) if command == FIT else evaluate(typed, run_dir, command)

@@ -1,6 +1,6 @@
-"""One rank of a run: ``python -m lightning_zero.config.worker <run_dir>/config.yaml``.
+"""One rank of a run: ``python -m lightning_zero.config.run.worker <run_dir>/config.yaml``.
 
-Started by :func:`lightning_zero.config.launch.launch_ranks` under ``torch.distributed.run`` (which
+Started by :func:`lightning_zero.config.run.launch.launch_ranks` under ``torch.distributed.run`` (which
 sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``, so Lightning joins that
 group instead of re-launching ``sys.argv``). It never touches Hydra: the composed, resolved config
 is read from the YAML file, and everything is written next to it. It also works under any other
@@ -46,10 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the rank; the run directory is the config file's folder. Returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) not in (1, 2) or (len(args) == 2 and args[1] not in COMMAND_NAMES):
-        print("usage: python -m lightning_zero.config.worker <run_dir>/config.yaml [validate|test|predict]",
+        print("usage: python -m lightning_zero.config.run.worker <run_dir>/config.yaml [validate|test|predict]",
               file=sys.stderr)
         return 2
-    from lightning_zero.config.build import evaluate, fit  # Lightning: here, not for ``python -m lightning_zero``
+    from lightning_zero.config.run.build import evaluate, fit  # Lightning: here, not for ``python -m lightning_zero``
 
     path = Path(args[0]).resolve()
     cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(path))))  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 Each ``build_*`` function converts one part (strategy, module, data, logger, callbacks, Trainer
 arguments); :func:`fit` runs them in the current process, which is one rank: the launcher
-(:mod:`lightning_zero.config.launch`) starts the ranks with ``torch.distributed.run``, so Lightning
+(:mod:`lightning_zero.config.run.launch`) starts the ranks with ``torch.distributed.run``, so Lightning
 finds its environment there and never re-launches ``sys.argv``. Everything a run writes goes into
 ``run_dir``: TensorBoard events under ``tb/``, checkpoints under ``checkpoints/``, ``result.json``.
 """
@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from lightning_zero.checkpoint.reader import resume_path
 from lightning_zero.config.model_zoo import build_datamodule, build_module, param_init_fn
+from lightning_zero.config.parallel_checks import data_parallel_size
 from lightning_zero.config.paths import RESULT_FILE, EvalResult, FitResult
 from lightning_zero.config.schema import (
     GPTModelSchema,
@@ -36,8 +37,8 @@ from lightning_zero.config.schema import (
     to_container,
     to_yaml,
 )
-from lightning_zero.config.settings import data_parallel_size, settings_of
-from lightning_zero.config.validate import counts, val_check_batches
+from lightning_zero.config.settings import settings_of
+from lightning_zero.config.value_checks import counts, val_check_batches
 from lightning_zero.core.stage3.sharded_unit import is_released
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from lightning_zero.lightning.strategy import ZeroStrategy
@@ -68,7 +69,7 @@ def strategy_arguments(cfg: TrainConfig, module: pl.LightningModule | None = Non
 def build_deepspeed_strategy(cfg: TrainConfig, module: pl.LightningModule | None = None) -> ZeroStrategy:
     """The ranks' strategy for a merged, typed config with ``deepspeed_config``: the Hydra-side strategy
     arguments (equal to the JSON's wherever the JSON sets a value, after
-    :func:`~lightning_zero.config.deepspeed.apply_deepspeed_config`) as overrides of
+    :func:`~lightning_zero.config.run.deepspeed.apply_deepspeed_config`) as overrides of
     ``DeepSpeedZeroStrategy.from_deepspeed_config``, whose optimizer / scheduler sections replace the model's."""
     return DeepSpeedZeroStrategy.from_deepspeed_config(cfg.deepspeed_config, strict=cfg.deepspeed_strict,
                                               optimizer_source="config", **strategy_arguments(cfg, module))
@@ -94,7 +95,7 @@ def run_hparams(cfg: TrainConfig) -> dict[str, Any]:
     config goes to the Text tab): ZeRO stage, offload, precision, pipeline, tensor and sequence parallel,
     attention, optimizer (``onebit_adam`` apart from ``adamw``) (``validate.run_choices``), model preset and size,
     world size, global batch (samples per optimizer step), learning rate (those known for a ``_target_`` model)."""
-    from lightning_zero.config.validate import count_model_parameters, run_choices
+    from lightning_zero.config.describe import count_model_parameters, run_choices
 
     t, p, m = cfg.trainer, cfg.pipeline, cfg.model
     model = m.preset if isinstance(m, GPTModelSchema) else m.target if isinstance(m, TargetNode) else m.kind
