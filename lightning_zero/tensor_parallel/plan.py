@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_zero.core.errors import UsageError
+from lightning_zero.core.common.errors import UsageError
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
 from lightning_zero.tensor_parallel.regions import sum_grads_over_tp, watch_replicated_grads

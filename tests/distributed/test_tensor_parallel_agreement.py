@@ -101,8 +101,8 @@ def summed_ln_f_body() -> str:
 @pytest.mark.distributed
 def test_summing_the_gradient_of_a_norm_on_replicated_activations_is_refused(gloo_pool: GlooPool) -> None:
     """``ln_f`` sits beside the column-parallel ``lm_head`` but acts on the replicated residual stream: summing its
-    gradient over TP doubled its update (2.0000 times the normal plan's at SGD lr 1, TP 2). Its input is the
-    same on both TP ranks at the first forward: refused on both ranks, before any step, with the fix."""
+    gradient over TP doubled its update (2.0000 times the normal plan's at SGD lr 1, TP 2). Its input is the same on
+    both TP ranks at the first forward: refused on both ranks, before any step, with the fix."""
     for message in gloo_pool.run("tests.distributed.test_tensor_parallel_agreement:summed_ln_f_body"):
         assert message.startswith("tensor_parallel plan: 'model.ln_f' is planned 'replicated_with_grad_allreduce' "
                                   "but its input is the same on every TP rank"), message
