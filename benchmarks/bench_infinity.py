@@ -50,7 +50,7 @@ from lightning_zero.models.gpt import GPT  # noqa: E402
 from lightning_zero.models.gpt_config import resolve_config  # noqa: E402
 from lightning_zero.testing.cgroups import cgroups_available, make_group  # noqa: E402
 
-WORKER = "lightning_zero.config.worker"  # a rank's command line contains it
+WORKER = "lightning_zero.config.run.worker"  # a rank's command line contains it
 
 
 def _parse(run: str) -> tuple[str, str, str, list[str]]:

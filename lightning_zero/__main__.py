@@ -6,7 +6,7 @@ program; run inside another program (``runpy.run_module(..., run_name="__main__"
 import sys
 
 from lightning_zero.cli import main
-from lightning_zero.config.worker import exit_after_handlers
+from lightning_zero.config.run.worker import exit_after_handlers
 
 if __name__ == "__main__":
     code = main()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
-from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.stage3.materialize import parameters_on_meta, replace_meta_parameters
 from lightning_zero.testing.memory import proc_status_bytes
 

@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from lightning_zero.config.console import NOISE
+from lightning_zero.config.run.console import NOISE
 
 STEPS = 10
 TINY = ["experiment=gpt_tiny", f"trainer.max_steps={STEPS}"]
@@ -173,9 +173,9 @@ def test_the_run_directory_is_named_by_the_run_s_choices(runs) -> None:
 
 
 def test_run_names_and_hparams_tell_the_choices_apart() -> None:
-    from lightning_zero.config.build import run_hparams
-    from lightning_zero.config.launch import compose_config
     from lightning_zero.config.paths import run_name
+    from lightning_zero.config.run.build import run_hparams
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.validate import validate_config
 
     assert run_name("gpt_small", 3, "bf16", "optimizer_cpu", "pp2_1f1b", "onebit_adam") == \
@@ -298,7 +298,7 @@ def _rank_pid(parent: int, rank: int) -> int | None:
             cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"lightning_zero.config.worker" in cmd and f"RANK={rank}".encode() in env:
+        if b"lightning_zero.config.run.worker" in cmd and f"RANK={rank}".encode() in env:
             return pid
     return None
 

@@ -190,7 +190,7 @@ def test_every_doc_command_uses_the_venv_form_of_the_readme() -> None:
                     bare.append(f"{name}: {match.group(1).strip()}")
         # an inline command with arguments (`lightning-zero train x=y`, `python some/script.py`) too
         for match in re.finditer(r"`((?:lightning-zero|python3?) [^`]*[=/][^`]*)`", doc.read_text()):
-            if not match.group(1).startswith("python -m lightning_zero.config.worker"):  # what the launcher runs
+            if not match.group(1).startswith("python -m lightning_zero.config.run.worker"):  # what the launcher runs
                 bare.append(f"{name}: {match.group(1)}")
     assert not bare, "write .venv/bin/lightning-zero / .venv/bin/python, as the README does:\n" + "\n".join(bare)
 

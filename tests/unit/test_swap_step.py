@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
-from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.offload.swap_io import SwapIO
 from lightning_zero.core.offload.swap_step import SwappedStep
+from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.stage3.sharded_unit import UnitState
 
 PIECE = 64  # master pieces of 64 elements: sub-groups of 4 pieces

@@ -29,17 +29,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.offload.grad_files import GradFiles
 from lightning_zero.core.offload.host_store import HostStore, trim_heap
 from lightning_zero.core.offload.shard_store import PieceOf, StreamedGrads, SubGroup
 from lightning_zero.core.offload.swap_file import SwapFile
 from lightning_zero.core.offload.swap_step import Range, SubGroupPlan, SwappedStep
+from lightning_zero.core.settings.offload import OffloadConfig
 
 if TYPE_CHECKING:
+    from lightning_zero.core.comm.grad_home import GradHome
+    from lightning_zero.core.common.flat_param import FlatParamGroup
     from lightning_zero.core.stage3.sharded_unit import ShardedUnit
-    from lightning_zero.core.zero.exchange import GradHome
-    from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 
 def process_io() -> tuple[int, int] | None:

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from lightning_zero.core.comm.grad_home import sum_in_rank_order
 from lightning_zero.core.offload.swap_file import SwapFile
 from lightning_zero.core.offload.swap_io import SwapIO
-from lightning_zero.core.zero.exchange import sum_in_rank_order
 
 GradOp = Callable[[torch.Tensor], Any]
 

@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm, Handle
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.common.flat_param import Bucket, FlatParamGroup, overlap
 from lightning_zero.core.zero.exchange import BufferPool, GradShards, Message, MessageStaging, Segment, plan_buckets
-from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
 
 if TYPE_CHECKING:
-    from lightning_zero.core.zero.exchange import GradHome
+    from lightning_zero.core.comm.grad_home import GradHome
 
 
 class BackwardState(enum.Enum):
