@@ -10,7 +10,7 @@ once: activation checkpointing wraps the same ones (any stage).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +48,23 @@ def partition_module(module: nn.Module, names: dict[nn.Parameter, str], optimize
     activation checkpointing of the units when ``config`` asks for it."""
     plans = unit_plans(module, names, config)
     if config.stage.shards_parameters:
-        units, runtime, all_groups = apply_stage3(module, names, optimizer_groups, comm, config, param_init_fn,
-                                                  init_seed, experts, plans)
+        units, runtime, all_groups = apply_stage3(module, names, optimizer_groups, comm, config, plans,
+                                                  param_init_fn, init_seed, experts)
     else:
         units, runtime = [], None
         all_groups = [g for i, params in enumerate(optimizer_groups)
                       for g in bind_partitioned(params, experts, comm, i, True)]
-    broadcast_from_rank0(module, names, all_groups, comm, experts)
+    with torch.no_grad():  # rank 0's values everywhere, as DDP makes them at construction
+        if comm.active:
+            for g in all_groups:
+                if g.shard is None:  # stage 3 broadcast its units while sharding them
+                    comm.of(g.experts).broadcast(g.flat)
+            in_flat = {s.param for g in all_groups for s in g.slots}
+            for p in names:
+                if p not in in_flat:  # expert parameters over their expert-data group (other ranks: other experts)
+                    comm.of(p in experts).broadcast(p.data)
+            for b in module.buffers():
+                comm.broadcast(b)
     undo = (apply_activation_checkpointing([m for plan in plans for m in plan.modules])
             if config.activation_checkpointing else None)
     return Partition(units, runtime, all_groups, undo)
@@ -66,13 +76,12 @@ def apply_stage3(
     optimizer_groups: list[list[nn.Parameter]],
     comm: DataParallelComm,
     config: ZeroConfig,
+    plans: list[UnitPlan],
     param_init_fn: ParamInitFn | None = None,
     init_seed: int = 0,
     experts: Set[nn.Parameter] = frozenset(),
-    plans: list[UnitPlan] | None = None,
 ) -> tuple[list[ShardedUnit], Stage3Runtime, list[FlatParamGroup]]:
-    """Plan the units of ``module`` (or take ``plans``, planned by the caller with ``config``'s unit classes and
-    persistence threshold) and shard them one at a time.
+    """Shard the units of ``plans`` (planned by :func:`unit_plans`) one at a time.
 
     For each unit: one flat group per optimizer param group present (parameters in no group,
     e.g. frozen ones, get a group with ``optimizer_group == -1``: sharded, never stepped), and one
@@ -86,8 +95,6 @@ def apply_stage3(
         The units, the runtime whose hooks drive them, and every flat group (unit order).
     """
     group_of = {p: gi for gi, params in enumerate(optimizer_groups) for p in params}
-    if plans is None:
-        plans = plan_units(module, names, config.unit_classes, config.param_persistence_threshold)
     module_names = {m: n for n, m in module.named_modules()}
     units: list[ShardedUnit] = []
     all_groups: list[FlatParamGroup] = []
@@ -129,21 +136,3 @@ def unit_plans(module: nn.Module, names: dict[nn.Parameter, str], config: ZeroCo
             "children of nn.ModuleLists, or the modules of `unit_classes`. Name the block class in `unit_classes`."
         )
     return plans
-
-
-@torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, names: Mapping[nn.Parameter, str], all_groups: list[FlatParamGroup],
-                         comm: DataParallelComm, experts: Set[nn.Parameter] = frozenset()) -> None:
-    """Make parameters and buffers identical on every rank (as DDP does at construction); expert parameters on
-    every rank of their expert-data group (the other expert-parallel ranks hold other experts)."""
-    if not comm.active:
-        return
-    for g in all_groups:
-        if g.shard is None:  # stage 3 broadcast its units while sharding them
-            comm.of(g.experts).broadcast(g.flat)
-    in_flat = {s.param for g in all_groups for s in g.slots}
-    for p in names:
-        if p not in in_flat:
-            comm.of(p in experts).broadcast(p.data)
-    for b in module.buffers():
-        comm.broadcast(b)
