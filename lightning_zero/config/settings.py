@@ -16,12 +16,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero.config.schema import (
-    LIGHTNING_PRECISION,
-    PipeSchedule,
-    PrecisionSchema,
-    TrainConfig,
-)
+from lightning_zero.config.schema import TrainConfig
+from lightning_zero.config.settings_schema import LIGHTNING_PRECISION, PipeSchedule, PrecisionSchema
 from lightning_zero.core.settings.expert import ExpertParallelConfig
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.settings.pipeline import PipelineConfig
