@@ -141,6 +141,13 @@ def _flat_keys(node: object, prefix: str = "") -> list[str]:
     return [k for key, value in node.items() for k in _flat_keys(value, f"{prefix}{key}.")]
 
 
+def torchrun_command(config_file: Path, devices: int, node: NodeLaunch | None = None) -> list[str]:
+    """The command that starts this node's ``devices`` ranks of the worker on ``config_file``."""
+    where = node.torchrun_args() if node is not None else ["--standalone"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={devices}",
+            "-m", "lightning_zero.config.worker", str(config_file)]
+
+
 def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None) -> None:
     """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port), or
     this node's ranks of a multi-node job (``node``: Note [multi-node] in config/multinode.py).
@@ -154,9 +161,7 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
     """
     from lightning_zero.config.console import RankConsole, failure_summary, host_memory_note, oom_advice
 
-    where = node.torchrun_args() if node is not None else ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={devices}",
-           "-m", "lightning_zero.config.worker", str(config_file)]
+    cmd = torchrun_command(config_file, devices, node)
     env = dict(os.environ)
     root = str(Path(lightning_zero.__file__).resolve().parents[1])  # the ranks import this checkout
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
