@@ -31,6 +31,7 @@ _getattr, __dir__, __all__ = lazy_exports(
         "lightning_zero.estimator.advisor": ("Advice", "advise"),
         "lightning_zero.lightning.precision": ("ZeroPrecision",),
         "lightning_zero.lightning.strategy": ("ZeroStrategy",),
+        "lightning_zero.moe": ("ExpertParallelConfig", "MoE"),
         "lightning_zero.observability.callbacks": ("ZeroStatsMonitor",),
         "lightning_zero.observability.dashboard": ("ZeroTensorBoardLogger",),
         "lightning_zero.observability.monitoring": ("ProfilerWindow",),

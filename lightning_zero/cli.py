@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from lightning_zero.estimator import (
     OFFLOADS,
@@ -42,6 +43,18 @@ def _typed(parse: Callable[[str], float]) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(str(err)) from err
 
     return convert
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in two lines (the error, and where the options are) instead of the whole
+    usage (17 lines for ``advise``) above it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
+
+
+def _size(text: str) -> float:
+    return parse_size(text, unit_required=True)
 
 
 def _common_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,7 +97,7 @@ def _model_kwargs(a: argparse.Namespace) -> EstimateOptions:
 
 def _run(name: str, description: str, build: Callable[[argparse.ArgumentParser], None],
          act: Callable[[argparse.Namespace], int], argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"lightning-zero {name}", description=description)
+    parser = _Parser(prog=f"lightning-zero {name}", description=description)
     build(parser)
     try:
         args = parser.parse_args(argv)
@@ -106,9 +119,13 @@ def estimate_command(argv: list[str]) -> int:
                        help="offload rows to show besides no offload (default: every valid option)")
         p.add_argument("--tensor-parallel", type=int, default=1,
                        help="ranks per tensor-parallel group (default 1: none); ZeRO partitions over the rest")
+        p.add_argument("--expert-parallel", type=int, default=1,
+                       help="ranks per expert-parallel group of a MoE model (default 1: none): each holds "
+                       "1/N of the experts")
 
     def act(a: argparse.Namespace) -> int:
-        est = estimate_memory(a.params, offload=a.offload, tensor_parallel=a.tensor_parallel, **_model_kwargs(a))
+        est = estimate_memory(a.params, offload=a.offload, tensor_parallel=a.tensor_parallel,
+                              expert_parallel=a.expert_parallel, **_model_kwargs(a))
         print(est.table(a.units))
         return 0
 
@@ -119,10 +136,11 @@ def advise_command(argv: list[str]) -> int:
     """``lightning-zero advise``: the fastest ZeRO configuration that fits (exit code 1 if none does)."""
 
     def build(p: argparse.ArgumentParser) -> None:
-        hw = p.add_argument_group("hardware (sizes like 80GB, 80GiB, 512G, 2TB, 1.5e9; GB = 10^9 bytes)")
-        hw.add_argument("--device-memory", type=_typed(parse_size), required=True, help="accelerator memory per rank")
-        hw.add_argument("--cpu-memory", type=_typed(parse_size), default=0.0, help="host memory per node")
-        hw.add_argument("--nvme", type=_typed(parse_size), default=0.0, help="NVMe capacity per node")
+        hw = p.add_argument_group("hardware (sizes with their unit, like 80GB, 80GiB, 512G, 2TB; GB = 10^9 bytes, "
+                                  "GiB = 2^30)")
+        hw.add_argument("--device-memory", type=_typed(_size), required=True, help="accelerator memory per rank")
+        hw.add_argument("--cpu-memory", type=_typed(_size), default=0.0, help="host memory per node")
+        hw.add_argument("--nvme", type=_typed(_size), default=0.0, help="NVMe capacity per node")
         hw.add_argument("--nvme-path", default=tempfile.gettempdir(),
                         help="directory for the swap files of an NVMe choice, named in its overrides and checked "
                         "for writability and free space (default: the system's temporary directory, "
@@ -135,11 +153,14 @@ def advise_command(argv: list[str]) -> int:
         p.add_argument("--tensor-parallel", type=int, default=None,
                        help="ranks per tensor-parallel group to advise for (default: none, and the smallest size "
                        "that fits when nothing fits without it)")
+        p.add_argument("--expert-parallel", type=int, default=1,
+                       help="ranks per expert-parallel group of a MoE model to advise for (default 1: none)")
 
     def act(a: argparse.Namespace) -> int:
         result = advise(a.params, device_memory=a.device_memory, cpu_memory=a.cpu_memory, nvme=a.nvme,
                         headroom=a.headroom, activation_checkpointing=a.activation_checkpointing,
-                        nvme_path=a.nvme_path, tensor_parallel=a.tensor_parallel, **_model_kwargs(a))
+                        nvme_path=a.nvme_path, tensor_parallel=a.tensor_parallel,
+                        expert_parallel=a.expert_parallel, **_model_kwargs(a))
         print(result.table(a.units))
         problem = result.nvme_path_problem()
         if problem:  # the suggested command would be refused: say so, and how to fix it
@@ -159,21 +180,62 @@ def train_command(argv: list[str]) -> int:
     return run(argv)
 
 
+def _export_hf_run(checkpoint: str, out: str, shard_bytes: int) -> str:
+    """``convert --hf``: the run directory's ``config.yaml`` (above ``checkpoints/``) says where the model came from."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from lightning_zero.config.schema import HFCausalLMSchema, to_train_config
+    from lightning_zero.hf.export import export_pretrained
+
+    found = next((d / "config.yaml" for d in Path(checkpoint).resolve().parents if (d / "config.yaml").is_file()), None)
+    if found is None:
+        raise ValueError(f"no config.yaml of a run above {checkpoint}: --hf converts a checkpoint of a "
+                         "`lightning-zero train model=hf_causal_lm` run (<run dir>/checkpoints/last.ckpt).")
+    model = to_train_config(OmegaConf.to_container(OmegaConf.load(found))).model  # type: ignore[arg-type]
+    if not isinstance(model, HFCausalLMSchema):
+        raise ValueError(f"{found} is not a model=hf_causal_lm run (model: {getattr(model, 'kind', model)}); --hf "
+                         "writes transformers directories. Fix: convert to a .safetensors file instead.")
+    return str(export_pretrained(checkpoint, out, source=model.path, config=model.config, tokenizer=model.tokenizer,
+                                 max_shard_bytes=shard_bytes))
+
+
+def _evaluation(command: str) -> Callable[[list[str]], int]:
+    def handler(argv: list[str]) -> int:
+        from lightning_zero.config.launch import train_command as run
+
+        return run(argv, command)
+
+    return handler
+
+
 def convert_command(argv: list[str]) -> int:
-    """``lightning-zero convert``: a sharded checkpoint directory -> one file (no process group)."""
+    """``lightning-zero convert``: a sharded checkpoint directory (or a consolidated ``.ckpt``) -> one file (no
+    process group)."""
 
     def build(p: argparse.ArgumentParser) -> None:
-        p.add_argument("checkpoint", help="a sharded checkpoint directory (or its name, e.g. last.ckpt)")
-        p.add_argument("out", help="output file: *.safetensors (safetensors), anything else: torch.save")
+        p.add_argument("checkpoint", help="a sharded checkpoint directory (or its name, e.g. last.ckpt), or a "
+                       "consolidated Lightning .ckpt file (its state_dict)")
+        p.add_argument("out", help="output file: *.safetensors (safetensors), anything else: torch.save; with --hf a "
+                       "directory")
         p.add_argument("--lightning", action="store_true",
                        help="write a normal Lightning .ckpt (weights, optimizer, loops, hyper-parameters) "
                        "that LightningModule.load_from_checkpoint opens")
+        p.add_argument("--hf", action="store_true",
+                       help="a model=hf_causal_lm run's checkpoint -> a directory AutoModelForCausalLM.from_pretrained "
+                       "loads (safetensors shards and index, the run's config.json and tokenizer)")
+        p.add_argument("--shard-size", type=_typed(parse_size), default=2 * 1024**3,
+                       help="with --hf: the largest safetensors file, e.g. 500MB (default 2GiB)")
         p.add_argument("--prefix", default="", help="keep only keys under this prefix, without it (e.g. 'model.')")
 
     def act(a: argparse.Namespace) -> int:
         from lightning_zero.checkpoint import CheckpointError, convert_checkpoint
 
         try:
+            if a.hf:
+                print(f"wrote {_export_hf_run(a.checkpoint, a.out, int(a.shard_size))}")
+                return 0
             out = convert_checkpoint(a.checkpoint, a.out, lightning=a.lightning, prefix=a.prefix)
         except (CheckpointError, ValueError, NotImplementedError) as err:
             print(f"lightning-zero convert: {err}", file=sys.stderr)
@@ -219,6 +281,11 @@ COMMANDS: dict[str, Command] = {
     "advise": Command(advise_command, "the fastest ZeRO stage / offload that fits your hardware"),
     # Hydra parses its own argv: main() hands it over untouched
     "train": Command(train_command, "train from Hydra configs in conf/ (e.g. experiment=gpt_small zero=stage2)"),
+    "validate": Command(_evaluation("validate"), "the validation loop of train's groups on ckpt_path=<a checkpoint or "
+                        "a run directory>"),
+    "test": Command(_evaluation("test"), "the test loop, the same way (your DataModule's test_dataloader)"),
+    "predict": Command(_evaluation("predict"), "predict_step over the data, the same way; each rank's predictions "
+                       "to <run dir>/predictions/"),
     "convert": Command(convert_command, "a sharded checkpoint -> one .pt / .safetensors / Lightning .ckpt"),
     "hostfile": Command(hostfile_command, "a DeepSpeed hostfile -> the train command to run on each host (or --ssh)"),
 }

@@ -9,7 +9,9 @@ data is split by rank exactly as in the test pool), then fits TinyTransformer un
   waits in the save's barrier (must not trip the watchdog); the later writes (``last.ckpt``, step 4) are not
   slowed: each would wait the same way and add only its ``SLOW_SAVE_S`` to the suite's time;
 - ``diverge``: rank 1 calls an extra ``all_reduce`` from ``training_step`` at step 3 that rank 0 never
-  calls (every rank must name rank 1 and the collectives each side waits in, then exit).
+  calls (every rank must name rank 1 and the collectives each side waits in, then exit);
+- ``launch_stop``: run without RANK / WORLD_SIZE: ``Trainer(devices=2)``'s own launcher (Lightning's: this
+  script re-run for rank 1, a child of rank 0) starts the ranks; rank ``STOP_RANK`` SIGSTOPs itself at step 3.
 
 ``HANG_TIMEOUT_S`` sets ``hang_timeout_s`` (unset: the library's default); the collective timeout is 120 s,
 far above it.
@@ -42,11 +44,17 @@ class Fault(Callback):
         if self.mode == "stop" and rank == 1 and step == 3:
             print(f"STOPPING rank 1 at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
+        if self.mode == "launch_stop" and rank == int(os.environ["STOP_RANK"]) and step == 3:
+            time.sleep(2.0)  # a long step first: every watchdog has run rounds (3 steps take less than one)
+            print(f"STOPPING rank {rank} pid {os.getpid()} at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.mode == "kill" and rank == 1 and step == 5:
             print(f"KILLING rank 1 at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def setup(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        if self.mode == "launch_stop":
+            print(f"RANK {trainer.global_rank} pid {os.getpid()}", flush=True)
         if self.mode == "slowsave" and trainer.global_rank == 0:  # a slow file system: rank 0's write takes long
             strategy, save, slowed = trainer.strategy, trainer.strategy.save_checkpoint, []
 
@@ -75,14 +83,16 @@ class Diverging(TinyTransformer):
 
 
 def main(mode: str, root: str) -> None:
-    dist.init_process_group("gloo")
+    if mode != "launch_stop":  # else Lightning's launcher starts the ranks and their group
+        dist.init_process_group("gloo")
     # no HANG_TIMEOUT_S: the library's default hang_timeout_s (what the SIGSTOP test checks)
     hang = {"hang_timeout_s": float(os.environ["HANG_TIMEOUT_S"])} if "HANG_TIMEOUT_S" in os.environ else {}
     strategy = ZeroStrategy(stage=2, timeout_s=120, **hang)
-    steps = {"stop": 200, "kill": 8, "slowsave": 4, "diverge": 200}[mode]
+    steps = {"stop": 200, "kill": 8, "slowsave": 4, "diverge": 200, "launch_stop": 200}[mode]
     callbacks = [Fault(mode)] + ([_saver(root, every=2, save_last=True)] if mode in ("kill", "slowsave") else [])
     model = Diverging("adamw") if mode == "diverge" else TinyTransformer("adamw")
-    _fit(model, strategy, devices=dist.get_world_size(), max_steps=steps, callbacks=callbacks)
+    _fit(model, strategy, devices=2 if mode == "launch_stop" else dist.get_world_size(), max_steps=steps,
+         callbacks=callbacks)
     print(f"DONE rank {dist.get_rank()}", flush=True)
     dist.destroy_process_group()
 

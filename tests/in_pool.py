@@ -71,32 +71,28 @@ def fresh_warnings() -> Iterator[None]:
         yield
 
 
-def rank_main(config_file: str) -> dict[str, str]:
+def rank_main(config_file: str, command: str = "fit") -> dict[str, Any]:
     """Pool body: one rank of ``lightning_zero.config.worker`` on ``config_file``; returns its stdout and stderr.
 
     As ``worker.main`` minus ``close_all()``: the pool releases the groups a task leaves (Note [groups left by
     tasks] in lightning_zero/testing/pool.py) and keeps its own. Warnings show as in a fresh rank
     (:func:`fresh_warnings`)."""
     import torch.distributed as dist
-    from omegaconf import OmegaConf
 
-    from lightning_zero.config.build import fit
-    from lightning_zero.config.schema import to_train_config
-    from lightning_zero.config.validate import validate_config
+    from lightning_zero.config.worker import run_rank
 
     rank = dist.get_rank()  # the ranks of a task share its working directory
     out, err = Path(f"rank{rank}.stdout").resolve(), Path(f"rank{rank}.stderr").resolve()
-    failure = None
+    failure, code = None, None
     with _fds_to(out, err), fresh_warnings():
         try:
-            cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(config_file))))
-            fit(cfg, Path(config_file).parent)
+            code = run_rank(Path(config_file), command)
         except BaseException:  # the output first, then the traceback (as a rank's stderr would end)
             import traceback
 
             failure = traceback.format_exc()
             sys.stderr.write(failure)
-    result = {"stdout": out.read_text(errors="replace"), "stderr": err.read_text(errors="replace")}
+    result = {"stdout": out.read_text(errors="replace"), "stderr": err.read_text(errors="replace"), "code": code}
     if failure is not None:
         raise RuntimeError(f"{failure}\n----- the rank's output -----\n{result['stdout']}{result['stderr']}")
     return result
@@ -122,14 +118,15 @@ def launch_in_pool(pools: Any) -> Iterator[None]:
     from lightning_zero.config.console import RankConsole
     from tests.pool import GlooPoolError
 
-    def launch_ranks(config_file: Path, devices: int, node: object = None) -> None:
+    def launch_ranks(config_file: Path, devices: int, node: object = None, command: str = launch.FIT) -> None:
         assert node is None, "the pool runs one node"
         pool = _pool_of(pools, devices)
-        launch.log.info("launching %d ranks: %s", devices, " ".join(launch.torchrun_command(config_file, devices)))
+        launch.log.info("launching %d ranks: %s", devices,
+                        " ".join(launch.torchrun_command(config_file, devices, None, command)))
         console = RankConsole(config_file.parent / "train.log")
         try:
             try:
-                ranks = pool.run("tests.in_pool:rank_main", config_file=str(config_file))
+                ranks = pool.run("tests.in_pool:rank_main", config_file=str(config_file), command=command)
             except GlooPoolError as err:
                 console.feed(f"{err}\n")
                 raise launch.RankFailure(f"a rank failed in the test pool; its output is in "
@@ -140,6 +137,10 @@ def launch_in_pool(pools: Any) -> Iterator[None]:
                 sys.stdout.write(rank["stdout"])
         finally:
             console.close()
+        if any(rank["code"] for rank in ranks):  # as launch_ranks: a UsageError, printed once by rank 0
+            assert {rank["code"] for rank in ranks} == {launch.USAGE_EXIT}, [rank["code"] for rank in ranks]
+            raise launch.RankFailure("the ranks refused the configuration (the error above); nothing was trained. "
+                                     f"Full output: {config_file.parent / 'train.log'}.", launch.USAGE_EXIT)
 
     saved = launch.launch_ranks
     launch.launch_ranks = launch_ranks  # type: ignore[assignment]

@@ -157,7 +157,7 @@ def run(phase: str, root: str) -> None:
     trainer = make_trainer(strategy, max_steps=4, callbacks=[phases])
     loader = ResumableLoader(token_loader(n=32, seq=SEQ + 1, batch_size=2))
     loader.trainer = trainer
-    import lightning_zero.core.stage3.teardown as teardown
+    from lightning_zero.core.stage3.memory_room import memory_pools
 
     trainer.fit(model, loader, ckpt_path=ckpt if phase == "resume" else None)
     runtime = strategy._run.last_runtime
@@ -167,7 +167,7 @@ def run(phase: str, root: str) -> None:
         peak_live=runtime.peak_live_numel, persistent=any(u.persistent for u in runtime.units),
         all_nan_after=all(torch.isnan(p).all() for p in model.parameters()),
         any_nan_after=any(torch.isnan(p).any() for p in model.parameters()),
-        room_at_teardown=teardown.available_bytes(torch.device("cpu")),
+        room_at_teardown=min(p.room for p in memory_pools(torch.device("cpu"))),
     )
     with open(os.path.join(root, f"{phase}-rank{trainer.global_rank}.json"), "w") as f:
         json.dump(info, f)

@@ -17,8 +17,9 @@ from lightning_zero.models.gpt import gpt_param_init
 class PrintLoss(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # the batch-mean loss of the last stage, known on every rank
-        if batch_idx % 5 == 0:
-            print(f"rank {trainer.global_rank} step {trainer.global_step}: loss {float(outputs['loss']):.4f}")
+        if batch_idx % 5 == 0:  # flushed: one write per line, so the two ranks' lines do not run together
+            loss = float(outputs["loss"])
+            print(f"rank {trainer.global_rank} step {trainer.global_step}: loss {loss:.4f}", flush=True)
 
 
 if __name__ == "__main__":
@@ -32,9 +33,10 @@ if __name__ == "__main__":
         limit_val_batches=2,
         val_check_interval=10,
         callbacks=[PrintLoss()],
+        enable_progress_bar=False,  # PrintLoss prints the losses (the bar, max_steps without epochs: "Epoch 0/-2")
         logger=False,
         enable_checkpointing=False,
     )
     model = GPTLightningModule("gpt_tiny", warmup_steps=0, build_in_configure_model=True)
-    trainer.fit(model, TextDataModule(seq_len=64, micro_batch_size=8, max_bytes=500_000, max_val_samples=16))
-    print(f"rank {trainer.global_rank}: val_loss {float(trainer.callback_metrics['val_loss']):.4f}")
+    trainer.fit(model, TextDataModule(seq_len=64, micro_batch_size=8, max_bytes=400_000, max_val_samples=16))
+    print(f"rank {trainer.global_rank}: val_loss {float(trainer.callback_metrics['val_loss']):.4f}", flush=True)

@@ -58,4 +58,4 @@ if __name__ == "__main__":
     trainer.fit(model, DataLoader(data, batch_size=16))
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     print(f"rank {trainer.global_rank}: {trainer.global_step} steps, skipped {strategy.nonfinite_skipped_steps} "
-          f"non-finite step(s), weights finite: {finite}")
+          f"non-finite step(s), weights finite: {finite}", flush=True)  # one write: the ranks' lines stay apart

@@ -1,5 +1,6 @@
 """A sharded checkpoint as one file: a plain state dict (streamed to ``.safetensors``) or a
-Lightning checkpoint. No process group is needed."""
+Lightning checkpoint; and a consolidated Lightning checkpoint (one file, e.g. an expert-parallel run's, whose
+experts are unsplit) as a plain state dict. No process group is needed."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def consolidate_checkpoint(path: str | os.PathLike, prefix: str = "") -> dict[st
 
 def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike, lightning: bool = False,
                        prefix: str = "") -> Path:
-    """Write a sharded checkpoint as one file.
+    """Write a sharded checkpoint as one file (a consolidated ``.ckpt`` file: its ``state_dict`` as a plain one).
 
     ``out`` ending in ``.safetensors``: the fp32 state dict in safetensors, streamed (one tensor
     read and written at a time: the memory of the largest tensor, whatever the model's size);
@@ -38,9 +39,11 @@ def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike, lightnin
     ``LightningModule.load_from_checkpoint`` and any strategy open (also held whole).
     """
     _refuse_deepspeed(path)
-    ckpt = ShardedCheckpoint(path)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if Path(path).is_file():
+        return _convert_consolidated(Path(path), out, lightning, prefix)
+    ckpt = ShardedCheckpoint(path)
     if lightning:
         if prefix:
             raise ValueError("`prefix` applies to plain state dicts, not to a Lightning checkpoint.")
@@ -59,6 +62,23 @@ def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike, lightnin
         write_file(out, entries)
     else:
         torch.save(own_bytes(consolidate_checkpoint(path, prefix)), out)
+    return out
+
+
+def _convert_consolidated(path: Path, out: Path, lightning: bool, prefix: str) -> Path:
+    """A consolidated Lightning checkpoint's ``state_dict`` (keys under ``prefix``, without it) as a plain file."""
+    if lightning:
+        raise ValueError(f"{os.fspath(path)!r} is a consolidated Lightning checkpoint already: open it as it is, or "
+                         "convert it without --lightning to a plain state dict")
+    data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(data, dict) or not isinstance(data.get("state_dict"), dict):
+        raise ValueError(f"{os.fspath(path)!r} is neither a sharded checkpoint directory nor a Lightning checkpoint "
+                         "with a state_dict")
+    state = {k[len(prefix):]: v for k, v in data["state_dict"].items() if k.startswith(prefix)}
+    if out.suffix == ".safetensors":
+        write_file(out, [Entry(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in state.items()])
+    else:
+        torch.save(own_bytes(state), out)
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -266,3 +267,65 @@ class LazyOptimizerState(Mapping[int, Mapping[str, Any]]):
 def materialize_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """A plain ``torch.optim`` state dict from one of :meth:`ShardedCheckpoint.optimizer_states`."""
     return {"state": {int(i): dict(s) for i, s in state["state"].items()}, "param_groups": state["param_groups"]}
+
+
+LAST = "last.ckpt"  # what ModelCheckpoint(save_last=True) names the newest checkpoint
+
+
+def resume_path(path: str | os.PathLike) -> Path:
+    """The checkpoint a run resumes from: ``path`` itself, or, for a folder of checkpoints (a run's
+    ``checkpoints/``), its ``last.ckpt``.
+
+    Raises:
+        CheckpointError: nothing at ``path``, or a folder of checkpoints without a ``last.ckpt`` (its
+            checkpoints are named, to choose one).
+    """
+    given = Path(path).expanduser()
+    if not given.exists():
+        raise CheckpointError(f"{os.fspath(path)} is not a checkpoint file or directory.")
+    if not given.is_dir() or (given / METADATA).is_file():
+        return given
+    if (given / LAST).exists():
+        return given / LAST
+    names = sorted(p.name for p in given.glob("*.ckpt"))
+    if names:
+        raise CheckpointError(f"{os.fspath(path)} is a folder of checkpoints without a {LAST}: name one of them, e.g. "
+                              f"{given / names[-1]} (it holds {', '.join(names)}).")
+    raise CheckpointError(f"{os.fspath(path)} is a folder without a checkpoint: a sharded checkpoint holds "
+                          f"{METADATA}, a run's checkpoints/ folder a {LAST}.")
+
+
+def open_to_resume(path: str | os.PathLike) -> ShardedCheckpoint | None:
+    """What can be checked of a checkpoint without reading its tensors: a sharded directory is opened (its
+    metadata parses, every file it names is there, every safetensors header parses and fits its file); a
+    single file (stage 0: Lightning's ``torch.save``) is a complete zip archive. Returns the opened sharded
+    checkpoint (``None`` for a single file).
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete, truncated or not in a format lightning_zero reads.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return ShardedCheckpoint(path)
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"  # torch.save's format since torch 1.6
+    if zipped:
+        try:
+            with zipfile.ZipFile(path) as archive:  # reads the central directory at the end: a cut file has none
+                archive.infolist()
+        except (zipfile.BadZipFile, OSError) as err:
+            raise CheckpointError(f"{path} is truncated or damaged ({err}): it is not a whole torch.save file.") \
+                from err
+    return None
+
+
+def shape_mismatches(checkpoint: ShardedCheckpoint, expected: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """``key [checkpoint shape] here, [expected shape]`` for every state-dict key whose shapes differ (a key
+    the checkpoint lacks is not compared); when no key is shared at all, one line saying so."""
+    shapes = {key: tuple(checkpoint.ref_shape(ref)) for key, ref in checkpoint.meta.get("state_dict", [])}
+    shared = [key for key in expected if key in shapes]
+    if shapes and expected and not shared:
+        return [f"none of its {len(shapes)} tensors is the model's (it holds {next(iter(shapes))!r}, the model "
+                f"{next(iter(expected))!r})"]
+    return [f"{key} is {list(shapes[key])} in the checkpoint, {list(expected[key])} in the model"
+            for key in shared if shapes[key] != tuple(expected[key])]

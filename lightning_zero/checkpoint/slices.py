@@ -25,10 +25,10 @@ Note [TP slices in checkpoints]
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_zero.tensor_parallel.layers import split_of
 
@@ -91,3 +91,22 @@ def slice_ref(ref: Mapping[str, Any] | None, param: nn.Parameter, shape: list[in
         return ref
     return {"slice": {"dim": tag.dim, "chunks": tag.chunks, "size": tag.size, "rank": tag.rank}, "of": dict(ref),
             "shape": list(param.shape), "numel": param.numel(), "dtype": ref.get("dtype")}
+
+
+class CutOnRead(Mapping[str, Tensor]):
+    """A whole state dict whose entries named in ``cuts`` are cut to this rank's part when read (``cuts[key]`` maps
+    the whole tensor to the part): tensor parallelism's slices, expert parallelism's experts."""
+
+    def __init__(self, state: Mapping[str, Tensor], cuts: Mapping[str, Callable[[Tensor], Tensor]]) -> None:
+        self._state, self._cuts = state, cuts
+
+    def __getitem__(self, key: str) -> Tensor:
+        value = self._state[key]
+        cut = self._cuts.get(key)
+        return cut(value) if cut is not None else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)

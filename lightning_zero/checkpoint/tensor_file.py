@@ -176,6 +176,9 @@ class TensorFile:
             self._meta: dict[str, str] = header.pop("__metadata__", None) or {}
             self._entries: dict[str, tuple[torch.dtype, list[int], int]] = {}
             data_size = size - 8 - length
+            ends = [int(spec["data_offsets"][1]) for spec in header.values()]
+            if ends and max(ends) > data_size:
+                raise ValueError(f"truncated: its header describes {8 + length + max(ends)} bytes, the file has {size}")
             for name, spec in header.items():
                 dtype = _DTYPES[spec["dtype"]]
                 shape = [int(d) for d in spec["shape"]]

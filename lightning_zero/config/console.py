@@ -4,15 +4,18 @@ only what a user needs, and a failed launch ends with a short summary of the fai
 The ranks' stderr (Lightning's info lines and warnings, tracebacks, torchrun's failure report, the
 non-terminal progress lines) comes through one pipe; their stdout (Lightning's progress bar on a
 terminal, prints) stays the launcher's. :data:`NOISE` lists the lines that are dropped from the
-console (never from ``train.log``).
+console (never from ``train.log``). A run of one process trains in the launcher itself, under Hydra's
+logging: :func:`in_process_console` gives its console the same lines, once each.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -26,6 +29,62 @@ NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"Using `DistributedSampler` with the dataloaders\. During `trainer\.validate\(\)`",
     r"^\*{20,}$|Setting OMP_NUM_THREADS environment variable for each process",  # torchrun's OMP banner
 ))
+
+
+def _is_noise(text: str) -> bool:
+    return any(p.search(text) for p in NOISE)
+
+
+class _NotNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _is_noise(record.getMessage())
+
+
+class _NotPrinted(logging.Filter):
+    """For Hydra's console handler: the records the plain handler prints already."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith(self.names)
+
+
+@contextlib.contextmanager
+def in_process_console() -> Iterator[None]:
+    """While a run trains in this process (``trainer.devices=1``) under Hydra's logging (a console handler and
+    ``train.log`` on the root logger): Lightning's lines and the warnings go to the console once, as the ranks
+    print them (plain, without :data:`NOISE`), and into ``train.log`` with everything else.
+
+    Without it each Lightning line came twice (Lightning's own ``INFO:`` handler, and Hydra's through
+    propagation), the model summary too, and the warnings the ranks' console drops were printed.
+    """
+    printed = ("lightning", "py.warnings")  # what `plain` prints: Hydra's console leaves these out
+    own = {name: logging.getLogger(name) for name in ("lightning", "lightning.pytorch", "lightning.fabric")}
+    saved = {name: (list(lg.handlers), lg.propagate) for name, lg in own.items()}
+    consoles = [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler]  # Hydra's, not the file
+    plain = logging.StreamHandler(sys.stderr)
+    plain.setFormatter(logging.Formatter("%(message)s"))
+    plain.addFilter(_NotNoise())
+    hide = _NotPrinted(printed)
+    for lg in own.values():  # Lightning's handlers ("INFO: ...", or its own when imported before Hydra's logging)
+        lg.handlers, lg.propagate = [], True
+    for name in printed:
+        logging.getLogger(name).addHandler(plain)
+    for handler in consoles:
+        handler.addFilter(hide)
+    logging.captureWarnings(True)  # warnings as records of `py.warnings`: train.log gets them too
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        for handler in consoles:
+            handler.removeFilter(hide)
+        for name in printed:
+            logging.getLogger(name).removeHandler(plain)
+        for name, (handlers, propagate) in saved.items():
+            own[name].handlers, own[name].propagate = handlers, propagate
 
 
 @dataclass(frozen=True)
@@ -73,7 +132,7 @@ class RankConsole:
             self._in_report, self._report = True, []
         elif self._in_report:
             self._report.append(text)
-        noise = any(p.search(text) for p in NOISE) or (self._dropped_last and not text.strip())
+        noise = _is_noise(text) or (self._dropped_last and not text.strip())
         self._dropped_last = noise
         if not noise:
             self._echo(line)
@@ -87,8 +146,9 @@ class RankConsole:
 
         torchrun names as root cause the failure with the earliest timestamp, in whole seconds, the lowest
         rank winning a tie: a rank it stopped with SIGTERM because another was SIGKILLed in the same
-        second can come first. A failure the launcher did not cause (any other signal, or an exit code)
-        is preferred over a SIGTERM/SIGINT, the root cause over the others.
+        second can come first. The hang watchdog's exit (75, 76) is preferred (its finding is the cause; a
+        silent rank it ended shows as SIGKILL, Note [ending a silent rank]), then a failure the launcher did not
+        cause (any other signal, or an exit code) over a SIGTERM/SIGINT, the root cause over the others.
         """
         failures: list[tuple[bool, RankExit]] = []  # (is the root cause, failure)
         root = False
@@ -100,9 +160,9 @@ class RankConsole:
         if not failures:
             return None
 
-        def rank_key(item: tuple[bool, RankExit]) -> tuple[bool, bool]:
-            is_root, failure = item
-            return (failure.signal_name in _LAUNCHER_SIGNALS, not is_root)
+        def rank_key(item: tuple[bool, RankExit]) -> tuple[bool, bool, bool]:
+            is_root, failure = item  # the hang watchdog's exit first: it ended a silent rank with SIGKILL
+            return (failure.exitcode not in _HANG_EXITS, failure.signal_name in _LAUNCHER_SIGNALS, not is_root)
 
         return min(failures, key=rank_key)[1]
 
@@ -175,9 +235,12 @@ def oom_advice(cfg: TrainConfig) -> str | None:
         g = gpt_config(cfg.model)
         shape = dict(micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len, layers=g.n_layer,
                      hidden=g.n_embd, heads=g.n_head)
+    params = count_model_parameters(cfg)
+    if params is None:  # a model not counted before launch (your own `_target_`): no figure to advise from
+        return None
     try:
         tp = cfg.tensor_parallel.size
-        adv = advise(count_model_parameters(cfg), device_memory=device, cpu_memory=host, world_size=t.devices,
+        adv = advise(params, device_memory=device, cpu_memory=host, world_size=t.devices,
                      precision=precision, tensor_parallel=tp if tp > 1 else None, **shape)
     except ValueError:
         return None
@@ -187,7 +250,7 @@ def oom_advice(cfg: TrainConfig) -> str | None:
         return f"The estimator finds no configuration of this model that fits {size}: see `lightning-zero advise`."
     return (f"The estimator suggests for {size}: {adv.choice.label} -> {adv.overrides} "
             f"(`lightning-zero advise --device-memory {device / 1e9:.1f}GB --params "
-            f"{count_model_parameters(cfg)} --precision {precision}` explains why).")
+            f"{params} --precision {precision}` explains why).")
 
 
 def _offload_of(cfg: TrainConfig) -> str:
@@ -221,6 +284,8 @@ def host_memory_note(cfg: TrainConfig) -> str | None:
         shape = dict(micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.seq_len, layers=g.n_layer,
                      hidden=g.n_embd, heads=g.n_head)
     params, precision = count_model_parameters(cfg), cfg.precision.name.value
+    if params is None:
+        return None
 
     tp = cfg.tensor_parallel.size  # offload composes with TP: its settings are offered as without it
 

@@ -48,7 +48,8 @@ from lightning_zero.deepspeed.pipeline import pipeline_batch
 
 GROUP_KEYS = {"zero": ("zero.stage",), "offload": ("offload.optimizer_device", "offload.param_device"),
               "precision": ("precision.name",), "pipeline": ("pipeline.stages",),
-              "sequence_parallel": ("sequence_parallel.size",), "tensor_parallel": ("tensor_parallel.size",)}
+              "sequence_parallel": ("sequence_parallel.size",), "tensor_parallel": ("tensor_parallel.size",),
+              "expert_parallel": ("expert_parallel.size",)}
 HYDRA_PRECISION = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
 OPTIMIZER_KEYS = ("model.optimizer", "model.lr", "model.weight_decay", "model.betas")
 SCHEDULER_KEYS = ("model.scheduler", "model.warmup_steps", "model.lr_decay_steps", "model.min_lr_ratio")
@@ -125,6 +126,8 @@ def json_settings(ds: DeepSpeedConfig) -> dict[str, Any]:
             out[name] = ds.sequence_parallel
         elif name == "tensor_parallel.size":
             out[name] = ds.tensor_parallel
+        elif name == "expert_parallel.size":
+            out[name] = ds.expert_parallel
     return out
 
 

@@ -1,6 +1,7 @@
 """Several nodes with the existing engine: torchrun's rendezvous arguments for this node, from the config
 (``trainer.num_nodes``, ``trainer.node_rank``, ``trainer.rdzv_endpoint``) or the launcher's environment
-(torchrun / SLURM), and a DeepSpeed-style ``hostfile`` translated into the command to run on each host.
+(torchrun / SLURM), a DeepSpeed-style ``hostfile`` translated into the command to run on each host, and the
+check that this node has the GPUs a run asks for.
 
 Note [multi-node]
     torchrun's static rendezvous replaces DeepSpeed's ssh / pdsh launcher: every node runs the same
@@ -122,3 +123,21 @@ def run_over_ssh(commands: Sequence[tuple[str, str]], workdir: str | Path) -> in
     procs = [subprocess.Popen(["ssh", host, f"cd {shlex.quote(str(workdir))} && {cmd}"]) for host, cmd in commands]
     codes = [p.wait() for p in procs]
     return next((c for c in codes if c != 0), 0)
+
+
+def node_device_problems(accelerator: str, devices: int) -> list[str]:
+    """GPUs a run asks for (``trainer.accelerator`` gpu / cuda, ``trainer.devices`` per node) that this node does not
+    have: refused before any rank starts, naming the CPU options (every node of a multi-node run checks its own)."""
+    if accelerator not in ("gpu", "cuda"):
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        two, one = (" trainer.devices=2", " trainer.devices=1") if devices > 2 else ("", "")  # an experiment's count
+        return [f"trainer.accelerator={accelerator}, but this machine has no GPU that torch can use "
+                f"(torch.cuda.is_available() is False). Fix: trainer=cpu2{two} (2 CPU processes) or trainer=cpu1{one}."]
+    have = torch.cuda.device_count()
+    if devices > have:
+        return [f"trainer.devices={devices} GPU ranks, but this machine has {have} GPU(s). Fix: "
+                f"trainer.devices={have}."]
+    return []

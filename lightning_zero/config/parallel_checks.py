@@ -6,6 +6,7 @@ from __future__ import annotations
 from lightning_zero.config.model_zoo import gpt_config, preset_known
 from lightning_zero.config.schema import (
     GPTModelSchema,
+    HFCausalLMSchema,
     MLPModelSchema,
     OptimizerName,
     PipeSchedule,
@@ -13,6 +14,46 @@ from lightning_zero.config.schema import (
     TrainConfig,
 )
 from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.project.targets import TargetNode
+
+
+def expert_parallel_problems(cfg: TrainConfig) -> list[str]:
+    """``expert_parallel.size``: against the data ranks, the model's experts, the combinations not built yet."""
+    size, m = cfg.expert_parallel.size, cfg.model
+    if size < 1:
+        return [f"expert_parallel.size must be >= 1, got {size}. Fix: expert_parallel=none or ep2."]
+    if size == 1:
+        return []
+    out = []
+    data = data_parallel_size(cfg)
+    if data % size:
+        out.append(f"expert_parallel.size={size} does not divide the {data} data-parallel ranks (trainer.devices x "
+                   f"num_nodes over pipeline x tensor x sequence). Fix: trainer.devices={size} (or a multiple).")
+    for name, other in (("pipeline.stages", cfg.pipeline.stages), ("tensor_parallel.size", cfg.tensor_parallel.size),
+                        ("sequence_parallel.size", cfg.sequence_parallel.size)):
+        if other > 1:
+            out.append(f"expert_parallel with {name}={other} is not built yet. Fix: expert_parallel=none, or "
+                       f"{name.split('.')[0]}=none.")
+    if getattr(m, "optimizer", None) is OptimizerName.onebit_adam:
+        out.append("expert_parallel with model.optimizer=onebit_adam is not built. Fix: model.optimizer=adamw.")
+    if isinstance(m, TargetNode):  # your own module: its MoE layers are found (or refused) at setup
+        return out
+    if isinstance(m, HFCausalLMSchema):  # a Hugging Face MoE: its base_model_ep_plan is found at setup
+        if ZeroStage.of(cfg.zero.stage).shards_parameters:
+            out.append("expert_parallel with model=hf_causal_lm at zero.stage=3 is not built yet (the model is built "
+                       "on the meta device and streamed into shards; expert parallelism splits a whole model). Fix: "
+                       "zero=stage2, or expert_parallel=none.")
+        return out
+    if not isinstance(m, GPTModelSchema) or m.moe.num_experts == 0:
+        out.append("expert_parallel needs MoE layers: set model.moe.num_experts (a GPT model), or a Hugging Face "
+                   "MoE (model=hf_causal_lm). Fix: model.moe.num_experts=8, or expert_parallel=none.")
+    elif m.moe.num_experts % size:
+        out.append(f"model.moe.num_experts={m.moe.num_experts} does not split over expert_parallel.size={size}. Fix: "
+                   f"a multiple of {size} experts.")
+    if getattr(m, "build_in_configure_model", False):
+        out.append("expert_parallel with model.build_in_configure_model=true is not built yet (every rank builds the "
+                   "whole model and keeps its experts). Fix: model.build_in_configure_model=false.")
+    return out
 
 
 def data_parallel_size(cfg: TrainConfig) -> int:
@@ -34,7 +75,7 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
         out.append(f"trainer.devices x num_nodes = {world} is not a multiple of pipeline.stages x "
                    f"tensor_parallel.size = {cfg.pipeline.stages} x {size}. Fix: trainer.devices="
                    f"{size * cfg.pipeline.stages} (or a multiple).")
-    if cfg.model.optimizer is OptimizerName.onebit_adam:
+    if getattr(cfg.model, "optimizer", None) is OptimizerName.onebit_adam:
         out.append("tensor_parallel with model.optimizer=onebit_adam is not built yet. Fix: model.optimizer=adamw.")
     if cfg.pipeline.stages > 1 and not ZeroStage.of(cfg.zero.stage).shards_optimizer and cfg.trainer.checkpoint.enabled:
         out.append("checkpoints of pipeline x tensor_parallel at zero.stage=0 are not built yet (they are written "
@@ -45,7 +86,9 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
                    "unpipelined) is not built yet: the plan slices whole layers (Note [slice after build]). Fix: "
                    "model.build_in_configure_model=false, or a pipeline (pipeline=pp2_gpipe builds each stage "
                    "alone), or tensor_parallel=none.")
-    if not isinstance(cfg.model, GPTModelSchema):
+    if isinstance(cfg.model, (TargetNode, HFCausalLMSchema)):
+        pass  # your own module's plan is checked on the ranks at setup; a Hugging Face model's in hf/checks.py
+    elif not isinstance(cfg.model, GPTModelSchema):
         out.append("tensor_parallel needs a model with a plan: model=mlp has none. Fix: a GPT model "
                    "(model=gpt_tiny ..).")
     elif preset_known(cfg.model):
@@ -97,7 +140,8 @@ def pipeline_problems(cfg: TrainConfig) -> list[str]:
                    "(pipeline_layers / pipeline_loss, docs/pipeline.md). Fix: a GPT model, or pipeline=none.")
     if isinstance(cfg.model, GPTModelSchema) and layers:
         layers += 2  # pipeline_layers(): the embedding, the blocks, the head
-    if pp.stages > 1 and layers < pp.stages * pp.virtual_stages:
+    known = isinstance(cfg.model, (GPTModelSchema, MLPModelSchema))  # your own module's split points: at setup
+    if pp.stages > 1 and known and layers < pp.stages * pp.virtual_stages:
         out.append(f"the model has {layers} pipeline layers, fewer than pipeline.stages x virtual_stages = "
                    f"{pp.stages * pp.virtual_stages} chunks.")
     return out
@@ -108,14 +152,14 @@ def sequence_problems(cfg: TrainConfig) -> list[str]:
     from lightning_zero.sequence_parallel import check_sequence_parallel
 
     size, m, d = cfg.sequence_parallel.size, cfg.model, cfg.data
-    if size == 1:
+    if size == 1 or isinstance(m, HFCausalLMSchema):  # a Hugging Face model: refused in hf/checks.py
         return []
-    if not isinstance(m, GPTModelSchema):
+    if not isinstance(m, (TargetNode, GPTModelSchema)):  # your own module: configure_sequence_parallel, at setup
         return [f"sequence_parallel.size={size} with model.kind={m.kind}: only the GPT experiment splits its "
                 "sequences. Fix: sequence_parallel=none, or a GPT model."]
     checks = [dict(world_size=cfg.trainer.devices * cfg.trainer.num_nodes), dict(pipeline=cfg.pipeline.stages),
               dict(tensor=cfg.tensor_parallel.size),
-              dict(heads=gpt_config(m).n_head if preset_known(m) else None),
+              dict(heads=None if isinstance(m, TargetNode) else gpt_config(m).n_head if preset_known(m) else None),
               dict(seq_len=d.seq_len if isinstance(d, TextDataSchema) else None)]
     out = []
     for known in checks:

@@ -14,7 +14,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from lightning_zero.config.schema import (
+    ExpertParallelSchema,
     GPTModelSchema,
+    HFCausalLMSchema,
     LoggerSchema,
     MLPModelSchema,
     OffloadSchema,
@@ -50,13 +52,31 @@ SCHEMAS: dict[tuple[str | None, str], type[Any]] = {
     ("pipeline", "pipeline_schema"): PipelineSchema,
     ("tensor_parallel", "tensor_parallel_schema"): TensorParallelSchema,
     ("sequence_parallel", "sequence_parallel_schema"): SequenceParallelSchema,
+    ("expert_parallel", "expert_parallel_schema"): ExpertParallelSchema,
     ("model", "gpt_schema"): GPTModelSchema,
     ("model", "mlp_schema"): MLPModelSchema,
+    ("model", "hf_causal_lm_schema"): HFCausalLMSchema,
     ("data", "text_schema"): TextDataSchema,
     ("data", "teacher_schema"): TeacherDataSchema,
     ("trainer", "trainer_schema"): TrainerSchema,
     ("logger", "logger_schema"): LoggerSchema,
 }
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group: its YAML files under ``conf/`` (the typed ``*_schema`` entries of
+    Hydra's ConfigStore are not options)."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def config_groups_text() -> str:
+    """``group: option, option, ...`` for every group of ``conf/``, as Hydra's ``--help`` lists them but without
+    the schemas (which Hydra would list as options: they are refused when chosen)."""
+    groups = sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and any(p.glob("*.yaml")))
+    return "\n".join(f"{group}: {', '.join(group_options(group))}" for group in groups)
+
+
+HELP_GROUPS_RESOLVER = "lz_config_groups"  # conf/config.yaml's hydra.help.template uses it
 
 
 def register_configs() -> None:
@@ -70,9 +90,11 @@ RUN_NAME_RESOLVER = "lz_run_name"  # conf/config.yaml's hydra.run.dir and hydra.
 
 
 def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", pipeline: str = "none",
-             optimizer: Any = "adamw", deepspeed_config: str | None = None) -> str:
+             optimizer: Any = "adamw", deepspeed_config: str | None = None, tensor: Any = 1, sequence: Any = 1,
+             attention: Any = "dense", expert: Any = 1) -> str:
     """A run's directory name from its choices, as TensorBoard lists the run, e.g. ``gpt_tiny-zero3-bf16``;
-    offload and pipeline choices other than ``none`` and an optimizer other than ``adamw`` are added
+    what is not the default is added: the offload and pipeline choices, tensor, sequence and expert parallel
+    (``-tp2``, ``-sp2``, ``-ep2``), the attention (``-sparse_fixed``), an optimizer other than ``adamw``
     (``gpt_tiny-zero0-fp32-onebit_adam``). With a DeepSpeed JSON, which sets those after Hydra named the
     directory, the JSON file's name stands for them (``gpt_tiny-ds_config``)."""
     def text(value: Any) -> str:
@@ -82,15 +104,20 @@ def run_name(name: str, zero_stage: Any, precision: Any, offload: str = "none", 
         return f"{text(name)}-{Path(str(deepspeed_config)).stem}"
     parts = [text(name), f"zero{text(zero_stage)}", text(precision)]
     parts += [text(v) for v in (offload, pipeline) if text(v) != "none"]
-    if text(optimizer) != "adamw":
-        parts.append(text(optimizer))
+    parts += [f"{short}{size}" for short, size in (("tp", tensor), ("sp", sequence), ("ep", expert)) if int(size) > 1]
+    for value, default in ((attention, "dense"), (optimizer, "adamw")):
+        if isinstance(getattr(value, "value", value), str) and text(value) != default:  # not a `_target_` node
+            parts.append(text(value))
     return "-".join(parts)
 
 
 def register_run_name() -> None:
-    """Register :func:`run_name` as the OmegaConf resolver ``lz_run_name`` (idempotent; before Hydra composes)."""
+    """Register :func:`run_name` as the OmegaConf resolver ``lz_run_name``, and :func:`config_groups_text` as
+    ``lz_config_groups`` (``--help``'s groups) (idempotent; before Hydra composes)."""
     if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
         OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, run_name)
+    if not OmegaConf.has_resolver(HELP_GROUPS_RESOLVER):
+        OmegaConf.register_new_resolver(HELP_GROUPS_RESOLVER, config_groups_text)
 
 
 RESULT_FILE = "result.json"
@@ -122,3 +149,44 @@ class FitResult:
                  f"{self.resumed_at})" if self.resumed_at else f"steps={self.global_step}")
         return (f"{steps} fit_time={self.seconds:.1f}s val_loss {fmt(self.val_loss_start)} -> "
                 f"{fmt(self.val_loss_end)}{drop}")
+
+
+FIT = "fit"  # the Trainer's methods a command runs: `train` fits, the others are named as they are
+COMMAND_NAMES = {FIT: "train", "validate": "validate", "test": "test", "predict": "predict"}
+LAST_CHECKPOINT = ("checkpoints", "last.ckpt")  # where a run directory keeps its last checkpoint
+
+
+def checkpoint_of(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint ``ckpt_path`` names: a checkpoint file or sharded directory, or a finished run's directory
+    (its ``checkpoints/last.ckpt``, a link followed).
+
+    Raises:
+        FileNotFoundError: neither (the message says what was looked for).
+    """
+    path = Path(path).expanduser()
+    last = path.joinpath(*LAST_CHECKPOINT)
+    if (path / RESULT_FILE).is_file() or last.exists():  # a run directory
+        if not last.exists():
+            raise FileNotFoundError(f"ckpt_path={path} is a run directory without {'/'.join(LAST_CHECKPOINT)} "
+                                    "(trainer.checkpoint.enabled was off?). Fix: a checkpoint file or directory.")
+        return last.resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={path} does not exist (relative paths are taken from {Path.cwd()}). "
+                                "Fix: a checkpoint, or a finished run's directory.")
+    return path
+
+
+@dataclass
+class EvalResult:
+    """What ``lightning-zero validate / test / predict`` did (rank 0 writes it to ``run_dir/result.json``)."""
+
+    command: str
+    checkpoint: str | None
+    metrics: dict[str, float] = field(default_factory=dict)  # validate / test: the logged metrics
+    predictions: list[str] = field(default_factory=list)  # predict: each rank's file under run_dir
+
+    def summary(self) -> str:
+        """One line: the command, its checkpoint and its metrics (or prediction files)."""
+        what = ", ".join(f"{k} {v:.4f}" for k, v in sorted(self.metrics.items())) or \
+            (f"{len(self.predictions)} prediction file(s)" if self.predictions else "no metrics")
+        return f"{self.command} of {self.checkpoint or 'the initial weights'}: {what}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass, replace
 from enum import Enum
 from typing import Any, get_args, get_type_hints
 
@@ -28,6 +28,7 @@ from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.zero import config as core_config
 from lightning_zero.models.mlp_parts import TeacherTask
 from lightning_zero.observability.monitoring import ProfilerWindow
+from lightning_zero.project.targets import USER_KEYS, as_plain, user_parts
 
 
 def _choices(name: str, values: Iterable[str], doc: str) -> Any:
@@ -123,6 +124,9 @@ class ZeroSchema:
     param_persistence_threshold: int = 100_000
     # strategy options
     check_step_errors: bool = True
+    # stage 3: the whole model gathered back where it fits after fit (ZeroStrategy's gather_on_teardown). The CLI
+    # needs nothing back (validate_at_end runs inside the fit), so by default it does not gather (docs/zero.md)
+    gather_on_teardown: bool = False
     elementwise_optimizers: list[str] = field(default_factory=list)  # "module.path:ClassName"
     unit_classes: list[str] = field(default_factory=list)  # stage 3 units "module:Class"; [] = ModuleList children
 
@@ -177,6 +181,29 @@ class TensorParallelSchema:
 
 
 @dataclass
+class ExpertParallelSchema:
+    """``expert_parallel/``: ranks per expert-parallel group (each MoE layer's experts split over data ranks,
+    docs/expert_parallel.md; 1: off). The model needs MoE layers (``model.moe.num_experts``)."""
+
+    size: int = 1
+
+
+@dataclass
+class GPTMoESchema:
+    """``model.moe``: the GPT's mixture-of-experts option (``lightning_zero.models.gpt_config.GPTMoE``;
+    ``num_experts=0``: dense MLPs)."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = None  # None: dropless
+    eval_capacity_factor: float | None = None
+    min_capacity: int = 0
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    intermediate_size: int | None = None  # None: 4 x n_embd
+
+
+@dataclass
 class SequenceParallelSchema:
     """``sequence_parallel/``: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md; 1: off)."""
 
@@ -218,6 +245,7 @@ class GPTModelSchema(ModelSchema):
     attention: str = "dense"
     # DeepSpeed `sparse_attention` keys over the preset's (a DeepSpeed JSON's section lands here)
     sparse_attention: dict[str, Any] | None = None
+    moe: GPTMoESchema = field(default_factory=GPTMoESchema)  # model.moe.num_experts=8: MoE MLPs
 
 
 @dataclass
@@ -230,6 +258,26 @@ class MLPModelSchema(ModelSchema):
     num_layers: int = 2
     num_classes: int = 10
     lr: float = 1e-2
+
+
+@dataclass
+class HFCausalLMSchema(ModelSchema):
+    """``model=hf_causal_lm``: any ``transformers`` ``AutoModelForCausalLM`` (``lightning_zero.hf.HFCausalLM``), from a
+    local directory ``save_pretrained`` wrote (``path``: config, safetensors, possibly sharded with an index, and a
+    tokenizer), or built from ``config`` with random weights (a ``config.json`` or a directory holding one, or a
+    mapping with ``model_type`` and the config's keys). At ZeRO stage 3 it is built on the meta device and each
+    tensor is streamed from the files into its owner's shard (docs/your_own_model.md)."""
+
+    kind: str = "hf_causal_lm"
+    path: str | None = None
+    config: Any = None
+    tokenizer: str | None = None  # null: the one in `path` (data=text_file tokenizes with it)
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    attn_implementation: str = "sdpa"  # transformers' attention (sdpa, eager); model.attention=sparse_* replaces it
+    attention: str = "dense"  # dense, or a block-sparse preset (docs/sparse_attention.md): the model's attention
+    sparse_attention: dict[str, Any] | None = None
 
 
 @dataclass
@@ -255,6 +303,7 @@ class TextDataSchema(DataSchema):
     val_fraction: float = 0.05
     max_val_samples: int | None = 128
     synthetic: bool = False
+    tokenizer: str | None = None  # a transformers tokenizer directory; null: bytes (with model=hf_causal_lm: its own)
 
 
 TeacherDataSchema = _mirror(
@@ -291,10 +340,13 @@ class TrainerSchema:
     max_steps: int = -1
     max_epochs: int | None = None
     max_time: str | None = None  # "DD:HH:MM:SS"
-    val_check_interval: float | None = None
+    # Note [counts and shares]: an int counts (optimizer steps; batches), a float <= 1 is a share of an epoch / of the
+    # batches, so `1` and `1.0` differ as in Lightning. Typed Any: OmegaConf has no int | float, and a float field
+    # turned the command line's `trainer.limit_val_batches=1` into 1.0, every batch (config/validate.py checks them)
+    val_check_interval: Any = None  # int: every N optimizer steps; float <= 1: a share of an epoch
     check_val_every_n_epoch: int | None = 1
-    limit_train_batches: float | None = None
-    limit_val_batches: float | None = None
+    limit_train_batches: Any = None  # int: batches per rank; float in [0, 1]: a share of them
+    limit_val_batches: Any = None  # int: batches of all data-parallel replicas together; float in [0, 1]: a share
     num_sanity_val_steps: int = 0
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
@@ -331,27 +383,36 @@ ProfilerSchema = _mirror(
 
 @dataclass
 class TrainConfig:
-    """The root schema of ``conf/config.yaml``: one field per config group, plus the run's name and seed."""
+    """The root schema of ``conf/config.yaml``: one field per config group, plus the run's name and seed.
+
+    ``model``, ``data`` and ``logger`` hold a package option (typed by its schema, which the option's yaml names)
+    or the user's ``_target_`` node (a :class:`~lightning_zero.project.targets.TargetNode`; several loggers: a
+    mapping of names to them); ``callbacks`` maps names to ``_target_`` nodes (Note [user targets]).
+    """
 
     zero: ZeroSchema = MISSING
     offload: OffloadSchema = MISSING
     precision: PrecisionSchema = MISSING
     pipeline: PipelineSchema = MISSING
     tensor_parallel: TensorParallelSchema = field(default_factory=TensorParallelSchema)
-    model: ModelSchema = MISSING
+    model: Any = MISSING  # ModelSchema | TargetNode
     # a default, not MISSING: configs saved before the group existed still load
     sequence_parallel: SequenceParallelSchema = field(default_factory=SequenceParallelSchema)
-    data: DataSchema = MISSING
+    expert_parallel: ExpertParallelSchema = field(default_factory=ExpertParallelSchema)
+    data: Any = MISSING  # DataSchema | TargetNode
     trainer: TrainerSchema = MISSING
-    logger: LoggerSchema = MISSING
+    logger: Any = MISSING  # LoggerSchema | TargetNode | dict[str, TargetNode]
+    callbacks: dict[str, Any] = field(default_factory=dict)  # name -> TargetNode (a `null` entry: off)
     name: str = "default"
     seed: int = 0
     deepspeed_config: str | None = None  # a DeepSpeed JSON over the groups (lightning_zero/config/deepspeed.py)
     deepspeed_strict: bool = False  # unsupported keys in that JSON are an error, not a warning
     profiler: ProfilerSchema = field(default_factory=ProfilerSchema)
+    ckpt_path: str | None = None  # test / validate / predict: a checkpoint, or a finished run's directory
 
 
-MODEL_SCHEMAS: dict[str, type[ModelSchema]] = {"gpt": GPTModelSchema, "mlp": MLPModelSchema}
+MODEL_SCHEMAS: dict[str, type[ModelSchema]] = {"gpt": GPTModelSchema, "mlp": MLPModelSchema,
+                                                "hf_causal_lm": HFCausalLMSchema}
 DATA_SCHEMAS: dict[str, type[DataSchema]] = {"text": TextDataSchema, "teacher": TeacherDataSchema}
 
 
@@ -359,22 +420,43 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     """A typed :class:`TrainConfig` from a composed config or a plain mapping (e.g. a saved ``config.yaml``).
 
     Either is merged as plain data into fresh schemas (the model and data schemas picked by their
-    ``kind``), so keys added with ``+group.key=...`` are rejected too. Raises ``ValueError`` for an
-    unknown kind and OmegaConf's errors (naming the key) for unknown keys or wrong types.
+    ``kind``; a ``_target_`` node is the user's, kept as a :class:`TargetNode`), so keys added with
+    ``+group.key=...`` are rejected too. Raises ``ValueError`` for an unknown kind and OmegaConf's errors
+    (naming the key) for unknown keys or wrong types.
     """
     data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg
-    node = OmegaConf.create(data)
+    assert isinstance(data, dict)
+    user = user_parts(data)
+    node = OmegaConf.create({k: v for k, v in data.items() if k not in user})
+    node.merge_with({k: {} if k == "callbacks" else None for k in user})  # set below, as typed objects
     base = OmegaConf.structured(TrainConfig)
     for key, table in (("model", MODEL_SCHEMAS), ("data", DATA_SCHEMAS)):
+        if key in user:
+            continue
         kind = OmegaConf.select(node, f"{key}.kind")
         if kind not in table:
-            raise ValueError(f"{key}.kind must be one of {sorted(table)}, got {kind!r}")
+            raise ValueError(f"{key}.kind must be one of {sorted(table)}, or {key} a node with a `_target_` (your "
+                             f"own class), got kind {kind!r}")
         base[key] = OmegaConf.structured(table[kind])
+    if "logger" not in user:
+        base["logger"] = OmegaConf.structured(LoggerSchema)
     config = OmegaConf.to_object(OmegaConf.merge(base, node))
     assert isinstance(config, TrainConfig)
+    for key, value in user.items():
+        setattr(config, key, value)
     return config
+
+
+def to_container(cfg: TrainConfig) -> DictConfig:
+    """A typed config as an OmegaConf node (enums as enums), the user's ``_target_`` nodes as plain data."""
+    user = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in (*USER_KEYS, "callbacks")}
+    node = OmegaConf.structured(replace(cfg, **{k: None for k in USER_KEYS}, callbacks={}))
+    for key, value in user.items():
+        plain = as_plain(value)
+        node[key] = plain if plain is not value else OmegaConf.structured(value)
+    return node
 
 
 def to_yaml(cfg: TrainConfig) -> str:
     """YAML text of a typed config (enums by name); :func:`to_train_config` reads it back."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(to_container(cfg))

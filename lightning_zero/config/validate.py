@@ -17,12 +17,28 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zero.config.model_zoo import build_module, gpt_config, preset_known
-from lightning_zero.config.multinode import resolve_node
-from lightning_zero.config.parallel_checks import pipeline_problems, sequence_problems, tensor_parallel_problems
+from lightning_zero.config.model_zoo import (
+    build_module,
+    dense_layout_warning,
+    epoch_batches,
+    gpt_config,
+    preset_known,
+    resume_problems,
+)
+from lightning_zero.config.multinode import node_device_problems, resolve_node
+from lightning_zero.config.parallel_checks import (
+    data_parallel_size,
+    expert_parallel_problems,
+    pipeline_problems,
+    sequence_problems,
+    tensor_parallel_problems,
+)
 from lightning_zero.config.schema import (
+    DataSchema,
     GPTModelSchema,
+    HFCausalLMSchema,
     MLPModelSchema,
+    ModelSchema,
     OffloadDevice,
     OptimizerName,
     PrecisionName,
@@ -41,6 +57,9 @@ from lightning_zero.core.offload.config import (
 from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.zero.config import ZeroConfig, ZeroStage
 from lightning_zero.core.zero.memory import OFFLOAD_STAGES
+from lightning_zero.hf.checks import HFRun, hf_problems
+from lightning_zero.project.locate import static_problems
+from lightning_zero.project.targets import TargetNode, user_nodes
 
 BUILT_STAGES = tuple(ZeroStage)
 _SCALER_KNOBS = tuple(f.name for f in fields(LossScalerConfig))
@@ -123,8 +142,11 @@ def nvme_bytes_per_node(cfg: TrainConfig) -> float:
     if (cfg.zero.stage not in OFFLOAD_STAGES.get(name, ()) or (gpt and not preset_known(cfg.model))
             or t.devices < 1 or t.num_nodes < 1):
         return 0.0
+    params = count_model_parameters(cfg)
+    if params is None:  # not counted before launch: the ranks check the space they need
+        return 0.0
     cluster = make_cluster(t.devices * t.num_nodes, t.num_nodes, t.devices)
-    estimate = estimate_config(cfg.zero.stage, name, ModelSpec(float(count_model_parameters(cfg))), cluster,
+    estimate = estimate_config(cfg.zero.stage, name, ModelSpec(float(params)), cluster,
                                cfg.precision.name.value)
     return estimate.nvme_bytes * t.devices
 
@@ -164,7 +186,12 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
         if isinstance(d, TextDataSchema) and d.seq_len > shape.seq_len:
             out.append(f"data.seq_len={d.seq_len} exceeds the model's context {shape.seq_len} ({m.preset}). "
                        f"Fix: data.seq_len={shape.seq_len} or less, or model.seq_len={d.seq_len}.")
-    if m.optimizer is OptimizerName.onebit_adam:
+    if isinstance(m, HFCausalLMSchema):
+        out += _hf_problems(cfg)
+    elif isinstance(d, TextDataSchema) and d.tokenizer:
+        out.append(f"data.tokenizer={d.tokenizer} with model.kind={getattr(m, 'kind', m)}: the package's GPT reads "
+                   "bytes (vocabulary 256). Fix: data.tokenizer=null, or model=hf_causal_lm.")
+    if isinstance(m, ModelSchema) and m.optimizer is OptimizerName.onebit_adam:
         if not isinstance(m, GPTModelSchema):
             out.append(f"model.optimizer=onebit_adam is built by the GPT experiment, not model.kind={m.kind}. "
                        "Fix: model.optimizer=adamw.")
@@ -184,14 +211,26 @@ def _model_data_problems(cfg: TrainConfig) -> list[str]:
                    f"{Path.cwd()}). Fix: data.path=/path/to/corpus.txt.")
     if isinstance(d, TextDataSchema) and not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction must be in (0, 1) for a held-out validation split, got {d.val_fraction}.")
-    resume = cfg.trainer.resume_from
-    if resume and not Path(resume).expanduser().exists():  # a file, or a sharded checkpoint directory
-        out.append(f"trainer.resume_from={resume} is not a checkpoint file or directory.")
+    out += resume_problems(cfg)
     try:  # multi-node: this node's rank and node 0's endpoint (config or environment)
         resolve_node(cfg.trainer.num_nodes, cfg.trainer.node_rank, cfg.trainer.rdzv_endpoint)
     except ValueError as err:
         out.append(str(err))
     return out
+
+
+def _hf_problems(cfg: TrainConfig) -> list[str]:
+    m, d = cfg.model, cfg.data
+    text = isinstance(d, TextDataSchema)
+    if not text and not isinstance(d, TargetNode):
+        return [f"model=hf_causal_lm needs text data, got data.kind={d.kind}. Fix: data=text_file data.path=... "
+                "(tokenized with the model's tokenizer), or your own data module."]
+    run = HFRun(path=m.path, config=m.config, tokenizer=(d.tokenizer if text else None) or m.tokenizer,
+                text_data=text, seq_len=d.seq_len if text else None,
+                shards_parameters=ZeroStage.of(cfg.zero.stage).shards_parameters if cfg.zero.stage in BUILT_STAGES
+                else False, tensor=cfg.tensor_parallel.size, sequence=cfg.sequence_parallel.size,
+                pipeline=cfg.pipeline.stages, sparse=m.attention != "dense" or bool(m.sparse_attention))
+    return hf_problems(run)
 
 
 def _range(out: list[str], key: str, value: float | None, low: float | None = None, high: float | None = None,
@@ -209,11 +248,71 @@ def _range(out: list[str], key: str, value: float | None, low: float | None = No
         out.append(f"{key}={value:g} must be {want}." + (f" {fix}" if fix else ""))
 
 
+def counts(value: object) -> bool:
+    """Whether a ``trainer.limit_*_batches`` / ``val_check_interval`` value counts (batches, optimizer steps) rather
+    than being a share: an int, or a whole float above 1, as Lightning reads them (Note [counts and shares] in
+    config/schema.py)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value > 1 and value.is_integer())
+
+
+def val_check_batches(cfg: TrainConfig) -> float | None:
+    """``trainer.val_check_interval`` as Lightning counts it: the config's whole number (> 1) counts optimizer
+    steps, Lightning's counts training batches, so it is multiplied by the accumulation (a fraction <= 1 of
+    an epoch is passed as it is)."""
+    t = cfg.trainer
+    value = t.val_check_interval
+    if value is None or not counts(value):
+        return value
+    return int(value) * t.accumulate_grad_batches
+
+
+def epoch_problems(cfg: TrainConfig) -> list[str]:
+    """A text corpus too small for the run, known from its files' sizes (``model_zoo.epoch_batches``): no training
+    batch at all, or fewer per epoch than ``trainer.val_check_interval`` (which Lightning refuses once the ranks
+    have started)."""
+    replicas, t, d = data_parallel_size(cfg), cfg.trainer, cfg.data
+    counted = epoch_batches(cfg, replicas)
+    if counted is None or not isinstance(d, TextDataSchema):
+        return []
+    size, samples, batches = counted
+    limit = t.limit_train_batches
+    if limit is not None:
+        batches = min(batches, int(limit)) if counts(limit) else int(batches * limit)
+    where = "data.synthetic=true" if d.synthetic else f"data.path={d.path}" if d.path else "the standard library"
+    size_text = (f"{where} holds {size:,} bytes: {samples} training samples of data.seq_len={d.seq_len} (the last "
+                 f"{d.val_fraction:.0%} held out), {batches} batch(es) of data.micro_batch_size={d.micro_batch_size} "
+                 f"per epoch on each of {replicas} data-parallel rank(s)")
+    if batches < 1:
+        return [f"{size_text}: no training batch. Fix: more data, or a smaller data.seq_len / data.micro_batch_size."]
+    interval = val_check_batches(cfg)
+    if isinstance(interval, int) and interval > batches and t.check_val_every_n_epoch is not None:
+        return [f"trainer.val_check_interval={t.val_check_interval} steps is more than one epoch: {size_text}. "
+                f"Fix: trainer.val_check_interval={batches // t.accumulate_grad_batches} or less, "
+                f"trainer.check_val_every_n_epoch=null (validation every {t.val_check_interval} steps across "
+                "epochs), or more data."]
+    return []
+
+
+def _count_or_share(out: list[str], key: str, value: object, positive: bool) -> None:
+    """A count (:func:`counts`) >= 0, or a share in [0, 1]; ``positive``: > 0 either way."""
+    if value is None:
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        share = isinstance(value, float) and not counts(value)
+        if (value > 0 if positive else value >= 0) and (not share or value <= 1):
+            return
+    low = "(0" if positive else "[0"
+    out.append(f"trainer.{key}={value!r} must be a whole number (a count: trainer.{key}=1 is one) or a fraction in "
+               f"{low}, 1] (a share: 1.0 is all).")
+
+
 def _value_problems(cfg: TrainConfig) -> list[str]:
     """Single values out of their range: optimizer, schedule, batch, trainer cadence (one line each)."""
     m, d, t, out = cfg.model, cfg.data, cfg.trainer, []
-    _range(out, "model.lr", m.lr, 0, None, low_open=True, fix="Fix: a positive learning rate, e.g. model.lr=3e-4.")
-    _range(out, "model.weight_decay", m.weight_decay, 0, None)
+    if isinstance(m, ModelSchema):
+        _range(out, "model.lr", m.lr, 0, None, low_open=True, fix="Fix: a positive learning rate, e.g. model.lr=3e-4.")
+        _range(out, "model.weight_decay", m.weight_decay, 0, None)
     if isinstance(m, GPTModelSchema):
         if len(m.betas) != 2:
             out.append(f"model.betas={list(m.betas)} must be two numbers, e.g. model.betas=[0.9,0.95].")
@@ -228,8 +327,9 @@ def _value_problems(cfg: TrainConfig) -> list[str]:
     elif isinstance(m, MLPModelSchema):
         for key in ("input_dim", "hidden_dim", "num_layers", "num_classes"):
             _range(out, f"model.{key}", getattr(m, key), 1, None)
-    _range(out, "data.micro_batch_size", d.micro_batch_size, 1, None)
-    _range(out, "data.num_workers", d.num_workers, 0, None)
+    if isinstance(d, DataSchema):
+        _range(out, "data.micro_batch_size", d.micro_batch_size, 1, None)
+        _range(out, "data.num_workers", d.num_workers, 0, None)
     if isinstance(d, TextDataSchema):
         _range(out, "data.seq_len", d.seq_len, 1, None)
         _range(out, "data.max_bytes", d.max_bytes, 1, None)
@@ -238,14 +338,14 @@ def _value_problems(cfg: TrainConfig) -> list[str]:
     if t.max_steps < -1 or t.max_steps == 0:
         out.append(f"trainer.max_steps={t.max_steps} must be >= 1, or -1 (no step limit).")
     _range(out, "trainer.max_epochs", t.max_epochs, 1, None)
-    _range(out, "trainer.val_check_interval", t.val_check_interval, 0, None, low_open=True)
+    _count_or_share(out, "val_check_interval", t.val_check_interval, positive=True)
     _range(out, "trainer.check_val_every_n_epoch", t.check_val_every_n_epoch, 1, None)
     _range(out, "trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1, None)
     _range(out, "trainer.gradient_clip_val", t.gradient_clip_val, 0, None)
     _range(out, "trainer.log_every_n_steps", t.log_every_n_steps, 1, None)
     _range(out, "trainer.num_sanity_val_steps", t.num_sanity_val_steps, -1, None)
     for key in ("limit_train_batches", "limit_val_batches"):
-        _range(out, f"trainer.{key}", getattr(t, key), 0, None)
+        _count_or_share(out, key, getattr(t, key), positive=False)
     if t.max_time is not None and not re.fullmatch(r"\d+:\d\d:\d\d:\d\d", t.max_time):
         out.append(f"trainer.max_time={t.max_time} must be DD:HH:MM:SS, e.g. trainer.max_time=00:01:30:00.")
     _range(out, "trainer.checkpoint.every_n_train_steps", t.checkpoint.every_n_train_steps, 1, None)
@@ -275,6 +375,10 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
         else:
             if section is not None and preset_known(cfg.model) and gpt_config(cfg.model).dropout:
                 problems.append("sparse attention has no attention dropout: set model.dropout=0")
+            try:
+                dense_layout_warning(cfg)
+            except ValueError as err:  # the pattern's own check, which the first forward would make on every rank
+                problems.append(f"model.attention={cfg.model.attention} at data.seq_len={cfg.data.seq_len}: {err}.")
     try:
         zero_config(cfg)
     except ValueError as err:
@@ -287,10 +391,15 @@ def invalid_combinations(cfg: TrainConfig) -> list[str]:
                 import_object(path)
             except (ImportError, AttributeError, ValueError) as err:
                 problems.append(f"zero.{key}: cannot import {path!r} ({err}).")
+    for node in user_nodes(cfg.model, cfg.data, cfg.logger, cfg.callbacks):  # as far as their source says
+        problems += static_problems(node)
     problems += tensor_parallel_problems(cfg)
-    for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems, _model_data_problems,
-                  sequence_problems):
+    problems += node_device_problems(str(cfg.trainer.accelerator), cfg.trainer.devices)
+    for check in (_value_problems, _offload_problems, _precision_problems, pipeline_problems,
+                  _model_data_problems, sequence_problems, expert_parallel_problems):
         problems += check(cfg)
+    if not problems:  # sizes of a config that is otherwise valid (a corpus that exists, sizes >= 1)
+        problems += epoch_problems(cfg)
     return problems
 
 
@@ -298,11 +407,13 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     """Valid settings that will not do what they are for (printed once, before launch)."""
     out = []
     m, max_steps = cfg.model, cfg.trainer.max_steps
-    if m.optimizer is OptimizerName.onebit_adam and max_steps is not None and 0 < max_steps <= m.freeze_step:
+    onebit = isinstance(m, ModelSchema) and m.optimizer is OptimizerName.onebit_adam
+    if onebit and max_steps is not None and 0 < max_steps <= m.freeze_step:
         out.append(f"model.freeze_step={m.freeze_step} >= trainer.max_steps={max_steps}: 1-bit Adam stays in its "
                    "AdamW warm-up for the whole run and never compresses. Fix: model.freeze_step="
                    f"{max(1, max_steps // 2)} (or more steps).")
-    return out
+    dense = dense_layout_warning(cfg)
+    return [*out, dense] if dense else out
 
 
 def unbuilt_features(cfg: TrainConfig) -> list[str]:
@@ -336,8 +447,16 @@ def validate_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
     return cfg
 
 
-def count_model_parameters(cfg: TrainConfig) -> int:
-    """Parameters of the configured model, counted on the meta device (nothing is allocated)."""
+def count_model_parameters(cfg: TrainConfig) -> int | None:
+    """Parameters of the configured model, counted on the meta device (nothing is allocated); a Hugging Face
+    checkpoint's from its files' headers; ``None`` where counting would import the user's code or ``transformers``
+    (a ``_target_`` model, ``model.config`` without weights)."""
+    if isinstance(cfg.model, TargetNode):
+        return None
+    if isinstance(cfg.model, HFCausalLMSchema):
+        from lightning_zero.hf.directory import HFDirectory
+
+        return HFDirectory(Path(cfg.model.path)).num_parameters() if cfg.model.path else None
     if isinstance(cfg.model, GPTModelSchema):
         from lightning_zero.models.gpt_model import count_parameters
 
@@ -354,12 +473,41 @@ def count_model_parameters(cfg: TrainConfig) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+# the value of each of run_choices' dimensions when it is off: the header line names the others
+DEFAULT_CHOICES: dict[str, Any] = {"pipeline": "none", "tensor_parallel": 1, "sequence_parallel": 1,
+                                   "expert_parallel": 1, "attention": "dense", "optimizer": "adamw"}
+
+
+def run_choices(cfg: TrainConfig) -> dict[str, Any]:
+    """What a run is beyond its model and data: ZeRO stage, precision, offload and the dimensions of
+    :data:`DEFAULT_CHOICES` (pipeline, tensor, sequence and expert parallel, attention, optimizer), as the header line
+    (:func:`describe`), TensorBoard's HParams (``build.run_hparams``) and the run directory (``paths.run_name``)
+    name them."""
+    m, p = cfg.model, cfg.pipeline
+    name, section = getattr(m, "attention", "dense"), getattr(m, "sparse_attention", None)  # GPT, HF causal LM
+    attention = name if name != "dense" or not section else f"sparse_{section.get('mode', 'fixed')}"
+    out = {"zero_stage": cfg.zero.stage, "precision": cfg.precision.name.value, "offload": offload_name(cfg),
+           "pipeline": "none" if p.stages <= 1 else f"{p.stages} stages, {p.schedule.value}",
+           "tensor_parallel": cfg.tensor_parallel.size, "sequence_parallel": cfg.sequence_parallel.size,
+           "expert_parallel": cfg.expert_parallel.size, "attention": attention}
+    if isinstance(m, ModelSchema):  # a `_target_` model's optimizer is its own
+        out["optimizer"] = m.optimizer.value
+    return out
+
+
 def describe(cfg: TrainConfig) -> str:
-    """One line naming the run: model (size counted on meta), data, ZeRO stage and ranks."""
-    m, t = cfg.model, cfg.trainer
-    model = m.preset if isinstance(m, GPTModelSchema) else m.kind
-    data = cfg.data.kind if not isinstance(cfg.data, TextDataSchema) else (
-        "synthetic" if cfg.data.synthetic else (cfg.data.path or "python-stdlib"))
-    return (f"{cfg.name}: {model} ({count_model_parameters(cfg) / 1e6:.2f}M params) on {data}; ZeRO stage "
-            f"{cfg.zero.stage}, {cfg.precision.name.value}, offload={offload_name(cfg)}, "
+    """One line naming the run: model (size counted on meta), data, ZeRO stage, precision, offload, every other
+    dimension that is not the default (:func:`run_choices`), and ranks."""
+    m, d, t = cfg.model, cfg.data, cfg.trainer
+    model = m.preset if isinstance(m, GPTModelSchema) else m.target if isinstance(m, TargetNode) else \
+        f"{m.kind} {m.path or 'from model.config'}" if isinstance(m, HFCausalLMSchema) else m.kind
+    data = d.target if isinstance(d, TargetNode) else d.kind if not isinstance(d, TextDataSchema) else (
+        "synthetic" if d.synthetic else (d.path or "python-stdlib"))
+    params = count_model_parameters(cfg)
+    size = "" if params is None else f" ({params / 1e6:.2f}M params)"
+    choices = run_choices(cfg)
+    others = "".join(f"{key.replace('_', ' ')} {choices[key]}, " for key, off in DEFAULT_CHOICES.items()
+                     if choices.get(key, off) != off)
+    return (f"{cfg.name}: {model}{size} on {data}; ZeRO stage "
+            f"{cfg.zero.stage}, {cfg.precision.name.value}, offload={offload_name(cfg)}, {others}"
             f"{t.devices} x {t.accelerator}")

@@ -34,29 +34,52 @@ from typing import NoReturn
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from lightning_zero.config.paths import COMMAND_NAMES, FIT
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
 from lightning_zero.core.comm.process_groups import close_all
+from lightning_zero.core.errors import USAGE_EXIT, UsageError
 
 
 @record  # torchrun's failure summary then shows this rank's traceback
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the rank; the run directory is the config file's folder. Returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m lightning_zero.config.worker <run_dir>/config.yaml", file=sys.stderr)
+    if len(args) not in (1, 2) or (len(args) == 2 and args[1] not in COMMAND_NAMES):
+        print("usage: python -m lightning_zero.config.worker <run_dir>/config.yaml [validate|test|predict]",
+              file=sys.stderr)
         return 2
-    path = Path(args[0]).resolve()
-    cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(path))))  # type: ignore[arg-type]
-    # Lightning after the config's checks (a rank with a bad config fails in ~1 s, not after ~5 s of imports), and
-    # here, not for ``python -m lightning_zero``'s exit
-    from lightning_zero.config.build import fit
     try:
-        fit(cfg, path.parent)
+        return run_rank(Path(args[0]), args[1] if args[1:] else FIT)
     finally:
         # the process groups (the strategy's too) die now, not during interpreter finalization:
         # Note [clean exit] in lightning_zero/core/comm/process_groups.py
         close_all()
+
+
+def run_rank(config_file: Path, command: str = FIT) -> int:
+    """One rank's ``command`` on ``config_file`` (the run directory is its folder), the process groups left open
+    (:func:`main` closes them; the test suite's warm pool runs this and keeps its own). Returns the exit code.
+
+    Args:
+        config_file: the run's ``config.yaml``, written by the launcher.
+        command: ``fit`` or one of validate / test / predict (a checkpoint in the config's ``ckpt_path``).
+    """
+    path = config_file.resolve()
+    cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(path))))  # type: ignore[arg-type]
+    # Lightning after the config's checks (a rank with a bad config fails in ~1 s, not after ~5 s of imports), and
+    # here, not for ``python -m lightning_zero``'s exit
+    from lightning_zero.config.build import evaluate, fit
+
+    try:
+        if command != FIT:
+            evaluate(cfg, path.parent, command)
+        else:
+            fit(cfg, path.parent)
+    except UsageError as err:  # what the user asked for, seen only here (a `_target_`, a checkpoint's keys)
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same: said once
+            print(f"lightning-zero: error: {err}", file=sys.stderr, flush=True)
+        return USAGE_EXIT
     return 0
 
 

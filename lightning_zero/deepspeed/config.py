@@ -24,12 +24,13 @@ from lightning_zero.core.precision.loss_scaler import LossScalerConfig
 from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.memory import OFFLOAD_STAGES
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
-from lightning_zero.deepspeed.json_section import AUTO, JsonSection, load_json, refuse_nulls
+from lightning_zero.deepspeed.json_section import AUTO, JsonSection, Problems, load_json, refuse_nulls
 from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import PipelineSpec, parse_pipeline
 from lightning_zero.deepspeed.refused import REFUSED, refusal_message, refuse_unbuilt, refused_keys
 from lightning_zero.deepspeed.schedulers import check_scheduler_params
 from lightning_zero.deepspeed.tensor_parallel import SECTION, parse_tensor_parallel
+from lightning_zero.moe.config import DEEPSPEED_SECTION, expert_parallel_from_deepspeed
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -77,6 +78,7 @@ class DeepSpeedConfig:
         pipeline: the ``pipeline`` section (``deepspeed/pipeline.py``; ``None``: absent).
         sequence_parallel: ``sequence_parallel_size`` (docs/sequence_parallel.md; 1: off).
         tensor_parallel: ``tensor_parallel.autotp_size`` (docs/tensor_parallel.md; 1: off).
+        expert_parallel: ``expert_parallel.autoep_size`` when ``enabled`` (docs/expert_parallel.md; 1: off).
         sparse_attention: the ``sparse_attention`` section, checked (``None``: absent); the GPT
             experiment's attention (docs/sparse_attention.md).
         given: Hydra-style setting name -> the JSON key that set it.
@@ -100,6 +102,7 @@ class DeepSpeedConfig:
     sparse_attention: dict[str, Any] | None = None
     sequence_parallel: int = 1
     tensor_parallel: int = 1
+    expert_parallel: int = 1
     given: dict[str, str] = field(default_factory=dict)
     unsupported: tuple[str, ...] = ()
     source: str = "<dict>"
@@ -132,33 +135,26 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
     root = JsonSection(data, "", unsupported)
     root.used.update(r.path[0] for r in REFUSED if len(r.path) == 1 and r.path[0] in data)  # present, switched off
     given: dict[str, str] = {}
-    zero, offload = _zero(root, given, unsupported)
-    precision, scaler, reduce_dtype, grad_accum_dtype = _precision(root, given)
-    batch = BatchSizes(root.get(TBS, int), root.get(MICRO, int), root.get(GAS, int))
-    clip = root.get("gradient_clipping", float)
-    if clip is not None and clip < 0:
-        raise ValueError(f"DeepSpeed config: `gradient_clipping` must be >= 0, got {clip}.")
-    if clip:
-        given["trainer.gradient_clip_val"] = "gradient_clipping"
-    optimizer, scheduler = _spec(root, "optimizer"), _spec(root, "scheduler")
-    if optimizer is not None:
-        optimizer_recipe(optimizer.type, optimizer.params)  # unknown types / params fail here, before any run
-    if scheduler is not None:
-        check_scheduler_params(scheduler.type, scheduler.params)
-    steps_per_print = root.get("steps_per_print", int)
-    if steps_per_print is not None and steps_per_print < 1:
-        raise ValueError(f"DeepSpeed config: `steps_per_print` must be >= 1, got {steps_per_print}.")
-    wall_clock = root.get("wall_clock_breakdown", bool, False)
-    pipeline = parse_pipeline(root.section("pipeline"), given)
-    sparse_attention = _sparse_attention(root, given)
-    sequence_parallel = root.get("sequence_parallel_size", int, 1)
-    if sequence_parallel < 1:
-        raise ValueError(f"DeepSpeed config: `sequence_parallel_size` must be >= 1, got {sequence_parallel}.")
-    if "sequence_parallel_size" in data:
-        given["sequence_parallel.size"] = "sequence_parallel_size"
-    tensor_parallel = parse_tensor_parallel(data.get(SECTION), root.used, unsupported)
+    problems = Problems()  # every section is read and checked; their problems are raised together
+    zero, offload = problems.attempt(lambda: _zero(root, given, unsupported), (ZeroConfig(), OffloadConfig()))
+    precision, scaler, reduce_dtype, grad_accum_dtype = problems.attempt(lambda: _precision(root, given),
+                                                                         (None, None, None, None))
+    batch = problems.attempt(lambda: BatchSizes(root.get(TBS, int), root.get(MICRO, int), root.get(GAS, int)),
+                             BatchSizes())
+    clip = problems.attempt(lambda: _clipping(root, given), None)
+    optimizer, scheduler = problems.attempt(lambda: _sections(root), (None, None))
+    steps_per_print, wall_clock = problems.attempt(lambda: _reporting(root), (None, False))
+    pipeline = problems.attempt(lambda: parse_pipeline(root.section("pipeline"), given), None)
+    sparse_attention = problems.attempt(lambda: _sparse_attention(root, given), None)
+    sequence_parallel = problems.attempt(lambda: _sequence_parallel(root, given), 1)
+    tensor_parallel = problems.attempt(lambda: parse_tensor_parallel(data.get(SECTION), root.used, unsupported), 1)
     if tensor_parallel > 1:
         given["tensor_parallel.size"] = f"{SECTION}.autotp_size"
+    expert_parallel = problems.attempt(
+        lambda: expert_parallel_from_deepspeed(data.get(DEEPSPEED_SECTION), root.used, unsupported), 1)
+    if expert_parallel > 1:
+        given["expert_parallel.size"] = f"{DEEPSPEED_SECTION}.autoep_size"
+    problems.raise_any(origin)
     root.noop(_NOOP_TOP)
     amp = root.section("amp")
     if amp is not None:
@@ -170,13 +166,48 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
                              gradient_clipping=clip or None, optimizer=optimizer, scheduler=scheduler,
                              steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, pipeline=pipeline,
                              sparse_attention=sparse_attention, sequence_parallel=sequence_parallel,
-                             tensor_parallel=tensor_parallel, given=given,
+                             tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, given=given,
                              unsupported=tuple(unsupported), source=origin)
     if config.unsupported and strict:
         raise ValueError(config.unsupported_message())
     if config.unsupported and warn:
         warnings.warn(config.unsupported_message(), UserWarning, stacklevel=2)
     return config
+
+
+def _clipping(root: JsonSection, given: dict[str, str]) -> float | None:
+    clip = root.get("gradient_clipping", float)
+    if clip is not None and clip < 0:
+        raise ValueError(f"DeepSpeed config: `gradient_clipping` must be >= 0, got {clip}.")
+    if clip:
+        given["trainer.gradient_clip_val"] = "gradient_clipping"
+    return clip
+
+
+def _sections(root: JsonSection) -> tuple[SectionSpec | None, SectionSpec | None]:
+    """The ``optimizer`` and ``scheduler`` sections, their types and params checked."""
+    optimizer, scheduler = _spec(root, "optimizer"), _spec(root, "scheduler")
+    if optimizer is not None:
+        optimizer_recipe(optimizer.type, optimizer.params)  # unknown types / params fail here, before any run
+    if scheduler is not None:
+        check_scheduler_params(scheduler.type, scheduler.params)
+    return optimizer, scheduler
+
+
+def _reporting(root: JsonSection) -> tuple[int | None, bool]:
+    steps_per_print = root.get("steps_per_print", int)
+    if steps_per_print is not None and steps_per_print < 1:
+        raise ValueError(f"DeepSpeed config: `steps_per_print` must be >= 1, got {steps_per_print}.")
+    return steps_per_print, root.get("wall_clock_breakdown", bool, False)
+
+
+def _sequence_parallel(root: JsonSection, given: dict[str, str]) -> int:
+    size = root.get("sequence_parallel_size", int, 1)
+    if size < 1:
+        raise ValueError(f"DeepSpeed config: `sequence_parallel_size` must be >= 1, got {size}.")
+    if "sequence_parallel_size" in root.data:
+        given["sequence_parallel.size"] = "sequence_parallel_size"
+    return size
 
 
 def _sparse_attention(root: JsonSection, given: dict[str, str]) -> dict[str, Any] | None:
@@ -276,18 +307,22 @@ def _offload(z: JsonSection, stage: int, given: dict[str, str]) -> OffloadConfig
 
 
 def _check_offload(offload: OffloadConfig, stage: int) -> None:
+    """Every rule the offload sections break, in one ``ValueError`` (one line each)."""
+    problems = []
     if offload.param_device != "none" and offload.optimizer_device == "none":
-        raise ValueError("DeepSpeed config: zero_optimization.offload_param without offload_optimizer: lightning_zero "
-                         "moves the optimizer state with the parameters. Fix: add \"offload_optimizer\": "
-                         f"{{\"device\": \"{offload.param_device}\"}}.")
-    if stage not in OFFLOAD_STAGES[offload.name]:
+        problems.append("DeepSpeed config: zero_optimization.offload_param without offload_optimizer: lightning_zero "
+                        "moves the optimizer state with the parameters. Fix: add \"offload_optimizer\": "
+                        f"{{\"device\": \"{offload.param_device}\"}}.")
+    elif stage not in OFFLOAD_STAGES[offload.name]:
         what = "offload_param" if offload.param_device != "none" else "offload_optimizer"
         need = "stage 3" if OFFLOAD_STAGES[offload.name] == (3,) else "stage 1, 2 or 3"
-        raise ValueError(f"DeepSpeed config: zero_optimization.{what} (device "
-                         f"{offload.param_device if what == 'offload_param' else offload.optimizer_device}) "
-                         f"needs ZeRO {need}, got zero_optimization.stage={stage}.")
+        problems.append(f"DeepSpeed config: zero_optimization.{what} (device "
+                        f"{offload.param_device if what == 'offload_param' else offload.optimizer_device}) "
+                        f"needs ZeRO {need}, got zero_optimization.stage={stage}.")
     if "nvme" in (offload.optimizer_device, offload.param_device) and not offload.nvme_path:
-        raise ValueError("DeepSpeed config: offload to nvme needs `nvme_path` (a directory on a local NVMe drive).")
+        problems.append("DeepSpeed config: offload to nvme needs `nvme_path` (a directory on a local NVMe drive).")
+    if problems:
+        raise ValueError("\n  - ".join(problems))
 
 
 def _precision(root: JsonSection, given: dict[str, str]) -> tuple[str | None, LossScalerConfig | None,

@@ -9,11 +9,40 @@ Note [auto]
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 AUTO = "auto"
+T = TypeVar("T")
+_PREFIX = "DeepSpeed config: "
+
+
+class Problems:
+    """Every problem of one JSON, each part's own message, raised together (a part that fails gives its
+    fallback, so the parts after it are read and checked too)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def attempt(self, part: Callable[[], T], fallback: T) -> T:
+        """``part()``, or ``fallback`` with its ``ValueError``'s message kept."""
+        try:
+            return part()
+        except ValueError as err:
+            self.messages.extend(str(err).split("\n" + _LIST))
+            return fallback
+
+    def raise_any(self, origin: str) -> None:
+        """Raise the one problem as it was, or all of them in one ``ValueError``, one line each."""
+        if len(self.messages) == 1:
+            raise ValueError(self.messages[0])
+        if self.messages:
+            lines = [m.removeprefix(_PREFIX) for m in self.messages]
+            raise ValueError(f"{_PREFIX}{origin}: {len(lines)} problems:\n{_LIST}" + f"\n{_LIST}".join(lines))
+
+
+_LIST = "  - "
 
 
 class JsonSection:

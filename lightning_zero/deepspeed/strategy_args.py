@@ -111,6 +111,12 @@ def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[s
             raise ValueError("conflicting settings:\n  - " + strategy_conflict(
                 ds, "tensor_parallel.size", ds.tensor_parallel, "tensor_parallel", user_tp))
         rest["tensor_parallel"] = user_tp if user_tp is not None else ds.tensor_parallel
+    if "expert_parallel.size" in ds.given:  # autoep_size
+        user_ep = rest.get("expert_parallel")
+        if user_ep is not None and (user_ep if isinstance(user_ep, int) else user_ep.size) != ds.expert_parallel:
+            raise ValueError("conflicting settings:\n  - " + strategy_conflict(
+                ds, "expert_parallel.size", ds.expert_parallel, "expert_parallel", user_ep))
+        rest["expert_parallel"] = user_ep if user_ep is not None else ds.expert_parallel
     zero = replace(ds.zero, **{n: v for n, v in user.items() if f"zero.{n}" not in ds.given})
     if plugin is None:
         plugin = build_precision_plugin(ds, default=precision)

@@ -115,6 +115,7 @@ class Candidate:
     shortfalls: tuple[Shortfall, ...]
     max_params: float  # largest Ψ this configuration holds on the hardware (inf: no limit)
     tensor_parallel: int = 1
+    expert_parallel: int = 1
 
     @property
     def fits(self) -> bool:
@@ -122,7 +123,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return self.estimate.label + (f" + TP {self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+        return (self.estimate.label + (f" + TP {self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+                + (f" + EP {self.expert_parallel}" if self.expert_parallel > 1 else ""))
 
     def overrides(self, precision: str, nvme_path: str | None = None) -> str:
         """Hydra overrides selecting this configuration, e.g. ``zero=stage2 offload=none precision=bf16``.
@@ -138,6 +140,8 @@ class Candidate:
             out += f" offload.nvme_path={shlex.quote(nvme_path or tempfile.gettempdir())}"
         if self.tensor_parallel > 1:
             out += f" tensor_parallel.size={self.tensor_parallel}"
+        if self.expert_parallel > 1:
+            out += f" expert_parallel.size={self.expert_parallel}"
         return out
 
 
@@ -191,11 +195,14 @@ class Advice:
 
 
 def _max_params(stage: int, offload: str, spec: ModelSpec, cluster: Cluster, precision: str,
-                acts: Activations | None, osp: int, hw: Hardware, checkpointing: bool, tp: int = 1) -> float:
-    """Largest Ψ that fits: needs are affine in Ψ (same architecture, activations and largest layer)."""
+                acts: Activations | None, osp: int, hw: Hardware, checkpointing: bool, tp: int = 1,
+                ep: int = 1) -> float:
+    """Largest Ψ that fits: needs are affine in Ψ (same architecture, activations and largest layer; a MoE's expert
+    share of Ψ kept)."""
     probe = 1e9
-    at = [dict(needs_of(estimate_config(stage, offload, replace(spec, num_params=x), cluster, precision, acts, osp,
-                                        tp), checkpointing)) for x in (0.0, probe)]
+    share = (spec.expert_params or 0.0) / spec.num_params if spec.num_params else 0.0
+    at = [dict(needs_of(estimate_config(stage, offload, replace(spec, num_params=x, expert_params=x * share or None),
+                                        cluster, precision, acts, osp, tp, ep), checkpointing)) for x in (0.0, probe)]
     best = math.inf
     for memory, fixed in at[0].items():
         slope = (at[1][memory] - fixed) / probe
@@ -217,6 +224,7 @@ def advise(
     activation_checkpointing: bool = False,
     nvme_path: str | None = None,
     tensor_parallel: int | None = None,
+    expert_parallel: int = 1,
     **options: Unpack[EstimateOptions],
 ) -> Advice:
     """The fastest configuration of :data:`PREFERENCE` that fits, with why each faster one does not.
@@ -233,6 +241,7 @@ def advise(
             system's temporary directory); :meth:`Advice.nvme_path_problem` checks it.
         tensor_parallel: advise at this tensor-parallel size; ``None``: none, and the smallest size that fits
             when nothing fits without it (Note [TP as the last resort]).
+        expert_parallel: advise at this expert-parallel size (a MoE model; 1: none).
         options: the model, the cluster and the precision, as for
             :func:`lightning_zero.estimator.estimate_memory` (``model``, ``world_size``, ``num_nodes``,
             ``gpus_per_node``, ``precision``, ``micro_batch``, ``seq_len``, ``layers``, ``hidden``,
@@ -240,10 +249,12 @@ def advise(
             :class:`~lightning_zero.estimator.EstimateOptions`).
     """
     hw = Hardware(parse_size(device_memory), parse_size(cpu_memory), parse_size(nvme), float(headroom))
-    base = estimate_memory(num_params, offload="all", tensor_parallel=tensor_parallel or 1, **options)
+    base = estimate_memory(num_params, offload="all", tensor_parallel=tensor_parallel or 1,
+                           expert_parallel=expert_parallel, **options)
     candidates = _candidates(base, hw, activation_checkpointing)
     reason = None
-    if tensor_parallel is None and not any(c.fits for c in candidates):  # Note [TP as the last resort]
+    if tensor_parallel is None and expert_parallel == 1 and not any(c.fits for c in candidates):  # Note [TP as the
+        # last resort]
         heads = options.get("heads") or base.model.heads
         for tp in _tensor_parallel_sizes(base.cluster, heads):
             with_tp = _candidates(estimate_memory(num_params, offload="all", tensor_parallel=tp, **options), hw,
@@ -258,15 +269,15 @@ def advise(
 
 def _candidates(est: MemoryEstimate, hw: Hardware, checkpointing: bool) -> tuple[Candidate, ...]:
     """Each configuration of :data:`PREFERENCE` that ``est`` holds, checked against the hardware."""
-    tp = est.tensor_parallel
+    tp, ep = est.tensor_parallel, est.expert_parallel
     out = []
     for stage, offload in PREFERENCE:
         c = est.config(stage, offload)
         needs = needs_of(c, checkpointing)
         short = tuple(Shortfall(m, need, hw.usable(m)) for m, need in needs if need > hw.usable(m))
         biggest = _max_params(stage, offload, est.model, est.cluster, est.precision, est.activations,
-                              est.optimizer_state_per_param, hw, checkpointing, tp)
-        out.append(Candidate(c, needs, short, biggest, tp))
+                              est.optimizer_state_per_param, hw, checkpointing, tp, ep)
+        out.append(Candidate(c, needs, short, biggest, tp, ep))
     return tuple(out)
 
 

@@ -23,7 +23,14 @@ from lightning_zero.estimator.cluster import Cluster, make_cluster
 from lightning_zero.estimator.deepspeed_figures import DeepSpeedFigures, deepspeed_figures
 from lightning_zero.estimator.model_spec import ModelSpec, resolve_model
 from lightning_zero.estimator.options import OFFLOADS, PRECISIONS, formula_precision
-from lightning_zero.estimator.report import activation_line, describe, grid, tensor_parallel_lines, wrap
+from lightning_zero.estimator.report import (
+    activation_line,
+    describe,
+    expert_parallel_lines,
+    grid,
+    tensor_parallel_lines,
+    wrap,
+)
 from lightning_zero.estimator.sizes import format_bytes, format_count, parse_count
 
 
@@ -82,6 +89,7 @@ class ConfigEstimate:
 def estimate_config(
     stage: int, offload: str, model: ModelSpec, cluster: Cluster, precision: str = "mixed",
     activations: Activations | None = None, optimizer_state_per_param: int = 8, tensor_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> ConfigEstimate:
     """Estimate one configuration; see :func:`estimate_memory` for the arguments.
 
@@ -90,19 +98,33 @@ def estimate_config(
     layer. Offload composes with TP as in the strategy (the engine offloads the shards of the rank's flat buffers):
     the offload split applies to the rank's own parameters, so a rank offloads its share, over the data ranks, of
     the optimizer state (and, with ``param_*``, the parameters) of its TP slice.
+
+    With ``expert_parallel`` = p > 1 a rank holds ``1/p`` of the expert parameters (its experts) and every dense
+    one; ZeRO partitions the dense ones over the ``world`` data ranks and its experts over the ``world / p`` ranks
+    holding them (Note [model state with EP] in core/zero/memory.py), offload rows too; stage 3 gathers a
+    rank's experts only.
     """
     formula = formula_precision(precision)
     data = cluster.world_size // tensor_parallel
+    experts = model.expert_params or 0.0 if expert_parallel > 1 else 0.0
     on_device, moved = offloaded_model_state(
-        stage, model.rank_params(tensor_parallel), data, formula, offload, optimizer_state_per_param
+        stage, model.rank_params(tensor_parallel) - experts, data, formula, offload, optimizer_state_per_param
     )
+    if experts:
+        kept, gone = offloaded_model_state(stage, experts / expert_parallel, data // expert_parallel, formula,
+                                           offload, optimizer_state_per_param)
+        on_device, moved = _plus(on_device, kept), _plus(moved, gone)
     elem = 4 if formula == "fp32" else 2
-    layer = model.rank_largest_layer(tensor_parallel)
+    layer = model.rank_largest_layer(tensor_parallel, expert_parallel)
     working = 2 * elem * layer if ZeroStage.of(stage).shards_parameters else 0.0
     ds = None
-    if formula == "mixed" and tensor_parallel == 1:  # DeepSpeed's estimators take no tensor-parallel size
+    if formula == "mixed" and tensor_parallel == 1 and expert_parallel == 1:  # DeepSpeed's take no TP / EP size
         ds = deepspeed_figures(stage, offload, model.num_params, model.largest_layer_params or 0.0, cluster)
     return ConfigEstimate(stage, offload, on_device, moved, working, activations, ds, cluster.gpus_per_node)
+
+
+def _plus(a: ModelStateBytes, b: ModelStateBytes) -> ModelStateBytes:
+    return ModelStateBytes(params=a.params + b.params, grads=a.grads + b.grads, optimizer=a.optimizer + b.optimizer)
 
 
 @dataclass(frozen=True)
@@ -116,6 +138,7 @@ class MemoryEstimate:
     activations: Activations | None
     configs: tuple[ConfigEstimate, ...]
     tensor_parallel: int = 1
+    expert_parallel: int = 1
 
     def config(self, stage: int, offload: str = "none") -> ConfigEstimate:
         """The row for ``stage`` and ``offload``."""
@@ -171,6 +194,7 @@ def estimate_memory(
     optimizer_state_per_param: int = 8,
     replicated_params: float | None = None,
     tensor_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-rank memory of ZeRO stages 0-3, without offload and with each valid offload.
 
@@ -192,6 +216,8 @@ def estimate_memory(
         tensor_parallel: ranks per tensor-parallel group t; ``world_size`` counts every rank, so ZeRO
             partitions over ``world_size / t`` data ranks, offload rows included (DeepSpeed's figures are not:
             its estimators take no tensor-parallel size).
+        expert_parallel: ranks per expert-parallel group p: a MoE model's experts split over p data ranks
+            (the model must have MoE layers: a ``--model`` with them, e.g. ``mixtral-8x7b``).
     """
     if (num_params is None) == (model is None):
         raise ValueError("Give exactly one of the parameter count (--params) and the model (--model).")
@@ -210,6 +236,7 @@ def estimate_memory(
     formula_precision(precision)
     layers, hidden, heads = layers or spec.layers, hidden or spec.hidden, heads or spec.heads
     check_tensor_parallel(tensor_parallel, cluster, heads)
+    check_expert_parallel(expert_parallel, tensor_parallel, cluster, spec)
     seq_len = seq_len or spec.seq_len
     acts = None
     if micro_batch is not None:
@@ -220,12 +247,31 @@ def estimate_memory(
         elem = 4 if formula_precision(precision) == "fp32" else 2
         acts = activation_memory(layers, hidden, seq_len, micro_batch, heads, elem, flash_attention, tensor_parallel)
     configs = tuple(
-        estimate_config(stage, off, spec, cluster, precision, acts, optimizer_state_per_param, tensor_parallel)
+        estimate_config(stage, off, spec, cluster, precision, acts, optimizer_state_per_param, tensor_parallel,
+                        expert_parallel)
         for stage in range(4)
         for off in OFFLOADS
         if stage in OFFLOAD_STAGES[off] and (offload == "all" or off in ("none", offload))
     )
-    return MemoryEstimate(spec, cluster, precision, optimizer_state_per_param, acts, configs, tensor_parallel)
+    return MemoryEstimate(spec, cluster, precision, optimizer_state_per_param, acts, configs, tensor_parallel,
+                          expert_parallel)
+
+
+def check_expert_parallel(expert_parallel: int, tensor_parallel: int, cluster: Cluster, model: ModelSpec) -> None:
+    """Refuse an expert-parallel size the strategy would refuse: not a positive integer, not dividing the data ranks
+    or the experts, with tensor parallelism, or for a model without MoE layers."""
+    if int(expert_parallel) != expert_parallel or expert_parallel < 1:
+        raise ValueError(f"--expert-parallel must be a positive integer (e.g. 2), got {expert_parallel!r}")
+    if expert_parallel == 1:
+        return
+    if tensor_parallel > 1:
+        raise ValueError("--expert-parallel with --tensor-parallel is not built yet: give one of them")
+    if not model.expert_params:
+        raise ValueError("--expert-parallel needs a model with MoE layers (a --model preset such as mixtral-8x7b, or "
+                         "a module with lightning_zero.moe layers or a Hugging Face MoE)")
+    if cluster.world_size % expert_parallel or (model.num_experts or 0) % expert_parallel:
+        raise ValueError(f"--expert-parallel {expert_parallel} must divide the world size {cluster.world_size} and the "
+                         f"{model.num_experts} experts per layer")
 
 
 def check_tensor_parallel(tensor_parallel: int, cluster: Cluster, heads: int | None) -> None:
@@ -259,10 +305,12 @@ def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
         row += ["|", *ds_cells]
         rows.append(row)
     unit_note = "GB = 10^9 bytes" if units == "GB" else "GiB = 2^30 bytes"
-    big = est.model.rank_largest_layer(est.tensor_parallel)
+    big = est.model.rank_largest_layer(est.tensor_parallel, est.expert_parallel)
     lines = describe(est.model, est.cluster, est.precision, est.optimizer_state_per_param)
     if est.tensor_parallel > 1:
         lines += tensor_parallel_lines(est.model, est.cluster, est.tensor_parallel)
+    if est.model.expert_params:
+        lines += expert_parallel_lines(est.model, est.cluster, est.expert_parallel, est.activations, units)
     lines += [
         "",
         f"Per-rank memory (ZeRO paper model states; {unit_note}). device = params + grads + optim kept on the",
@@ -275,8 +323,9 @@ def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
         "keep no gradient on the device); param_* moves the parameter shard too (stage 3). cpu/nvme are per rank.",
         activation_line(est.activations, units),
     ]
-    if est.tensor_parallel > 1:
-        lines.append("DeepSpeed's: its estimators take no tensor-parallel size, so they are not shown with TP")
+    if est.tensor_parallel > 1 or est.expert_parallel > 1:
+        lines.append("DeepSpeed's: its estimators take no tensor-parallel size (nor an expert-parallel one), so they "
+                     "are not shown with TP / EP")
     elif PRECISIONS[est.precision][0] == "mixed":
         lines.append(
             "DeepSpeed's: figures of DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (zero_init=True, "

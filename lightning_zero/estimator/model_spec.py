@@ -32,6 +32,8 @@ class ModelSpec:
             ``None``: unknown, taken as 0 (every parameter split).
         largest_replicated_layer_params: the largest module tensor parallelism keeps whole (``None``:
             unknown, taken as 0: the largest layer is split).
+        expert_params: of ``num_params``, the MoE layers' expert parameters (all experts; ``None``: a dense model).
+        num_experts, top_k, moe_layers: E per MoE layer, experts per token, MoE layers (for the all-to-all bytes).
     """
 
     num_params: float
@@ -43,15 +45,24 @@ class ModelSpec:
     largest_layer_params: float | None = None
     replicated_params: float | None = None
     largest_replicated_layer_params: float | None = None
+    expert_params: float | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    moe_layers: int | None = None
 
     def rank_params(self, tensor_parallel: int) -> float:
         """Parameters one tensor-parallel rank holds: ``Ψ_split / tp + Ψ_rep`` (Note [model state with TP])."""
         rep = self.replicated_params or 0.0
         return (self.num_params - rep) / tensor_parallel + rep
 
-    def rank_largest_layer(self, tensor_parallel: int) -> float:
-        """The largest layer one tensor-parallel rank holds: a split layer's slice or a replicated layer whole."""
-        return max((self.largest_layer_params or 0.0) / tensor_parallel, self.largest_replicated_layer_params or 0.0)
+    def rank_largest_layer(self, tensor_parallel: int, expert_parallel: int = 1) -> float:
+        """The largest layer one tensor-parallel rank holds: a split layer's slice or a replicated layer whole; with
+        expert parallelism an experts module (the largest layer of a MoE) counts this rank's experts only."""
+        largest = max((self.largest_layer_params or 0.0) / tensor_parallel, self.largest_replicated_layer_params or 0.0)
+        if expert_parallel > 1 and self.expert_params and self.moe_layers:
+            experts = self.expert_params / self.moe_layers  # one layer's experts: the largest layer
+            largest = max(largest - experts, 0.0) + experts / expert_parallel if largest >= experts else largest
+        return largest
 
 
 def _gpt2_params(layers: int, hidden: int, vocab: int = 50257, positions: int = 1024) -> tuple[int, int]:
@@ -64,6 +75,14 @@ def _llama_params(layers: int, hidden: int, ffn: int, vocab: int = 32000) -> tup
     """(all, replicated under HF's plan: 2 RMSNorm weights per layer and the final one)."""
     total = 2 * vocab * hidden + layers * (4 * hidden**2 + 3 * hidden * ffn + 2 * hidden) + hidden
     return total, (2 * layers + 1) * hidden
+
+
+def _mixtral_params(layers: int, hidden: int, ffn: int, experts: int, kv_dim: int,
+                    vocab: int = 32000) -> tuple[int, int]:
+    """(all, the experts') of a Mixtral: GQA attention, E gated expert MLPs and a router per layer, untied head."""
+    experts_per_layer = experts * 3 * hidden * ffn
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv_dim + experts_per_layer + experts * hidden + 2 * hidden
+    return 2 * vocab * hidden + layers * per_layer + hidden, layers * experts_per_layer
 
 
 def _preset(name: str, counts: tuple[int, int], layers: int, hidden: int, heads: int, seq: int, vocab: int,
@@ -87,6 +106,10 @@ PRESETS: dict[str, ModelSpec] = {
         _preset("llama2-13b", _llama_params(40, 5120, 13824), 40, 5120, 40, 4096, 32000, 5120),
     )
 }
+_MIXTRAL, _MIXTRAL_EXPERTS = _mixtral_params(32, 4096, 14336, 8, 1024)
+# Mixtral 8x7B: 8 experts of 3 x 4096 x 14336 per layer, top-2 (46.7B parameters, 45.1B of them experts)
+PRESETS["mixtral-8x7b"] = ModelSpec(float(_MIXTRAL), "mixtral-8x7b", 32, 4096, 32, 4096, float(8 * 3 * 4096 * 14336),
+                                    expert_params=float(_MIXTRAL_EXPERTS), num_experts=8, top_k=2, moe_layers=32)
 
 
 def _tp_counts(model: nn.Module) -> tuple[float, float] | None:
@@ -136,7 +159,28 @@ def spec_of_module(model: nn.Module, name: str | None = None) -> ModelSpec:
     tp = _tp_counts(model)
     return ModelSpec(float(total), name, largest_layer_params=float(largest),
                      replicated_params=None if tp is None else tp[0],
-                     largest_replicated_layer_params=None if tp is None else tp[1])
+                     largest_replicated_layer_params=None if tp is None else tp[1], **_moe_counts(model))
+
+
+def _moe_counts(model: nn.Module) -> dict[str, Any]:
+    """The expert parameters, experts per layer, experts per token and MoE layers of ``model`` (the layers expert
+    parallelism splits: ``lightning_zero.moe.lightning.moe_layers``); empty for a dense model."""
+    from lightning_zero.moe.experts import expert_parameter_names
+    from lightning_zero.moe.lightning import moe_layers
+
+    layers = [m for _, m in moe_layers(model)]
+    if not layers:
+        return {}
+    params, experts, top_k = 0.0, 0, 0
+    for layer in layers:
+        e = int(layer.num_experts)
+        holder = getattr(layer, "experts", layer)  # MoELayer holds its experts; a Hugging Face experts module is one
+        params += sum(getattr(holder, n).numel() for n in expert_parameter_names(holder, e))
+        gate = getattr(layer, "gate", None)
+        config = getattr(layer, "config", None)
+        k = gate.policy.k if gate is not None else getattr(config, "num_experts_per_tok", 0)
+        experts, top_k = max(experts, e), max(top_k, int(k or 0))
+    return {"expert_params": params, "num_experts": experts, "top_k": top_k or None, "moe_layers": len(layers)}
 
 
 def _project_preset(name: str) -> ModelSpec | None:

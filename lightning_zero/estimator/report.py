@@ -54,6 +54,32 @@ def wrap(text: str) -> str:
     return textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False)
 
 
+def all_to_all_bytes(model: ModelSpec, ep: int, tokens: float, element_bytes: int) -> float:
+    """Bytes one rank sends per micro-step through its MoE layers' all-to-alls (Note [all-to-all bytes] in
+    moe/dispatch.py): ``4 x tokens x k x (p - 1) / p x hidden x element bytes`` per layer, routing uniform."""
+    if ep <= 1 or not model.moe_layers or not model.top_k or not model.hidden:
+        return 0.0
+    return 4 * tokens * model.top_k * (ep - 1) / ep * model.hidden * element_bytes * model.moe_layers
+
+
+def expert_parallel_lines(model: ModelSpec, cluster: Cluster, ep: int, acts: Activations | None,
+                          units: str) -> list[str]:
+    """What an expert-parallel rank holds and sends (Note [model state with EP] in ``core/zero/memory.py``)."""
+    experts, e = model.expert_params or 0.0, model.num_experts or 0
+    line = (f"Experts: {format_count(experts)} of the parameters, {e} experts x {model.moe_layers} MoE layers, top-"
+            f"{model.top_k}. ")
+    if ep <= 1:
+        return [wrap(line + "Every rank holds every expert (--expert-parallel N splits them).")]
+    line += (f"Expert parallel {ep}: a rank holds {e // ep} expert(s) per layer ({format_count(experts / ep)} "
+             f"parameters, ZeRO-partitioned over the {cluster.world_size // ep} ranks holding them) and every dense "
+             "parameter (over all data ranks); stage 3 gathers a rank's own experts only.")
+    if acts is not None:
+        sent = all_to_all_bytes(model, ep, acts.micro_batch * acts.seq_len, acts.bytes_per_element)
+        line += (f" The all-to-alls send {format_bytes(sent, units)} per rank and micro-step (4 x tokens x k x "
+                 f"({ep}-1)/{ep} x hidden x bytes per layer, uniform routing).")
+    return [wrap(line)]
+
+
 def tensor_parallel_lines(model: ModelSpec, cluster: Cluster, tp: int) -> list[str]:
     """What a tensor-parallel rank holds (Note [model state with TP] in ``core/zero/memory.py``)."""
     rep = model.replicated_params

@@ -14,7 +14,8 @@ _BINARY = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
 _COUNT = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
-def _parse(text: float | str, table: dict[str, float], what: str, example: str, positive: bool) -> float:
+def _parse(text: float | str, table: dict[str, float], what: str, example: str, positive: bool,
+           unit_required: bool = False) -> float:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:
@@ -23,20 +24,29 @@ def _parse(text: float | str, table: dict[str, float], what: str, example: str, 
         if not m or unit not in table:
             raise ValueError(f"Cannot read {what} {text!r}; write it like {example}.")
         value = float(m.group(1)) * table[unit]
+        if unit_required and not m.group(2) and value:
+            raise ValueError(f"{what} {text!r} has no unit (it would be {text} bytes); write it like {example}.")
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         sign = "positive" if positive else "non-negative"
         raise ValueError(f"The {what} must be a {sign} finite number, got {text!r}; write it like {example}.")
     return value
 
 
-def parse_size(text: float | str) -> float:
+def parse_size(text: float | str, unit_required: bool = False) -> float:
     """Bytes from ``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"512G"`` (= GB), ``"2TB"``, ``"1.5e9"``.
 
     Args:
         text: a number of bytes or a string with a decimal (k/M/G/T/P, optional B) or binary
             (KiB/MiB/GiB/TiB/PiB) unit; case-insensitive.
+        unit_required: refuse a string without a unit (other than 0): on a command line, ``80`` is more likely
+            80 GB than 80 bytes.
     """
+    if unit_required:
+        return _parse(text, {**_DECIMAL, **_BINARY}, "memory size", _UNITS, False, unit_required)
     return _parse(text, {**_DECIMAL, **_BINARY}, "memory size", "80GB, 80GiB, 512G, 2TB or 1.5e9 (bytes)", False)
+
+
+_UNITS = "80GB (10^9 bytes) or 80GiB (2^30); units: B, kB, MB, GB, TB, PB (powers of 1000), KiB, MiB, GiB, TiB, PiB"
 
 
 def parse_count(text: float | str) -> float:

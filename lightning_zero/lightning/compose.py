@@ -30,6 +30,8 @@ from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import StageCoupling, ZeroEngine
 from lightning_zero.core.zero.engine_step import weighted_norm_excess
 from lightning_zero.lightning.precision import ZeroPrecision, strategy_precision
+from lightning_zero.moe.config import ExpertParallelConfig
+from lightning_zero.moe.lightning import StrategyExpertParallel, check_expert_parallel
 from lightning_zero.observability.monitoring import ProfilerWindow
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
@@ -51,6 +53,7 @@ class ParallelPlan:
     param_init_fn: ParamInitFn | None = None
     tensor_parallel: StrategyTensorParallel | None = None
     sequence_parallel: StrategySequenceParallel | None = None
+    expert_parallel: StrategyExpertParallel | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class StrategyOptions:
         offload: where shards live (``offload``, or the three shortcuts), checked against the stage.
         tensor_parallel: the tensor-parallel size and plan (size 1: off).
         sequence_parallel: ranks per sequence group (1: off).
+        expert_parallel: the expert-parallel size (``None``: the MoE layers' ``ep_size``, else off).
         pipeline_config: the pipeline (``None``: no split; a one-stage pipeline is none).
         precision_plugin: the strategy's own precision (``None``: the Trainer's, converted at setup).
         checkpoint_format: ``"auto"``, ``"sharded"`` or ``"consolidated"``.
@@ -74,6 +78,7 @@ class StrategyOptions:
     offload: OffloadConfig
     tensor_parallel: TensorParallelConfig
     sequence_parallel: int
+    expert_parallel: ExpertParallelConfig | None
     pipeline_config: PipelineConfig | None
     precision_plugin: Precision | None
     checkpoint_format: str
@@ -99,6 +104,7 @@ def strategy_options(
     nvme_path: str | None,
     tensor_parallel: int | TensorParallelConfig | None,
     sequence_parallel: int,
+    expert_parallel: int | ExpertParallelConfig | None = None,
 ) -> StrategyOptions:
     """Check ``ZeroStrategy``'s arguments (each as its constructor documents it) and resolve them into
     :class:`StrategyOptions`; bad input is refused here, before any process starts, with the fix in the error.
@@ -112,6 +118,9 @@ def strategy_options(
     check_sequence_parallel(
         sequence_parallel, pipeline=pipeline.stages if pipeline is not None else 1, tensor=tensor.size
     )
+    experts = ExpertParallelConfig.coerce(expert_parallel)
+    check_expert_parallel(experts, pipeline=pipeline.stages if pipeline is not None else 1, tensor=tensor.size,
+                          sequence=sequence_parallel)
     plugin = strategy_precision(precision, loss_scaler, precision_plugin)
     if checkpoint_format not in ("auto", "sharded", "consolidated"):
         raise ValueError(f"checkpoint_format must be 'auto', 'sharded' or 'consolidated', got {checkpoint_format!r}.")
@@ -122,6 +131,7 @@ def strategy_options(
         offload=where,
         tensor_parallel=tensor,
         sequence_parallel=sequence_parallel,
+        expert_parallel=experts,
         pipeline_config=pipeline if pipeline is not None and pipeline.stages > 1 else None,
         precision_plugin=plugin,
         checkpoint_format=checkpoint_format,
@@ -195,12 +205,22 @@ def apply_parallelisms(
         tp.apply(module)
     if tp is not None:
         precision.replace_originals(tp.slice_originals)
+        tp.agree_replicated(module, precision.master_init())  # TP rank 0's replicated weights, as DDP's rank 0's
         tp.agree_rng(device)  # replicated dropout masks agree across the TP group (Note [dropout streams])
     # 2b. Sequence parallel: the model takes its sequence group (its attention then runs between the all-to-alls
     #     over mesh.group(Axis.SEQUENCE)); after tensor parallel (whose heads it would split) and before ZeRO
     #     applies activation checkpointing to stage 3's units, so a recomputed forward runs the wrapper too.
     if plan.sequence_parallel is not None:
         plan.sequence_parallel.attach(module)
+    # 2c. Expert parallel: each MoE layer keeps this rank's experts (their tokens travel to them through the
+    #     all-to-alls over mesh.group(Axis.EXPERT)); like tensor parallel's slicing, before anything records
+    #     parameters (the optimizer, ZeRO's flat buffers, which partition the experts over their expert-data
+    #     group), and the precision plugin's pre-cast weights are cut alike (Note [expert parallel in the strategy]).
+    experts: frozenset[torch.nn.Parameter] = frozenset()
+    if plan.expert_parallel is not None:
+        plan.expert_parallel.apply(module)
+        precision.replace_originals(plan.expert_parallel.slice_originals)
+        experts = plan.expert_parallel.experts
     # 3. A model built on the meta device (configure_model under stage 3): storage-less stand-ins that ZeRO
     #    initialises one unit at a time; before the device move, which would refuse meta tensors.
     built_sharded = pipeline is None and has_meta_parameters(module)
@@ -235,12 +255,12 @@ def apply_parallelisms(
             master_init=precision.master_init() if optimizer is not None else None,
             param_init_fn=plan.param_init_fn, init_seed=torch.initial_seed() % 2**63, setup_settings=setup_settings,
             offload=plan.offload,
-            coupling=model_parallel_coupling(mesh, pipeline, tp, plan.zero),
+            coupling=model_parallel_coupling(mesh, pipeline, tp, plan.zero), experts=experts,
         )
     elif pipeline is not None:
         pipeline.broadcast_local(comm)
     else:
-        _broadcast_module_states(module, comm)
+        _broadcast_module_states(module, comm, experts)
     # 7. The precision plugin steps, clips and unscales through the engine; the pre-cast weights of the
     #    parameters the engine now holds masters of are no longer needed.
     if optimizer is not None and engine is not None:
@@ -310,6 +330,11 @@ def release_parallelisms(
 
 
 @torch.no_grad()
-def _broadcast_module_states(module: torch.nn.Module, comm: DataParallelComm) -> None:
-    for t in (*module.parameters(), *module.buffers()):
-        comm.broadcast(t.data)
+def _broadcast_module_states(module: torch.nn.Module, comm: DataParallelComm,
+                             experts: frozenset[torch.nn.Parameter] = frozenset()) -> None:
+    """Rank 0's parameters and buffers on every data rank; a rank's experts from its expert-data group's first rank
+    (the other expert-parallel ranks hold other experts)."""
+    for p in module.parameters():
+        comm.of(p in experts).broadcast(p.data)
+    for b in module.buffers():
+        comm.broadcast(b)

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.comm.process_groups import own, reusable
-from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
+from lightning_zero.core.mesh import ORDER, Axis, ParallelDims, ProcessMesh
 from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
@@ -29,6 +29,8 @@ from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.lightning.compose import ParallelPlan, apply_parallelisms, release_parallelisms
 from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.moe.config import ExpertParallelConfig
+from lightning_zero.moe.lightning import StrategyExpertParallel, expert_size
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.pipeline.lightning import StrategyPipeline
 from lightning_zero.sequence_parallel.lightning import StrategySequenceParallel
@@ -37,9 +39,9 @@ from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
 
 
 def parallel_dims(world: int, pipeline: PipelineConfig | None, tensor: TensorParallelConfig,
-                  sequence: int) -> ParallelDims:
+                  sequence: int, expert: int = 1) -> ParallelDims:
     """The sizes of the parallel dimensions: the one place they are chosen."""
-    sizes = {"tensor": tensor.size, "sequence": sequence}
+    sizes = {"tensor": tensor.size, "sequence": sequence, "expert": expert}
     if pipeline is None:
         return ParallelDims(world, **sizes)
     pipeline.data_parallel_size(world)  # its error names the pipeline's fix
@@ -48,13 +50,16 @@ def parallel_dims(world: int, pipeline: PipelineConfig | None, tensor: TensorPar
 
 @dataclass(frozen=True)
 class StrategyMesh:
-    """What :func:`build_mesh` made: the mesh, ZeRO's comm over ``zero_axes`` and, when on, the tensor- and
-    sequence-parallel dimensions."""
+    """What :func:`build_mesh` made: the mesh, ZeRO's comm over ``zero_axes`` (with the experts' over
+    ``expert_zero_axes``), when on the tensor-, sequence- and expert-parallel dimensions, and the comm over every
+    rank holding part of the model (the step-error agreement: data x tensor x pipeline x sequence)."""
 
     mesh: ProcessMesh
     comm: DataParallelComm
     tensor: StrategyTensorParallel | None
     sequence: StrategySequenceParallel | None
+    everyone: DataParallelComm  # every rank of the run (``comm`` when ZeRO's group is the world): the step errors
+    expert: StrategyExpertParallel | None = None
 
 
 def build_mesh(dims: ParallelDims, rank: int, tensor: TensorParallelConfig, zero: ZeroConfig) -> StrategyMesh:
@@ -63,21 +68,31 @@ def build_mesh(dims: ParallelDims, rank: int, tensor: TensorParallelConfig, zero
     axis_sets = [dims.zero_axes] + [(a,) for a in (Axis.PIPELINE, Axis.SEQUENCE, Axis.TENSOR) if dims.enabled(a)]
     if dims.pipeline_enabled and dims.tensor_enabled:  # the engine's norm and overflow agreement: one group
         axis_sets.append((Axis.PIPELINE, Axis.TENSOR))
+    if dims.expert_enabled:  # the all-to-alls' group, and the experts' ZeRO group (Note [expert axes])
+        axis_sets += [(Axis.EXPERT,), dims.expert_zero_axes]
+    beyond_zero = dims.pipeline_enabled or dims.tensor_enabled  # ZeRO's group is not every rank
+    if beyond_zero:
+        axis_sets.append(ORDER)
     mesh = own(ProcessMesh(dims, rank, axis_sets, zero.timeout_s))
-    comm = own(DataParallelComm(mesh.group(*dims.zero_axes), zero.collective))
+    experts = (own(DataParallelComm(mesh.group(*dims.expert_zero_axes), zero.collective))
+               if dims.expert_enabled else None)
+    comm = own(DataParallelComm(mesh.group(*dims.zero_axes), zero.collective, expert_data=experts))
     return StrategyMesh(
         mesh, comm,
         StrategyTensorParallel(tensor, mesh) if dims.tensor_enabled else None,
         StrategySequenceParallel(mesh) if dims.sequence_enabled else None,
+        own(DataParallelComm(mesh.group(*ORDER), zero.collective)) if beyond_zero else comm,
+        StrategyExpertParallel(mesh) if dims.expert_enabled else None,
     )
 
 
 def new_strategy_mesh(mesh: ProcessMesh | None, comm: DataParallelComm | None, pipeline: PipelineConfig | None,
-                      tensor: TensorParallelConfig, sequence: int, zero: ZeroConfig) -> StrategyMesh | None:
+                      tensor: TensorParallelConfig, sequence: int, zero: ZeroConfig,
+                      expert: int = 1) -> StrategyMesh | None:
     """A setup's groups: ``None`` when the strategy's ``mesh`` (and ``comm``) has these dimensions and its groups
     live, to be reused; else a new mesh (collective over the world). Note [one mesh per strategy]."""
     initialized = dist.is_available() and dist.is_initialized()
-    dims = parallel_dims(dist.get_world_size() if initialized else 1, pipeline, tensor, sequence)
+    dims = parallel_dims(dist.get_world_size() if initialized else 1, pipeline, tensor, sequence, expert)
     if mesh is not None and mesh.dims == dims and reusable(comm):
         return None
     return build_mesh(dims, dist.get_rank() if initialized else 0, tensor, zero)
@@ -91,6 +106,7 @@ class RunHost(Protocol):
     pipeline_config: PipelineConfig | None
     tensor_parallel: TensorParallelConfig
     sequence_parallel: int
+    expert_parallel: ExpertParallelConfig | None
     param_init_fn: ParamInitFn | None
     gather_on_teardown: bool
 
@@ -111,10 +127,11 @@ class ParallelRun:
     """The strategy's part that holds its mesh and what each setup composes on it; the other parts read it.
 
     ``mesh``, ``comm`` (ZeRO's group and its collectives), ``tensor`` and ``sequence`` (the dimensions on the
-    mesh, when on) are made by the first setup and reused (Note [one mesh per strategy]); ``pipeline`` (this
-    rank's stage) and ``engine`` exist from setup to teardown (the engine when fitting, or evaluating a model built
-    sharded); ``last_runtime`` is the last fit's stage-3 runtime (its peak counters) and ``after_fit_refusal`` a
-    pipelined fit's reason why a save after it is incomplete.
+    mesh, when on) and ``everyone`` (every rank's collectives: the step-error agreement) are made by the first
+    setup and reused (Note [one mesh per strategy]); ``pipeline`` (this rank's stage) and ``engine`` exist from
+    setup to teardown (the engine when fitting, or evaluating a model built sharded); ``last_runtime`` is the last
+    fit's stage-3 runtime (its peak counters) and ``after_fit_refusal`` a pipelined fit's reason why a save after
+    it is incomplete.
 
     Args:
         host: the strategy, whose settings are read at each setup (a subclass may change them before).
@@ -124,8 +141,10 @@ class ParallelRun:
         self._host = host
         self.mesh: ProcessMesh | None = None
         self.comm: DataParallelComm | None = None
+        self.everyone: DataParallelComm | None = None  # every rank of the run: the step-error agreement
         self.tensor: StrategyTensorParallel | None = None
         self.sequence: StrategySequenceParallel | None = None
+        self.expert: StrategyExpertParallel | None = None
         self.pipeline: StrategyPipeline | None = None
         self.engine: ZeroEngine | None = None
         self.last_runtime: Stage3Runtime | None = None
@@ -135,10 +154,12 @@ class ParallelRun:
         """This setup's groups: the strategy's mesh while they live, else a new one (collective over the world)."""
         h = self._host
         made = new_strategy_mesh(
-            self.mesh, self.comm, h.pipeline_config, h.tensor_parallel, h.sequence_parallel, h.zero_config
+            self.mesh, self.comm, h.pipeline_config, h.tensor_parallel, h.sequence_parallel, h.zero_config,
+            expert_size(h.expert_parallel, h.lightning_module),
         )
         if made is not None:
             self.mesh, self.comm, self.tensor, self.sequence = made.mesh, made.comm, made.tensor, made.sequence
+            self.everyone, self.expert = made.everyone, made.expert
         assert self.mesh is not None
         return self.mesh
 
@@ -148,7 +169,8 @@ class ParallelRun:
         compared across ranks)."""
         h, module = self._host, self._host.lightning_module
         assert self.mesh is not None and self.comm is not None and module is not None
-        plan = ParallelPlan(h.zero_config, h.offload, h.pipeline_config, h.param_init_fn, self.tensor, self.sequence)
+        plan = ParallelPlan(h.zero_config, h.offload, h.pipeline_config, h.param_init_fn, self.tensor, self.sequence,
+                            self.expert)
         composed = apply_parallelisms(
             module, self.mesh, self.comm, plan, h.precision_plugin, h.root_device, make_optimizer, settings
         )

@@ -7,11 +7,13 @@ its Lightning hooks delegate here, passing Lightning's own implementation where 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -38,6 +40,7 @@ from lightning_zero.lightning.mesh_setup import ParallelRun
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.state_files import open_state_dict
 from lightning_zero.lightning.steps import StepDispatch
+from lightning_zero.moe.checkpoint import ExpertParallelCheckpoint
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
@@ -45,6 +48,28 @@ from lightning_zero.tensor_parallel.lightning import refuse_pipeline_checkpoint
 from lightning_zero.tensor_parallel.pipeline_checkpoint import pipelined_sharded_parts
 
 Fallback = Callable[..., Any]  # Lightning's own implementation of the hook (the strategy's super())
+
+# Note [state dicts for the strategy's own save]
+#   ``Trainer.save_checkpoint`` (and ``ModelCheckpoint`` through it) builds the checkpoint dict in Lightning's
+#   ``_CheckpointConnector.dump_checkpoint``, which calls the strategy's ``lightning_module_state_dict`` and
+#   ``optimizer_state``, then hands the dict to the strategy's ``save_checkpoint``. In the sharded format that save
+#   writes every rank's shards and ignores both entries, so gathering them there would only put the whole model on
+#   every rank for nothing: for that caller alone the hooks return ``{}`` (docs/checkpoints.md: the hooks of a
+#   sharded save see them empty). Any other caller (a callback exporting weights at ``on_train_end``, a user after
+#   fit) gets the whole state, in every format. Lightning passes no flag saying who calls, so the hook looks at
+#   its caller's code: ``dump_checkpoint``'s own functions. Were they renamed, every caller would get the whole
+#   state (correct, only costlier), and tests/distributed/test_state_after_call.py, which checks both, would fail.
+_DUMP_CODES = frozenset(
+    getattr(_CheckpointConnector, name).__code__ for name in ("dump_checkpoint", "_get_lightning_module_state_dict")
+    if hasattr(_CheckpointConnector, name)
+)
+
+
+def called_by_checkpoint_dump(depth: int = 1) -> bool:
+    """Whether the strategy hook running ``depth`` frames above this call was called by Lightning's checkpoint dump
+    (Note [state dicts for the strategy's own save]): 1, the hook called this function itself."""
+    caller = sys._getframe(depth + 1)
+    return caller.f_code in _DUMP_CODES
 
 
 class CheckpointHost(Protocol):
@@ -110,12 +135,16 @@ class StrategyCheckpointing:
             state = open_state_dict(source)
             if self._run.tensor is not None:  # whole tensors cut to this rank's TP slices
                 state = TensorParallelCheckpoint.split_state_dict(state, module, prefix)
+            if self._expert_parallel() is not None:  # and to this rank's experts
+                state = ExpertParallelCheckpoint.split_state_dict(state, module, prefix)
             load_full_state_dict(self._run.engine, state, prefix, strict)
             host.precision_plugin.refresh_originals(module, state, prefix)  # frozen parameters
             return
         state = open_state_dict(source)
         if self._run.tensor is not None:  # a split module (a finished fit's) takes its slices
             state = TensorParallelCheckpoint.split_state_dict(state, module, prefix)
+        if self._expert_parallel() is not None:
+            state = ExpertParallelCheckpoint.split_state_dict(state, module, prefix)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         with host.precision_plugin.whole_precision(module):  # Note [loading a converted module]
             module.load_state_dict(own, strict=strict)
@@ -157,15 +186,33 @@ class StrategyCheckpointing:
         tp, module = self._run.tensor, self._host.lightning_module
         return tp.checkpoint if tp is not None and module is not None and tp.splits(module) else None
 
-    def lightning_module_state_dict(self, fallback: Fallback) -> dict[str, Any]:
+    def _expert_parallel(self) -> ExpertParallelCheckpoint | None:
+        """The expert-parallel side when this strategy split the module's experts (they are unsplit when saved)."""
+        ep, module = self._run.expert, self._host.lightning_module
+        return ExpertParallelCheckpoint(ep.ep) if ep is not None and module is not None and ep.splits(module) else None
+
+    def _unsplit(self, state: dict[str, Any], module: Any) -> dict[str, Any]:
+        """A state dict of this rank's module with its TP slices and experts whole (collectives over those groups)."""
+        tp, ep = self._tensor_parallel(), self._expert_parallel()
+        state = tp.unsplit_state_dict(state, module) if tp is not None else state
+        return ep.unsplit_state_dict(state, module) if ep is not None else state
+
+    def _unsplit_optimizer(self, state: dict[str, Any], params: list[Any]) -> dict[str, Any]:
+        tp, ep = self._tensor_parallel(), self._expert_parallel()
+        state = tp.unsplit_optimizer_state(state, params) if tp is not None else state
+        return ep.unsplit_optimizer_state(state, params) if ep is not None else state
+
+    def lightning_module_state_dict(self, fallback: Fallback, for_save: bool) -> dict[str, Any]:
         """Whole tensors (stage 3 gathers them unit by unit; tensor-parallel slices are gathered over the TP
-        group and unsplit; every rank calls this). With an fp32 master the checkpoint holds fp32 weights
-        (the masters, gathered), like the module before the cast, so a resumed run starts from exact masters."""
-        engine, module, tp = self._run.engine, self._host.lightning_module, self._tensor_parallel()
+        group and unsplit, experts over the expert-parallel group; every rank calls this). With an fp32 master the
+        checkpoint holds fp32 weights (the masters, gathered), like the module before the cast, so a resumed run
+        starts from exact masters. ``for_save``: called by Lightning's checkpoint dump, which a sharded save ignores
+        (``{}`` then: Note [state dicts for the strategy's own save])."""
+        engine, module = self._run.engine, self._host.lightning_module
         if engine is None or module is None:
             state = fallback()
-            return tp.unsplit_state_dict(state, module) if tp is not None and module is not None else state
-        if self._writes_shards:
+            return self._unsplit(state, module) if module is not None else state
+        if for_save and self._writes_shards:
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
         pipeline = self._run.pipeline
         if pipeline is not None and pipeline.checkpoint is not None:  # unsplit names, all stages
@@ -180,26 +227,26 @@ class StrategyCheckpointing:
                     state[key] = masters[p]
                 elif isinstance(value, Tensor) and value.is_floating_point():
                     state[key] = value.to(engine.dtypes.master_dtype)
-        return tp.unsplit_state_dict(state, module) if tp is not None else state
+        return self._unsplit(state, module)
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: Optimizer, for_save: bool) -> dict[str, Any]:
+        """The whole optimizer state, numbered as the unsplit optimizer's, on rank 0 (``{}`` elsewhere; a
+        collective). ``for_save``: as for :meth:`lightning_module_state_dict`."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self._writes_shards:
+        if for_save and self._writes_shards:
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
         engine, pipeline = self._run.engine, self._run.pipeline
         if pipeline is not None and pipeline.checkpoint is not None and engine is not None:
             state = pipeline.checkpoint.optimizer_state(engine)  # numbered as the unsplit optimizer's
             return state if self._host.is_global_zero else {}
-        tp = self._tensor_parallel()
         if engine is None or engine.sharded is None:
             state = optimizer.state_dict()
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            return tp.unsplit_optimizer_state(state, params) if tp is not None else state
-        # world-size independent: the state of the original parameters, gathered from all shards
+            return self._unsplit_optimizer(state, [p for g in optimizer.param_groups for p in g["params"]])
+        # world-size independent: the state of the original parameters, gathered from all shards, and TP- and
+        # EP-size independent: split tensors whole
         state = full_optimizer_state(engine.sharded, engine.comm)
-        if tp is not None:  # and TP-size independent: split tensors whole
-            state = tp.unsplit_optimizer_state(state, [p for ps in engine.sharded.original_params for p in ps])
+        state = self._unsplit_optimizer(state, [p for ps in engine.sharded.original_params for p in ps])
         return state if self._host.is_global_zero else {}
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any], fallback: Fallback) -> None:
@@ -211,20 +258,26 @@ class StrategyCheckpointing:
                 pipeline.checkpoint.load_optimizer_state(engine, dict(state),
                                                          tp.split_optimizer_state if tp is not None else None)
             return None
-        tp = self._tensor_parallel()
+        tp, ep = self._tensor_parallel(), self._expert_parallel()
         if engine is None or engine.sharded is None or engine.sharded.whole:
             if any(isinstance(s.get("state"), Mapping) and not isinstance(s.get("state"), dict) for s in states):
                 states = [materialize_optimizer_state(s) for s in states]
-            if tp is not None and engine is not None:  # whole tensors cut to this rank's slices
+            if engine is not None:  # whole tensors cut to this rank's slices and experts
                 params = [p for g in engine.optimizer.param_groups for p in g["params"]]
-                states = [tp.split_optimizer_state(s, params) for s in states]
+                states = [tp.split_optimizer_state(s, params) if tp is not None else s for s in states]
+                states = [ep.split_optimizer_state(s, params) if ep is not None else s for s in states]
             return fallback({**checkpoint, "optimizer_states": states})
         for state in states[:1]:  # one optimizer (checked at setup)
-            if isinstance(state.get("state"), LazyOptimizerState):  # a sharded checkpoint: owned slices only
+            if isinstance(state.get("state"), LazyOptimizerState) and ep is None:  # a sharded checkpoint: owned slices
                 load_owned_optimizer_state(engine, state)  # a TP slice reads its part (checkpoint/slices.py)
             else:
+                if isinstance(state.get("state"), LazyOptimizerState):  # whole, then cut to this rank's experts
+                    state = materialize_optimizer_state(state)
+                originals = [p for ps in engine.sharded.original_params for p in ps]
                 if tp is not None:
-                    state = tp.split_optimizer_state(state, [p for ps in engine.sharded.original_params for p in ps])
+                    state = tp.split_optimizer_state(state, originals)
+                if ep is not None:
+                    state = ep.split_optimizer_state(state, originals)
                 load_full_optimizer_state(engine.sharded, state)
         return None
 
@@ -236,8 +289,15 @@ class StrategyCheckpointing:
         return self._sharded_format() and self._run.engine is not None and host.zero_config.stage.shards_optimizer
 
     def _sharded_format(self) -> bool:
-        """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1)."""
+        """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1; with
+        expert parallelism ``"auto"`` is the consolidated format, ``"sharded"`` refused)."""
         fmt = self._host.checkpoint_format
+        if self._expert_parallel() is not None:
+            if fmt == "sharded":
+                raise CheckpointError("checkpoint_format='sharded' with expert parallelism is not built yet (each "
+                                      "rank's shards hold its own experts): use 'consolidated' or 'auto', whose "
+                                      "files hold the unsplit experts and resume at any expert-parallel size")
+            return False
         return fmt == "sharded" or (fmt == "auto" and self._host.zero_config.stage.shards_optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,
@@ -321,7 +381,7 @@ class StrategyCheckpointing:
             self._run.pipeline.load_local_state_dict(module, self._run.engine, state, strict)
             return None
         if self._run.engine is not None:  # after setup: into the shards
-            if isinstance(state, LazyStateDict):
+            if isinstance(state, LazyStateDict) and self._expert_parallel() is None:
                 load_owned_state_dict(self._run.engine, state, strict)  # this rank's slices only
                 self._host.precision_plugin.refresh_originals(module, state)  # frozen parameters
             else:

@@ -14,7 +14,7 @@ The strategy's Lightning hooks delegate here, passing Lightning's own step where
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
@@ -25,13 +25,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.rng import restore_rng
+from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.comm.deferred import settle_pending
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.mesh import Axis
+from lightning_zero.core.reliability.progress_record import RECORD
 from lightning_zero.lightning.mesh_setup import ParallelRun, parallel_dims
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.uneven import JoinedEvalLoader, check_training_batches
 from lightning_zero.pipeline.config import PipelineConfig
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
+from lightning_zero.reliability.step_errors import AGREEMENT_WAIT_S, FirstStepError, StepFailedElsewhere, step_failed
 from lightning_zero.tensor_parallel.config import TensorParallelConfig
 
 
@@ -66,13 +70,6 @@ class StepHost(Protocol):
     def num_processes(self) -> int: ...
 
 
-def _step_failed(ranks: list[int]) -> RuntimeError:
-    return RuntimeError(
-        f"training_step raised on data-parallel rank(s) {ranks}; stopping this rank too. "
-        "The traceback of the failing rank(s) says why."
-    )
-
-
 class StepDispatch:
     """The steps of a :class:`~lightning_zero.ZeroStrategy` (``host``; its engine, stage and groups: ``run``), and
     the random streams a resumed run continues at its first training step (:meth:`resume_rng`)."""
@@ -81,6 +78,7 @@ class StepDispatch:
         self._host = host
         self._run = run
         self._pending_rng: dict[str, Any] | None = None  # RNG states of a loaded sharded checkpoint
+        self._first_error = FirstStepError(None, 0)  # this fit's first failing rank (start_fit: the store's)
 
     def resume_rng(self, states: dict[str, Any] | None) -> None:
         """Continue these random streams at the next training step (``None``: forget any)."""
@@ -88,7 +86,9 @@ class StepDispatch:
 
     def start_fit(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
         """End of a fit's setup: a 1-bit Adam warm-up longer than the run is named; with an fp16 loss scaler, LR
-        schedulers skip the steps it skipped (:meth:`guard_lr_schedulers`)."""
+        schedulers skip the steps it skipped (:meth:`guard_lr_schedulers`); this fit's first step error gets its key
+        (Note [first step error])."""
+        self._first_error = FirstStepError.for_this_fit()
         if isinstance(optimizer, OneBitAdam) and (why := optimizer.warmup_outlasts(trainer.max_steps)):
             rank_zero_warn(why)
         if self._host.precision_plugin.scaler is not None:
@@ -131,28 +131,47 @@ class StepDispatch:
         if self._pending_rng is not None:  # resumed: continue the saved random streams (dropout, ...)
             restore_rng(self._pending_rng)
             self._pending_rng = None
-        comm = self._run.comm
+        comm = self._run.everyone  # every rank holding part of the model: data x tensor x pipeline x sequence
         if not self._host.check_step_errors or comm is None or not comm.active:
             return self._training_step(step, *args, **kwargs)
-        error: BaseException | None = None
+        broken = RECORD.broken
         try:
             output = self._training_step(step, *args, **kwargs)
-        except Exception as exc:
-            error = exc
-        # Note [deferred agreement] in core/comm/data_parallel.py: no synchronisation of its own per micro-step
-        agreement = comm.ranks_with_later(error is not None)
-        agreement.error_for = _step_failed
-        if error is not None:
-            agreement.ranks()  # the others learn of it before they wait on this rank
-            raise error
+        except StepFailedElsewhere:  # an earlier micro-step's agreement, settled inside this step
+            raise
+        except Exception as error:
+            raise self._failed(comm, error, RECORD.broken > broken)  # noqa: B904 - the error itself, or one naming its cause
+        # Note [deferred agreement] in core/comm/deferred.py: no synchronisation of its own per micro-step; any
+        # collective of the strategy settles it (ZeRO's, tensor or sequence parallel's, Lightning's)
+        agreement = comm.ranks_with_later(False)
+        agreement.error_for, agreement.when_lost = self._step_failed, self._first_failure
         comm.defer(agreement)
         return output
 
+    def _failed(self, comm: DataParallelComm, error: Exception, collective_broke: bool) -> BaseException:
+        """This rank's step raised ``error``: the others learn it, and the error to raise is ``error``, or, when a
+        collective of the strategy broke in the step (``collective_broke``) after another rank had failed, the one
+        naming that rank (Note [first step error] in reliability/step_errors.py)."""
+        first = self._first_error.claim(comm.rank)  # the everyone group: its ranks are the global ranks
+        with suppress(Exception):  # the others learn it before they wait on this rank, unless blocked elsewhere
+            comm.ranks_with_later(True).ranks_within(AGREEMENT_WAIT_S)
+        if not collective_broke or first is None or first == comm.rank:
+            return error
+        named = self._step_failed([first])
+        named.__cause__ = error
+        return named
+
+    def _first_failure(self) -> BaseException | None:
+        """An agreement broke (a rank's process ended): the error naming the first failing rank, where posted."""
+        first = self._first_error.first()
+        return None if first is None else self._step_failed([first])
+
+    def _step_failed(self, ranks: list[int]) -> StepFailedElsewhere:
+        return step_failed(self._run.mesh.dims if self._run.mesh is not None else None)(ranks)
+
     def settle_step_errors(self) -> None:
         """Raise here a step error of another rank not yet settled (before Lightning's own collectives)."""
-        comm = self._run.comm
-        if comm is not None:
-            comm.settle_deferred()
+        settle_pending()
 
     def _training_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         host = self._host

@@ -46,8 +46,9 @@ from lightning_zero.lightning.mesh_setup import ParallelRun
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.registry import register_zero_strategies
 from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
-from lightning_zero.lightning.state import StrategyCheckpointing
+from lightning_zero.lightning.state import StrategyCheckpointing, called_by_checkpoint_dump
 from lightning_zero.lightning.steps import StepDispatch
+from lightning_zero.moe.config import ExpertParallelConfig
 from lightning_zero.observability.callbacks import add_monitor
 from lightning_zero.observability.monitoring import ProfilerWindow
 from lightning_zero.pipeline.config import PipelineConfig
@@ -90,6 +91,8 @@ class ZeroStrategy(DDPStrategy):
             plan): the planned layers split across adjacent ranks, ZeRO over data only (docs/tensor_parallel.md).
         sequence_parallel: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md; the module needs
             ``configure_sequence_parallel``): ZeRO partitions over data x sequence.
+        expert_parallel: ranks per expert-parallel group or an :class:`~lightning_zero.ExpertParallelConfig`: each MoE
+            layer's experts split over data ranks, tokens sent to them (docs/expert_parallel.md).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for Lightning's ``DDPStrategy``.
         resolved_config: the CLI's resolved config, which must agree on every rank (Note [setup agreement]).
@@ -118,6 +121,7 @@ class ZeroStrategy(DDPStrategy):
         offload: OffloadConfig | None = None,
         tensor_parallel: int | TensorParallelConfig | None = None,
         sequence_parallel: int = 1,
+        expert_parallel: int | ExpertParallelConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -133,6 +137,7 @@ class ZeroStrategy(DDPStrategy):
             precision_plugin=precision_plugin, checkpoint_format=checkpoint_format, monitor=monitor, profiler=profiler,
             pipeline=pipeline, offload=offload, offload_optimizer=offload_optimizer, offload_param=offload_param,
             nvme_path=nvme_path, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+            expert_parallel=expert_parallel,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -142,6 +147,7 @@ class ZeroStrategy(DDPStrategy):
         )
         self.zero_config, self.offload, self.pipeline_config = opts.zero_config, opts.offload, opts.pipeline_config
         self.tensor_parallel, self.sequence_parallel = opts.tensor_parallel, opts.sequence_parallel
+        self.expert_parallel = opts.expert_parallel
         self.checkpoint_format, self.monitor, self.profiler = opts.checkpoint_format, opts.monitor, opts.profiler
         self.check_step_errors, self.param_init_fn = check_step_errors, param_init_fn
         self.gather_on_teardown = gather_on_teardown
@@ -228,11 +234,15 @@ class ZeroStrategy(DDPStrategy):
     # ------------------------------------------------------------------ state dicts and files (state.py)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._checkpointing.lightning_module_state_dict(super().lightning_module_state_dict)
+        """The module's whole state dict, at every stage and checkpoint format (a collective: call it on every
+        rank). Only Lightning's own checkpoint dump of a sharded save gets ``{}`` (Note [state dicts for the
+        strategy's own save] in state.py)."""
+        return self._checkpointing.lightning_module_state_dict(super().lightning_module_state_dict,
+                                                               called_by_checkpoint_dump())
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self._checkpointing.optimizer_state(optimizer)
+        return self._checkpointing.optimizer_state(optimizer, called_by_checkpoint_dump())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

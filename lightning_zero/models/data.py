@@ -1,74 +1,25 @@
 """Byte-level text corpus, datasets, a deterministic rank-aware sampler and a LightningDataModule.
 
 The default corpus is the Python standard library's own source (present on every machine, no
-download). Tokenisation is the identity on bytes (vocabulary 256).
+download). Tokenisation is the identity on bytes (vocabulary 256), or a ``transformers`` tokenizer from a local
+directory (``tokenizer=``, what ``save_pretrained`` wrote: a Hugging Face model's own).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sysconfig
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_zero.models.corpus import chunk_count, load_corpus, split_corpus
+from lightning_zero.models.corpus import list_corpus_files as list_corpus_files  # the documented path
+from lightning_zero.models.corpus import stdlib_path as stdlib_path
+
 VOCAB_SIZE = 256
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
-
-
-def stdlib_path() -> Path:
-    """Directory of the running interpreter's pure-Python standard library."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def list_corpus_files(path: str | os.PathLike[str] | None = None, pattern: str | None = None) -> list[Path]:
-    """Files making up a corpus, in sorted (deterministic) relative-path order.
-
-    ``path=None`` means the standard library (``*.py``, skipping ``site-packages`` and ``test``/``tests``
-    directories). A file path is returned as is; a directory is searched recursively for ``pattern``
-    (default ``*.py`` for the standard library, ``*`` otherwise), skipping the same directories.
-    """
-    root = stdlib_path() if path is None else Path(path)
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise FileNotFoundError(f"corpus path {root} does not exist")
-    pattern = pattern or ("*.py" if path is None else "*")
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
-        found.extend(Path(dirpath, f) for f in filenames if Path(f).match(pattern))
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
-def load_corpus(
-    path: str | os.PathLike[str] | None = None, max_bytes: int | None = 8_000_000, pattern: str | None = None
-) -> torch.Tensor:
-    """Concatenate the corpus files (newline separated) into a 1-D ``uint8`` tensor of at most ``max_bytes``.
-
-    Unreadable files are skipped; reading stops as soon as the cap is reached, so start-up is fast.
-    """
-    chunks: list[bytes] = []
-    total = 0
-    for file in list_corpus_files(path, pattern):
-        if max_bytes is not None and total >= max_bytes:
-            break
-        try:
-            raw = file.read_bytes()
-        except OSError:
-            continue
-        if raw:
-            chunks.append(raw + b"\n")
-            total += len(raw) + 1
-    data = b"".join(chunks)[:max_bytes]
-    if len(data) < 2:
-        raise ValueError(f"corpus at {path or stdlib_path()} is empty")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def markov_corpus(num_bytes: int, seed: int = 0, branching: int = 4) -> torch.Tensor:
@@ -86,21 +37,13 @@ def markov_corpus(num_bytes: int, seed: int = 0, branching: int = 4) -> torch.Te
     return torch.tensor(out, dtype=torch.uint8)
 
 
-def split_corpus(data: torch.Tensor, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split into (train, validation); the validation part is the last ``val_fraction`` of the bytes."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError("val_fraction must be in [0, 1)")
-    n_val = int(len(data) * val_fraction)
-    return data[: len(data) - n_val], data[len(data) - n_val :]
-
-
 class TokenChunkDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Contiguous chunks of ``seq_len + 1`` bytes at stride ``seq_len``; item = (inputs, inputs shifted by 1)."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, max_samples: int | None = None) -> None:
         self.data = data
         self.seq_len = seq_len
-        n = max(0, (len(data) - 1) // seq_len)
+        n = chunk_count(len(data), seq_len)
         if max_samples is not None and n > max_samples:
             self.starts = torch.linspace(0, n - 1, max_samples).long() * seq_len  # evenly spread subset
         else:
@@ -288,6 +231,14 @@ class ShardedDataModule(LightningDataModule):
         """Validation loader (in order; with ``deterministic_order`` sharded by our sampler, padded)."""
         return self._split_loader(train=False)
 
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split again (``lightning-zero test``): there is no third split."""
+        return self._split_loader(train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out split (``lightning-zero predict``)."""
+        return self._split_loader(train=False)
+
 
 class TextDataModule(ShardedDataModule):
     """Byte-level language-modelling data: stdlib source (default), a user file/directory, or synthetic.
@@ -305,6 +256,8 @@ class TextDataModule(ShardedDataModule):
         max_val_samples: evaluate on at most this many evenly spaced validation chunks (``None`` = all).
         synthetic: use :func:`markov_corpus` (``max_bytes`` bytes) instead of files.
         pattern: filename glob for directory corpora.
+        tokenizer: a local directory holding a ``transformers`` tokenizer: the corpus (decoded as UTF-8) is its
+            token ids, split and chunked like bytes (``None``: bytes).
     """
 
     def __init__(
@@ -320,6 +273,7 @@ class TextDataModule(ShardedDataModule):
         max_val_samples: int | None = 128,
         synthetic: bool = False,
         pattern: str | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__(micro_batch_size, num_workers, seed, deterministic_order)
         self.seq_len = seq_len
@@ -329,6 +283,7 @@ class TextDataModule(ShardedDataModule):
         self.max_val_samples = max_val_samples
         self.synthetic = synthetic
         self.pattern = pattern
+        self.tokenizer = tokenizer
         self.vocab_size = VOCAB_SIZE
 
     def setup(self, stage: str | None = None) -> None:
@@ -339,9 +294,23 @@ class TextDataModule(ShardedDataModule):
             data = markov_corpus(self.max_bytes or 1_000_000, seed=self.seed)
         else:
             data = load_corpus(self.path, self.max_bytes, self.pattern)
+        if self.tokenizer is not None:
+            data, self.vocab_size = tokenize(data, self.tokenizer)
         train, val = split_corpus(data, self.val_fraction)
         self.train_dataset = TokenChunkDataset(train, self.seq_len)
         self.val_dataset = TokenChunkDataset(val, self.seq_len, self.max_val_samples)
+
+
+def tokenize(data: torch.Tensor, tokenizer: str) -> tuple[torch.Tensor, int]:
+    """The token ids (``int32``) of a byte corpus decoded as UTF-8, by the tokenizer saved in directory
+    ``tokenizer`` (no special tokens added), and the tokenizer's vocabulary size."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    ids = tok(bytes(data.numpy()).decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+    if len(ids) < 2:
+        raise ValueError(f"the corpus is {len(ids)} token(s) long with the tokenizer of {tokenizer}")
+    return torch.tensor(ids, dtype=torch.int32), len(tok)
 
 
 def log_train_loss(module: Any, loss: torch.Tensor, batch_size: int) -> None:
@@ -353,3 +322,23 @@ def log_train_loss(module: Any, loss: torch.Tensor, batch_size: int) -> None:
     trainer = module._trainer
     monitored = trainer is not None and any(isinstance(c, ZeroStatsMonitor) for c in trainer.callbacks)
     module.log("train_loss", loss, prog_bar=not monitored, logger=not monitored, batch_size=batch_size)
+
+
+class NextTokenSteps:
+    """The training and validation steps of the language models (a mixin of a LightningModule with
+    ``loss(batch)``): the mean next-token loss of an ``(inputs, targets)`` batch, logged as ``train_loss``
+    (:func:`log_train_loss`) and ``val_loss`` (synchronised over the ranks). Training minimises
+    :meth:`training_loss` (the loss, plus what a model adds to it: the GPT's MoE router losses)."""
+
+    def training_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.loss(batch)  # type: ignore[attr-defined]
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.training_loss(batch)
+        log_train_loss(self, loss, batch[0].size(0))
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)  # type: ignore[attr-defined]
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch[0].size(0))  # type: ignore[attr-defined]
+        return loss

@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
-from lightning_zero.models.data import log_train_loss
+from lightning_zero.models.data import NextTokenSteps
 from lightning_zero.models.gpt_blocks import MLP, Block, CausalSelfAttention
 from lightning_zero.models.gpt_config import GPT_PRESETS, GPTConfig, resolve_config
 from lightning_zero.models.gpt_model import GPT, GPTEmbedding, GPTHead, count_parameters, gpt_param_init
@@ -63,7 +63,7 @@ def lr_lambda(kind: str | None, warmup_steps: int, total_steps: int, min_lr_rati
     return factor
 
 
-class GPTLightningModule(LightningModule):
+class GPTLightningModule(NextTokenSteps, LightningModule):
     """Language-model training of :class:`GPT` with AdamW/Adam/SGD and an optional warmup/decay schedule.
 
     Args:
@@ -174,15 +174,12 @@ class GPTLightningModule(LightningModule):
             return self.pipeline_loss(self(x), y)
         return sp.loss(self(sp.slice(x)), sp.slice(y))
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """:meth:`loss` plus, with the MoE option, the weighted router losses of that forward (what is trained on;
+        the validation loss is the cross-entropy alone)."""
         loss = self.loss(batch)
-        log_train_loss(self, loss, batch[0].size(0))
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch[0].size(0))
-        return loss
+        router = self.model.router_loss() if self.model is not None else None
+        return loss if router is None else loss + router
 
     def _decay_horizon(self) -> int:
         hp = self.hparams

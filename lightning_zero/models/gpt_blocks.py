@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zero.models.gpt_config import GPTConfig
+from lightning_zero.models.gpt_config import GPTConfig, GPTMoE
+from lightning_zero.moe import GroupedMLPExperts, MoELayer, RoutingPolicy, TopKGate
 from lightning_zero.sequence_parallel import SequenceGroup
 from lightning_zero.sparse_attention import (
     SparseAttentionUtils,
@@ -96,15 +97,23 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
+def moe_mlp(config: GPTConfig, moe: GPTMoE) -> MoELayer:
+    """The MoE option's MLP: a top-k router and E GELU expert MLPs as grouped products (moe/layer.py)."""
+    policy = RoutingPolicy(moe.num_experts, moe.top_k, moe.capacity_factor, moe.eval_capacity_factor,
+                           moe.min_capacity)
+    experts = GroupedMLPExperts(moe.num_experts, config.n_embd, moe.intermediate_size or 4 * config.n_embd, "gelu")
+    return MoELayer(TopKGate(config.n_embd, policy), experts, moe.num_experts)
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
+    """Pre-LayerNorm transformer block (with ``config.moe``, its MLP is a mixture of experts)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = moe_mlp(config, config.moe) if config.moe is not None else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

@@ -10,6 +10,45 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 
+@dataclass(frozen=True)
+class GPTMoE:
+    """The GPT's mixture-of-experts option: every block's MLP becomes ``num_experts`` expert MLPs (GELU, no bias,
+    ``intermediate_size`` wide, default 4 x n_embd) behind a top-k router (docs/expert_parallel.md).
+
+    Args:
+        num_experts: E (0: the dense MLP).
+        top_k: experts per token.
+        capacity_factor: training capacity factor; ``None``: dropless (Note [token-choice routing] in
+            moe/routing.py).
+        eval_capacity_factor: the same outside training (``None``: dropless).
+        min_capacity: the least capacity of an expert when dropping.
+        aux_loss_coef: the load-balancing loss's weight in the training loss (summed over the blocks).
+        z_loss_coef: the router z-loss's weight.
+        intermediate_size: each expert's hidden width (``None``: 4 x n_embd).
+    """
+
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = None
+    eval_capacity_factor: float | None = None
+    min_capacity: int = 0
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    intermediate_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"model.moe.num_experts must be a non-negative integer, got {self.num_experts!r}")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"model.moe.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+            raise ValueError("model.moe.aux_loss_coef and z_loss_coef must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+
 @dataclass
 class GPTConfig:
     """Shape of a :class:`GPT`. ``seq_len`` is the maximum context (size of the position embedding)."""
@@ -24,6 +63,14 @@ class GPTConfig:
     tie_weights: bool = True
     # a DeepSpeed ``sparse_attention`` section (``mode`` + keys, docs/sparse_attention.md); None: dense SDPA
     sparse_attention: dict[str, Any] | None = None
+    # mixture of experts (a GPTMoE, or its fields as a dict); None: dense MLPs
+    moe: GPTMoE | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = GPTMoE(**self.moe)
+        if self.moe is not None and not self.moe.enabled:
+            self.moe = None
 
 
 # Parameter counts (tied weights, vocab 256) are listed in the comments; see tests/unit/test_experiments.py.

@@ -7,6 +7,7 @@ estimator import (no Lightning in the launcher: Note [lazy package names] in ``c
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_zero.core.stage3.materialize import ParamInitFn, default_init, initialize_like_sharded
 from lightning_zero.models.gpt_blocks import Block
 from lightning_zero.models.gpt_config import GPTConfig, resolve_config
+from lightning_zero.moe import GroupedMLPExperts, MoELayer
 from lightning_zero.sequence_parallel import SequenceGroup
 
 
@@ -59,10 +61,26 @@ class GPT(nn.Module):
         if whole > self.config.seq_len:
             raise ValueError(f"sequence length {whole} exceeds the model's seq_len {self.config.seq_len}")
         pos = torch.arange(t, device=idx.device) if sp is None else sp.positions(t, idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        with nullcontext() if sp is None else sp.dropout_stream(idx.device):  # split tokens: this rank's masks
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+
+    def router_loss(self) -> torch.Tensor | None:
+        """The MoE option's router losses of the last forward, weighted (``aux_loss_coef`` x the blocks' load-balancing
+        losses + ``z_loss_coef`` x their z-losses); ``None`` for a dense GPT."""
+        moe = self.config.moe
+        if moe is None:
+            return None
+        total: torch.Tensor | None = None
         for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+            layer = block.mlp
+            if not isinstance(layer, MoELayer) or layer.aux_loss is None or layer.z_loss is None:
+                continue
+            term = moe.aux_loss_coef * layer.aux_loss + moe.z_loss_coef * layer.z_loss
+            total = term if total is None else total + term
+        return total
 
 
 class GPTEmbedding(nn.Module):
@@ -96,6 +114,9 @@ def gpt_param_init(config: GPTConfig | str | dict[str, Any]) -> ParamInitFn:
     resid_std = 0.02 / math.sqrt(2 * resolve_config(config).n_layer)
 
     def init(module: nn.Module, name: str) -> None:
+        if isinstance(module, GroupedMLPExperts):  # the MoE option's experts: like the MLP they replace
+            module.reset_parameters(std=0.02, down_std=resid_std)
+            return
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             default_init(module, name)
             return
@@ -122,3 +143,11 @@ def count_parameters(config: GPTConfig | str | dict[str, Any]) -> int:
     with torch.device("meta"), _SkipInit():
         model = GPT(resolve_config(config))
     return sum(p.numel() for p in model.parameters())
+
+
+def state_shapes(config: GPTConfig | str | dict[str, Any], prefix: str = "model") -> dict[str, tuple[int, ...]]:
+    """The shape of every state-dict key of a GPT held as ``prefix`` (``GPTLightningModule.model``), as a
+    checkpoint names them; built on the meta device (not initialised)."""
+    with torch.device("meta"), _SkipInit():
+        model = GPT(resolve_config(config))
+    return {f"{prefix}.{key}": tuple(value.shape) for key, value in model.state_dict().items()}

@@ -38,6 +38,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.moe.stats import expert_groups, read_router_stats
 from lightning_zero.observability.dashboard import ZeroTensorBoardLogger
 from lightning_zero.observability.monitoring import (
     MEMORY_KEYS,
@@ -117,6 +118,7 @@ class ZeroStatsMonitor(pl.Callback):
         self._cuda = False
         self._comm: DataParallelComm | None = None  # the engine's, when its waits are measurable
         self._bytes_mark: tuple[int, int] | None = None  # (global step, engine bytes sent) at the last log
+        self._all_to_all_mark = (0, 0)  # (global step, MoE all-to-all bytes sent) at the last log
         self._grad_norm: float | None = None
         self._lrs: list[float] = []
         self._sums: dict[str, Any] = {}
@@ -291,9 +293,10 @@ class ZeroStatsMonitor(pl.Callback):
         return [dict(zip(_FIELDS, r.tolist())) for r in rows]
 
     def _log(self, trainer: pl.Trainer, rows: list[dict[str, float]]) -> None:
+        router = read_router_stats(trainer.lightning_module)  # every rank starts a new window
         if not trainer.is_global_zero:
             return
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = dict(router)
         micro = sum(r["micro_batches"] for r in rows)
         if micro:
             metrics["train/loss"] = sum(r["loss_sum"] for r in rows) / micro
@@ -320,6 +323,7 @@ class ZeroStatsMonitor(pl.Callback):
                 values = {rank_tag(topic, rank, k): r[f"{topic}/{k}"] for k in keys}
                 metrics.update({tag: v for tag, v in values.items() if math.isfinite(v)})
         metrics.update(self._traffic(trainer))
+        metrics.update(self._all_to_all(trainer))
         for logger in trainer.loggers:  # the step just taken: validation after it is logged at the same step
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -339,6 +343,16 @@ class ZeroStatsMonitor(pl.Callback):
         if ratio is not None:
             out["traffic/compression_ratio"] = float(ratio)
         return out
+
+    def _all_to_all(self, trainer: pl.Trainer) -> dict[str, float]:
+        """``traffic/all_to_all_bytes_per_step``: with expert parallelism, the bytes this rank's MoE layers sent to
+        the other expert-parallel ranks per optimizer step since the last log (Note [all-to-all bytes])."""
+        groups = {id(g): g for g in expert_groups(trainer.lightning_module)}.values()
+        if not groups:
+            return {}
+        step, sent = trainer.global_step, sum(g.bytes_sent for g in groups)
+        mark, self._all_to_all_mark = self._all_to_all_mark, (step, sent)
+        return {"traffic/all_to_all_bytes_per_step": (sent - mark[1]) / (step - mark[0])} if step > mark[0] else {}
 
     def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         bar: dict[str, float] = {}

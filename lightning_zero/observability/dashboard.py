@@ -8,8 +8,9 @@ What it changes against Lightning's ``TensorBoardLogger`` (docs/monitoring.md, "
   rate, gradient norm, fp16 loss scale and skipped steps, tokens/s, samples/s); Lightning's ``epoch``
   scalar is left out (it is in the CSV and the checkpoints);
 - one run per training run: a per-rank value is a tag of the run, ``time/rank<r>/step`` written as
-  ``time/step_rank<r>`` and ``memory/rank<r>/peak`` as ``memory/peak_rank<r>``, in MiB (the monitor's
-  names, in bytes, stay in the CSV);
+  ``time/step_rank<r>`` (seconds) and ``memory/rank<r>/peak`` as ``memory_MiB/peak_rank<r>``: in MiB, the unit in
+  the group's name, which TensorBoard shows above every memory chart (the monitor's names, in bytes, stay in the
+  CSV);
 - the custom-scalars layout lists only charts whose tags the run has written (no fp16 charts on an
   fp32 run), rewritten whenever a new tag appears; a per-rank chart has one line per rank;
 - :meth:`ZeroTensorBoardLogger.log_run_hparams` gives the HParams tab the run's choices and a short list of
@@ -30,6 +31,7 @@ from typing_extensions import override
 from lightning_zero.observability.monitoring import dashboard_layout, flatten_hparams
 
 MIB = 2**20
+MEMORY_GROUP = "memory_MiB"  # the TensorBoard group of the per-rank memory scalars: their unit in its name
 # monitor / module name -> TensorBoard tag (the CSV and callback_metrics keep the monitor's names): the groups
 # `loss` and `main` sort first, so they are the two that TensorBoard's Time Series opens
 RENAMED: dict[str, str] = {
@@ -47,14 +49,16 @@ _LR_GROUP = re.compile(r"train/lr_pg(\d+)")
 def tensorboard_scalar(name: str, value: float) -> tuple[str, float] | None:
     """The tag and value :class:`ZeroTensorBoardLogger` writes for the metric ``name`` (``None``: left out).
 
-    Per-rank values become tags of the one run, ``time/<key>_rank<r>`` (seconds) and ``memory/<key>_rank<r>``
+    Per-rank values become tags of the one run, ``time/<key>_rank<r>`` (seconds) and ``memory_MiB/<key>_rank<r>``
     (MiB, from the monitor's bytes); the run's vital signs move to the ``main`` group."""
     if name in LEFT_OUT:
         return None
     match = _PER_RANK.fullmatch(name)
     if match:
         topic, rank, key = match.groups()
-        return f"{topic}/{key}_rank{rank}", value / MIB if topic == "memory" else value
+        if topic == "memory":
+            return f"{MEMORY_GROUP}/{key}_rank{rank}", value / MIB
+        return f"{topic}/{key}_rank{rank}", value
     match = _LR_GROUP.fullmatch(name)
     if match:
         return f"main/lr_pg{match.group(1)}", value
@@ -70,7 +74,7 @@ def tensorboard_tag(name: str) -> str:
 def comparable_metrics(world_size: int) -> list[str]:
     """The HParams tab's metric columns: the final training and validation loss, tokens/s, each rank's peak
     memory (MiB)."""
-    return ["loss/train", "loss/val", "main/tokens_per_s", *(f"memory/peak_rank{r}" for r in range(world_size))]
+    return ["loss/train", "loss/val", "main/tokens_per_s", *(f"{MEMORY_GROUP}/peak_rank{r}" for r in range(world_size))]
 
 
 class ZeroTensorBoardLogger(TensorBoardLogger):

@@ -55,8 +55,14 @@ def _dashboard_charts() -> dict[str, dict[str, str]]:
         "communication": {"bytes sent per optimizer step (rank 0, ring model)": r"^traffic/bytes_per_step$",
                           "compression ratio (1-bit Adam: fp32 all-reduce bytes / bytes sent)":
                               r"^traffic/compression_ratio$"},
+        "mixture of experts (rank 0's routing since the last log)": {
+            "tokens per expert (kept assignments, all MoE layers)": r"^moe/tokens_per_expert/\d+$",
+            "dropped tokens (assignments over capacity)": r"^moe/dropped_tokens$",
+            "load imbalance (busiest expert / mean)": r"^moe/load_imbalance$",
+            "router losses (load balancing, z)": r"^moe/(aux|z)_loss$",
+            "expert all-to-all bytes per optimizer step (rank 0)": r"^traffic/all_to_all_bytes_per_step$"},
         "step time per rank (s)": {f"{key} time (s)": rf"^time/{key}_rank\d+$" for key in TIME_KEYS},
-        "memory per rank (MiB)": {f"{key} memory (MiB)": rf"^memory/{key}_rank\d+$" for key in MEMORY_KEYS},
+        "memory per rank (MiB)": {f"{key} memory (MiB)": rf"^memory_MiB/{key}_rank\d+$" for key in MEMORY_KEYS},
     }
 
 

@@ -7,7 +7,9 @@ than one rank and ``hang_timeout_s > 0``. Every rank prints the same finding to 
 with exit code :data:`HANG_EXIT_CODE` (75: a rank is silent) or :data:`STUCK_EXIT_CODE` (76: every
 rank alive, none making progress) through ``os._exit``: its main thread is blocked inside a
 collective that will not complete. Under torchrun that ends the job: the agent stops the other
-ranks once one exits non-zero.
+ranks once one exits non-zero; a silent rank on the reporting rank's host is ended first (SIGKILL), since
+a stopped process does not act on the agent's SIGTERM (Note [ending a silent rank] in
+core/reliability/rank_process.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing_extensions import override
 from lightning_zero.core.reliability.hang_finding import SILENT_EXIT_CODE, STUCK_EXIT_CODE
 from lightning_zero.core.reliability.heartbeat import HangReport, HeartbeatWatchdog, interval_for
 from lightning_zero.core.reliability.progress_record import RECORD, ProgressRecord
+from lightning_zero.core.reliability.rank_process import end_silent_ranks
 
 HANG_EXIT_CODE = SILENT_EXIT_CODE  # 75, EX_TEMPFAIL: the job may well succeed when restarted without the hung host
 __all__ = ["HANG_EXIT_CODE", "STUCK_EXIT_CODE", "HangWatchdog", "RecordedCollectives", "add_hang_watchdog"]
@@ -75,6 +78,11 @@ class HangWatchdog(pl.Callback):
         print(report.message(), file=sys.stderr, flush=True)
         if self.watchdog is not None and report.kind != "store":
             self.watchdog.settle(2 * interval_for(self.timeout_s) + 0.5)
+        # Note [ending a silent rank]: its launcher ends the job now. After the settle: every live rank has its
+        # finding printed (a collective with the ended rank then fails at once, which would cut a report short)
+        for ended in end_silent_ranks(report.silent):
+            print(f"[lightning-zero] rank {report.rank} ended the silent rank {ended.rank} (pid {ended.pid}) with "
+                  "SIGKILL: a stopped process does not act on its launcher's SIGTERM.", file=sys.stderr, flush=True)
         os._exit(report.exit_code)
 
     def start(self, rank: int, world_size: int) -> None:

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.core.comm.deferred import strategy_collective
+
 
 @dataclass
 class Traffic:
@@ -48,7 +50,8 @@ def _exchange(stacked: Tensor, group: dist.ProcessGroup | None, traffic: Traffic
     if size == 1:
         return stacked
     out = torch.empty_like(stacked)
-    dist.all_to_all_single(out, stacked, group=group)
+    with strategy_collective("sequence-parallel all_to_all"):  # Note [progress record], Note [deferred agreement]
+        dist.all_to_all_single(out, stacked, group=group)
     return out
 
 

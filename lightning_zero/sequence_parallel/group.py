@@ -19,6 +19,7 @@ Note [token-weighted loss over data x sequence]
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_zero.core.comm.deferred import strategy_collective
 from lightning_zero.sequence_parallel.all_to_all import Traffic, gather_heads, group_size, scatter_heads
+from lightning_zero.tensor_parallel.rng import SEQUENCE_SEED_OFFSET, SplitRegionRNG
 
 IGNORE_INDEX = -100
 
@@ -38,15 +41,19 @@ class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
         ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return _summed(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _summed(grad, ctx.group), None
+
+
+def _summed(x: Tensor, group: Any) -> Tensor:
+    """A copy of ``x`` summed over ``group`` (recorded for the hang watchdog)."""
+    out = x.clone()
+    with strategy_collective("sequence-parallel all_reduce (loss)"):
+        dist.all_reduce(out, group=group)
+    return out
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,16 @@ class SequenceGroup:
             q, k, v = scatter_heads(torch.cat((q, k, v)), self.group, self.traffic).split(b)
         else:
             q, k, v = (scatter_heads(z, self.group, self.traffic) for z in (q, k, v))
-        return gather_heads(local_attention(q, k, v, *args, **kwargs), self.group, self.traffic)
+        with self.dropout_stream(q.device):  # this rank's heads: its own attention dropout masks
+            out = local_attention(q, k, v, *args, **kwargs)
+        return gather_heads(out, self.group, self.traffic)
+
+    def dropout_stream(self, device: torch.device) -> Any:
+        """``with group.dropout_stream(x.device):`` around computation on this rank's split activations (its
+        tokens, or after the all-to-all its heads): dropout draws this rank's masks, independent of the other
+        ranks', from a stream derived from the default one, so activation checkpointing recomputes them
+        exactly (Note [dropout streams] in tensor_parallel/rng.py). No change on one rank."""
+        return nullcontext() if self.size == 1 else SplitRegionRNG(self.rank, SEQUENCE_SEED_OFFSET).fork(device)
 
     def local_heads(self, sparse: Any) -> Any:
         """A :class:`~lightning_zero.sparse_attention.SparseSelfAttention` over this rank's heads after the

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_zero.core.errors import UsageError
 from lightning_zero.core.mesh import Axis, ParallelDims, ProcessMesh
 from lightning_zero.sequence_parallel.checks import check_sequence_parallel
 from lightning_zero.sequence_parallel.group import SequenceGroup
@@ -40,7 +41,7 @@ class StrategySequenceParallel:
         """Tell ``module`` its sequence group; refuse a module that cannot take it."""
         hook = getattr(module, HOOK, None)
         if hook is None:
-            raise ValueError(
+            raise UsageError(
                 f"sequence_parallel={self.group.size}: {type(module).__name__} has no `{HOOK}(sequence_group)` "
                 "method, so nothing would split its sequences. The GPT experiment (lightning_zero.models.gpt) "
                 "has it; for your own model implement it (slice the batch, global positions, attention through "

@@ -16,6 +16,13 @@ take no probability and no gradient; with the masks applied as DeepSpeed applies
 mask is added to the scaled score; ``mul``: a zero in the mask means -inf) the result is dense
 attention with the layout as its mask. Matmuls run in the input dtype, the softmax in float32 (or
 float64), and the key / value gradients accumulate in float32 for 16-bit inputs.
+
+Note [hidden rows]: a query whose every key is hidden (a left-padded position under a causal mask, as a
+Hugging Face model pads a batch for generation) has only -inf scores. Its softmax would be 0 / 0 (NaN,
+which then reaches every logit through the next layers); like SDPA, the row-group executor and
+FlexAttention, its output is 0 instead: its maximum is taken as 0 and its sum as 1 (any other row's sum
+is >= 1, its maximum's own term being exp(0)), so its probabilities are 0 and its log-sum-exp 0, and the
+backward, which recomputes them from that log-sum-exp, gives it no gradient.
 """
 
 from __future__ import annotations
@@ -142,7 +149,8 @@ class _BlockSparseAttention(torch.autograd.Function):
             s, _ = _chunk_scores(qs, kb, chunk, block, masks, acc)
             rows = slice(chunk.start * block, chunk.stop * block)
             m = s.amax(dim=-1, keepdim=True)  # one exp pass: s becomes exp(s - m), then p
-            total = s.sub_(m).exp_().sum(dim=-1, keepdim=True)
+            m.masked_fill_(m == float("-inf"), 0.0)  # Note [hidden rows]: a row with every key hidden
+            total = s.sub_(m).exp_().sum(dim=-1, keepdim=True).clamp_min_(1.0)  # >= 1 for any other row
             p = s.div_(total).to(q.dtype)
             m = m + total.log()
             vg = vb[:, heads, chunk.index].reshape(b, h, chunk.stop - chunk.start, -1, d)

@@ -14,6 +14,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from lightning_zero.sparse_attention.sparse_self_attention import EXECUTORS
 from lightning_zero.sparse_attention.sparsity_config import (
     BigBirdSparsityConfig,
@@ -94,3 +96,30 @@ def resolve_attention(attention: str, section: Mapping[str, Any] | None) -> dict
                          f"section says mode {section['mode']!r}: set one of them")
     merged = {**base, **dict(section or {})}
     return check_section(merged)
+
+
+def dense_at(section: Mapping[str, Any], num_heads: int, seq_len: int) -> bool:
+    """Whether the (checked) section's layout at ``seq_len`` tokens (padded to whole blocks) keeps every block a
+    causal query sees: then it computes what dense attention computes, through the slower sparse path.
+
+    Raises:
+        ValueError: the pattern does not fit ``seq_len`` (e.g. a window of more blocks than the sequence has).
+    """
+    config = make_sparsity_config(section, num_heads)
+    blocks = -(-seq_len // config.block)
+    seen = torch.tril(torch.ones(blocks, blocks, dtype=torch.bool))
+    layout = config.make_layout(blocks * config.block).bool()
+    return bool((layout | ~seen).all())
+
+
+def sparse_from(section: Mapping[str, Any], num_heads: int, limit: int = 1 << 16) -> int | None:
+    """The shortest length (in whole blocks, at most ``limit`` tokens) at which the section's layout is not
+    dense (:func:`dense_at`); ``None`` when it is dense up to ``limit`` (e.g. ``mode: dense``)."""
+    block = make_sparsity_config(section, num_heads).block
+    for tokens in range(block, limit + 1, block):
+        try:
+            if not dense_at(section, num_heads, tokens):
+                return tokens
+        except ValueError:  # too few blocks for this pattern's windows
+            continue
+    return None

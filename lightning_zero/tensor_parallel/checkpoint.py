@@ -13,7 +13,7 @@ Loading a whole (unsplit) state into a split module cuts each split tensor to th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from lightning_zero.checkpoint.collect import StageLayout
 from lightning_zero.checkpoint.layout import FORMAT_VERSION, TensorParallelRecord
 from lightning_zero.checkpoint.plain import CheckpointError
-from lightning_zero.checkpoint.slices import parts_ref
+from lightning_zero.checkpoint.slices import CutOnRead, parts_ref
+from lightning_zero.core.comm.deferred import strategy_collective
 from lightning_zero.core.mesh.dims import Axis, ParallelDims
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.tensor_parallel.collectives import TPGroup
@@ -33,10 +34,17 @@ Merge = Callable[[dict[str, Any] | None], dict[str, Any] | None]
 
 
 def _gathered(tp: TPGroup, value: Tensor, tag: SplitTag) -> Tensor:
-    """The unsplit tensor from every TP rank's slice (a collective over the TP group)."""
-    pieces = [torch.empty_like(value) for _ in range(tp.size)]
-    dist.all_gather(pieces, value.contiguous(), group=tp.group)
-    return unslice_tensors(pieces, tag.dim, tag.chunks)
+    """The unsplit tensor from every TP rank's slice (a collective over the TP group, on the group's device:
+    after a fit the module is on the CPU, which NCCL refuses), where ``value`` is."""
+    return unslice_tensors(tp.all_gather_pieces(value), tag.dim, tag.chunks)
+
+
+def _gathered_objects(tp: TPGroup, value: Any) -> list[Any]:
+    """Every TP rank's ``value`` (a collective over the TP group)."""
+    out: list[Any] = [None] * tp.size
+    with strategy_collective("tensor-parallel all_gather_object"):
+        dist.all_gather_object(out, value, group=tp.group)
+    return out
 
 
 class TensorParallelCheckpoint:
@@ -85,7 +93,7 @@ class TensorParallelCheckpoint:
         """``state`` (whole tensors) as this rank's module holds it: split tensors cut to its slices, on access."""
         params = dict(module.named_parameters(remove_duplicate=False))
         tags = {prefix + k: t for k, p in params.items() if (t := split_of(p)) is not None}
-        return _Sliced(state, tags)
+        return CutOnRead(state, {k: (lambda v, t=t: slice_tensor(v, t)) for k, t in tags.items()})
 
     @staticmethod
     def split_optimizer_state(state: Mapping[str, Any], params: list[nn.Parameter]) -> dict[str, Any]:
@@ -105,8 +113,7 @@ class TensorParallelCheckpoint:
         from lightning_zero.core.zero.optimizer import original_index
 
         assert engine.sharded is not None
-        counts: list[Any] = [None] * self.tp.size
-        dist.all_gather_object(counts, len(engine.all_groups), group=self.tp.group)
+        counts = _gathered_objects(self.tp, len(engine.all_groups))
         here = self.dims.coordinates(self.rank)
         whole = {}
         if self.rank == 0:  # the module's buffers, written once
@@ -121,8 +128,7 @@ class TensorParallelCheckpoint:
         by_index = {i: p for p, i in index.items()}
 
         def merge(meta: dict[str, Any] | None) -> dict[str, Any] | None:
-            parts: list[Any] = [None] * self.tp.size
-            dist.all_gather_object(parts, meta, group=self.tp.group)
+            parts = _gathered_objects(self.tp, meta)
             if self.rank != 0:
                 return None
             missing = [t for t, part in enumerate(parts) if part is None]
@@ -163,21 +169,3 @@ class TensorParallelCheckpoint:
         record = TensorParallelRecord(self.tp.size, split)
         return {**parts[0], "version": FORMAT_VERSION, "groups": groups, "state_dict": entries,
                 "optimizers": optimizers, "tensor_parallel": record.to_json()}
-
-
-class _Sliced(Mapping[str, Tensor]):
-    """A whole state dict whose split tensors are cut to this rank's slices when read."""
-
-    def __init__(self, state: Mapping[str, Tensor], tags: Mapping[str, SplitTag]) -> None:
-        self._state, self._tags = state, tags
-
-    def __getitem__(self, key: str) -> Tensor:
-        value = self._state[key]
-        tag = self._tags.get(key)
-        return slice_tensor(value, tag) if tag is not None else value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._state)
-
-    def __len__(self) -> int:
-        return len(self._state)

@@ -18,6 +18,9 @@ Note [conjugate functions]
     the input gradient is a partial sum, and the all-reduce makes it the whole gradient on every rank,
     so everything before it (layer norms, embeddings) gets the same gradient on every TP rank and
     needs no further reduction. Every function is the identity when the group spans one rank.
+
+Every collective of a :class:`TPGroup` is entered through ``strategy_collective``: the hang watchdog sees a rank
+waiting in it, and another rank's step error is raised before it (Note [deferred agreement]).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_zero.core.comm.data_parallel import collective_device
+from lightning_zero.core.comm.deferred import strategy_collective
 
 
 @dataclass(frozen=True)
@@ -48,17 +54,50 @@ class TPGroup:
     def single(cls) -> TPGroup:
         return cls(None, 1, 0)
 
+    @property
+    def device(self) -> torch.device:
+        """Where this group's collectives take their tensors: the current GPU on NCCL, else the CPU."""
+        return collective_device(self.group)
+
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(tensor, op=op, group=self.group)
+            with strategy_collective("tensor-parallel all_reduce"):
+                dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
     def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return tensor
         pieces = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(pieces, tensor.contiguous(), group=self.group)
+        with strategy_collective("tensor-parallel all_gather"):
+            dist.all_gather(pieces, tensor.contiguous(), group=self.group)
         return torch.cat(pieces, dim=-1)
+
+    def all_gather_pieces(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every TP rank's ``tensor`` (one shape on all), in TP rank order, where ``tensor`` is. The collective runs
+        on :attr:`device`: after a fit, Lightning's teardown leaves the split module on the CPU, which NCCL refuses."""
+        if self.group is None:
+            return [tensor]
+        local = tensor.detach().contiguous().to(self.device)
+        pieces = [torch.empty_like(local) for _ in range(self.size)]
+        with strategy_collective("tensor-parallel all_gather"):
+            dist.all_gather(pieces, local, group=self.group)
+        return [p.to(tensor.device) for p in pieces]
+
+    @torch.no_grad()
+    def broadcast_first(self, tensors: list[torch.Tensor]) -> None:
+        """TP rank 0's values of ``tensors`` on every rank of the group, in place: one broadcast per dtype, on
+        :attr:`device` (every rank passes the same shapes in the same order)."""
+        if self.size == 1:
+            return
+        device, source = self.device, dist.get_global_rank(self.group, 0)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1).to(device) for t in same])
+            with strategy_collective("tensor-parallel broadcast"):
+                dist.broadcast(flat, src=source, group=self.group)
+            for t, part in zip(same, flat.split([t.numel() for t in same])):
+                t.copy_(part.view_as(t))
 
     def slice_last(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

@@ -27,6 +27,8 @@ Note [norm over tensor x data]
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -82,6 +84,17 @@ class StrategyTensorParallel:
         self.sliced = {whole: part for whole, _, part in memo.values()}
         self._module = module
 
+    def agree_replicated(self, module: nn.Module, originals: Mapping[nn.Parameter, torch.Tensor]) -> None:
+        """Every TP rank of the group takes TP rank 0's replicated parameters and buffers, and the pre-cast weights
+        of those parameters that the fp32 masters start from (``originals``), as DDP takes rank 0's: processes
+        seeded differently (nobody called ``seed_everything``) would otherwise train different copies of one
+        parameter. A split parameter's slices are each rank's own (built from its own seed: seed every rank
+        alike for the unsplit model's weights, Note [slice after build]). Storage-less placeholders (another
+        pipeline stage's layers) are left out; a collective over the TP group."""
+        params = [p for p in module.parameters() if split_dim(p) is None and _holds_values(p)]
+        buffers = [b for b in module.buffers() if _holds_values(b)]
+        self.tp.broadcast_first([p.data for p in params] + buffers + [originals[p] for p in params if p in originals])
+
     def agree_rng(self, device: torch.device) -> None:
         """Every TP rank of the group takes TP rank 0's default generator states, so the replicated activations'
         dropout masks agree (Note [dropout streams] in rng.py); a collective over the TP group."""
@@ -119,6 +132,10 @@ class StrategyTensorParallel:
     def norm_weight(self, param: nn.Parameter) -> float:
         """The share of ``param``'s norm terms this rank leaves out (Note [norm over tensor x data])."""
         return 0.0 if split_dim(param) is not None else 1.0 - 1.0 / self.config.size
+
+
+def _holds_values(t: torch.Tensor) -> bool:
+    return not t.is_meta and has_storage(t)
 
 
 def refuse_pipeline_checkpoint(config: TensorParallelConfig, pipelined: bool, from_shards: bool) -> None:

@@ -24,6 +24,7 @@ from lightning_zero.checkpoint.collect import StageLayout
 from lightning_zero.checkpoint.layout import FORMAT_VERSION, TensorParallelRecord
 from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.checkpoint.slices import parts_ref
+from lightning_zero.core.comm.deferred import strategy_collective
 from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
@@ -31,6 +32,14 @@ from lightning_zero.tensor_parallel.checkpoint import Merge, TensorParallelCheck
 from lightning_zero.tensor_parallel.layers import split_of
 
 Split = dict[str, tuple[int, int, list[int]]]  # key or optimizer index -> (dim, chunks, whole shape)
+
+
+def _everyone(value: Any, world: int) -> list[Any]:
+    """Every rank's ``value`` (a collective over the world, recorded for the hang watchdog)."""
+    out: list[Any] = [None] * world
+    with strategy_collective("all_gather_object (pipeline x TP checkpoint)"):
+        dist.all_gather_object(out, value)
+    return out
 
 
 def pipelined_sharded_parts(pipe: PipelineCheckpoint, tp: TensorParallelCheckpoint, engine: ZeroEngine,
@@ -44,8 +53,7 @@ def pipelined_sharded_parts(pipe: PipelineCheckpoint, tp: TensorParallelCheckpoi
     def at(s: int, u: int) -> int:  # the data-rank-0 rank of stage s, TP rank u (its groups are everyone's)
         return dims.rank_of({**here, Axis.PIPELINE: s, Axis.DATA: 0, Axis.TENSOR: u})
 
-    counts: list[Any] = [None] * dims.world_size
-    dist.all_gather_object(counts, len(engine.all_groups))
+    counts = _everyone(len(engine.all_groups), dims.world_size)
     pairs = [(s, u) for s in range(dims.pipeline) for u in range(dims.tensor)]
     offset = sum(counts[at(s, u)] for s, u in pairs[: pairs.index((stage, t))])
     whole = {}
@@ -59,8 +67,7 @@ def pipelined_sharded_parts(pipe: PipelineCheckpoint, tp: TensorParallelCheckpoi
     keys, indices = _own_splits(pipe, stage)
 
     def merge(meta: dict[str, Any] | None) -> dict[str, Any] | None:
-        parts: list[Any] = [None] * dims.world_size
-        dist.all_gather_object(parts, (meta, keys, indices))
+        parts = _everyone((meta, keys, indices), dims.world_size)
         if rank != 0:
             return None
         missing = sorted({at(s, u) for s, u in pairs if parts[at(s, u)][0] is None})

@@ -34,9 +34,10 @@ from typing import Any
 
 from torch import nn
 
+from lightning_zero.core.errors import UsageError
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
-from lightning_zero.tensor_parallel.regions import check_split_regions, sum_grads_over_tp, watch_replicated_grads
+from lightning_zero.tensor_parallel.regions import sum_grads_over_tp, watch_replicated_grads
 from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG
 from lightning_zero.tensor_parallel.styles import (
     Colwise,
@@ -126,7 +127,7 @@ def find_plan(root: nn.Module, plan: Mapping[str, Any] | str | None) -> tuple[Ma
         return own, "the LightningModule's tensor_parallel_plan (over the Hugging Face model's _tp_plan)"
     if found:
         return found, "the Hugging Face model's _tp_plan"
-    raise ValueError(f"{type(root).__name__} carries no tensor-parallel plan: define `tensor_parallel_plan()` on it "
+    raise UsageError(f"{type(root).__name__} carries no tensor-parallel plan: define `tensor_parallel_plan()` on it "
                      "(a dict of module-name patterns to styles), pass TensorParallelConfig(plan={...}), or "
                      "plan='auto' for plain nn.Linear stacks")
 
@@ -169,7 +170,6 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, Any], source: str) -> Resol
                              f"{style} splits an {need.__name__}: leave it out of the plan")
     order = [n for n in modules if n in chosen]
     entries = tuple((n, chosen[n]) for n in order)
-    check_split_regions(root, chosen, source)
     if not any(not isinstance(s, (Replicate, ReplicateGradSum)) for _, s in entries):
         raise ValueError(f"tensor_parallel plan ({source}) splits no module: every rank would hold the whole model. "
                          "Fix: split at least one nn.Linear ('colwise' / 'rowwise') or nn.Embedding "
@@ -218,7 +218,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         if isinstance(style, Replicate):
             continue
         if isinstance(style, ReplicateGradSum):
-            sum_grads_over_tp(module, tp)
+            sum_grads_over_tp(module, tp, name)
             summed.update(id(p) for p in module.parameters())
             continue
         if isinstance(style, Colwise):

@@ -25,6 +25,14 @@ Note [dropout streams]
     ``SplitRegionDropout``. Hugging Face models draw their attention dropout from the default stream (we
     do not reach inside their attention functions): the replicated state stays in sync, but head ``h`` of
     every TP rank shares its mask with the same-numbered head of the other ranks.
+
+    Under sequence parallelism every activation is split: a rank holds its slice of the tokens, and inside
+    attention its share of the heads (Note [Ulysses all-to-all]). The ranks of a sequence group start from
+    one seed, so on the default stream token ``i`` and token ``i + T/P`` (or head ``j`` and head
+    ``j + H/P``) would draw one mask. Each rank therefore draws from its own stream, made the same way with
+    the sequence rank (``SequenceGroup.dropout_stream``): around the attention callable, and around the
+    GPT's whole forward (its embedding and residual dropouts). Recompute under activation checkpointing is
+    exact for the same reason as above.
 """
 
 from __future__ import annotations
@@ -34,20 +42,21 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
 
 SPLIT_SEED_OFFSET = 2718  # Megatron's offset of the model-parallel stream
+SEQUENCE_SEED_OFFSET = 3141  # the sequence ranks' streams (Note [dropout streams])
 _RANK_STRIDE = 0x9E3779B97F4A7C15  # an odd 64-bit constant: the TP ranks' seeds are far apart
 
 
 class SplitRegionRNG:
-    """TP rank ``rank``'s dropout stream for split activations (Note [dropout streams])."""
+    """TP rank ``rank``'s dropout stream for split activations (Note [dropout streams]); ``offset`` keeps another
+    dimension's streams (the sequence ranks') apart from the TP ranks'."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, offset: int = SPLIT_SEED_OFFSET) -> None:
+        self.rank, self.offset = rank, offset
 
     def _default(self, device: torch.device) -> torch.Tensor:
         return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
@@ -62,7 +71,7 @@ class SplitRegionRNG:
     def fork(self, device: torch.device) -> Iterator[None]:
         draw = int(torch.randint(0, 2**62, (1,)))  # the CPU default stream: the same on every TP rank
         gen = torch.Generator(device=device)
-        gen.manual_seed((draw + SPLIT_SEED_OFFSET + self.rank * _RANK_STRIDE) % 2**63)
+        gen.manual_seed((draw + self.offset + self.rank * _RANK_STRIDE) % 2**63)
         outside = self._default(device)
         self._set_default(device, gen.get_state())
         try:
@@ -103,6 +112,6 @@ def agree_default_rng(tp: TPGroup, device: torch.device) -> None:
     if device.type == "cuda":
         states.append((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
     for get, put in states:
-        state = get().to(device)
-        dist.broadcast(state, src=dist.get_global_rank(tp.group, 0), group=tp.group)
-        put(state.cpu())
+        state = get()
+        tp.broadcast_first([state])
+        put(state)

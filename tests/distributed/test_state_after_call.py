@@ -172,3 +172,66 @@ def test_gather_on_teardown_false_leaves_released_parameters_with_a_warning(gloo
     assert rank0["nan"] and rank1["nan"], (rank0, rank1)
     assert len(rank0["warnings"]) == 1 and "released" in rank0["warnings"][0], rank0
     assert rank1["warnings"] == []
+
+
+class Export(pl.Callback):
+    """What a user's export callback gets from ``lightning_module_state_dict()`` during fit, and what the hooks of
+    the strategy's own (sharded) saves see."""
+
+    def __init__(self) -> None:
+        self.exported: dict[str, dict[str, torch.Tensor]] = {}
+        self.saved_entries: list[tuple[int, int]] = []
+
+    def _export(self, trainer: pl.Trainer, when: str) -> None:
+        self.exported[when] = {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._export(trainer, "on_validation_end")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._export(trainer, "on_train_end")
+        self.exported["optimizer"] = trainer.strategy.optimizer_state(trainer.optimizers[0]).get("state", {})
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        states = checkpoint.get("optimizer_states", [{}])
+        self.saved_entries.append((len(checkpoint["state_dict"]), len(states[0])))
+
+
+def export_body(root: str) -> dict[int, dict[str, Any]]:
+    """At stages 1-3 (the sharded format, the default there): the state dict a callback exports at
+    ``on_validation_end`` and ``on_train_end``, against the module's own after fit (whole again)."""
+    out = {}
+    for stage in (1, 2, 3):
+        model, export = SmallNet(seed=3), Export()
+        saver = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(root, f"export{stage}"), every_n_train_steps=2)
+        trainer = make_trainer(_strategy(stage, "32-true"), max_steps=STEPS, callbacks=[export, saver],
+                               enable_checkpointing=True, val_check_interval=2, limit_val_batches=2)
+        trainer.fit(model, loader(), loader())
+        final = model.state_dict()
+        out[stage] = {
+            "keys": {when: sorted(state) for when, state in export.exported.items() if when != "optimizer"},
+            "diff_at_end": max(((final[k] - v).abs().max().item() for k, v in export.exported["on_train_end"].items()),
+                               default=None),
+            "moved_after_validation": max(((final[k] - v).abs().max().item()
+                                           for k, v in export.exported["on_validation_end"].items()), default=None),
+            "optimizer_entries": len(export.exported["optimizer"]),
+            "saved_entries": export.saved_entries, "expected_keys": sorted(final),
+        }
+    return out
+
+
+@pytest.mark.distributed
+def test_lightning_module_state_dict_during_fit_is_whole_and_the_sharded_save_gathers_nothing(gloo_pool,
+                                                                                             tmp_path) -> None:
+    """A callback exporting weights at ``on_validation_end`` / ``on_train_end`` of a fit at stage >= 1 (the sharded
+    format) got ``{}`` (issue 41, 8). Now it gets every key, the final weights exactly at ``on_train_end`` (the
+    optimizer state too, on rank 0), while the strategy's own saves during the same fit still see empty entries
+    (no gather: the shards are written instead)."""
+    results = gloo_pool.run("tests.distributed.test_state_after_call:export_body", root=str(tmp_path))
+    for rank, per_stage in enumerate(results):
+        for stage, r in per_stage.items():
+            assert r["keys"] == {"on_validation_end": r["expected_keys"], "on_train_end": r["expected_keys"]}, r
+            assert r["diff_at_end"] == 0.0 and r["moved_after_validation"] > 0, (stage, r)
+            assert r["optimizer_entries"] == (4 if rank == 0 else 0), (rank, stage, r)  # 2 trainable Linears x 2
+            assert r["saved_entries"] and all(e == (0, 0) for e in r["saved_entries"]), (stage, r)

@@ -104,11 +104,12 @@ POISONED = "model.blocks.0.mlp.fc.weight"  # column-parallel: each TP rank holds
 
 
 class _Poisoned(GPTLightningModule):
-    """The GPT whose TP rank 1 alone gets an inf in its slice of a split weight's gradient at batch 1."""
+    """The GPT whose rank ``rank`` alone gets ``value`` (an inf) in its slice of a split weight's gradient at batch
+    1 (``config``: the GPT's shape, ``CONFIG``'s by default)."""
 
-    def __init__(self) -> None:
-        super().__init__(CONFIG, lr=1e-2, warmup_steps=0)
-        self._poison_now = False
+    def __init__(self, rank: int = 1, value: float = float("inf"), config: Any = CONFIG) -> None:
+        super().__init__(config, lr=1e-2, warmup_steps=0)
+        self._poison_now, self._rank, self._value = False, rank, value
 
     def on_train_start(self) -> None:  # after the plan replaced the layer: hook this rank's slice
         self.get_parameter(POISONED).register_hook(self._poison)
@@ -118,13 +119,13 @@ class _Poisoned(GPTLightningModule):
             return grad
         self._poison_now = False
         grad = grad.clone()
-        grad[0, 1] = float("inf")
+        grad[0, 1] = self._value
         return grad
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         import torch.distributed as dist
 
-        self._poison_now = batch_idx == 1 and dist.get_rank() == 1
+        self._poison_now = batch_idx == 1 and dist.get_rank() == self._rank
         return self.loss(batch)
 
 

@@ -254,3 +254,17 @@ def test_bench_faults_probe_counts_phases_functions_and_reuse(gloo_pool: Any) ->
             assert 0 <= counters["gathers served by the pool"] <= counters["unit gathers"], counters
         assert all(h["pooled MB"] > 0 for h in probe["heaps"]), probe["heaps"]  # kept exchange buffers, gather pool
     assert "| MessageStaging.write |" in report("zero3", ranks)
+
+
+def test_bench_expert_parallel_rows_count_their_bytes_and_gathers(gloo_pool: Any) -> None:
+    """benchmarks/bench_expert_parallel.py's rows of this project on the session's 2-rank pool, tiny: ZeRO 3 with
+    expert parallelism gathers half the expert bytes of ZeRO 3 without it, sends the all-to-all bytes of the
+    formula (within the routing's imbalance) and trains the same model to the same loss."""
+    cfg = {"layers": 2, "hidden": 32, "ffn": 64, "experts": 4, "vocab": 64, "batch": 2, "seq": 16, "steps": 2,
+           "warmup": 1}
+    rows = {row: gloo_pool.run("benchmarks.bench_expert_parallel:run_row", row=row, cfg=cfg)[0]
+            for row in ("zero3", "zero3_ep", "zero0_ep")}
+    assert rows["zero3_ep"]["experts_gathered"] * 2 == rows["zero3"]["experts_gathered"] > 0
+    assert rows["zero3_ep"]["bytes"] < rows["zero3"]["bytes"]
+    assert abs(rows["zero3_ep"]["a2a"] - rows["zero3_ep"]["a2a_formula"]) < 0.5 * rows["zero3_ep"]["a2a_formula"]
+    assert abs(rows["zero3_ep"]["loss"] - rows["zero3"]["loss"]) < 1e-5 and rows["zero0_ep"]["a2a"] > 0

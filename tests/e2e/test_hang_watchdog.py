@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from docs.regenerate import check_test_quote
 from lightning_zero import ZeroStrategy
 from lightning_zero.core.reliability.heartbeat import HangReport, HeartbeatWatchdog
 from lightning_zero.core.reliability.progress_record import ProgressRecord, parse_progress
+from lightning_zero.core.reliability.rank_process import end_silent_ranks, is_stopped, process_text
 from lightning_zero.reliability.hang_watchdog import HANG_EXIT_CODE, STUCK_EXIT_CODE
 from tests.models import TinyTransformer
 
@@ -146,6 +149,33 @@ def test_done_ranks_are_not_watched_and_a_rank_never_seen_is_named() -> None:
     report = _round(dogs, clock, skip=(1, 2))[0]
     assert report is not None and [(s.rank, s.step) for s in report.silent] == [(2, None)]
     assert "last seen never" in report.text
+
+
+def test_a_silent_ranks_finding_carries_its_process_and_a_reporting_rank_where_it_runs_ends_it() -> None:
+    """Note [ending a silent rank]: the finding names the silent rank's pid, every rank's copy carries its process,
+    and a rank where that pid means the same process ends it with SIGKILL (which a stopped process acts on);
+    a pid that now belongs to another process (another start time) or one of another host is left alone."""
+    clock, store, dogs, _ = _ranks()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a stand-in for rank 1
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        store.set(dogs[1].key("process/1"), process_text(child.pid))  # what rank 1 publishes at its start
+        _round(dogs, clock)
+        found = [None]
+        for _ in range(10):
+            found = _round(dogs, clock, skip=(1,))
+        assert all(r is not None and r.kind == "silent" for r in found), found
+        mine, theirs = found[0].silent[0], found[1].silent[0]
+        assert mine == theirs and mine.pid == child.pid and f"rank 1 (pid {child.pid}, silent" in found[0].text
+        assert is_stopped(mine.process)
+        where, pid, started = mine.process.split()
+        reused = replace(mine, process=f"{where} {pid} {int(started) + 1}")  # the number, another process
+        elsewhere = replace(mine, process=f"another-host/pid:[1] {pid} {started}")
+        assert end_silent_ranks([reused, elsewhere]) == [] and child.poll() is None
+        assert end_silent_ranks([mine]) == [mine] and child.wait(10) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
 
 
 def _diverged(dogs: list[HeartbeatWatchdog]) -> None:
@@ -308,22 +338,74 @@ def test_a_stopped_rank_is_named_within_60_s_at_default_settings_by_every_other_
     procs = _launch("stop", 3, tmp_path)  # hang_timeout_s: the default, 45 s
     try:
         stopped_at = _wait_for(tmp_path / "rank1.log", "STOPPING rank 1", 240)
-        ended = _reap([procs[0], procs[2]], 120)
+        ended = _reap(procs, 120)
     finally:
         for p in procs:
             p.kill()
+    # the stopped rank too: a reporting rank ended it (Note [ending a silent rank]), so the job ends with them
+    assert ended[1] is not None and procs[1].returncode == -signal.SIGKILL, procs[1].returncode
+    print(f"the stopped rank 1 was ended {ended[1] - stopped_at:.1f} s after the stop")
+    assert ended[1] - stopped_at < 60
+    ended = [ended[0], ended[2]]
     for rank, end in ((0, ended[0]), (2, ended[1])):
         log = (tmp_path / f"rank{rank}.log").read_text(errors="replace")
         assert end is not None, f"rank {rank} still running:\n{log[-3000:]}"
         assert end - stopped_at < 60, (rank, end - stopped_at)  # named and exited (the collective timeout: 120 s)
         assert procs[rank].returncode == HANG_EXIT_CODE, log[-3000:]
         # its last beat (every 2 s at the default) may predate steps 0-3 of this tiny model
-        assert re.search(r"no heartbeat from rank 1 \(silent \d+ s, last seen at step [0-3] in '", log), log[-3000:]
+        assert re.search(r"no heartbeat from rank 1 \(pid \d+, silent \d+ s, last seen at step [0-3] in '", log), \
+            log[-3000:]
         print(f"rank {rank} named rank 1 and exited {end - stopped_at:.1f} s after the stop")
     logs = "\n".join((tmp_path / f"rank{rank}.log").read_text(errors="replace") for rank in (0, 2))
     test = f"tests/e2e/test_hang_watchdog.py::{_STOPPED}"
     issues = check_test_quote("docs/reliability.md", test, logs, tmp_path)  # the finding it quotes
     assert not issues, "docs/reliability.md quotes this finding: refresh it (docs/regenerate.py)\n" + "\n".join(issues)
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (``T``: stopped, ``Z``: exited, not reaped), ``None`` when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_a_stopped_rank_under_trainers_own_launcher_is_ended_with_the_job(tmp_path: Path, stopped: int) -> None:
+    """``Trainer(devices=2)``: Lightning's launcher re-runs the script as rank 1, a child of rank 0. A stopped rank 1
+    (SIGSTOP) was named by rank 0, which exited, and left behind stopped for good; a stopped rank 0 (which hosts the
+    store there: rank 1 reports the store silent) kept the job stopped for good (issue 41, 11). Now the reporting
+    rank ends the stopped one (Note [ending a silent rank]) and both processes are gone right after the finding."""
+    hang_timeout = 4.0
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK",
+                                                            "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+    env.update(PYTHONPATH=str(REPO), PL_DISABLE_FORK="1", OMP_NUM_THREADS="1", HANG_TIMEOUT_S=str(hang_timeout),
+               STOP_RANK=str(stopped))
+    log = tmp_path / "ranks.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, SCRIPT, "launch_stop", str(tmp_path)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    pids: list[int] = []
+    try:
+        stopped_at = _wait_for(log, f"STOPPING rank {stopped}", 240)
+        pids = [int(re.search(rf"RANK {r} pid (\d+)", log.read_text()).group(1)) for r in range(2)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_state(p) not in (None, "Z") for p in pids):
+            time.sleep(0.1)
+        ended = time.monotonic()
+        left = [_state(p) for p in pids]
+    finally:
+        proc.kill()
+        for pid in pids:  # this test's descendants: never left stopped
+            if _state(pid) not in (None, "Z"):
+                os.kill(pid, signal.SIGKILL)
+    text = log.read_text(errors="replace")
+    print(f"rank {1 - stopped} ended rank {stopped}; both gone {ended - stopped_at:.1f} s after the stop: {left}")
+    assert all(state in (None, "Z") for state in left), (left, text[-3000:])  # exited or killed, none stopped
+    assert ended - stopped_at < hang_timeout + 10, (ended - stopped_at, text[-3000:])
+    assert f"ended the silent rank {stopped} (pid {pids[stopped]}) with SIGKILL" in text, text[-3000:]
+    assert proc.wait(5) == (HANG_EXIT_CODE if stopped == 1 else -signal.SIGKILL), text[-3000:]
 
 
 def _extra_collective_at(log: str) -> float:

@@ -6,8 +6,13 @@ Memory is measured as the process's peak resident set (``VmHWM``, reset through
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -284,11 +289,13 @@ def teardown_body(room: int | None, fail: bool = False) -> dict[str, Any]:
     real figure); returns what the module holds afterwards and the warnings."""
     import warnings
 
-    from lightning_zero.core.stage3 import teardown
+    import torch.distributed as dist
 
-    real = teardown.available_bytes
-    if room is not None:
-        teardown.available_bytes = lambda device: room
+    from lightning_zero.core.stage3 import memory_room
+
+    real = memory_room.memory_pools
+    if room is not None:  # one pool per rank, shared with no other
+        memory_room.memory_pools = lambda device: [memory_room.MemoryPool(f"test:{dist.get_rank()}", room, "test")]
     torch.manual_seed(0)
     model = MixedLM()
     strategy = ZeroStrategy(stage=3, param_persistence_threshold=0, prefetch_bucket_size=1)
@@ -301,7 +308,7 @@ def teardown_body(room: int | None, fail: bool = False) -> dict[str, Any]:
     except RuntimeError as exc:
         error = str(exc)
     finally:
-        teardown.available_bytes = real
+        memory_room.memory_pools = real
     weights = [p.detach() for p in model.parameters()]
     opt = model.trainer.optimizers[0] if model.trainer.optimizers else None
     save_after = None
@@ -352,6 +359,73 @@ def test_a_failed_stage3_fit_leaves_parameters_released_never_partly_zero(gloo_p
         assert r["all_nan"] and r["zeros"] == 0, r  # before: this rank's shard and zeros elsewhere
     r = gloo_pool.run("tests.e2e.test_large_models:teardown_body", room=None, fail=True)[0]
     assert len(r["warnings"]) == 1 and "fit failed" in r["warnings"][0] and "released" in r["warnings"][0]
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _new_memory_cgroup(name: str) -> tuple[Path, int] | str:
+    """A fresh memory cgroup (v1 under /sys/fs/cgroup/memory, else v2 under /sys/fs/cgroup) and its version, or why
+    none can be made here."""
+    if os.geteuid() != 0:
+        return "making a memory cgroup needs root"
+    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+    if (v1 / "memory.limit_in_bytes").exists():
+        parent, version = v1, 1
+    elif "memory" in ((v2 / "cgroup.subtree_control").read_text().split() if (v2 / "cgroup.subtree_control").exists()
+                      else []):
+        parent, version = v2, 2
+    else:
+        return "no memory cgroup hierarchy (v1 /sys/fs/cgroup/memory, or v2 with the memory controller) is mounted"
+    try:
+        (parent / name).mkdir()
+    except OSError as err:
+        return f"cannot make a memory cgroup under {parent}: {err}"
+    return parent / name, version
+
+
+@pytest.mark.slow
+def test_a_teardown_gather_over_the_jobs_memory_cgroup_is_not_started_and_the_run_exits_0(tmp_path: Path) -> None:
+    """Two ranks in one memory cgroup whose limit (set at the end of fit) leaves room for one rank's parameters:
+    the end-of-fit gather of both would pass it. It read only MemAvailable and the RLIMITs, gathered, and the
+    kernel killed a rank after a finished fit (issue 41, 10). Now every rank reads the cgroup, the ranks sharing it
+    sum their needs, and the run ends with exit 0, the parameters left released and the warning naming the
+    cgroup."""
+    made = _new_memory_cgroup(f"lz_teardown_{os.getpid()}")
+    if isinstance(made, str):
+        pytest.skip(made)
+    cgroup, version = made
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(2):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "PYTHONPATH": str(REPO), "PL_DISABLE_FORK": "1",
+                   "OMP_NUM_THREADS": "1"}
+            join = f'echo $$ > "{cgroup}/cgroup.procs" && exec "$0" "$@"'  # in the cgroup before Python starts
+            procs.append(subprocess.Popen(
+                ["sh", "-c", join, sys.executable, str(REPO / "tests" / "teardown_cgroup_script.py"), str(tmp_path),
+                 str(cgroup), str(version)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        cgroup.rmdir()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], f"exit codes {codes} (-9: killed by the cgroup's OOM killer)\n" + outputs[0][-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["released"] for r in results), results
+    assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == [], results
+    warning = results[0]["warnings"][0]
+    assert "the parameters are left released" in warning and f"memory cgroup {cgroup}" in warning, warning
+    print(outputs[0].split("LIMIT")[1].splitlines()[0] if "LIMIT" in outputs[0] else "", warning)
 
 
 # ---------------------------------------------------------------------------- bigger than a rank

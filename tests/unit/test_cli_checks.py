@@ -31,7 +31,8 @@ from lightning_zero.config.validate import count_model_parameters, validate_conf
       "trainer.log_every_n_steps=0 must be >= 1.",
       "trainer.max_time=5min must be DD:HH:MM:SS, e.g. trainer.max_time=00:01:30:00."]),
     (["model.min_lr_ratio=2", "trainer.gradient_clip_val=-1", "trainer.val_check_interval=0"],
-     ["model.min_lr_ratio=2 must be in [0, 1].", "trainer.val_check_interval=0 must be > 0.",
+     ["model.min_lr_ratio=2 must be in [0, 1].", "trainer.val_check_interval=0 must be a whole number (a count: "
+      "trainer.val_check_interval=1 is one) or a fraction in (0, 1] (a share: 1.0 is all).",
       "trainer.gradient_clip_val=-1 must be >= 0."]),
     # the root problem only: no offload / pipeline advice that follows from an impossible stage
     (["zero.stage=7"],
@@ -118,3 +119,90 @@ def test_a_whole_limit_val_batches_counts_the_batches_of_all_data_replicas_toget
         assert per_rank("trainer.devices=4") == 1
     assert "limit_val_batches=2 counts validation batches over all 4 data-parallel replicas" in caplog.text
     assert per_rank("trainer.limit_val_batches=0.5") == 0.5 and per_rank("trainer.limit_val_batches=1.0") == 1.0
+
+
+def test_a_whole_number_of_batches_on_the_command_line_counts_batches_and_a_fraction_is_a_share(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """``trainer.limit_val_batches=1`` became 1.0 through the schema's float type: Lightning read it as every
+    validation batch (issue 41, 9; ``limit_train_batches`` alike). Now ``1`` counts one batch, ``1.0`` is all of
+    them, a fraction is a share, the log says which, and a value that is neither is refused before launch."""
+    import logging
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_zero.config.build import val_batches_per_rank
+
+    class Counts(pl.Callback):
+        def __init__(self) -> None:
+            self.train = self.val = 0
+
+        def on_train_batch_end(self, *args: object) -> None:
+            self.train += 1
+
+        def on_validation_batch_end(self, *args: object) -> None:
+            self.val += 1
+
+    def batches(*overrides: str) -> tuple[int, int]:
+        # no validation interval: limit_train_batches=1 leaves one batch per epoch, fewer than gpt_tiny's 5 steps
+        cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.devices=1",
+                                              "trainer.val_check_interval=null", *overrides]))
+        seen = Counts()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, num_sanity_val_steps=0, logger=False,
+                             limit_train_batches=cfg.trainer.limit_train_batches,
+                             limit_val_batches=val_batches_per_rank(cfg), enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[seen])
+        trainer.fit(BoringModel())  # 64 training and 64 validation batches
+        return seen.train, seen.val
+
+    assert batches("trainer.limit_val_batches=1", "trainer.limit_train_batches=1") == (1, 1)
+    assert batches("trainer.limit_val_batches=1.0", "trainer.limit_train_batches=0.25") == (16, 64)
+    assert batches("trainer.limit_val_batches=0.5", "trainer.limit_train_batches=2") == (2, 32)
+    from lightning_zero.config.build import count_or_share_lines, trainer_kwargs
+
+    cfg = validate_config(compose_config(["experiment=gpt_tiny", "logger=none", "trainer.limit_val_batches=1",
+                                          "trainer.limit_train_batches=0.5", "trainer.val_check_interval=1"]))
+    lines = count_or_share_lines(cfg)
+    assert "trainer.limit_val_batches=1 is a count: validation batches of all data-parallel replicas" in lines[1]
+    assert "trainer.limit_train_batches=0.5 is a share: 50% of the training batches" in lines[0]
+    assert "trainer.val_check_interval=1 is a count: optimizer steps between validations" in lines[2]
+    with caplog.at_level(logging.INFO):
+        trainer_kwargs(cfg, tmp_path)
+    assert lines[1] in caplog.text
+    for bad in ("1.5", "abc", "-1", "true"):
+        with pytest.raises(ValueError, match=r"trainer\.limit_val_batches=.* must be a whole number .* or a fraction"):
+            validate_config(compose_config(["experiment=gpt_tiny", f"trainer.limit_val_batches={bad}"]))
+
+
+def test_the_cli_gathers_nothing_after_fit_and_validates_at_its_last_step_inside_the_fit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI needs nothing back from the module after fit, yet a stage-3 run gathered the whole model at its end
+    (issue 41, 10: in a memory cgroup that killed a finished run). Now ``zero.gather_on_teardown`` is false by
+    default (true on the command line gathers), and ``trainer.validate_at_end`` runs inside the fit at its last
+    step through the sharded engine: the parameters stay released, the end's validation loss is measured, and
+    no ``trainer.validate`` follows the fit."""
+    import lightning.pytorch as pl
+
+    from lightning_zero.config import build
+    from lightning_zero.config.build import strategy_kwargs
+    from lightning_zero.core.stage3.sharded_unit import is_released
+
+    modules: list[torch.nn.Module] = []
+    made = build.build_module
+    monkeypatch.setattr(build, "build_module", lambda cfg: modules.append(made(cfg)) or modules[-1])
+    after: list[str] = []
+    real_validate = pl.Trainer.validate
+    monkeypatch.setattr(pl.Trainer, "validate", lambda self, *a, **k: after.append("validate") or
+                        real_validate(self, *a, **k))
+    overrides = [*TINY_ONE_RANK, "zero=stage3", "zero.param_persistence_threshold=0", "trainer.validate_at_end=true",
+                 "trainer.checkpoint.enabled=false"]
+    cfg = validate_config(compose_config(overrides))
+    assert strategy_kwargs(cfg)["gather_on_teardown"] is False
+    result = fit(cfg, tmp_path)
+    assert after == [] and result.val_loss_end is not None and result.global_step == 2
+    assert all(is_released(p) for p in modules[-1].parameters())
+    gathered = validate_config(compose_config([*overrides, "zero.gather_on_teardown=true"]))
+    assert strategy_kwargs(gathered)["gather_on_teardown"] is True
+    again = fit(gathered, tmp_path)
+    assert not any(is_released(p) for p in modules[-1].parameters())
+    assert again.val_loss_end == result.val_loss_end  # the same run: the same end validation

@@ -34,12 +34,14 @@ GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "expe
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 CORPUS = "{corpus}"  # replaced by a small text file
+HF_DIR = "{hf_dir}"  # replaced by a directory with the files model=hf_causal_lm checks before launch
 
 # Options that need other groups to form a valid combination.
 COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("model", "mlp"): ["data=teacher"],
     ("data", "teacher"): ["model=mlp"],
     ("data", "text_file"): [f"data.path={CORPUS}"],
+    ("model", "hf_causal_lm"): [f"model.path={HF_DIR}"],
     ("experiment", "gpt_text_file"): [f"data.path={CORPUS}"],
     ("offload", "optimizer_nvme"): ["zero=stage1", "offload.nvme_path=/tmp"],
     ("offload", "param_cpu"): ["zero=stage3"],
@@ -51,6 +53,8 @@ COMPANIONS: dict[tuple[str, str], list[str]] = {
     ("sequence_parallel", "sp4"): ["trainer.devices=4"],
     ("tensor_parallel", "tp2"): ["trainer.devices=2"],  # with checkpoints (the experiment's default)
     ("tensor_parallel", "tp4"): ["trainer.devices=4"],
+    ("expert_parallel", "ep2"): ["trainer.devices=2", "model.moe.num_experts=4"],
+    ("expert_parallel", "ep4"): ["trainer.devices=4", "model.moe.num_experts=4"],
 }
 # Options whose feature is not built yet: the text their NotImplementedError must contain.
 UNBUILT: dict[tuple[str, str], str] = {}  # every option is built today (parameter offload was the last)
@@ -61,6 +65,10 @@ PIPELINED = {("pipeline", "pp2_gpipe"), ("pipeline", "pp2_1f1b"), ("pipeline", "
 SEQUENCE_PARALLEL = {("sequence_parallel", "sp2"), ("sequence_parallel", "sp4")}
 # Tensor-parallel options need N processes too: validated here, trained by tests/distributed/test_tensor_parallel.py.
 TENSOR_PARALLEL = {("tensor_parallel", "tp2"), ("tensor_parallel", "tp4")}
+# Expert-parallel options need N processes too: validated here, trained by tests/e2e/test_expert_parallel_cli.py.
+EXPERT_PARALLEL = {("expert_parallel", "ep2"), ("expert_parallel", "ep4")}
+# Hugging Face models need transformers and a saved model: validated here, trained by tests/e2e/test_hf_models.py.
+HUGGING_FACE = {("model", "hf_causal_lm")}
 CASES = OPTIONS + [("experiment", e) for e in EXPERIMENTS]
 _TRAINED: dict[str, dict] = {}  # one step per distinct (shrunk) configuration
 
@@ -68,12 +76,25 @@ _TRAINED: dict[str, dict] = {}  # one step per distinct (shrunk) configuration
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("def hello(world):\n    return world\n" * 400)
+    path.write_text("def hello(world):\n    return world\n" * 6400)  # 230 kB: gpt_text_file's 100 steps in an epoch
     return str(path)
 
 
-def _overrides(group: str, option: str, corpus: str) -> list[str]:
-    return [f"{group}={option}"] + [o.replace(CORPUS, corpus) for o in COMPANIONS.get((group, option), [])]
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The files a save_pretrained directory holds, as far as the launcher reads them (no weights are read)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("hf")
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 256}))
+    (path / "tokenizer.json").write_text("{}")
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _overrides(group: str, option: str, corpus: str, hf: str = "") -> list[str]:
+    return [f"{group}={option}"] + [o.replace(CORPUS, corpus).replace(HF_DIR, hf)
+                                    for o in COMPANIONS.get((group, option), [])]
 
 
 def _tiny(cfg: TrainConfig, keep_model: bool) -> TrainConfig:
@@ -101,17 +122,19 @@ def _tiny(cfg: TrainConfig, keep_model: bool) -> TrainConfig:
 
 
 def test_every_option_and_experiment_is_listed() -> None:
-    assert GROUPS == ["data", "logger", "model", "offload", "pipeline", "precision", "sequence_parallel",
-                      "tensor_parallel", "trainer", "zero"]
+    assert GROUPS == ["callbacks", "data", "expert_parallel", "logger", "model", "offload", "pipeline", "precision",
+                      "sequence_parallel", "tensor_parallel", "trainer", "zero"]
     assert {"stage0", "stage1", "stage2", "stage3"} <= {o for g, o in OPTIONS if g == "zero"}
     assert set(COMPANIONS) | set(UNBUILT) <= set(CASES), "a config file named here was renamed or removed"
     assert "gpt_small" in EXPERIMENTS and len(EXPERIMENTS) >= 5
 
 
 @pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
-def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option: str, corpus: str,
-                                                            tmp_path: Path) -> None:
-    cfg = compose_config(_overrides(group, option, corpus))
+def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option: str, corpus: str, hf_dir: str,
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the GPU options compose as on a machine with their GPUs (this one's are checked apart: test_cli_refusals.py)
+    monkeypatch.setattr("lightning_zero.config.validate.node_device_problems", lambda accelerator, devices: [])
+    cfg = compose_config(_overrides(group, option, corpus, hf_dir))
     if (group, option) in UNBUILT:
         with pytest.raises(NotImplementedError, match=UNBUILT[(group, option)]):
             validate_config(cfg)
@@ -125,6 +148,12 @@ def test_option_composes_and_trains_one_step_or_is_not_built(group: str, option:
         return
     if (group, option) in TENSOR_PARALLEL:
         assert validate_config(cfg).tensor_parallel.size > 1 and describe(to_train_config(cfg))
+        return
+    if (group, option) in EXPERT_PARALLEL:
+        assert validate_config(cfg).expert_parallel.size > 1 and describe(to_train_config(cfg))
+        return
+    if (group, option) in HUGGING_FACE:
+        assert "(0.00M params)" in describe(validate_config(cfg))  # counted from the file's header
         return
     typed = _tiny(validate_config(cfg), keep_model=group == "model")
     key = to_yaml(dataclasses.replace(typed, name=""))
@@ -332,6 +361,7 @@ def test_the_cpu_offload_presets_pin_only_where_an_accelerator_is(option: str,
         warnings.simplefilter("error")
         assert offload_config(cpu).pin() is False  # unpinned, and no warning
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     gpu = validate_config(compose_config(["zero=stage3", f"offload={option}", "trainer=gpu"]))
     assert offload_config(gpu).pin_memory is True
     assert offload_config(cpu).pin_memory is False  # the trainer is on CPU: nothing to pin for

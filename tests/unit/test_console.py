@@ -115,3 +115,14 @@ def test_the_host_memory_note_and_the_advice_of_a_tensor_parallel_run_count_its_
     assert f"{format_bytes(expected)} per rank" in note, note
     advice = oom_advice(cfg)
     assert advice is not None and ("TP 2" in advice or "finds no configuration" in advice), advice
+
+
+def test_a_silent_rank_the_watchdog_ended_is_not_taken_for_an_out_of_memory_kill(tmp_path: Path) -> None:
+    """The reporting rank ends a stopped rank with SIGKILL (Note [ending a silent rank]); torchrun may name that
+    rank's SIGKILL as the first failure: the summary names the hang watchdog's exit, not the out-of-memory killer."""
+    report = _report(_failure(0, 1, -9, "Signal 9 (SIGKILL) received by PID 2"),
+                     [_failure(1, 0, 75, "To enable traceback see: ...")])
+    failed = _read(tmp_path, report).first_failure()
+    assert failed is not None and (failed.rank, failed.exitcode) == (0, 75)
+    text = failure_summary(failed, 2, tmp_path, "The estimator suggests zero=stage3")
+    assert "stopped by the hang watchdog (exit code 75" in text and "out-of-memory" not in text, text

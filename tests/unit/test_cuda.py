@@ -1,9 +1,12 @@
 """ZeroStrategy on one CUDA device (skipped without a GPU): stages 0-3 train alike, offload with pinned
 host memory (whose non-blocking copies are ordered by CUDA events, Note [asynchronous host copies] in
 core/offload/copy_fence.py) equals the same stage without offload, and fp16 / bf16 mixed precision track fp32;
-block-sparse attention trains through FlexAttention like dense attention masked by its layout.
+block-sparse attention trains through FlexAttention like dense attention masked by its layout; tensor-parallel
+slices left on the CPU after a fit are gathered over NCCL (issue 41, item 6: one rank on one GPU, and a TP 2 fit
+saved after it on two GPUs).
 
-Every run trains a tiny transformer for 6 steps on ``cuda:0`` with ``devices=1`` (no process group).
+Every run trains a tiny transformer for 6 steps on ``cuda:0`` with ``devices=1`` (no process group), but the
+NCCL ones.
 """
 
 from __future__ import annotations
@@ -156,3 +159,88 @@ def test_flex_sparse_attention_trains_on_cuda_like_masked_dense_attention(name: 
     assert (out.double().cpu() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
     for mine, theirs in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
         assert (mine.double().cpu() - theirs).abs().max().item() <= tol * max(1.0, theirs.abs().max().item())
+
+
+# Tensor parallel on NCCL (issue 41, item 6): Lightning's teardown moves the split module to the CPU; saving after
+# the fit (trainer.save_checkpoint, lightning_module_state_dict()) all-gathers its slices over the TP group, which
+# NCCL refused for CPU tensors. The gather now runs on the group's device and hands back CPU tensors.
+def test_tp_slices_left_on_the_cpu_are_gathered_over_nccl(tmp_path: Any) -> None:
+    """One rank, a one-rank NCCL group: a column-parallel layer on the CPU, unsplit through the group."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_zero.core.mesh import ParallelDims
+    from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
+    from lightning_zero.tensor_parallel.collectives import TPGroup
+    from lightning_zero.tensor_parallel.layers import ColumnParallelLinear
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        tp = TPGroup(dist.new_group([0]), 1, 0)
+        assert tp.device == torch.device("cuda", 0)
+        layer = nn.Sequential(ColumnParallelLinear(nn.Linear(4, 8), tp, {}, "0"))  # on the CPU, as after teardown
+        state = TensorParallelCheckpoint(tp, ParallelDims(1), 0).unsplit_state_dict(layer.state_dict(), layer)
+        assert state["0.weight"].device.type == "cpu" and torch.equal(state["0.weight"], layer[0].weight.detach())
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_fit_then_save(rank: int, port: int, out: str) -> None:
+    """One of two NCCL ranks: a TP 2 fit of the tiny GPT, then ``trainer.save_checkpoint`` and
+    ``lightning_module_state_dict()`` after it; rank 0 writes the unsplit shapes to ``out``."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from lightning_zero.models.gpt import GPTConfig, GPTLightningModule
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    config = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_embd=32)
+    tokens = torch.randint(0, 64, (16, 17), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(list(zip(tokens[:, :-1], tokens[:, 1:])), batch_size=4)
+    torch.manual_seed(0)
+    module = GPTLightningModule(config, warmup_steps=0)
+    trainer = make_trainer(ZeroStrategy(stage=1, tensor_parallel=2, monitor=False), devices=2, accelerator="gpu",
+                           max_steps=2)
+    trainer.fit(module, loader)
+    trainer.save_checkpoint(f"{out}/after_fit.ckpt")
+    state = trainer.strategy.lightning_module_state_dict()
+    if rank == 0:
+        with open(f"{out}/shapes.json", "w") as f:
+            json.dump({k: list(v.shape) for k, v in state.items()}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two GPUs")
+def test_a_tp2_fit_on_nccl_saves_after_the_fit(tmp_path: Any) -> None:
+    """TP 2 on two GPUs: the save after the fit writes the checkpoint and the state dict is the unsplit one."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_tp_fit_then_save, args=(port, str(tmp_path)), nprocs=2)
+    shapes = json.loads((tmp_path / "shapes.json").read_text())
+    assert shapes["model.lm_head.weight"] == [64, 32] and shapes["model.blocks.0.attn.qkv.weight"] == [96, 32]
+    assert (tmp_path / "after_fit.ckpt").exists()
+
+
+def test_the_teardown_gather_on_a_gpu_counts_the_devices_memory() -> None:
+    """Note [memory pools]: a CUDA gather draws from the device (free plus the caching allocator's unused memory),
+    named by the device's UUID, so ranks sharing one GPU sum their needs (the stage-3 fits above get their weights
+    back through it: ``test_every_stage_trains_as_stage_0_on_one_gpu``)."""
+    from lightning_zero.core.stage3.memory_room import memory_pools
+
+    (pool,) = memory_pools(torch.device("cuda:0"))
+    free, total = torch.cuda.mem_get_info(0)
+    assert pool.key.startswith("cuda:") and free <= pool.room <= total and "CUDA device cuda:0" in pool.what

@@ -26,14 +26,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.lightning", "lightning_zero.observability", "lightning_zero.reliability",
         "lightning_zero.checkpoint", "lightning_zero.deepspeed", "lightning_zero.models", "lightning_zero.pipeline",
         "lightning_zero.tensor_parallel",
-        "lightning_zero.sequence_parallel",
+        "lightning_zero.sequence_parallel", "lightning_zero.moe",
+        "lightning_zero.hf",
         # former paths, kept for a release
         "lightning_zero.callbacks", "lightning_zero.monitoring", "lightning_zero.progress",
     )),
     ("tools", (
         "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator",
         "lightning_zero.advisor",  # a former path, kept for a release
-        "lightning_zero.testing", "lightning_zero.__main__",
+        "lightning_zero.testing", "lightning_zero.__main__", "lightning_zero.project",
     )),
 )
 TOP = "lightning_zero"  # the package's __init__: imports from every layer (only the module itself, not a prefix)

@@ -33,7 +33,8 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, to
 
 
 def dense_reference(q, k, v, layout, causal=False, kp=None, am=None, rpe=None):
-    """Softmax attention over the full score matrix, in float64, with the layout as a mask."""
+    """Softmax attention over the full score matrix, in float64, with the layout as a mask; a query with every
+    key hidden gets 0 (as SDPA gives it), without a NaN in its graph."""
     q, k, v = (t.double() for t in (q, k, v))
     length = q.shape[-2]
     allowed = layout.bool().repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :length, :length]
@@ -43,7 +44,9 @@ def dense_reference(q, k, v, layout, causal=False, kp=None, am=None, rpe=None):
     for extra in (rpe, None if kp is None else kp[:, None, None, :], am):
         if extra is not None:
             s = s + extra.double()
-    return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v
+    s = s.masked_fill(~allowed, float("-inf"))
+    empty = (s == float("-inf")).all(-1, keepdim=True)
+    return torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0) @ v
 
 
 def _inputs(dtype, length=96, batch=2, seed=0):
@@ -218,3 +221,32 @@ def test_building_the_module_never_holds_make_layouts_int64_for_every_head() -> 
     grown_mb, kept = out.stdout.split()
     assert int(kept) == 1024 * 1024 // 8  # one head's bits
     assert float(grown_mb) < 20, f"building the module grew the peak by {grown_mb} MB"
+
+
+@pytest.mark.parametrize("executor", ["row_groups", "block_sparse", pytest.param("flex", marks=pytest.mark.slow)])
+def test_a_query_with_every_key_hidden_gets_zero_output_and_gradient_on_every_executor(executor: str) -> None:
+    """Left padding under a causal mask: the first queries of the second sequence see padded keys only. Their
+    output is 0 and gives no gradient, the other rows equal dense attention, on every executor (the
+    block-sparse kernel returned NaN there: issue 41, 7). FlexAttention runs on CPU without a backward only."""
+    length = 64
+    keep = torch.ones(2, length)
+    keep[1, :20] = 0  # left padding: queries 0-19 of sequence 1 have no key left
+    module = SparseSelfAttention(CONFIGS["fixed_uni"](), key_padding_mask_mode="mul", max_seq_length=length,
+                                 causal=True, executor=executor)
+    q, k, v = _inputs(torch.float32 if executor == "flex" else torch.float64, length)
+    hidden = torch.zeros(2, H, length, dtype=torch.bool)
+    hidden[1, :, :20] = True
+    neg_inf = torch.tensor(float("-inf"))
+    ref = dense_reference(q, k, v, module.get_layout(length), True, torch.where(keep == 0, neg_inf, 0.0))
+    if executor == "flex":
+        out = module(q.detach(), k.detach(), v.detach(), key_padding_mask=keep)
+        assert out[hidden].abs().max() == 0 and (out[~hidden].double() - ref[~hidden]).abs().max() < 1e-5
+        return
+    out = module(q, k, v, key_padding_mask=keep)
+    assert torch.isfinite(out).all() and out[hidden].abs().max() == 0
+    assert (out - ref).abs().max() < 1e-10
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mine = torch.autograd.grad(out, (q, k, v), grad)
+    theirs = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, b in zip(mine, theirs):
+        assert torch.isfinite(a).all() and (a - b).abs().max() < 1e-10

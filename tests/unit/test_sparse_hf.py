@@ -67,3 +67,27 @@ def test_a_sparse_layout_changes_what_is_attended_and_refuses_a_kv_cache() -> No
     assert (got[0, 16:] - ref[0, 16:]).abs().max() > 1e-3  # later tokens no longer see the whole past
     with pytest.raises(ValueError, match="use_cache=False"):
         sparse.generate(ids[:1, :8], max_new_tokens=2, do_sample=False, use_cache=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["row_groups", "block_sparse"])
+def test_left_padding_follows_sdpa_on_every_executor(executor: str) -> None:
+    """Left padding (how a batch is padded for generation): a padded query of the causal model sees padded keys
+    only, every key of its row hidden. SDPA and the row-group executor give that row 0; the block-sparse kernel
+    gave NaN, which every later layer spread to every logit of the sequence (issue 41, 7). Now every logit and
+    every gradient equals SDPA's (1e-10, float64) on each executor."""
+    name = f"lz_left_pad_{executor}"
+    register_hf_sparse_attention(DenseSparsityConfig(HEADS, block=16), MAX, name=name, executor=executor)
+    reference, sparse = _llama("sdpa"), _llama(name)
+    sparse.load_state_dict(reference.state_dict())
+    ids, mask = _batch(64)
+    mask = mask.flip(1)  # the second row left-padded: its first 13 queries attend to nothing
+    outs = []
+    for model in (reference, sparse):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits.square().sum().backward()
+        outs.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (ref, ref_grads), (got, got_grads) = outs
+    assert torch.isfinite(ref).all() and torch.isfinite(got).all()
+    assert (got - ref).abs().max() < 1e-10
+    assert max((a - b).abs().max() for a, b in zip(got_grads, ref_grads)) < 1e-9

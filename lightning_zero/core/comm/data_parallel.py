@@ -19,13 +19,13 @@ collectives (``compressed_allreduce.py``) compare on one scale.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from lightning_zero.core.comm.deferred import DONE, DeferredFlags, Handle, defer, forget_pending, settle_pending
 from lightning_zero.core.reliability.progress_record import RECORD
 from lightning_zero.core.zero.config import Collective
 
@@ -45,18 +45,15 @@ def _reduce_scatter_single(output: torch.Tensor, whole: torch.Tensor, group: dis
     return scatter(output, whole, group=group, async_op=async_op)
 
 
-class Handle(Protocol):
-    def wait(self) -> object: ...
+def backend_device(backend: str) -> torch.device:
+    """Where a group of ``backend`` takes the tensors of its collectives: NCCL only talks to the current GPU;
+    gloo (and one process without a group, ``"none"``) to the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-class _Done:
-    """The handle of a collective that had nothing to do."""
-
-    def wait(self) -> bool:
-        return True
-
-
-DONE: Handle = _Done()
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """:func:`backend_device` of ``group``'s backend (the CPU without an initialised process group)."""
+    return backend_device(str(dist.get_backend(group)) if dist.is_available() and dist.is_initialized() else "none")
 
 
 class _AllOf:
@@ -87,6 +84,9 @@ class _Timed:
         with self.comm.blocking(), RECORD.waiting(self.seq, self.kind):
             return self.work.wait()
 
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed()) if hasattr(self.work, "is_completed") else True
+
 
 class DataParallelComm:
     """The data-parallel group and the collectives the ZeRO core needs.
@@ -95,26 +95,34 @@ class DataParallelComm:
         group: the data-parallel process group (``None``: the default group when one is
             initialised, otherwise a single rank with no communication).
         collective: see :class:`~lightning_zero.core.zero.config.ZeroConfig`.
+        expert_data: with expert parallelism, the collectives over the ranks holding this rank's experts (the
+            expert-data group, Note [expert axes] in core/mesh/dims.py), which the experts' flat groups use
+            (:meth:`of`); ``None``: no expert partition.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, collective: Collective = "auto") -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, collective: Collective = "auto",
+                 expert_data: DataParallelComm | None = None) -> None:
         self.group = group
+        self.expert_data = expert_data
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size: int = dist.get_world_size(group) if initialized else 1  # ranks in the DP group
         self.rank: int = dist.get_rank(group) if initialized else 0  # this rank's index in the DP group
         backend = dist.get_backend(group) if initialized else "none"
         self.backend: str = str(backend)
-        # where small control tensors (flags, norms) live: NCCL only talks to the GPU
-        self.device: torch.device = (
-            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        )
+        self.device: torch.device = backend_device(self.backend)  # where small control tensors (flags, norms) live
         # gloo's all-reduce is faster than its reduce-scatter + all-gather (docs/benchmarks.md).
         self.use_all_reduce: bool = collective == "all_reduce" or (collective == "auto" and self.backend == "gloo")
         # stages 2-3 on gloo with "auto": gradients go to their owners point to point (exchange_to_owners)
         self.use_owner_exchange: bool = collective == "auto" and self.backend == "gloo"
         self.wait_seconds: float = 0.0  # host time blocked in this group's collectives, ever (see the module doc)
         self.bytes_sent: int = 0  # bytes this rank sent, ever, under the ring model (see the module doc)
-        self._deferred: list[DeferredFlags] = []  # agreements settled before this rank next issues a collective
+
+    def of(self, experts: bool) -> DataParallelComm:
+        """The collectives of a flat group: the expert-data group's for the experts' (``experts``), else these."""
+        if experts and self.expert_data is None:
+            raise ValueError("a flat group of expert parameters needs the expert-data group: build the comm with "
+                             "expert_data=DataParallelComm(<the expert-data group>)")
+        return self.expert_data if experts and self.expert_data is not None else self
 
     def _count(self, tensor: torch.Tensor, hops: int) -> None:
         """Add ``hops``/N of ``tensor``'s bytes to :attr:`bytes_sent` (2(N-1) for an all-reduce, else N-1)."""
@@ -124,8 +132,8 @@ class DataParallelComm:
         """Destroy this comm's process group now and stop communicating (world size 1 from here on).
         Only for a group this comm's owner created (``owned_groups``); Note [clean exit] in
         ``core/comm/process_groups.py``."""
-        self._deferred.clear()  # their peers are gone with the group
         group, self.group = self.group, None
+        forget_pending(group)  # their peers are gone with the group
         self.world_size, self.rank = 1, 0
         if group is not None and dist.is_available() and dist.is_initialized():
             with suppress(ValueError):  # already destroyed (e.g. destroy_process_group() of everything)
@@ -137,7 +145,7 @@ class DataParallelComm:
         collective, recorded for the hang watchdog (Note [progress record] in core/reliability/progress_record.py),
         after the deferred agreements are settled (Note [deferred agreement])."""
         if kind:
-            self.settle_deferred()
+            settle_pending()
         start = time.perf_counter()
         try:
             if kind:
@@ -331,44 +339,14 @@ class DataParallelComm:
             with self.blocking("all_reduce (step errors)"):
                 handle = self._issued(dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
                                       async_op=True)
-        return DeferredFlags(flags, handle)
+        return DeferredFlags(flags, handle, self.group)
 
-    def defer(self, pending: DeferredFlags) -> None:
-        """Settle ``pending`` (raise its error) before this rank next issues a collective of this group."""
-        self._deferred.append(pending)
+    @staticmethod
+    def defer(pending: DeferredFlags) -> None:
+        """Settle ``pending`` (raise its error) before this process next enters a collective of the strategy."""
+        defer(pending)
 
-    def settle_deferred(self) -> None:
+    @staticmethod
+    def settle_deferred() -> None:
         """Wait for the deferred agreements and raise the first one's error (Note [deferred agreement])."""
-        while self._deferred:
-            self._deferred.pop(0).raise_if_any()
-
-
-class DeferredFlags:
-    """An issued all-reduce of one flag per rank (:meth:`DataParallelComm.ranks_with_later`).
-
-    Note [deferred agreement]
-        An agreement that must hold before a rank waits on the others (did any rank's step raise?)
-        needs no synchronisation of its own: the flags are all-reduced asynchronously and read when
-        this rank next issues a collective of the group (``DataParallelComm.blocking`` settles them
-        first), or one of Lightning's (the strategy's ``barrier`` / ``broadcast`` / ``reduce``), or at
-        the end of training. A rank that is going to raise waits for the answer itself; the others
-        learn it before they wait on a collective the raising rank never joins, so every rank raises
-        and none hangs. The all-reduce is numbered like the strategy's other collectives, so the hang
-        watchdog names a rank waiting in it.
-    """
-
-    def __init__(self, flags: torch.Tensor, handle: Handle) -> None:
-        self.flags, self.handle = flags, handle
-        # the error raise_if_any raises when some ranks' flags are set, made from those ranks
-        self.error_for: Callable[[list[int]], BaseException] | None = None
-
-    def ranks(self) -> list[int]:
-        """The ranks whose flag is set (waits for the all-reduce; the same on every rank)."""
-        handle, self.handle = self.handle, DONE
-        handle.wait()
-        return [r for r in range(self.flags.numel()) if self.flags[r].item()]
-
-    def raise_if_any(self) -> None:
-        failed = self.ranks()
-        if failed and self.error_for is not None:
-            raise self.error_for(failed)
+        settle_pending()

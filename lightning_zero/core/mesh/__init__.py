@@ -2,10 +2,10 @@
 
 Public pieces: ``Axis``, ``ParallelDims`` (``dims``: sizes checked once, rank layout, which dimensions
 are on) and ``ProcessMesh`` (``groups``: this rank's coordinates and process groups). Every parallelism
-(ZeRO over data x sequence, pipeline stages, tensor and sequence parallel) takes its groups from here.
+(ZeRO over data x sequence, pipeline stages, tensor, sequence and expert parallel) takes its groups from here.
 """
 
-from lightning_zero.core.mesh.dims import ORDER, Axis, ParallelDims
+from lightning_zero.core.mesh.dims import FINE_ORDER, ORDER, Axis, ParallelDims
 from lightning_zero.core.mesh.groups import ProcessMesh
 
-__all__ = ["ORDER", "Axis", "ParallelDims", "ProcessMesh"]
+__all__ = ["FINE_ORDER", "ORDER", "Axis", "ParallelDims", "ProcessMesh"]

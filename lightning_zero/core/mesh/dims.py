@@ -13,6 +13,18 @@ ZeRO partitions its shards over data x sequence (:attr:`ParallelDims.zero_axes`)
 sequence group hold different tokens of the same samples, so their gradients are summed like data
 parallel ones, as DeepSpeed-Ulysses folds the sequence group into ZeRO's. Lightning's sampler shards
 the data over the data dimension only: every rank of a sequence or tensor group sees the same batch.
+
+Note [expert axes]
+    Expert parallelism is carved out of the data dimension: its ranks see different tokens, like data
+    ranks, and hold different experts. The data coordinate splits as ``d = e_d * expert + e``, the expert
+    axis (``Axis.EXPERT``, ``expert`` ranks) inner, the expert-data axis (``Axis.EXPERT_DATA``, ``data /
+    expert`` ranks) outer: an expert-parallel group's ranks, which exchange tokens at every MoE layer, are
+    the nearest data ranks (DeepSpeed's layout), and the global rank formula above is unchanged. The
+    ranks of an expert-data group hold the same experts: ZeRO reduces and partitions the experts'
+    gradients and state over expert-data x sequence (:attr:`ParallelDims.expert_zero_axes`), everything
+    else over data x sequence; an expert's gradient, summed over its expert-data group, is divided by
+    the whole data x sequence size, as every dense gradient is (each data rank's tokens reach it through
+    the all-to-alls).
 """
 
 from __future__ import annotations
@@ -29,9 +41,21 @@ class Axis(enum.Enum):
     DATA = "data"
     SEQUENCE = "sequence"
     TENSOR = "tensor"
+    EXPERT_DATA = "expert_data"  # the data axis's outer part (Note [expert axes])
+    EXPERT = "expert"  # the data axis's inner part
 
 
 ORDER: tuple[Axis, ...] = (Axis.PIPELINE, Axis.DATA, Axis.SEQUENCE, Axis.TENSOR)
+# the rank layout with the data axis split into its expert parts (Note [expert axes])
+FINE_ORDER: tuple[Axis, ...] = (Axis.PIPELINE, Axis.EXPERT_DATA, Axis.EXPERT, Axis.SEQUENCE, Axis.TENSOR)
+# every axis, in the order a group's axes are listed
+ALL_AXES: tuple[Axis, ...] = (Axis.PIPELINE, Axis.DATA, Axis.EXPERT_DATA, Axis.EXPERT, Axis.SEQUENCE, Axis.TENSOR)
+
+
+def _fine(axes: tuple[Axis, ...]) -> tuple[Axis, ...]:
+    """``axes`` with the data axis as its two expert parts, in :data:`FINE_ORDER`."""
+    wanted = set(axes) | ({Axis.EXPERT_DATA, Axis.EXPERT} if Axis.DATA in axes else set())
+    return tuple(a for a in FINE_ORDER if a in wanted)
 
 
 @dataclass(frozen=True)
@@ -43,19 +67,21 @@ class ParallelDims:
         pipeline: pipeline stages.
         tensor: tensor-parallel ranks per layer.
         sequence: sequence-parallel ranks per sample (DeepSpeed-Ulysses).
+        expert: expert-parallel ranks per MoE layer, carved out of the data ranks (Note [expert axes]).
 
     Raises:
-        ValueError: a size below 1, or a world that is not a multiple of pipeline x sequence x tensor
-            (the message says which sizes would fit).
+        ValueError: a size below 1, a world that is not a multiple of pipeline x sequence x tensor, or data
+            ranks that are not a multiple of ``expert`` (the message says which sizes would fit).
     """
 
     world_size: int
     pipeline: int = 1
     tensor: int = 1
     sequence: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "pipeline", "tensor", "sequence"):
+        for name in ("world_size", "pipeline", "tensor", "sequence", "expert"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -66,15 +92,26 @@ class ParallelDims:
                 f"the world size {self.world_size} is not a multiple of pipeline x sequence x tensor = "
                 f"{self.pipeline} x {self.sequence} x {self.tensor} = {model}: launch {fits[:3]}... ranks "
                 f"(trainer.devices x trainer.num_nodes), or choose sizes whose product divides {self.world_size}")
+        if self.data % self.expert:
+            raise ValueError(
+                f"expert_parallel={self.expert} does not divide the {self.data} data-parallel ranks (world "
+                f"{self.world_size} / pipeline x sequence x tensor {model}): expert parallelism is carved out of the "
+                f"data ranks; choose an expert-parallel size dividing {self.data}, or launch "
+                f"{self.expert * model} x n ranks")
 
     @property
     def data(self) -> int:
         """Data-parallel replicas: the world divided by the model-parallel dimensions."""
         return self.world_size // (self.pipeline * self.sequence * self.tensor)
 
+    @property
+    def expert_data(self) -> int:
+        """The data ranks holding the same experts (Note [expert axes])."""
+        return self.data // self.expert
+
     def size(self, axis: Axis) -> int:
         return {Axis.PIPELINE: self.pipeline, Axis.DATA: self.data, Axis.SEQUENCE: self.sequence,
-                Axis.TENSOR: self.tensor}[axis]
+                Axis.TENSOR: self.tensor, Axis.EXPERT: self.expert, Axis.EXPERT_DATA: self.expert_data}[axis]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -102,32 +139,48 @@ class ParallelDims:
         return self.data > 1
 
     @property
+    def expert_enabled(self) -> bool:
+        return self.expert > 1
+
+    @property
     def zero_axes(self) -> tuple[Axis, ...]:
         """The axes ZeRO partitions and reduces gradients over (module docstring)."""
         return (Axis.DATA, Axis.SEQUENCE)
 
+    @property
+    def expert_zero_axes(self) -> tuple[Axis, ...]:
+        """The axes ZeRO partitions and reduces the experts' gradients over (Note [expert axes])."""
+        return (Axis.EXPERT_DATA, Axis.SEQUENCE)
+
     def coordinates(self, rank: int) -> dict[Axis, int]:
-        """Where global ``rank`` sits on each axis (Note [rank order])."""
+        """Where global ``rank`` sits on each axis, the data axis and its two expert parts (Note [rank order],
+        Note [expert axes])."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         out: dict[Axis, int] = {}
-        for axis in reversed(ORDER):
+        for axis in reversed(FINE_ORDER):
             rank, out[axis] = divmod(rank, self.size(axis))
+        out[Axis.DATA] = out[Axis.EXPERT_DATA] * self.expert + out[Axis.EXPERT]
         return out
 
     def rank_of(self, coordinates: dict[Axis, int]) -> int:
-        """The global rank at ``coordinates`` (every axis given)."""
+        """The global rank at ``coordinates``: every axis of :data:`ORDER` (the data axis wins over its expert
+        parts when both are given), or of :data:`FINE_ORDER`."""
+        fine = dict(coordinates)
+        if Axis.DATA in fine:
+            fine[Axis.EXPERT_DATA], fine[Axis.EXPERT] = divmod(coordinates[Axis.DATA], self.expert)
         rank = 0
-        for axis in ORDER:
-            rank = rank * self.size(axis) + coordinates[axis]
+        for axis in FINE_ORDER:
+            rank = rank * self.size(axis) + fine[axis]
         return rank
 
     def group_ranks(self, rank: int, axes: tuple[Axis, ...]) -> list[int]:
         """The global ranks that share ``rank``'s coordinates except along ``axes``, in rank order."""
-        here = self.coordinates(rank)
+        here = {a: v for a, v in self.coordinates(rank).items() if a is not Axis.DATA}
+        fine = _fine(axes)
         ranks = []
-        for values in itertools.product(*(range(self.size(a)) for a in axes)):
-            ranks.append(self.rank_of({**here, **dict(zip(axes, values))}))
+        for values in itertools.product(*(range(self.size(a)) for a in fine)):
+            ranks.append(self.rank_of({**here, **dict(zip(fine, values))}))
         return sorted(ranks)
 
     def all_groups(self, axes: tuple[Axis, ...]) -> list[list[int]]:
@@ -140,6 +193,8 @@ class ParallelDims:
         return [seen[k] for k in sorted(seen)]
 
     def describe(self) -> str:
-        """``pipeline 2 x data 2 x sequence 1 x tensor 2`` (the enabled ones, or ``data 1``)."""
-        on = [f"{a.value} {self.size(a)}" for a in ORDER if self.enabled(a)]
+        """``pipeline 2 x data 2 x sequence 1 x tensor 2`` (the enabled ones, or ``data 1``; with expert
+        parallelism the data axis as ``expert_data 2 x expert 2``)."""
+        order = FINE_ORDER if self.expert_enabled else ORDER
+        on = [f"{a.value} {self.size(a)}" for a in order if self.enabled(a)]
         return " x ".join(on) or "data 1"

@@ -13,13 +13,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_zero.core.mesh.dims import ORDER, Axis, ParallelDims
+from lightning_zero.core.mesh.dims import ALL_AXES, Axis, ParallelDims
 
 AxisSet = tuple[Axis, ...]
 
 
 def _key(axes: AxisSet) -> AxisSet:
-    return tuple(a for a in ORDER if a in axes)
+    return tuple(a for a in ALL_AXES if a in axes)
 
 
 class ProcessMesh:

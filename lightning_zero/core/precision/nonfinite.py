@@ -13,8 +13,13 @@ Note [non-finite policy]
       parameter (in module order) whose reduced gradient holds a non-finite value.
 
     The check runs after the gradients were reduced, before the optimizer step: each rank looks at
-    the gradient elements it owns (its shards at stage >= 1), and one all-reduce (MIN over the index
-    of each rank's first offending parameter) makes every rank agree on whether and where.
+    the gradient elements it owns (its shards at stage >= 1), and one all-reduce over the data group
+    (data x sequence: MIN over the index of each rank's first offending parameter) makes its ranks agree
+    on whether and where. The ranks holding the rest of the model (pipeline stages, tensor-parallel
+    ranks: other parameters, or other slices of them) then agree too (:func:`agree_over_model_parallel`:
+    one more all-reduce of a flag, and, only when some rank found one, the name from the first of them),
+    so every rank of data x tensor x pipeline x sequence skips, or raises, together, as for the fp16
+    overflow.
 """
 
 from __future__ import annotations
@@ -74,3 +79,11 @@ def first_nonfinite_parameter(
     comm.all_reduce_max(agreed)  # max of the negated index: the smallest index over the ranks
     first = -int(agreed.item())
     return None if first == len(order) else first
+
+
+def agree_over_model_parallel(name: str | None, model_parallel: DataParallelComm) -> str | None:
+    """The first offender's name over the model-parallel ranks (each with the answer of its data group):
+    ``None`` when no rank found one, else the name from the first rank of ``model_parallel`` (pipeline stages
+    outermost, then TP ranks) that did; the same on every rank (a collective, Note [non-finite policy])."""
+    holders = model_parallel.ranks_with(name is not None)
+    return model_parallel.broadcast_text(name, holders[0]) if holders else None

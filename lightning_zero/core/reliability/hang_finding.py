@@ -18,12 +18,20 @@ STUCK_EXIT_CODE = 76  # every rank alive, no rank's progress moved (EX_PROTOCOL:
 
 @dataclass(frozen=True)
 class SilentRank:
-    """A rank whose heartbeat stopped: its last published step and operation (``None``: never seen)."""
+    """A rank whose heartbeat stopped: its last published step and operation (``None``: never seen), and its
+    process as it published it (``rank_process.py``: where, pid, start time; ``None``: not known)."""
 
     rank: int
     silent_s: float
     step: int | None
     operation: str | None
+    process: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The silent rank's process id, where it published one."""
+        parts = (self.process or "").split()
+        return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
 
 
 def rank_list(ranks: Iterable[int]) -> str:
@@ -42,7 +50,7 @@ def rank_list(ranks: Iterable[int]) -> str:
 def silent_text(silent: Sequence[SilentRank], timeout_s: float) -> str:
     """The finding for ranks that stopped beating."""
     who = ", ".join(
-        f"rank {s.rank} (silent {s.silent_s:.0f} s, last seen "
+        f"rank {s.rank} ({'' if s.pid is None else f'pid {s.pid}, '}silent {s.silent_s:.0f} s, last seen "
         + ("never" if s.step is None else f"at step {s.step} in {s.operation!r}") + ")"
         for s in silent
     )

@@ -44,7 +44,9 @@ Note [hang watchdog]
     ``timeout_s`` (its host is the hung process) that is reported, naming the store. Every rank
     prints the finding, adds one to an acknowledgement counter and waits (at most two intervals)
     for the others' before exiting, so a launcher that stops the job at the first exit does not
-    cut a rank's report short.
+    cut a rank's report short. Each rank publishes its process once, at start; a silent finding
+    carries the silent ranks' (Note [ending a silent rank] in ``rank_process.py``: the reporting
+    ranks end a stopped rank they can reach, so that its launcher ends the job at once).
 
     ``dist.monitored_barrier`` was not used: it is a collective all survivors must enter together,
     and only rank 0 learns who is missing.
@@ -57,7 +59,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_zero.core.reliability.hang_finding import (
@@ -68,6 +70,7 @@ from lightning_zero.core.reliability.hang_finding import (
     stuck_text,
 )
 from lightning_zero.core.reliability.progress_record import RECORD, ProgressRecord, parse_progress
+from lightning_zero.core.reliability.rank_process import is_stopped, process_text
 
 __all__ = ["DONE", "HangReport", "HeartbeatWatchdog", "SilentRank", "interval_for"]
 
@@ -160,6 +163,7 @@ class HeartbeatWatchdog:
         self._verdict: str | None = None
         self._verdict_changed = now
         self._aggregator_done = False
+        self._rank0_process: str | None = None  # rank 0's published process (Note [ending a silent rank])
         self._due = now + self.interval_s  # when the next threshold is crossed, as far as the last round knew
 
     def key(self, name: str) -> str:
@@ -183,6 +187,9 @@ class HeartbeatWatchdog:
         now = self.clock()
         self._last_answer = self._verdict_changed = now
         self._changed = {r: now for r in range(self.world_size)} if self.rank == 0 else {}
+        self.store.set(self.key(f"process/{self.rank}"), process_text())  # Note [ending a silent rank]
+        if self.rank != 0 and self.store.check([self.key("process/0")]):  # rank 0 started first (else: below)
+            self._read_rank0_process()
         self.beat()
         self._thread = threading.Thread(target=self._run, name=f"lightning-zero-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
@@ -247,6 +254,7 @@ class HeartbeatWatchdog:
         watched = [r for r in range(self.world_size) if r not in done]
         self._due = min((self._changed[r] + self.timeout_s for r in watched), default=now + self.interval_s)
         if silent:
+            silent = self._with_processes(silent)
             return self._report("silent", silent_text(silent, self.timeout_s), silent)
         states = {r: parse_progress(self._seen.get(r, "")) for r in range(self.world_size)}
         live = {r: s for r, s in states.items() if r not in done}
@@ -275,6 +283,8 @@ class HeartbeatWatchdog:
         if self._verdict is not None or self.store.check([key]):
             raw = self.store.get(key)
             raw = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if self._rank0_process is None:  # published before rank 0's first verdict: read once
+                self._read_rank0_process()
         now = self.clock()
         if raw is not None:
             status = raw.split("\t", 1)[1] if "\t" in raw else ""
@@ -292,7 +302,7 @@ class HeartbeatWatchdog:
         # rank 0 (the aggregator) stopped publishing: name it, and make that the verdict every rank reads
         last = self.store.get(self.key("hb/0")) if self.store.check([self.key("hb/0")]) else b""
         text = last.decode() if isinstance(last, bytes) else str(last)
-        silent = [_silent(0, now - self._verdict_changed, text)]
+        silent = self._with_processes([_silent(0, now - self._verdict_changed, text)])
         mine = self._report("silent", silent_text(silent, self.timeout_s), silent)
         current = self.store.compare_set(key, raw or "", f"{(raw or '0').split(chr(9))[0]}\t{_encode(mine)}")
         current = current.decode() if isinstance(current, bytes) else str(current)
@@ -302,7 +312,20 @@ class HeartbeatWatchdog:
             return None
         return self._decode(status) if status else mine
 
+    def _read_rank0_process(self) -> None:
+        """Keep rank 0's published process, if it is there yet: should the store (rank 0's under Lightning's
+        launcher) stop answering, rank 0 is ended where it is seen stopped (Note [ending a silent rank])."""
+        found = self.store.check([self.key("process/0")])
+        self._rank0_process = _text(self.store.get(self.key("process/0"))) if found else ""
+
     # ------------------------------------------------------------------ both
+    def _with_processes(self, silent: list[SilentRank]) -> list[SilentRank]:
+        """The silent ranks with the processes they published at start (Note [ending a silent rank])."""
+        keys = [self.key(f"process/{s.rank}") for s in silent]
+        known = [k for k in keys if self.store.check([k])]
+        found = dict(zip(known, self.store.multi_get(known))) if known else {}
+        return [replace(s, process=_text(found[k])) if k in found else s for s, k in zip(silent, keys)]
+
     def _report(self, kind: str, text: str, silent: list[SilentRank] | None = None,
                 store_failure: str | None = None) -> HangReport:
         return HangReport(self.rank, kind, text, self.timeout_s, tuple(silent or ()), store_failure,
@@ -349,7 +372,12 @@ class HeartbeatWatchdog:
                 text = (f"the rendezvous store did not answer heartbeats for {self.timeout_s:.0f} s ({failure}); "
                         "the process hosting it (rank 0's under Lightning's launcher, torchrun's agent otherwise) "
                         "is hung or gone.")
-                self._found(self._report("store", text, store_failure=failure))
+                silent = []  # rank 0 stopped on this host: the store's host under Lightning's launcher, ended too
+                if self._rank0_process and is_stopped(self._rank0_process):
+                    silent = [SilentRank(0, round(self.clock() - self._last_answer, 1), None, None,
+                                         self._rank0_process)]
+                    text += f" Rank 0 (pid {silent[0].pid}) is stopped."
+                self._found(self._report("store", text, silent, store_failure=failure))
                 return
 
     def _found(self, report: HangReport) -> None:
@@ -360,8 +388,12 @@ class HeartbeatWatchdog:
         self.on_hang(report)
 
 
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 def _encode(report: HangReport) -> str:
-    silent = [[s.rank, s.silent_s, s.step, s.operation] for s in report.silent]
+    silent = [[s.rank, s.silent_s, s.step, s.operation, s.process] for s in report.silent]
     return json.dumps({"kind": report.kind, "text": report.text, "silent": silent})
 
 

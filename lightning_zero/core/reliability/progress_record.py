@@ -109,6 +109,8 @@ class _Inside:
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
         r = self.record
+        if err is not None:
+            r.broken += 1
         if r.device_probe is not None:  # the device may still run it: poll until done (Note [progress record])
             r.pending = (r.waiting_seq, r.waiting_kind, r.device_probe())
         r.waiting_seq, r.waiting_kind = self.outer  # back in the enclosing block, or user code (0)
@@ -133,6 +135,7 @@ class ProgressRecord:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
+        self.broken = 0  # collectives of the strategy that raised (a peer gone, a timeout): Note [first step error]
         # NCCL: a probe of the device's progress made after each blocking collective (a recorded CUDA
         # event); None where collectives block the host (gloo)
         self.device_probe: Callable[[], Any] | None = None

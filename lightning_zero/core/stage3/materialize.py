@@ -167,11 +167,23 @@ def parameters_on_meta() -> Iterator[None]:
             param = seen[1]
         original(self, name, param)
 
+    global _META_BUILDS
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    _META_BUILDS += 1
     try:
         yield
     finally:
+        _META_BUILDS -= 1
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+_META_BUILDS = 0  # how many parameters_on_meta blocks are open
+
+
+def parameters_go_to_meta() -> bool:
+    """Whether a parameter registered now goes to the meta device (inside :func:`parameters_on_meta`): a model
+    built in ``configure_model`` that would load whole weights from files leaves them to the shards instead."""
+    return _META_BUILDS > 0
 
 
 def has_unmaterialized_tensors(module: nn.Module) -> bool:

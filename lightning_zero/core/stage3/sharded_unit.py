@@ -119,8 +119,9 @@ class ShardedUnit:
         """Start gathering the unit; ``may_lend=False`` copies even at one rank (Note [one rank])."""
         assert self.state is UnitState.SHARDED, self.state
         for i, g in enumerate(self.groups):
+            c = comm.of(g.experts)  # the experts' groups gather over their expert-data group
             # Note [one rank]: no copy (an offloaded shard is read by shard_io instead)
-            if comm.world_size == 1 and may_lend and self.lend and self.shard_io is None and lend(g.flat, g.shard):
+            if c.world_size == 1 and may_lend and self.lend and self.shard_io is None and lend(g.flat, g.shard):
                 self._lent[i], g.shard = g.shard, g.flat[:]
                 continue
             storage, nbytes = g.flat.untyped_storage(), g.padded_numel * g.flat.element_size()
@@ -135,7 +136,7 @@ class ShardedUnit:
                     self.shard_io.read(g, g.flat[start:end])
                     source = None
                 # Note [gather from the shard] in core/comm/data_parallel.py
-                self._handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True, source=source))
+                self._handles.append(c.all_gather_flat(g.flat, start, end, async_op=True, source=source))
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -172,7 +173,7 @@ class ShardedUnit:
             start, end = g.shard_range()
             if g.shard.data_ptr() != g.flat[start:end].data_ptr():
                 g.flat[start:end].copy_(g.shard)
-            handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
+            handles.append(comm.of(g.experts).all_gather_flat(g.flat, start, end, async_op=True))
         return handles
 
 

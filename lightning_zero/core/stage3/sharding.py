@@ -8,9 +8,12 @@ before the next one is touched. What then drives the units at every step is ``ru
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.experts.partition import bind_partitioned
 from lightning_zero.core.stage3.materialize import ParamInitFn, initialize_modules
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
@@ -27,13 +30,16 @@ def apply_stage3(
     config: ZeroConfig,
     param_init_fn: ParamInitFn | None = None,
     init_seed: int = 0,
+    experts: Set[nn.Parameter] = frozenset(),
 ) -> tuple[list[ShardedUnit], Stage3Runtime, list[FlatParamGroup]]:
     """Plan the units of ``module`` and shard them one at a time.
 
     For each unit: one flat group per optimizer param group present (parameters in no group,
-    e.g. frozen ones, get a group with ``optimizer_group == -1``: sharded, never stepped) is
-    bound; parameters built on the meta device are initialised in it (Note [sharded
-    construction]); the buffers are broadcast from rank 0, this rank's shard is kept and the
+    e.g. frozen ones, get a group with ``optimizer_group == -1``: sharded, never stepped), and one
+    more for its ``experts`` among them (sharded over the expert-data group: a unit gathers only
+    this rank's experts, Note [expert axes] in core/mesh/dims.py), is bound; parameters built on
+    the meta device are initialised in it (Note [sharded construction]); the buffers are
+    broadcast from rank 0, this rank's shard is kept and the
     buffer freed. So at most one unit is whole at any time.
 
     Returns:
@@ -45,19 +51,12 @@ def apply_stage3(
     units: list[ShardedUnit] = []
     all_groups: list[FlatParamGroup] = []
     for index, plan in enumerate(plans):
-        groups = []
-        for gi in [*range(len(optimizer_groups)), -1]:
-            params = [p for p in plan.params if group_of.get(p, -1) == gi]
-            if not params:
-                continue
-            fg = FlatParamGroup(params, comm.world_size, comm.rank)
-            fg.optimizer_group = gi
-            fg.bind()
-            groups.append(fg)
+        groups = [fg for gi in [*range(len(optimizer_groups)), -1]
+                  for fg in bind_partitioned([p for p in plan.params if group_of.get(p, -1) == gi], experts, comm, gi)]
         owners = direct_owners(module, set(plan.params))
         initialize_modules([(module_names[m], m) for m in owners], param_init_fn, init_seed, set(plan.params))
         for fg in groups:
-            comm.broadcast(fg.flat)
+            comm.of(fg.experts).broadcast(fg.flat)
         unit = ShardedUnit(plan.name, index, groups)
         unit.shard()
         units.append(unit)

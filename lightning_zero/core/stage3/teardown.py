@@ -9,13 +9,18 @@ Note [teardown gather]
     * needed: the ZeRO formulas of ``memory.py`` at stage 0 with one rank (whole parameters, and
       whole optimizer state plus a separate master where there is one), with the optimizer's
       bytes per element measured from this rank's state, plus 5% and 64 MiB of slack;
-    * available: on a CUDA device what ``torch.cuda.mem_get_info`` reports free plus what the
-      caching allocator holds unused; on the CPU the least of ``MemAvailable`` and the room left
-      under ``RLIMIT_DATA`` and ``RLIMIT_AS`` (the limits the process really runs under).
+    * available: every pool the gather draws from, with the needs of all the ranks that draw from it
+      summed (Note [memory pools] in ``memory_room.py``): on a CUDA device what ``torch.cuda.mem_get_info``
+      reports free plus what the caching allocator holds unused; on the CPU the host's ``MemAvailable``,
+      every memory cgroup above the process that has a limit (how clusters limit a job: a run in a 20 GiB
+      cgroup whose 2 ranks each saw 14 GiB free gathered 12 GB each and was killed after its last step),
+      and the room left under ``RLIMIT_DATA`` and ``RLIMIT_AS``.
 
-    All ranks agree (one tiny collective): everything is gathered if it fits on every rank; else
-    only the parameters if they fit (the optimizer state is dropped); else nothing, and the
-    parameters stay released (NaN placeholders of the right shapes, Note [released parameters]).
+    Every rank holding part of the model agrees (the needs summed over the ZeRO group, then over the
+    pipeline x tensor ranks; then whether any rank is short, over both): everything is gathered if it
+    fits in every pool; else only the parameters if they fit (the optimizer state is dropped); else
+    nothing, and the parameters stay released (NaN placeholders of the right shapes, Note [released
+    parameters]).
     An engine without an optimizer in a 16-bit mixed mode (evaluating a model built in
     ``configure_model``) has no fp32 master: its parameters come back as their 16-bit values, with
     a warning that says so.
@@ -27,13 +32,14 @@ Note [teardown gather]
 
 from __future__ import annotations
 
-import resource
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_zero.core.precision.loss_scaler import any_rank
+from lightning_zero.core.stage3 import memory_room
 from lightning_zero.core.zero.memory import model_state_formula
 
 if TYPE_CHECKING:
@@ -48,32 +54,6 @@ class TeardownPlan:
 
     gather_params: bool
     keep_optimizer_state: bool
-
-
-def _proc_kib(path: str, key: str) -> int | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def available_bytes(device: torch.device) -> int:
-    """Bytes this process can still allocate on ``device`` (Note [teardown gather])."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    room = [_proc_kib("/proc/meminfo", "MemAvailable")]
-    for limit, used in ((resource.RLIMIT_DATA, "VmData"), (resource.RLIMIT_AS, "VmSize")):
-        soft, _ = resource.getrlimit(limit)
-        current = _proc_kib("/proc/self/status", used)
-        if soft != resource.RLIM_INFINITY and current is not None:
-            room.append(soft - current)
-    known = [r for r in room if r is not None]
-    return max(0, min(known)) if known else 2**62
 
 
 def _precision(engine: ZeroEngine) -> str:
@@ -129,12 +109,21 @@ def plan_teardown(engine: ZeroEngine, failed: bool, gather_on_teardown: bool) ->
             )
         return TeardownPlan(gather_params=False, keep_optimizer_state=False)
     params, optimizer = whole_bytes(engine)
-    room = available_bytes(engine.comm.device if engine.comm.device.type == "cuda" else torch.device("cpu"))
+    comm, model_parallel = engine.comm, engine.model_parallel
+    pools = memory_room.memory_pools(comm.device if comm.device.type == "cuda" else torch.device("cpu"))
+    needs = [int(n * 1.05 + _SLACK) for n in (params + optimizer, params)]
+    summed = memory_room.pooled_needs(pools, needs, (comm, model_parallel))
 
-    def fits(n: int) -> bool:
-        return n * 1.05 + _SLACK <= room
+    def short_ranks(level: int) -> list[int]:
+        """The ZeRO group's ranks with a pool too small for its ranks' summed need (agreed over the model's ranks:
+        where another pipeline stage / TP rank is short, this group's ranks count as short too)."""
+        mine = any(total > pool.room for total, pool in zip(summed[level], pools))
+        short = comm.ranks_with(mine)
+        if model_parallel is not None and any_rank(bool(short), model_parallel) and not short:
+            return list(range(comm.world_size))
+        return short
 
-    short = engine.comm.ranks_with(not fits(params + optimizer))
+    short = short_ranks(0)
     if not short:
         if rank0 and engine.optimizer is None and engine.separate_master:
             warnings.warn(
@@ -146,15 +135,18 @@ def plan_teardown(engine: ZeroEngine, failed: bool, gather_on_teardown: bool) ->
                 stacklevel=2,
             )
         return TeardownPlan(gather_params=True, keep_optimizer_state=True)
-    gather_params = not engine.comm.ranks_with(not fits(params))
+    gather_params = not short_ranks(1)
     if rank0:
         kept = "only the parameters were gathered (the optimizer state was dropped)" if gather_params else (
             "the parameters are left released (they read as NaN; load a checkpoint to use the weights)")
+        tight = [f"{pool.what}: {max(pool.room, 0) / 2**30:.2f} GiB free, {total / 2**30:.2f} GiB needed by its ranks"
+                 for total, pool in zip(summed[0], pools) if total > pool.room]
+        where = f"; on this rank {'; '.join(tight)}" if tight else ""
         warnings.warn(
             f"ZeroStrategy(gather_on_teardown=True): the whole model ({params / 2**30:.2f} GiB of parameters, "
-            f"{optimizer / 2**30:.2f} GiB of optimizer state) does not fit in the memory rank(s) {short} can still "
-            f"allocate (this rank: {room / 2**30:.2f} GiB), so {kept}. Pass `gather_on_teardown=False` to skip "
-            "the gather, and save checkpoints during fit.",
+            f"{optimizer / 2**30:.2f} GiB of optimizer state per rank) does not fit in the memory rank(s) {short} "
+            f"can still allocate{where}, so {kept}. Pass `gather_on_teardown=False` to skip the gather, and save "
+            "checkpoints during fit.",
             stacklevel=2,
         )
     return TeardownPlan(gather_params=gather_params, keep_optimizer_state=False)

@@ -23,7 +23,7 @@ that the optimizer steps and that is cast back into the 16-bit parameters (Note 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Set
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.experts.reducers import make_reducer
 from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
 from lightning_zero.core.stage3 import gathered
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
@@ -44,6 +45,7 @@ from lightning_zero.core.zero.engine_setup import (
     broadcast_from_rank0,
     check_same_structure,
     module_dtype,
+    norm_shares,
     partition_parameters,
     self_reducing,
     sharded_optimizer,
@@ -51,7 +53,7 @@ from lightning_zero.core.zero.engine_setup import (
 from lightning_zero.core.zero.engine_step import GradReduction, NormExcess, StepPreparation
 from lightning_zero.core.zero.engine_views import WholeModelViews, unit_modules
 from lightning_zero.core.zero.flat_param import FlatParamGroup
-from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer, ReductionMode
+from lightning_zero.core.zero.grad_reducer import BackwardState, ReductionMode
 from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.core.zero.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
 
@@ -61,8 +63,8 @@ class StageCoupling:
     """How a pipeline stage's engine combines its step with the other stages' (Note [deferred reduction]).
 
     Args:
-        model_parallel: the ranks holding the other pipeline stages, over which gradient norms and the
-            overflow decision are combined (``None``: no other stage).
+        model_parallel: the ranks holding the rest of the model (other pipeline stages, other TP ranks), over
+            which gradient norms, the overflow decision and the non-finite check are combined (``None``: none).
         norm_excess: ``fn(grads, groups, norm_type)``: the norm share to leave out (tied parameters
             another stage counts).
     """
@@ -95,6 +97,9 @@ class ZeroEngine:
             parameter names / shapes / dtypes before the first collective (``core/reliability/agreement.py``).
         offload: where the optimizer shards live (docs/offload.md); default: with the parameters.
         coupling: a pipeline stage's engine: how its step combines with the other stages' (default: none).
+        experts: expert parameters (expert parallelism): their flat groups are reduced and partitioned over
+            ``comm.expert_data``, the rest over ``comm`` (Note [expert axes] in core/mesh/dims.py, Note
+            [partitioned reduction] in core/experts/reducers.py).
     """
 
     def __init__(
@@ -110,6 +115,7 @@ class ZeroEngine:
         setup_settings: Mapping[str, str] | None = None,
         offload: OffloadConfig | None = None,
         coupling: StageCoupling | None = None,
+        experts: Set[nn.Parameter] = frozenset(),
     ) -> None:
         self.offload_config = offload or OffloadConfig()
         self.offload_config.check(config.stage)
@@ -123,8 +129,15 @@ class ZeroEngine:
                 f"The module's parameters are {module_dtype(module)} but the dtype policy says "
                 f"{self.dtypes.param_dtype}. Cast the module first (the precision plugin's convert_module does)."
             )
+        if experts and self.comm.expert_data is None:
+            raise ValueError("expert parameters need the expert-data group: build the engine's comm with "
+                             "DataParallelComm(..., expert_data=DataParallelComm(<expert-data group>))")
+        self.experts: frozenset[nn.Parameter] = frozenset(experts)
         # an optimizer that averages over the ranks itself once it compresses (1-bit Adam): stage 0 only
         self._self_reducing: SelfReducingOptimizer | None = self_reducing(optimizer, config.stage, self.comm)
+        if self._self_reducing is not None and experts:
+            raise ValueError(f"{type(optimizer).__name__} with expert parallelism is not built (its compressed "
+                             "all-reduce averages every parameter over the whole data group): use AdamW / Adam / SGD")
         if optimizer is not None:
             check_optimizer(optimizer, config.stage, config.elementwise_optimizers)
         self.names: dict[nn.Parameter, str] = {}  # every module parameter -> qualified name, module order
@@ -140,23 +153,23 @@ class ZeroEngine:
         self.units: list[ShardedUnit]
         self.runtime: Stage3Runtime | None
         self.units, self.runtime, self.all_groups = partition_parameters(module, self.names, groups, self.comm, config,
-                                                                         param_init_fn, init_seed)
+                                                                         param_init_fn, init_seed, self.experts)
         # the flat groups of trainable parameters (stage 3 also has groups of frozen ones)
         self.groups: list[FlatParamGroup] = [g for g in self.all_groups if g.optimizer_group >= 0]
-        broadcast_from_rank0(module, self.names, self.all_groups, self.comm)
+        broadcast_from_rank0(module, self.names, self.all_groups, self.comm, self.experts)
         undo_checkpointing = (
             apply_activation_checkpointing(unit_modules(module, self.names, config.unit_classes, self.runtime))
             if config.activation_checkpointing else None
         )
         gathered.register(self)
-        self.reducer = GradReducer(self.groups, self.comm, config.stage, config.reduce_bucket_size, config.overlap_comm,
-                                   self.dtypes.grad_dtype, {p: n for p, n in self.names.items() if p in managed},
-                                   self.dtypes.grad_accum_dtype)
+        self.reducer = make_reducer(self.groups, self.comm, config.stage, config.reduce_bucket_size,
+                                    config.overlap_comm, self.dtypes.grad_dtype,
+                                    {p: n for p, n in self.names.items() if p in managed}, self.dtypes.grad_accum_dtype)
         # stage >= 1: the optimizer steps this rank's master shards; stage 0: the whole params (None), or
         # with a separate master (mixed precision) per-parameter views of a whole master
         self.sharded: ShardedOptimizer | None = sharded_optimizer(
             optimizer, config, self.dtypes, self.offload_config, self.comm, self.units, self.groups,
-            [p for p in self.names if p in managed], master_init)
+            [p for p in self.names if p in managed], master_init, self.experts)
         if optimizer is None:
             self.offload_config.warn_unused()
         self._user_zero_grad: Callable[..., None] | None = None
@@ -168,7 +181,7 @@ class ZeroEngine:
         coupling = coupling or StageCoupling()
         self.preparation = StepPreparation(self.config, self.comm, self.dtypes, self.names, self.groups, self.reducer,
                                            self.sharded, self.master_grad_is_view, coupling.model_parallel,
-                                           coupling.norm_excess)
+                                           coupling.norm_excess, norm_shares(self.groups, self.comm, config))
         self.views = WholeModelViews(module, optimizer, self.comm, self.dtypes, self.names, self.groups,
                                      self.all_groups, self.units, self.runtime, self.reducer, self.sharded,
                                      undo_checkpointing, self._user_zero_grad)
@@ -291,7 +304,8 @@ class ZeroEngine:
             if self.runtime is not None:  # stage 3: only the persistent unit is kept whole
                 handles = [h for u in self.units if u.persistent for h in u.refresh_persistent(self.comm)]
             elif not self.sharded.whole:
-                handles = [self.comm.all_gather_flat(g.flat, *g.shard_range(), async_op=True) for g in self.groups]
+                handles = [self.comm.of(g.experts).all_gather_flat(g.flat, *g.shard_range(), async_op=True)
+                           for g in self.groups]
             else:
                 handles = []
             for h in handles:

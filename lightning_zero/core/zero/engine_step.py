@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.precision.loss_scaler import any_rank, local_sum_of_squares, non_finite
-from lightning_zero.core.precision.nonfinite import first_nonfinite_parameter
+from lightning_zero.core.precision.nonfinite import agree_over_model_parallel, first_nonfinite_parameter
 from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
 from lightning_zero.core.zero.grad_reducer import GradReducer
@@ -117,10 +117,13 @@ class StepPreparation:
         reducer: the gradient buffers the backward filled.
         sharded: the optimizer re-pointed at master shards (``None``: it steps the parameters).
         master_grad_is_view: whether the optimizer steps on the reduced buffers themselves (no cast, no offload).
-        model_parallel: pipelines: the ranks holding the other stages, over which norms and the overflow
-            decision are combined (Note [deferred reduction] in engine.py).
+        model_parallel: the ranks holding the rest of the model (other pipeline stages, other TP ranks), over
+            which norms, the overflow decision and the non-finite check are combined (Note [deferred reduction]
+            in engine.py).
         norm_excess: pipelines: ``fn(grads, groups, norm_type)``, the norm share another stage counts (tied
             parameters).
+        shares: stage 0 with expert groups: each group's share of its norm terms, the norm then summed over the
+            data group (``engine_setup.norm_shares``); ``None``: every term counts once here.
     """
 
     def __init__(
@@ -135,8 +138,10 @@ class StepPreparation:
         master_grad_is_view: bool,
         model_parallel: DataParallelComm | None = None,
         norm_excess: NormExcess | None = None,
+        shares: list[float] | None = None,
     ) -> None:
         self.config = config
+        self.shares = shares
         self.comm = comm
         self.dtypes = dtypes
         self.names = names
@@ -233,7 +238,7 @@ class StepPreparation:
         if loss_scale != 1.0:
             for t in self._grads_to_scale():
                 t.mul_(1.0 / loss_scale)
-        sumsq = torch.tensor([local_sum_of_squares(self._grads_for_norm()) - self._norm_excess(2.0)],
+        sumsq = torch.tensor([self._local_sumsq() - self._norm_excess(2.0)],
                              dtype=torch.float32, device=self.comm.device)
         if check_overflow and self._any_rank(non_finite(float(sumsq))):
             self.skip_step()
@@ -248,6 +253,13 @@ class StepPreparation:
         self._norm = sumsq.sqrt().reshape(())
         self.last_grad_norm = float(self._norm)
         return False
+
+    def _local_sumsq(self) -> float:
+        """This rank's squared norm terms, each group's weighted by its share when ``shares`` are given."""
+        grads = self._grads_for_norm()
+        if self.shares is None:
+            return local_sum_of_squares(grads)
+        return sum(share * local_sum_of_squares([g]) for share, g in zip(self.shares, grads, strict=True))
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any data-parallel rank, or any rank of the other pipeline stages."""
@@ -271,7 +283,8 @@ class StepPreparation:
     @torch.no_grad()
     def first_nonfinite_gradient(self) -> str | None:
         """After the last backward of a step: the name of the first parameter (module order) whose reduced
-        gradient holds ``nan`` / ``inf`` on any rank, or ``None`` (a collective; Note [non-finite policy])."""
+        gradient holds ``nan`` / ``inf`` on any rank of data x tensor x pipeline x sequence, or ``None`` (a
+        collective; Note [non-finite policy])."""
         grads: list[tuple[torch.Tensor, int] | None] = []
         for i, g in enumerate(self.groups):
             if not self.config.stage.shards_optimizer:
@@ -281,7 +294,10 @@ class StepPreparation:
                 grads.append((self.reducer.shard_grad(i), g.shard_range()[0]))
         order = list(self.names)
         first = first_nonfinite_parameter(self.groups, grads, order, self.comm)
-        return None if first is None else self.names[order[first]]
+        name = None if first is None else self.names[order[first]]
+        if self.model_parallel is not None:  # the other stages / TP ranks too: every rank decides alike
+            name = agree_over_model_parallel(name, self.model_parallel)
+        return name
 
     def skip_step(self) -> None:
         """Skip this optimizer step on this rank (every rank must agree): no parameter changes."""
@@ -311,6 +327,10 @@ class StepPreparation:
                 self.model_parallel.all_reduce_max(value)
             return value
         parts = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in local]) if local else torch.zeros(1)
+        if self.shares is not None:
+            grads = self._grads_for_norm()
+            parts = torch.stack([torch.linalg.vector_norm(t.float(), norm_type) for t in grads])
+            parts = parts * torch.tensor(self.shares, dtype=parts.dtype) ** (1.0 / norm_type)
         total = parts.pow(norm_type).sum() - self._norm_excess(norm_type)
         if self._norm_is_partial and self.comm.active:
             self.comm.all_reduce_sum(total)
@@ -331,7 +351,8 @@ class StepPreparation:
             every rank (so every rank clips by the same factor), and never below the norm of the
             averaged gradient, so clipping is at least as strict as before the freeze.
         """
-        return self.config.stage.shards_optimizer or self.grad_reduction is GradReduction.BY_OPTIMIZER
+        return (self.config.stage.shards_optimizer or self.grad_reduction is GradReduction.BY_OPTIMIZER
+                or self.shares is not None)
 
     def comm_max(self, value: torch.Tensor) -> None:
         self.comm.all_reduce_max(value)

@@ -151,6 +151,10 @@ class WholeModelViews:
         """See :func:`lightning_zero.gathered_parameters` (every rank must call it together)."""
         wanted = set(params)
         groups = [g for g in self.all_groups if any(s.param in wanted for s in g.slots)]
+        if modifier_rank is not None and any(g.experts for g in groups):
+            raise NotImplementedError("gathered_parameters(modifier_rank=...) over expert parameters is not built (a "
+                                      "data rank's experts are not every rank's): modify dense parameters only, or "
+                                      "load new expert weights with load_full_state_dict")
         in_groups = {s.param for g in groups for s in g.slots}
         loose = [p for p in params if p not in in_groups]  # stages 0-2: frozen parameters, kept whole
         opened = [u for u in self.units if u.state is UnitState.SHARDED and any(g in u.groups for g in groups)]
@@ -164,7 +168,7 @@ class WholeModelViews:
             if modifier_rank is not None:
                 with torch.no_grad():
                     for g in groups:
-                        self.comm.broadcast(g.flat, modifier_rank)
+                        self.comm.broadcast(g.flat, modifier_rank)  # no expert group: refused above
                         if g.shard is not None:
                             start, end = g.shard_range()
                             g.shard.copy_(g.flat[start:end])

@@ -58,9 +58,12 @@ class FlatParamGroup:
         params: trainable parameters of the group, in module order; one dtype and device.
         world_size: number of data-parallel ranks N.
         rank: this rank's index in the data-parallel group.
+        experts: the group holds expert parameters, sharded over the expert-data group (``world_size`` and
+            ``rank`` are that group's; its collectives are ``comm.of(True)``'s, Note [expert axes] in
+            core/mesh/dims.py).
     """
 
-    def __init__(self, params: list[nn.Parameter], world_size: int, rank: int) -> None:
+    def __init__(self, params: list[nn.Parameter], world_size: int, rank: int, experts: bool = False) -> None:
         if params:
             dtypes = {p.dtype for p in params}
             devices = {p.device for p in params}
@@ -72,6 +75,7 @@ class FlatParamGroup:
                 )
         self.world_size = world_size
         self.rank = rank
+        self.experts = experts
         self.slots: list[ParamSlot] = []
         offset = 0
         for p in params:

@@ -87,6 +87,8 @@ class GradReducer:
         names: parameter -> qualified name, in module order (bucket order, error messages).
         accum_dtype: dtype the whole gradients (stages 0-1) and gradient shards (stage 2) are kept
             and accumulated in (``None``: ``grad_dtype``); see Note [gradient dtypes] in config.py.
+        average_over: the ranks the summed gradients are divided by (``None``: ``comm``'s); the experts' reducer
+            sums over the expert-data group and divides by the data x sequence size (Note [expert axes]).
     """
 
     def __init__(
@@ -99,9 +101,11 @@ class GradReducer:
         grad_dtype: torch.dtype,
         names: dict[nn.Parameter, str],
         accum_dtype: torch.dtype | None = None,
+        average_over: int | None = None,
     ) -> None:
         self.groups = groups
         self.comm = comm
+        self.average_over = comm.world_size if average_over is None else average_over
         self.stage = ZeroStage.of(stage)
         self.overlap = overlap
         self.grad_dtype = grad_dtype
@@ -264,8 +268,8 @@ class GradReducer:
         source = self.staged.complete(index, self.buckets, self._reported)
         while len(self._in_flight) >= self.max_in_flight:  # first: its buffers serve this message
             self._retire(self._in_flight.popleft())
-        if self.comm.world_size > 1:
-            source.mul_(1.0 / self.comm.world_size)
+        if self.average_over > 1:
+            source.mul_(1.0 / self.average_over)
         pooled: tuple[tuple[BufferPool, torch.Tensor], ...] = ((self.staged.staging_pool, source._base),)
         output = received = None
         ranges = message.owner_ranges
@@ -289,8 +293,8 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         self._launched[bucket.order] = True
         source = self.flat_grads[bucket.group_index][bucket.start : bucket.end]
-        if self.comm.world_size > 1:
-            source.mul_(1.0 / self.comm.world_size)
+        if self.average_over > 1:
+            source.mul_(1.0 / self.average_over)
         home = None
         if source.dtype != self.grad_dtype:  # accumulated in another dtype: reduce a cast copy
             home, source = source, source.to(self.grad_dtype)

@@ -3,8 +3,9 @@
 The formulas follow the ZeRO paper (Rajbhandari et al., 2020, section 3) for Adam-like
 optimizers with two fp32 moments per element. Ψ is the number of trainable parameters and N the
 number of data-parallel ranks. Both the memory estimator and the tests of
-``ZeroStrategy.model_state_bytes()`` use :func:`model_state_formula` (and, with tensor parallelism,
-:func:`tensor_parallel_model_state` built on it); :func:`format_bytes` prints sizes.
+``ZeroStrategy.model_state_bytes()`` use :func:`model_state_formula` (and, with tensor or expert parallelism,
+:func:`tensor_parallel_model_state` and :func:`expert_parallel_model_state` built on it); :func:`format_bytes`
+prints sizes.
 """
 
 from __future__ import annotations
@@ -112,6 +113,43 @@ def tensor_parallel_model_state(
         raise ValueError(f"parameter counts must be >= 0, got split={split_params!r}, replicated={replicated_params!r}")
     per_rank = float(split_params) / tensor_parallel + float(replicated_params)
     return model_state_formula(stage, per_rank, data_parallel, precision, optimizer_state_per_param)
+
+
+def expert_parallel_model_state(
+    stage: int | ZeroStage,
+    dense_params: float,
+    expert_params: float,
+    expert_parallel: int,
+    data_parallel: int,
+    precision: str = "fp32",
+    optimizer_state_per_param: int = 8,
+) -> ModelStateBytes:
+    """Per-rank model-state bytes with expert parallelism (Note [model state with EP]).
+
+    Note [model state with EP]
+        An expert-parallel rank holds ``Ψ_experts / ep`` of the expert parameters (its experts) and every dense
+        parameter. ZeRO partitions each over its own group (Note [expert axes] in core/mesh/dims.py): the dense
+        ones over the ``data`` ranks, the rank's experts over the ``data / ep`` ranks holding them. So the
+        ZeRO formula applies twice and the two add up: ``f(Ψ_dense, N = data) + f(Ψ_experts / ep, N = data / ep)``.
+        At stage 3 both terms are ``Ψ / data``: expert parallelism then saves traffic (a rank gathers its own
+        experts only), not memory; at stages 0-2 the parameters (and at 0-1 the gradients) of the other experts.
+
+    Args:
+        stage: ZeRO stage 0-3.
+        dense_params: Ψ_dense, trainable parameters outside the experts.
+        expert_params: Ψ_experts, the experts' trainable parameters, all experts counted (unsplit).
+        expert_parallel: ranks per expert-parallel group.
+        data_parallel: data-parallel ranks (expert-parallel ranks included).
+        precision, optimizer_state_per_param: as for :func:`model_state_formula`.
+    """
+    if int(expert_parallel) != expert_parallel or expert_parallel < 1 or data_parallel % expert_parallel:
+        raise ValueError(f"expert_parallel must be a positive integer dividing data_parallel={data_parallel}, got "
+                         f"{expert_parallel!r}")
+    dense = model_state_formula(stage, dense_params, data_parallel, precision, optimizer_state_per_param)
+    experts = model_state_formula(stage, float(expert_params) / expert_parallel, data_parallel // expert_parallel,
+                                  precision, optimizer_state_per_param)
+    return ModelStateBytes(params=dense.params + experts.params, grads=dense.grads + experts.grads,
+                           optimizer=dense.optimizer + experts.optimizer)
 
 
 class StorageCounter:

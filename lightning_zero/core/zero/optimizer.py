@@ -347,7 +347,7 @@ class ShardedOptimizer:
             full = torch.zeros(fg.padded_numel, dtype=master.dtype, device=master.device)
             start, end = self.master_range(fi)
             full[start:end].copy_(master)
-            comm.all_gather_flat(full, start, end)
+            comm.of(fg.experts).all_gather_flat(full, start, end)
             out.append(full)
         self._settle()
         return out

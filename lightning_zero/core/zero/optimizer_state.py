@@ -9,7 +9,7 @@ makes the masters' initial values rank 0's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ def full_optimizer_state(sharded: ShardedOptimizer, comm: DataParallelComm) -> d
                 full = torch.zeros(fg.padded_numel, dtype=value.dtype, device=value.device)
                 start, end = fg.shard_range()
                 full[start:end].copy_(value)
-                comm.all_gather_flat(full, start, end)
+                comm.of(fg.experts).all_gather_flat(full, start, end)
                 for slot in fg.slots:
                     per_param = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
                     state.setdefault(index[slot.param], {})[key] = per_param
@@ -113,14 +113,15 @@ def load_full_optimizer_state(sharded: ShardedOptimizer, full: dict) -> None:
 @torch.no_grad()
 def broadcast_master_init(
     init: Mapping[nn.Parameter, torch.Tensor], params: list[nn.Parameter], dtype: torch.dtype,
-    comm: DataParallelComm,
+    comm: DataParallelComm, experts: Set[nn.Parameter] = frozenset(),
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Rank 0's initial master values of ``params`` (same order on every rank) on every rank, in
-    ``dtype``; one parameter at a time on the parameter's device (the collective's)."""
+    ``dtype``; one parameter at a time on the parameter's device (the collective's). ``experts``: over their
+    expert-data group."""
     out = {p: init[p] for p in params if p in init}
     if comm.active:
         for p in out:
             t = out[p].to(device=p.device, dtype=dtype).contiguous()
-            comm.broadcast(t)
+            comm.of(p in experts).broadcast(t)
             out[p] = t.to(init[p].device)
     return out

@@ -1,0 +1,1 @@
+"""A small regression project written for plain PyTorch Lightning (it knows nothing of lightning_zero)."""
