@@ -76,6 +76,7 @@ LAUNCH_ONLY = [re.compile(p) for p in (
 LONG_RUN_ONLY = [re.compile(p) for p in (r"^step \d+/\d+ ", r"^Time limit reached", r"^step \d+  val_loss ")]
 _EXIT = re.compile(r"^\(exit code (\d+)\)$")
 _GAP = re.compile(r"^(\.\.\.|\[\.\.\..*\])$")
+_SESSION = re.compile(r"^<!-- session(?:: (?P<name>[\w-]+))? -->$")
 _MARKER = re.compile(r"^<!-- output of(?::| (?P<what>the python block above|the test:))\s*(?P<command>.*?)\s*-->$")
 
 
@@ -85,7 +86,8 @@ class Quote:
 
     ``kind``: ``"command"`` (a shell command in the docs' venv form), ``"python"`` (``command`` is the code of the
     python block above), or ``"test"`` (``command`` is a pytest node id). ``block``: the line of the command's
-    fenced block (several commands of one ``console`` block run in order in one directory)."""
+    fenced block (several commands of one ``console`` block run in order in one directory). ``session``: the name
+    of the session its block belongs to (:func:`session_of`), else ``None``."""
 
     doc: Path
     start: int
@@ -93,6 +95,7 @@ class Quote:
     command: str
     kind: str = "command"
     block: int = 0
+    session: str | None = None
 
     @property
     def name(self) -> str:
@@ -132,11 +135,13 @@ def quotes(docs: Iterable[Path] = DOCS) -> list[Quote]:
                 kind = "python" if what.startswith("the python") else "test" if what.startswith("the test") else \
                     "command"
                 command = marker.group("command")
+                session = None
                 if kind == "python":
                     command = _python_block_before(lines, i - 1)
+                    session = session_of(lines, _python_fence_before(lines, i - 1))
                 elif kind == "command":
                     command = runnable_command(command)
-                found.append(Quote(doc, i + 1, end, command, kind, i + 1))
+                found.append(Quote(doc, i + 1, end, command, kind, i + 1, session))
             elif fence.group(1) in ("console", "bash"):
                 console, j = fence.group(1) == "console", i + 1
                 while j < end:
@@ -148,14 +153,29 @@ def quotes(docs: Iterable[Path] = DOCS) -> list[Quote]:
                     while command.endswith("\\") and k < end:
                         command, k = command[:-1] + " " + lines[k].strip(), k + 1
                     stop = next((m for m in range(k, end) if lines[m].startswith("$ ")), end) if console else k
-                    found.append(Quote(doc, k, stop, runnable_command(command), block=i + 1))
+                    found.append(Quote(doc, k, stop, runnable_command(command), block=i + 1,
+                                       session=session_of(lines, i)))
                     j = stop
             i = end + 1
     return found
 
 
-def _python_block_before(lines: list[str], index: int) -> str:
-    """The code of the ```python block that ends right before line ``index`` (the marker's line)."""
+def session_of(lines: Sequence[str], fence: int) -> str | None:
+    """The session of the fenced block opening at ``lines[fence]`` (0-based): ``""`` after a line
+    ``<!-- session -->`` (its commands run in order in one directory), ``NAME`` after ``<!-- session: NAME -->``
+    (the commands and ``python`` blocks of every block of that doc with that name run in order in one directory:
+    a later block reads what an earlier one wrote), else ``None``."""
+    match = _SESSION.match(lines[fence - 1].strip()) if fence > 0 else None
+    return None if match is None else match.group("name") or ""
+
+
+def session_key(quote: Quote) -> tuple[Path, str]:
+    """The directory a quote's command runs in, as a key: one per named session of a doc, else one per block."""
+    return (quote.doc, f"session {quote.session}") if quote.session else (quote.doc, f"block {quote.block}")
+
+
+def _python_fence_before(lines: list[str], index: int) -> int:
+    """The line (0-based) opening the ```python block that ends right before line ``index`` (the marker's line)."""
     end = index - 1
     while end >= 0 and not lines[end].startswith("```"):
         end -= 1
@@ -164,6 +184,15 @@ def _python_block_before(lines: list[str], index: int) -> str:
         start -= 1
     if start < 0 or end < 0:
         raise ValueError(f"'output of the python block above' at line {index + 1} follows no python block")
+    return start
+
+
+def _python_block_before(lines: list[str], index: int) -> str:
+    """The code of the ```python block that ends right before line ``index`` (the marker's line)."""
+    start = _python_fence_before(lines, index)
+    end = start + 1
+    while not lines[end].startswith("```"):
+        end += 1
     return "\n".join(lines[start + 1:end]) + "\n"
 
 
@@ -316,14 +345,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chosen = [q for q in quotes() if (not args.only or any(w in q.name for w in args.only))
               and any(_wanted(line, False, False) for line in q.lines())]  # a command that quotes nothing: not run
+    sessions = {session_key(q) for q in chosen if q.session}  # ... unless a later one of its session needs it
+    chosen = [q for q in quotes() if q in chosen or (q.session and session_key(q) in sessions)]
     drifted = 0
     with tempfile.TemporaryDirectory(prefix="docs_regenerate_") as tmp:
-        blocks: dict[tuple[Path, int], Path] = {}
+        blocks: dict[tuple[Path, str], Path] = {}
         edits: dict[Path, list[tuple[Quote, list[str]]]] = {}
         for quote in chosen:
-            cwd = blocks.get((quote.doc, quote.block))
-            if cwd is None:  # the commands of one block run in order in one directory
-                cwd = blocks[(quote.doc, quote.block)] = workdir(Path(tmp) / f"block{len(blocks)}")
+            cwd = blocks.get(session_key(quote))
+            if cwd is None:  # the commands of one block (or one named session) run in order in one directory
+                cwd = blocks[session_key(quote)] = workdir(Path(tmp) / f"block{len(blocks)}")
             print(f"{quote.name}: {quote.command.splitlines()[0][:100]}", flush=True)
             code, output = run(quote, cwd)
             if code != quote.exit_code():

@@ -28,10 +28,11 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
-from docs.regenerate import Quote, normalize, problems, quotes, runnable_command, workdir
+from docs.regenerate import Quote, normalize, problems, quotes, runnable_command, session_of, workdir
 from tests.in_pool import run_in_process, run_script_in_pool, run_script_in_process
 from tests.launches import GPT_TINY, MULTIRUN, Launch, SharedLaunches, run_process
 
@@ -75,8 +76,7 @@ SKIP_PREFIXES = {
     "python -m torch.distributed.run --nproc_per_node 2 benchmarks/": "a benchmark run (minutes)",
 }
 # the examples of one process (run in this process); every other example trains on 2 ranks (run on the pool's)
-ONE_PROCESS = {"docs/examples/sparse_attention.py"}
-SESSION = "<!-- session -->"  # the line before a console block whose commands run in order in one directory
+ONE_PROCESS = {"docs/examples/sparse_attention.py", "docs/examples/save_tiny_hf_model.py"}
 
 
 def _skip_reason(command: str) -> str | None:
@@ -87,17 +87,19 @@ def _runnable(quote: Quote) -> bool:
     return quote.kind == "command" and quote.command.startswith(("lightning-zero", "python"))
 
 
-def _in_session(quote: Quote) -> bool:
-    return quote.block >= 2 and quote.doc.read_text().splitlines()[quote.block - 2].strip() == SESSION
+def _block_key(doc: Path, line: int, session: str | None) -> str:
+    """The test a command (or a python block of a named session) runs in: one per session (``<!-- session -->``:
+    its block; ``<!-- session: NAME -->``: every block of the doc with that name), else one per command."""
+    return f"{doc.relative_to(ROOT).as_posix()}:{session or line}"
 
 
 COMMANDS = [q for q in quotes(DOCS) if _runnable(q)]
-# a session's commands run in order in one directory (one test); every other command runs alone, in the session's
-# shared run of it (Note [shared launches] in tests/launches.py)
+# a session's commands (and python blocks) run in order in one directory (one test); every other command runs
+# alone, in the test session's shared run of it (Note [shared launches] in tests/launches.py)
 BLOCKS: dict[str, list[Quote]] = {}
 for _quote in COMMANDS:
-    _where = _quote.block if _in_session(_quote) else _quote.start
-    BLOCKS.setdefault(f"{_quote.doc.relative_to(ROOT).as_posix()}:{_where}", []).append(_quote)
+    _where = _quote.block if _quote.session == "" else _quote.start
+    BLOCKS.setdefault(_block_key(_quote.doc, _where, _quote.session), []).append(_quote)
 
 
 def _starts_no_process(command: str, code: int) -> bool:
@@ -137,12 +139,18 @@ def _run(quote: Quote, cwd: Path | None, launches: SharedLaunches) -> tuple[Laun
 @pytest.mark.slow
 @pytest.mark.parametrize("block", list(BLOCKS))
 def test_doc_commands_run_and_print_what_the_docs_quote(block: str, launches: SharedLaunches) -> None:
-    """Every docs command runs with the exit code the docs show, and prints what they quote."""
+    """Every docs command runs with the exit code the docs show, and prints what they quote; a named session's
+    python blocks run in their place, in the session's directory."""
     commands = [q for q in BLOCKS[block] if not _skip_reason(q.command)]
     if not commands:
         pytest.skip(_skip_reason(BLOCKS[block][0].command))
-    cwd = workdir(launches.new_dir() / "session") if _in_session(commands[0]) else None
+    cwd = workdir(launches.new_dir() / "session") if commands[0].session is not None else None
+    python = [b for b in PYTHON_BLOCKS if b.session and _block_key(ROOT / b.doc, 0, b.session) == block]
     for quote in commands:
+        for earlier in [b for b in python if b.line < quote.start]:
+            assert cwd is not None
+            _run_python_block(earlier, cwd, launches)
+            python.remove(earlier)
         done, pooled = _run(quote, cwd, launches)
         output = normalize(done.output, done.cwd)
         assert done.returncode == quote.exit_code(), f"{quote.name}: {quote.command}\n" + "\n".join(output[-60:])
@@ -150,6 +158,9 @@ def test_doc_commands_run_and_print_what_the_docs_quote(block: str, launches: Sh
         assert not issues, (f"{quote.name}: the output of `{quote.command}` drifted from the quote (refresh it: "
                             f".venv/bin/python docs/regenerate.py --only {quote.doc.stem}):\n" + "\n".join(issues)
                             + "\n----- the run printed -----\n" + "\n".join(output[-80:]))
+    for later in python:
+        assert cwd is not None
+        _run_python_block(later, cwd, launches)
 
 
 def test_every_doc_command_is_collected_and_the_lists_are_current() -> None:
@@ -164,16 +175,29 @@ def test_every_doc_command_is_collected_and_the_lists_are_current() -> None:
 _FRAGMENT = re.compile(r"^<!-- fragment of: (\S+) -->$")
 
 
-def python_blocks() -> list[tuple[str, str, str | None]]:
-    """``(doc:line, code, the example a fragment is completed in or None)`` of every ``python`` block."""
+class PythonBlock(NamedTuple):
+    doc: str  # relative to the repository
+    line: int  # of the opening fence, 1-based
+    code: str
+    example: str | None  # the example a fragment is completed in
+    session: str | None  # the named session it runs in (docs.regenerate.session_of), else it runs alone
+
+    @property
+    def name(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def python_blocks() -> list[PythonBlock]:
+    """Every ``python`` block of the docs."""
     found = []
     for doc in DOCS:
         text = doc.read_text()
+        lines = text.splitlines()
         for m in re.finditer(r"^```python[ \t]*\n(.*?)^```", text, re.S | re.M):
             line = text[:m.start()].count("\n") + 1
-            before = text[:m.start()].rstrip("\n").splitlines()[-1].strip()
-            fragment = _FRAGMENT.match(before)
-            found.append((f"{doc.relative_to(ROOT).as_posix()}:{line}", m.group(1), fragment and fragment.group(1)))
+            fragment = _FRAGMENT.match(lines[line - 2].strip())
+            found.append(PythonBlock(doc.relative_to(ROOT).as_posix(), line, m.group(1), fragment and fragment.group(1),
+                                     session_of(lines, line - 1)))
     return found
 
 
@@ -195,8 +219,8 @@ def _line_pattern(line: str) -> re.Pattern[str]:
     return re.compile(".*".join(re.escape(part) for part in line.split("...")) + "$")
 
 
-@pytest.mark.parametrize(("block", "code", "example"), [b for b in PYTHON_BLOCKS if b[2]],
-                         ids=[b[0] for b in PYTHON_BLOCKS if b[2]])
+@pytest.mark.parametrize(("block", "code", "example"), [(b.name, b.code, b.example) for b in PYTHON_BLOCKS
+                                                      if b.example], ids=[b.name for b in PYTHON_BLOCKS if b.example])
 def test_a_python_fragment_stands_in_its_example_which_the_docs_run(block: str, code: str, example: str) -> None:
     """Its code lines (comments left out; ``...`` alone is a gap, inside a line any text) are lines of the
     example, in order; an example under docs/examples/ is run by a docs command (any other file it names is code
@@ -214,28 +238,33 @@ def test_a_python_fragment_stands_in_its_example_which_the_docs_run(block: str, 
         assert run, f"{block}: no docs command runs {example} (add one, e.g. `.venv/bin/python {example}`)"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("block", "code"), [b[:2] for b in PYTHON_BLOCKS if not b[2]],
-                         ids=[b[0] for b in PYTHON_BLOCKS if not b[2]])
-def test_a_python_block_runs_as_written_and_prints_what_the_docs_quote(
-        block: str, code: str, launches: SharedLaunches, request: pytest.FixtureRequest) -> None:
-    """A block that trains on 2 ranks runs on the pool's ranks, any other in this process; its stdout holds the
-    quote that follows it (``<!-- output of the python block above -->``)."""
-    ast.parse(code)  # a syntax error names the block first
-    cwd = workdir(launches.new_dir())
+def _run_python_block(block: PythonBlock, cwd: Path, launches: SharedLaunches) -> None:
+    """Run ``block`` in ``cwd``: on the pool's ranks when it trains on 2 ranks, else in this process; its stdout
+    holds the quote that follows it (``<!-- output of the python block above -->``)."""
+    ast.parse(block.code)  # a syntax error names the block first
     script = cwd / "block.py"
-    script.write_text(code)
-    if re.search(r"\bdevices=2\b", code) and ".fit(" in code:
-        done = run_script_in_pool(request.getfixturevalue("gloo_pool"), script, [], cwd)
+    script.write_text(block.code)
+    if re.search(r"\bdevices=2\b", block.code) and ".fit(" in block.code:
+        done = run_script_in_pool(launches.pool(), script, [], cwd)
     else:
         done = run_script_in_process(script, [], cwd)
     output = normalize(done.output, cwd)
-    assert done.returncode == 0, f"{block}:\n" + "\n".join(output[-60:])
-    doc = block.rsplit(":", 1)[0]
-    quoted = [q for q in quotes([ROOT / doc]) if q.kind == "python" and q.command == code]
+    assert done.returncode == 0, f"{block.name}:\n" + "\n".join(output[-60:])
+    quoted = [q for q in quotes([ROOT / block.doc]) if q.kind == "python" and q.command == block.code]
     for quote in quoted:
         issues = problems(quote.lines(), normalize(done.stdout, cwd))
         assert not issues, f"{quote.name}: the block's output drifted from the quote:\n" + "\n".join(issues)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in PYTHON_BLOCKS if not b.example and not b.session],
+                         ids=[b.name for b in PYTHON_BLOCKS if not b.example and not b.session])
+def test_a_python_block_runs_as_written_and_prints_what_the_docs_quote(block: PythonBlock,
+                                                                       launches: SharedLaunches) -> None:
+    """A block that trains on 2 ranks runs on the pool's ranks, any other in this process, each in a directory of
+    its own (a block of a named session runs in the session's test:
+    test_doc_commands_run_and_print_what_the_docs_quote)."""
+    _run_python_block(block, workdir(launches.new_dir()), launches)
 
 
 def test_every_test_a_doc_quotes_checks_that_quote() -> None:
