@@ -71,15 +71,20 @@ def fresh_warnings() -> Iterator[None]:
         yield
 
 
-def rank_main(config_file: str, command: str = "fit") -> dict[str, Any]:
+def rank_main(config_file: str, command: str = "fit", project_dir: str | None = None) -> dict[str, Any]:
     """Pool body: one rank of ``lightning_zero.config.worker`` on ``config_file``; returns its stdout and stderr.
 
     As ``worker.main`` minus ``close_all()``: the pool releases the groups a task leaves (Note [groups left by
     tasks] in lightning_zero/testing/pool.py) and keeps its own. Warnings show as in a fresh rank
-    (:func:`fresh_warnings`)."""
+    (:func:`fresh_warnings`). ``project_dir``: the launcher's ``$LIGHTNING_ZERO_PROJECT_DIR``, which a real launch's
+    ranks inherit (the pool restores its environment after the task)."""
     import torch.distributed as dist
 
     from lightning_zero.config.worker import run_rank
+    from lightning_zero.project.locate import PROJECT_ENV
+
+    if project_dir:
+        os.environ[PROJECT_ENV] = project_dir
 
     rank = dist.get_rank()  # the ranks of a task share its working directory
     out, err = Path(f"rank{rank}.stdout").resolve(), Path(f"rank{rank}.stderr").resolve()
@@ -116,6 +121,7 @@ def launch_in_pool(pools: Any) -> Iterator[None]:
     :class:`~lightning_zero.config.launch.RankFailure`."""
     import lightning_zero.config.launch as launch
     from lightning_zero.config.console import RankConsole
+    from lightning_zero.project.locate import PROJECT_ENV
     from tests.pool import GlooPoolError
 
     def launch_ranks(config_file: Path, devices: int, node: object = None, command: str = launch.FIT) -> None:
@@ -126,7 +132,8 @@ def launch_in_pool(pools: Any) -> Iterator[None]:
         console = RankConsole(config_file.parent / "train.log")
         try:
             try:
-                ranks = pool.run("tests.in_pool:rank_main", config_file=str(config_file), command=command)
+                ranks = pool.run("tests.in_pool:rank_main", config_file=str(config_file), command=command,
+                                 project_dir=os.environ.get(PROJECT_ENV))
             except GlooPoolError as err:
                 console.feed(f"{err}\n")
                 raise launch.RankFailure(f"a rank failed in the test pool; its output is in "
