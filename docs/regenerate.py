@@ -87,7 +87,8 @@ class Quote:
     ``kind``: ``"command"`` (a shell command in the docs' venv form), ``"python"`` (``command`` is the code of the
     python block above), or ``"test"`` (``command`` is a pytest node id). ``block``: the line of the command's
     fenced block (several commands of one ``console`` block run in order in one directory). ``session``: the name
-    of the session its block belongs to (:func:`session_of`), else ``None``."""
+    of the session its block belongs to (:func:`session_of`), else ``None``. ``cd``: the directory an earlier
+    ``$ cd DIR`` of its block moved to (relative to the repository; :func:`enter`), else ``None``."""
 
     doc: Path
     start: int
@@ -96,6 +97,7 @@ class Quote:
     kind: str = "command"
     block: int = 0
     session: str | None = None
+    cd: str | None = None
 
     @property
     def name(self) -> str:
@@ -112,9 +114,29 @@ class Quote:
 
 
 def runnable_command(line: str) -> str:
-    """A docs command as run: its ``  # comment`` and the ``.venv/bin/`` prefix left out."""
+    """A docs command as run: its ``  # comment`` and the ``.venv/bin/`` prefix (``../../.venv/bin/`` after a
+    ``cd``) left out."""
     command = re.split(r"\s{2,}#", line)[0].strip()
-    return command[len(".venv/bin/"):] if command.startswith(".venv/bin/") else command
+    return re.sub(r"^(?:\.\./)*\.venv/bin/", "", command)
+
+
+def enter(cwd: Path, target: str) -> Path:
+    """``cd target`` from ``cwd`` (a :func:`workdir`): every folder on the way becomes a real folder of links to the
+    repository's entries, and ``target`` a copy of the repository's, so that what a command writes there never lands
+    in the checkout."""
+    here, parts = cwd, Path(target).parts
+    for i, part in enumerate(parts):
+        here = here / part
+        if here.is_symlink():
+            source = here.resolve()
+            here.unlink()
+            if i == len(parts) - 1:
+                shutil.copytree(source, here, ignore=shutil.ignore_patterns("__pycache__", "outputs", "multirun"))
+            else:
+                here.mkdir()
+                for entry in source.iterdir():
+                    (here / entry.name).symlink_to(entry)
+    return here
 
 
 def quotes(docs: Iterable[Path] = DOCS) -> list[Quote]:
@@ -143,7 +165,7 @@ def quotes(docs: Iterable[Path] = DOCS) -> list[Quote]:
                     command = runnable_command(command)
                 found.append(Quote(doc, i + 1, end, command, kind, i + 1, session))
             elif fence.group(1) in ("console", "bash"):
-                console, j = fence.group(1) == "console", i + 1
+                console, j, cd = fence.group(1) == "console", i + 1, None
                 while j < end:
                     if (console and not lines[j].startswith("$ ")) or not lines[j].strip() or \
                             lines[j].lstrip().startswith("#"):
@@ -153,8 +175,11 @@ def quotes(docs: Iterable[Path] = DOCS) -> list[Quote]:
                     while command.endswith("\\") and k < end:
                         command, k = command[:-1] + " " + lines[k].strip(), k + 1
                     stop = next((m for m in range(k, end) if lines[m].startswith("$ ")), end) if console else k
-                    found.append(Quote(doc, k, stop, runnable_command(command), block=i + 1,
-                                       session=session_of(lines, i)))
+                    if command.startswith("cd "):  # the block's later commands run there
+                        cd = command[3:].strip()
+                    else:
+                        found.append(Quote(doc, k, stop, runnable_command(command), block=i + 1,
+                                           session=session_of(lines, i), cd=cd))
                     j = stop
             i = end + 1
     return found
@@ -355,8 +380,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             cwd = blocks.get(session_key(quote))
             if cwd is None:  # the commands of one block (or one named session) run in order in one directory
                 cwd = blocks[session_key(quote)] = workdir(Path(tmp) / f"block{len(blocks)}")
+            if not quote.command.startswith(("lightning-zero", "python")) and quote.kind == "command":
+                print(f"{quote.name}: not a command of this checkout's, not run: {quote.command[:80]}")
+                continue
             print(f"{quote.name}: {quote.command.splitlines()[0][:100]}", flush=True)
-            code, output = run(quote, cwd)
+            code, output = run(quote, enter(cwd, quote.cd) if quote.cd else cwd)
             if code != quote.exit_code():
                 print(f"  exit code {code}, the doc shows {quote.exit_code()}:\n" + "\n".join(output[-30:]))
                 drifted += 1

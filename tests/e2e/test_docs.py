@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import pytest
 
-from docs.regenerate import Quote, normalize, problems, quotes, runnable_command, session_of, workdir
+from docs.regenerate import Quote, enter, normalize, problems, quotes, runnable_command, session_of, workdir
 from tests.in_pool import run_in_process, run_script_in_pool, run_script_in_process
 from tests.launches import GPT_TINY, MULTIRUN, Launch, SharedLaunches, run_process
 
@@ -117,6 +117,8 @@ def _run(quote: Quote, cwd: Path | None, launches: SharedLaunches) -> tuple[Laun
     """Run one docs command (the module docstring says where), once per session outside a session block (``cwd``
     ``None``); the run, and whether its ranks ran in the pool."""
     command, code = quote.command, quote.exit_code()
+    if quote.cd:  # after `$ cd DIR` in its block: in a copy of that directory (docs.regenerate.enter)
+        cwd = enter(cwd or workdir(launches.new_dir() / "cwd"), quote.cd)
     args = shlex.split(LONG.get(command, command))
     if args[0] == "lightning-zero":
         if command in PROCESS:
