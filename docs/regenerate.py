@@ -25,7 +25,8 @@ Note [quoted output]
     The quote's lines must be lines of the output, in order (a run in the pool prints each rank's lines in turn:
     in any order). A quote may leave lines out: ``...`` or ``[... anything ...]`` alone on a line marks a gap;
     ``... `` at the start or `` ...`` at the end of a line leaves out the line's start or end, `` ... `` in it a
-    part of it (a quoted line starting with ``... `` may go on the line the previous one matched). Blank lines in
+    part of it (a quoted line starting with ``... `` may go on the line the previous one matched); ``.../``
+    before a path leaves out its leading directories. Blank lines in
     a quote are layout; a line's indentation is compared. Parts that change from run to run (:data:`VOLATILE`:
     timestamps, durations, throughput, the dated run directory) match any value; everything else, losses
     included, must be equal. Paths are compared relative to the command's working directory and the repository.
@@ -240,6 +241,9 @@ def _part(text: str, shape: bool) -> str:
         elif number:
             regex.append(r"-?\d+")
             i = number.end()
+        elif text.startswith(".../", i):  # a path's leading directories left out (none included)
+            regex.append(r"(?:[^\s()]*/)?")
+            i += 4
         else:
             regex.append(re.escape(text[i]))
             i += 1
@@ -335,10 +339,12 @@ def program(command: str) -> list[str]:
 
 
 def run(quote: Quote, cwd: Path, timeout: float = 1800) -> tuple[int, list[str]]:
-    """Run what prints ``quote`` as written, in ``cwd``; its exit code and normalized output lines."""
+    """Run what prints ``quote`` as written, in ``cwd`` (or the directory its block's ``cd`` entered there); its
+    exit code and output lines normalized against ``cwd``."""
+    where = enter(cwd, quote.cd) if quote.cd else cwd
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if quote.kind == "python":
-        (cwd / "block.py").write_text(quote.command)
+        (where / "block.py").write_text(quote.command)
         command = [sys.executable, "block.py"]
     elif quote.kind == "test":
         out = cwd / "quote.txt"
@@ -349,7 +355,7 @@ def run(quote: Quote, cwd: Path, timeout: float = 1800) -> tuple[int, list[str]]
         return (0 if out.exists() else done.returncode), normalize(text, cwd)
     else:
         command = program(quote.command)
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    done = subprocess.run(command, cwd=where, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return done.returncode, normalize(done.stdout + done.stderr, cwd)
 
 
@@ -384,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{quote.name}: not a command of this checkout's, not run: {quote.command[:80]}")
                 continue
             print(f"{quote.name}: {quote.command.splitlines()[0][:100]}", flush=True)
-            code, output = run(quote, enter(cwd, quote.cd) if quote.cd else cwd)
+            code, output = run(quote, cwd)
             if code != quote.exit_code():
                 print(f"  exit code {code}, the doc shows {quote.exit_code()}:\n" + "\n".join(output[-30:]))
                 drifted += 1

@@ -71,13 +71,15 @@ def fresh_warnings() -> Iterator[None]:
         yield
 
 
-def rank_main(config_file: str, command: str = "fit", project_dir: str | None = None) -> dict[str, Any]:
+def rank_main(config_file: str, command: str = "fit", project_dir: str | None = None,
+              cwd: str | None = None) -> dict[str, Any]:
     """Pool body: one rank of ``lightning_zero.config.worker`` on ``config_file``; returns its stdout and stderr.
 
     As ``worker.main`` minus ``close_all()``: the pool releases the groups a task leaves (Note [groups left by
     tasks] in lightning_zero/testing/pool.py) and keeps its own. Warnings show as in a fresh rank
     (:func:`fresh_warnings`). ``project_dir``: the launcher's ``$LIGHTNING_ZERO_PROJECT_DIR``, which a real launch's
-    ranks inherit (the pool restores its environment after the task)."""
+    ranks inherit (the pool restores its environment after the task); ``cwd``: the launcher's working directory, where
+    a real launch's ranks start (a relative ``model.path`` is read from there)."""
     import torch.distributed as dist
 
     from lightning_zero.config.worker import run_rank
@@ -88,6 +90,8 @@ def rank_main(config_file: str, command: str = "fit", project_dir: str | None = 
 
     rank = dist.get_rank()  # the ranks of a task share its working directory
     out, err = Path(f"rank{rank}.stdout").resolve(), Path(f"rank{rank}.stderr").resolve()
+    if cwd:
+        os.chdir(cwd)  # the pool returns to its own directory after the task
     failure, code = None, None
     with _fds_to(out, err), fresh_warnings():
         try:
@@ -133,7 +137,7 @@ def launch_in_pool(pools: Any) -> Iterator[None]:
         try:
             try:
                 ranks = pool.run("tests.in_pool:rank_main", config_file=str(config_file), command=command,
-                                 project_dir=os.environ.get(PROJECT_ENV))
+                                 project_dir=os.environ.get(PROJECT_ENV), cwd=os.getcwd())
             except GlooPoolError as err:
                 console.feed(f"{err}\n")
                 raise launch.RankFailure(f"a rank failed in the test pool; its output is in "

@@ -154,7 +154,8 @@ def test_doc_commands_run_and_print_what_the_docs_quote(block: str, launches: Sh
             _run_python_block(earlier, cwd, launches)
             python.remove(earlier)
         done, pooled = _run(quote, cwd, launches)
-        output = normalize(done.output, done.cwd)
+        base = Path(str(done.cwd).removesuffix(f"/{quote.cd}")) if quote.cd else done.cwd  # before the cd
+        output = normalize(done.output, base)
         assert done.returncode == quote.exit_code(), f"{quote.name}: {quote.command}\n" + "\n".join(output[-60:])
         issues = problems(quote.lines(), output, ordered=not pooled, pool=pooled, long=quote.command in LONG)
         assert not issues, (f"{quote.name}: the output of `{quote.command}` drifted from the quote (refresh it: "
