@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.models.gpt import GPT, GPT_PRESETS
 from lightning_zero.testing.memory import proc_status_bytes, reset_peak_rss

@@ -193,21 +193,19 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], vocab: int
 def _ours(row: str, cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(model, step(batch), stats()) of a ZeroEngine row."""
     from lightning_zero.core.mesh import ParallelDims
-    from lightning_zero.core.zero.config import ZeroConfig
+    from lightning_zero.core.settings.zero import ZeroConfig
     from lightning_zero.core.zero.engine import ZeroEngine
-    from lightning_zero.lightning.mesh_setup import build_mesh
-    from lightning_zero.tensor_parallel.config import TensorParallelConfig
+    from lightning_zero.parallel.expert import apply_expert_parallel
+    from lightning_zero.parallel.mesh import build_mesh
 
     world, ep = dist.get_world_size(), dist.get_world_size() if "ep" in row else 1
     zero = ZeroConfig(stage=int(row[4]), param_persistence_threshold=0,
                       unit_classes=(type(_ours_layer(cfg, row)(0)),))
-    made = build_mesh(ParallelDims(world, expert=ep), dist.get_rank(), TensorParallelConfig(), zero)
+    made = build_mesh(ParallelDims(world, expert=ep), dist.get_rank(), zero)
     torch.manual_seed(0)
     model = MoELM(cfg, _ours_layer(cfg, row))
-    experts: frozenset[nn.Parameter] = frozenset()
-    if made.expert is not None:
-        made.expert.apply(model)
-        experts = made.expert.experts
+    expert = apply_expert_parallel(model, made.mesh)
+    experts = expert.experts if expert is not None else frozenset()
     expert_names = {n for n, _ in model.named_parameters() if ".experts." in n or n.endswith("_proj")}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = ZeroEngine(model, opt, zero, made.comm, experts=experts)

@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.core.common.choices import ZeroStage
 from lightning_zero.core.offload.host_store import return_freed_memory
 from lightning_zero.core.offload.swap_file import SwapFile
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.settings.offload import OffloadConfig
 
 MODES = ("none", "cpu", "nvme")
 

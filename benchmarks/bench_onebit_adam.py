@@ -42,7 +42,7 @@ from experiments.gpt import GPT, GPT_PRESETS, param_groups
 
 from lightning_zero import OneBitAdam, ZeroEngine
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.common.choices import ZeroStage
 
 WORLD = {"bubble": 2, "memory": 4, "reduction": 4}  # ranks each part runs on
 
@@ -86,7 +86,7 @@ def _trainer(stage: int, config: Any, world: int, steps: int, callbacks: list, b
 def bubble(args: argparse.Namespace) -> list[tuple[str, int, int, float]]:
     from torch.distributed.pipelining import PipelineStage
 
-    from lightning_zero.pipeline.config import PipelineConfig
+    from lightning_zero.core.settings.pipeline import PipelineConfig
     from lightning_zero.pipeline.runner import PipelineRunner
 
     busy: list[float] = []
@@ -131,8 +131,8 @@ def bubble(args: argparse.Namespace) -> list[tuple[str, int, int, float]]:
 def memory(args: argparse.Namespace) -> list[tuple[int, str, float, float, int]]:
     import lightning.pytorch as pl
 
-    from lightning_zero.pipeline.config import PipelineConfig
-    from lightning_zero.pipeline.lightning import StrategyPipeline
+    from lightning_zero.core.settings.pipeline import PipelineConfig
+    from lightning_zero.parallel.pipeline import StrategyPipeline
 
     peaks: list[float] = []
     original = StrategyPipeline.backward
@@ -172,8 +172,8 @@ def reduction(args: argparse.Namespace) -> list[tuple[str, int, float, float, fl
     import lightning.pytorch as pl
     from torch.distributed.pipelining import PipelineStage
 
-    from lightning_zero.pipeline.config import PipelineConfig
-    from lightning_zero.pipeline.lightning import StrategyPipeline
+    from lightning_zero.core.settings.pipeline import PipelineConfig
+    from lightning_zero.parallel.pipeline import StrategyPipeline
 
     engines: list[Any] = []
     peaks: list[float] = []

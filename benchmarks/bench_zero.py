@@ -31,7 +31,7 @@ from benchmarks.harness.config import DEFAULT_CONTENDERS, BenchConfig, Runs  # n
 from benchmarks.harness.contenders import CONTENDERS  # noqa: E402
 from benchmarks.harness.pools import Pools, find_deepspeed_python  # noqa: E402
 from benchmarks.harness.report import comm_share, machine, report, summarize  # noqa: E402
-from lightning_zero.core.zero.config import ZeroConfig  # noqa: E402
+from lightning_zero.core.settings.zero import ZeroConfig  # noqa: E402
 from lightning_zero.models.gpt import GPT_PRESETS, count_parameters  # noqa: E402
 
 __all__ = ["CONTENDERS", "BenchConfig", "comm_share", "main", "report", "summarize"]

@@ -10,22 +10,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lightning_zero.compat import install as _serve_former_paths
 from lightning_zero.core.lazy import after_import, lazy_exports
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
 
-_getattr, __dir__, __all__ = lazy_exports(
+__getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         "lightning_zero.checkpoint": ("CheckpointError", "consolidate_checkpoint", "convert_checkpoint"),
         "lightning_zero.core.comm.onebit_adam": ("OneBitAdam",),
-        "lightning_zero.core.offload.config": ("OffloadConfig", "OffloadDevice"),
-        "lightning_zero.core.precision.loss_scaler": ("LossScaler", "LossScalerConfig"),
+        "lightning_zero.core.common.choices": ("NonFinitePolicy", "OffloadDevice", "ZeroStage"),
+        "lightning_zero.core.common.memory": ("ModelStateBytes", "model_state_formula"),
+        "lightning_zero.core.precision.loss_scaler": ("LossScaler",),
         "lightning_zero.core.stage3.gathered": ("gathered_parameters",),
-        "lightning_zero.core.zero.config": ("DtypePolicy", "NonFinitePolicy", "ZeroConfig", "ZeroStage"),
+        "lightning_zero.core.settings.offload": ("OffloadConfig",),
+        "lightning_zero.core.settings.precision": ("DtypePolicy", "LossScalerConfig", "PrecisionConfig"),
+        "lightning_zero.core.settings.tree": ("Settings",),
+        "lightning_zero.core.settings.zero": ("ZeroConfig",),
         "lightning_zero.core.zero.engine": ("ZeroEngine",),
-        "lightning_zero.core.zero.memory": ("ModelStateBytes", "model_state_formula"),
         "lightning_zero.deepspeed.strategy": ("DeepSpeedZeroStrategy",),
         "lightning_zero.estimator": ("MemoryEstimate", "estimate_memory"),
         "lightning_zero.estimator.advisor": ("Advice", "advise"),
@@ -42,15 +46,7 @@ _getattr, __dir__, __all__ = lazy_exports(
     eager=("zero_strategy",),
 )
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str) -> object:
-    """A public name, imported on first use; former names with a warning that says the new one."""
-    if name == "DynamicLossScaler":
-        from lightning_zero.core.precision import loss_scaler
-
-        return loss_scaler.__getattr__(name)
-    return _getattr(name)
+_serve_former_paths()  # every former path of the package, from lightning_zero/compat (Note [former paths])
 
 
 def zero_strategy(**kwargs: Any) -> Strategy:

@@ -1,5 +1,5 @@
 """``python -m lightning_zero <command> ...`` and the ``lightning-zero`` console script (:func:`console`): both end
-without the interpreter's teardown (Note [rank exit] in lightning_zero/config/worker.py) when they are the process's
+without the interpreter's teardown (Note [rank exit] in lightning_zero/config/run/worker.py) when they are the process's
 main program; run inside another program (``runpy.run_module(..., run_name="__main__")``, a test) ``python -m``
 raises ``SystemExit`` like any command line, and never ends its host process."""
 
@@ -7,7 +7,7 @@ import sys
 from typing import NoReturn
 
 from lightning_zero.cli import main
-from lightning_zero.config.worker import exit_after_handlers
+from lightning_zero.config.run.worker import exit_after_handlers
 
 
 def console() -> NoReturn:

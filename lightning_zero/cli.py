@@ -175,7 +175,7 @@ def train_command(argv: list[str]) -> int:
 
     Hydra and Lightning are imported here, not at module level, so ``estimate`` / ``advise`` stay fast.
     """
-    from lightning_zero.config.launch import train_command as run
+    from lightning_zero.config.run.launch import train_command as run
 
     return run(argv)
 
@@ -203,7 +203,7 @@ def _export_hf_run(checkpoint: str, out: str, shard_bytes: int) -> str:
 
 def _evaluation(command: str) -> Callable[[list[str]], int]:
     def handler(argv: list[str]) -> int:
-        from lightning_zero.config.launch import train_command as run
+        from lightning_zero.config.run.launch import train_command as run
 
         return run(argv, command)
 

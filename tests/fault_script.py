@@ -98,7 +98,7 @@ def main(mode: str, root: str) -> None:
 
 
 if __name__ == "__main__":
-    from lightning_zero.config.worker import exit_after_handlers
+    from lightning_zero.config.run.worker import exit_after_handlers
 
     main(sys.argv[1], sys.argv[2])
     exit_after_handlers(0)  # as the CLI's ranks do: without ~2 s of interpreter teardown

@@ -73,7 +73,7 @@ def fresh_warnings() -> Iterator[None]:
 
 def rank_main(config_file: str, command: str = "fit", project_dir: str | None = None,
               cwd: str | None = None) -> dict[str, Any]:
-    """Pool body: one rank of ``lightning_zero.config.worker`` on ``config_file``; returns its stdout and stderr.
+    """Pool body: one rank of ``lightning_zero.config.run.worker`` on ``config_file``; returns its stdout and stderr.
 
     As ``worker.main`` minus ``close_all()``: the pool releases the groups a task leaves (Note [groups left by
     tasks] in lightning_zero/testing/pool.py) and keeps its own. Warnings show as in a fresh rank
@@ -82,7 +82,7 @@ def rank_main(config_file: str, command: str = "fit", project_dir: str | None = 
     a real launch's ranks start (a relative ``model.path`` is read from there)."""
     import torch.distributed as dist
 
-    from lightning_zero.config.worker import run_rank
+    from lightning_zero.config.run.worker import run_rank
     from lightning_zero.project.locate import PROJECT_ENV
 
     if project_dir:
@@ -119,12 +119,12 @@ def launch_in_pool(pools: Any) -> Iterator[None]:
     """While active, ``lightning-zero train`` runs its ranks in a pool instead of under torchrun.
 
     ``pools``: the pool, or a callable that gives the pool of a run's world size (``gloo_pools.get``). The ranks'
-    stderr goes through the launcher's :class:`~lightning_zero.config.console.RankConsole` (the console and
+    stderr goes through the launcher's :class:`~lightning_zero.config.run.console.RankConsole` (the console and
     ``train.log``) as under torchrun, rank 0's first; their stdout goes to this process's stdout. The launcher's
     line names the torchrun command the real launch would have run. A rank that raises fails the launch with
-    :class:`~lightning_zero.config.launch.RankFailure`."""
-    import lightning_zero.config.launch as launch
-    from lightning_zero.config.console import RankConsole
+    :class:`~lightning_zero.config.run.launch.RankFailure`."""
+    import lightning_zero.config.run.launch as launch
+    from lightning_zero.config.run.console import RankConsole
     from lightning_zero.project.locate import PROJECT_ENV
     from tests.pool import GlooPoolError
 

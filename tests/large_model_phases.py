@@ -186,6 +186,6 @@ def convert(root: str) -> None:
 if __name__ == "__main__":
     phase, root = sys.argv[1], sys.argv[2]
     convert(root) if phase == "convert" else run(phase, root)
-    from lightning_zero.config.worker import exit_after_handlers
+    from lightning_zero.config.run.worker import exit_after_handlers
 
     exit_after_handlers(0)  # as the CLI's ranks do: without ~2 s of interpreter teardown

@@ -91,7 +91,7 @@ def main(root: str, cgroup: str, version: int) -> None:
 
 
 if __name__ == "__main__":
-    from lightning_zero.config.worker import exit_after_handlers
+    from lightning_zero.config.run.worker import exit_after_handlers
 
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
     exit_after_handlers(0)

@@ -16,8 +16,8 @@ from benchmarks.harness.deepspeed_loop import deepspeed_loop
 from benchmarks.harness.fsdp2 import FSDP2Strategy
 from benchmarks.harness.training import plain_loop, zero_redundancy_loop
 from lightning_zero import PipelineConfig, ZeroStrategy
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.runtime import Agreement
-from lightning_zero.core.zero.config import ZeroConfig
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from benchmarks.harness.config import BenchConfig
 from benchmarks.harness.recorder import StepRecorder
 from benchmarks.harness.training import loader, module_for
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.common.choices import ZeroStage
 
 _FIRST_INIT: dict[str, float] = {}  # per process: seconds of the first deepspeed.initialize (op builds)
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_zero.core.zero.memory import StorageCounter
+from lightning_zero.core.common.memory import StorageCounter
 
 if TYPE_CHECKING:
     from benchmarks.harness.recorder import StepRecorder
@@ -67,7 +67,7 @@ def attach_probes(strategy: ZeroStrategy, rec: StepRecorder) -> None:
     the strategy's step-error check by wrapping them on this run's objects (hooks are re-registered). Stage 3
     also: ``s3_gather`` (a unit's agreement all-reduce + gather launch), ``s3_gather_launch`` (the launch
     alone: shard copy + broadcasts issued), ``s3_gather_wait`` (waiting for a gather) and ``s3_release``."""
-    engine, comm = strategy.engine, strategy._run.comm
+    engine, comm = strategy.engine, strategy.engine_comm
     assert engine is not None and comm is not None
     reducer = engine.reducer
 

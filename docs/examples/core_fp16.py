@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_zero.core.precision.loss_scaler import LossScaler
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.settings import DtypePolicy, ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 
 

@@ -30,11 +30,11 @@ from lightning_zero.checkpoint.reader import (
     materialize_optimizer_state,
 )
 from lightning_zero.checkpoint.slices import slice_ref
-from lightning_zero.core.zero.flat_param import overlap
+from lightning_zero.core.common.flat_param import overlap
 
 if TYPE_CHECKING:
+    from lightning_zero.core.common.flat_param import FlatParamGroup
     from lightning_zero.core.zero.engine import ZeroEngine
-    from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 RefOf = Callable[[nn.Parameter], "Mapping[str, Any] | None"]
 

@@ -30,7 +30,7 @@ from lightning_zero.checkpoint.layout import (
 from lightning_zero.checkpoint.plain import CheckpointError, from_plain
 from lightning_zero.checkpoint.slices import slice_runs, whole_runs
 from lightning_zero.checkpoint.tensor_file import TensorFile
-from lightning_zero.core.zero.flat_param import overlap
+from lightning_zero.core.common.flat_param import overlap
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:

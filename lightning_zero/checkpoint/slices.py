@@ -26,11 +26,48 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from lightning_zero.tensor_parallel.layers import split_of
+
+def split_dim(param: torch.Tensor) -> int | None:
+    """The dimension ``param`` was split along, or ``None`` when it is replicated (Note [split tags] in
+    tensor_parallel/layers.py)."""
+    return getattr(param, "tp_split_dim", None)
+
+
+@dataclass(frozen=True)
+class SplitTag:
+    """How a split parameter was cut (Note [split tags] in tensor_parallel/layers.py): ``chunks`` blocks along
+    ``dim``, each cut into ``size`` parts, this one the ``rank``-th part of every block."""
+
+    dim: int
+    chunks: int
+    size: int
+    rank: int
+
+    def whole_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The unsplit tensor's shape, from a slice's."""
+        return tuple(n * self.size if i == self.dim else n for i, n in enumerate(local))
+
+
+def split_of(param: torch.Tensor) -> SplitTag | None:
+    """The whole tag of a split parameter, or ``None`` when it is replicated."""
+    dim = split_dim(param)
+    if dim is None:
+        return None
+    return SplitTag(dim, param.tp_chunks, param.tp_size, param.tp_rank)  # type: ignore[attr-defined]
+
+
+def tag_split(param: torch.Tensor, tag: SplitTag) -> None:
+    """Mark ``param`` as the slice ``tag`` describes (Note [split tags] in tensor_parallel/layers.py)."""
+    param.tp_split_dim = tag.dim  # type: ignore[attr-defined]
+    param.tp_chunks = tag.chunks  # type: ignore[attr-defined]
+    param.tp_size = tag.size  # type: ignore[attr-defined]
+    param.tp_rank = tag.rank  # type: ignore[attr-defined]
 
 
 def _geometry(shape: list[int] | tuple[int, ...], dim: int, chunks: int, size: int) -> tuple[int, int, int]:

@@ -1,5 +1,6 @@
-"""The configuration checks of the parallel dimensions beyond data: pipeline, sequence and tensor parallelism's sizes
-and the combinations not built yet, each with its fix (run by ``validate.py`` before any rank starts)."""
+"""The parallel sizes against the world, the model, the data and the optimizer (the pipeline's layers, the heads
+tensor and sequence parallelism split, the experts, the launched ranks), each with its fix. The rules across the
+settings tree's nodes are ``core/settings/rules.py``'s; these are the checks that need the model or the world."""
 
 from __future__ import annotations
 
@@ -13,68 +14,41 @@ from lightning_zero.config.schema import (
     TextDataSchema,
     TrainConfig,
 )
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.mesh.dims import ParallelDims
 from lightning_zero.project.targets import TargetNode
 
 
-def expert_parallel_problems(cfg: TrainConfig) -> list[str]:
-    """``expert_parallel.size``: against the data ranks, the model's experts, the combinations not built yet."""
-    size, m = cfg.expert_parallel.size, cfg.model
-    if size < 1:
-        return [f"expert_parallel.size must be >= 1, got {size}. Fix: expert_parallel=none or ep2."]
-    if size == 1:
-        return []
-    out = []
-    data = data_parallel_size(cfg)
-    if data % size:
-        out.append(f"expert_parallel.size={size} does not divide the {data} data-parallel ranks (trainer.devices x "
-                   f"num_nodes over pipeline x tensor x sequence). Fix: trainer.devices={size} (or a multiple).")
-    for name, other in (("pipeline.stages", cfg.pipeline.stages), ("tensor_parallel.size", cfg.tensor_parallel.size),
-                        ("sequence_parallel.size", cfg.sequence_parallel.size)):
-        if other > 1:
-            out.append(f"expert_parallel with {name}={other} is not built yet. Fix: expert_parallel=none, or "
-                       f"{name.split('.')[0]}=none.")
-    if getattr(m, "optimizer", None) is OptimizerName.onebit_adam:
-        out.append("expert_parallel with model.optimizer=onebit_adam is not built. Fix: model.optimizer=adamw.")
-    if isinstance(m, TargetNode):  # your own module: its MoE layers are found (or refused) at setup
-        return out
-    if isinstance(m, HFCausalLMSchema):  # a Hugging Face MoE: its base_model_ep_plan is found at setup
-        if ZeroStage.of(cfg.zero.stage).shards_parameters:
-            out.append("expert_parallel with model=hf_causal_lm at zero.stage=3 is not built yet (the model is built "
-                       "on the meta device and streamed into shards; expert parallelism splits a whole model). Fix: "
-                       "zero=stage2, or expert_parallel=none.")
-        return out
-    if not isinstance(m, GPTModelSchema) or m.moe.num_experts == 0:
-        out.append("expert_parallel needs MoE layers: set model.moe.num_experts (a GPT model), or a Hugging Face "
-                   "MoE (model=hf_causal_lm). Fix: model.moe.num_experts=8, or expert_parallel=none.")
-    elif m.moe.num_experts % size:
-        out.append(f"model.moe.num_experts={m.moe.num_experts} does not split over expert_parallel.size={size}. Fix: "
-                   f"a multiple of {size} experts.")
-    if getattr(m, "build_in_configure_model", False):
-        out.append("expert_parallel with model.build_in_configure_model=true is not built yet (every rank builds the "
-                   "whole model and keeps its experts). Fix: model.build_in_configure_model=false.")
-    return out
-
-
 def data_parallel_size(cfg: TrainConfig) -> int:
-    """Data-parallel replicas: the world over pipeline x tensor x sequence (the ranks of one replica share its
-    samples; ``ParallelDims.data``)."""
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
-    return max(1, world // (cfg.pipeline.stages * cfg.tensor_parallel.size * cfg.sequence_parallel.size))
+    """Data-parallel replicas: what the world leaves over pipeline x tensor x sequence (the mesh's sizes,
+    ``ParallelDims.data``: the one place the data dimension is derived); 1 when they do not divide it, or expert
+    parallelism does not divide what is left (refused by :func:`world_problems`)."""
+    try:
+        return _dims(cfg).data
+    except ValueError:
+        return 1
+
+
+def _dims(cfg: TrainConfig) -> ParallelDims:
+    return ParallelDims(cfg.trainer.devices * cfg.trainer.num_nodes, pipeline=max(1, cfg.pipeline.stages),
+                        tensor=max(1, cfg.tensor_parallel.size), sequence=max(1, cfg.sequence_parallel.size),
+                        expert=max(1, cfg.expert_parallel.size))
+
+
+def world_problems(cfg: TrainConfig) -> list[str]:
+    """The launched ranks against the parallel sizes (the mesh's own check, ``core/mesh/dims.py``)."""
+    try:
+        _dims(cfg)
+    except ValueError as err:
+        return [f"{err}."]
+    return []
 
 
 def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
-    """``tensor_parallel.size``: the sizes and the combinations not built yet, each with its fix."""
+    """``tensor_parallel.size`` against the model, the optimizer and checkpointing, each with its fix."""
     size, out = cfg.tensor_parallel.size, []
-    if size < 1:
-        return [f"tensor_parallel.size must be >= 1, got {size}. Fix: tensor_parallel=none or tp2."]
-    if size == 1:
+    if size <= 1:
         return out
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
-    if world % (size * cfg.pipeline.stages):
-        out.append(f"trainer.devices x num_nodes = {world} is not a multiple of pipeline.stages x "
-                   f"tensor_parallel.size = {cfg.pipeline.stages} x {size}. Fix: trainer.devices="
-                   f"{size * cfg.pipeline.stages} (or a multiple).")
     if getattr(cfg.model, "optimizer", None) is OptimizerName.onebit_adam:
         out.append("tensor_parallel with model.optimizer=onebit_adam is not built yet. Fix: model.optimizer=adamw.")
     if cfg.pipeline.stages > 1 and not ZeroStage.of(cfg.zero.stage).shards_optimizer and cfg.trainer.checkpoint.enabled:
@@ -102,11 +76,11 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
 
 
 def pipeline_problems(cfg: TrainConfig) -> list[str]:
-    """``pipeline``: the sizes, the schedule, the micro-batches and the model's layers, each with its fix."""
+    """``pipeline`` against the data's batch and the model's layers, each with its fix (its own values are the
+    pipeline node's checks)."""
     pp, out = cfg.pipeline, []
     if pp.stages < 1 or pp.micro_batches < 1 or pp.virtual_stages < 1:
-        return [f"pipeline.stages, micro_batches and virtual_stages must be >= 1, got {pp.stages}, "
-                f"{pp.micro_batches}, {pp.virtual_stages}."]
+        return []  # the node refuses them
     if (pp.stages == 1) != (pp.schedule is PipeSchedule.none):
         out.append(f"pipeline.stages={pp.stages} with pipeline.schedule={pp.schedule.value}: a schedule needs "
                    "stages > 1 and stages > 1 needs a schedule. Fix: pipeline=none or a pipeline/ preset.")
@@ -115,21 +89,6 @@ def pipeline_problems(cfg: TrainConfig) -> list[str]:
         out.append(f"data.micro_batch_size={batch} (the batch per data-parallel rank) does not split into "
                    f"pipeline.micro_batches={pp.micro_batches} equal micro-batches. Fix: a multiple of "
                    f"{pp.micro_batches}, or other micro_batches.")
-    if cfg.trainer.devices % pp.stages:
-        out.append(f"pipeline.stages={pp.stages} must divide trainer.devices={cfg.trainer.devices} "
-                   "(data-parallel size = devices / stages).")
-    interleaved = pp.schedule is PipeSchedule.interleaved_1f1b
-    if interleaved and (pp.virtual_stages < 2 or pp.micro_batches % pp.stages):
-        out.append("pipeline.schedule=interleaved_1f1b needs pipeline.virtual_stages >= 2 and micro_batches a "
-                   "multiple of stages.")
-    if pp.schedule is PipeSchedule.one_f_one_b and pp.micro_batches < pp.stages:
-        out.append(f"pipeline.schedule=one_f_one_b needs pipeline.micro_batches >= stages ({pp.micro_batches} < "
-                   f"{pp.stages}). Fix: more micro_batches, or pipeline=pp2_gpipe.")
-    if not interleaved and pp.virtual_stages != 1:
-        out.append("pipeline.virtual_stages > 1 needs pipeline.schedule=interleaved_1f1b.")
-    if pp.stages > 1 and pp.reduce_per_micro_batch and not ZeroStage.of(cfg.zero.stage).shards_gradients:
-        out.append(f"pipeline.reduce_per_micro_batch=true with zero.stage={cfg.zero.stage}: it saves memory only at "
-                   "ZeRO stages 2-3. Fix: zero=stage2 or zero=stage3, or drop it.")
     if (pp.stages > 1 and pp.reduce_per_micro_batch and isinstance(cfg.model, GPTModelSchema)
             and preset_known(cfg.model) and gpt_config(cfg.model).tie_weights):
         out.append("pipeline.reduce_per_micro_batch=true with a GPT whose token embedding and head are tied across "
@@ -157,8 +116,7 @@ def sequence_problems(cfg: TrainConfig) -> list[str]:
     if not isinstance(m, (TargetNode, GPTModelSchema)):  # your own module: configure_sequence_parallel, at setup
         return [f"sequence_parallel.size={size} with model.kind={m.kind}: only the GPT experiment splits its "
                 "sequences. Fix: sequence_parallel=none, or a GPT model."]
-    checks = [dict(world_size=cfg.trainer.devices * cfg.trainer.num_nodes), dict(pipeline=cfg.pipeline.stages),
-              dict(tensor=cfg.tensor_parallel.size),
+    checks = [dict(world_size=cfg.trainer.devices * cfg.trainer.num_nodes),
               dict(heads=None if isinstance(m, TargetNode) else gpt_config(m).n_head if preset_known(m) else None),
               dict(seq_len=d.seq_len if isinstance(d, TextDataSchema) else None)]
     out = []
@@ -167,6 +125,36 @@ def sequence_problems(cfg: TrainConfig) -> list[str]:
             check_sequence_parallel(size, **known)
         except ValueError as err:
             out.append(f"{err}.")
+    return out
+
+
+def expert_parallel_problems(cfg: TrainConfig) -> list[str]:
+    """``expert_parallel.size`` against the model's experts and the combinations not built yet (its size against
+    the data ranks is the mesh's check, :func:`world_problems`; with the other parallelisms, the settings tree's
+    rule)."""
+    size, m = cfg.expert_parallel.size, cfg.model
+    if size <= 1:
+        return []  # below 1: the node refuses it
+    out = []
+    if getattr(m, "optimizer", None) is OptimizerName.onebit_adam:
+        out.append("expert_parallel with model.optimizer=onebit_adam is not built. Fix: model.optimizer=adamw.")
+    if isinstance(m, TargetNode):  # your own module: its MoE layers are found (or refused) at setup
+        return out
+    if isinstance(m, HFCausalLMSchema):  # a Hugging Face MoE: its base_model_ep_plan is found at setup
+        if ZeroStage.of(cfg.zero.stage).shards_parameters:
+            out.append("expert_parallel with model=hf_causal_lm at zero.stage=3 is not built yet (the model is built "
+                       "on the meta device and streamed into shards; expert parallelism splits a whole model). Fix: "
+                       "zero=stage2, or expert_parallel=none.")
+        return out
+    if not isinstance(m, GPTModelSchema) or m.moe.num_experts == 0:
+        out.append("expert_parallel needs MoE layers: set model.moe.num_experts (a GPT model), or a Hugging Face "
+                   "MoE (model=hf_causal_lm). Fix: model.moe.num_experts=8, or expert_parallel=none.")
+    elif m.moe.num_experts % size:
+        out.append(f"model.moe.num_experts={m.moe.num_experts} does not split over expert_parallel.size={size}. Fix: "
+                   f"a multiple of {size} experts.")
+    if getattr(m, "build_in_configure_model", False):
+        out.append("expert_parallel with model.build_in_configure_model=true is not built yet (every rank builds the "
+                   "whole model and keeps its experts). Fix: model.build_in_configure_model=false.")
     return out
 
 

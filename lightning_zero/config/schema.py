@@ -19,13 +19,15 @@ import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass, replace
 from enum import Enum
-from typing import Any, get_args, get_type_hints
+from typing import Any, get_type_hints
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from lightning_zero.core.offload.config import OffloadDevice
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.zero import config as core_config
+from lightning_zero.core.common.choices import Collective as CoreCollective
+from lightning_zero.core.common.choices import PipeSchedule as CorePipeSchedule
+from lightning_zero.core.settings import offload as core_offload
+from lightning_zero.core.settings import zero as core_zero
+from lightning_zero.core.settings.precision import LossScalerConfig
 from lightning_zero.models.mlp_parts import TeacherTask
 from lightning_zero.observability.monitoring import ProfilerWindow
 from lightning_zero.project.targets import USER_KEYS, as_plain, user_parts
@@ -53,15 +55,35 @@ def _mirror(name: str, doc: str, *parts: tuple[str, Any, Any] | type, base: type
     default)`` field, or a frozen core dataclass or a class whose fields / ``__init__`` parameters are
     taken over with their types and defaults, so that a knob and its default are written once, next
     to the mechanism. (The schema itself is mutable: Hydra merges overrides into it.)"""
-    specs = [(n, t, field(default=d)) for part in parts
-             for n, t, d in ([part] if isinstance(part, tuple) else _fields_of(part))]
+    specs = [(n, t, field(default_factory=lambda d=d: list(d)) if isinstance(d, list) else field(default=d))
+             for part in parts for n, t, d in ([part] if isinstance(part, tuple) else _fields_of(part))]
     schema = make_dataclass(name, specs, bases=(base,) if base else (), namespace={"__doc__": doc})
     schema.__module__ = __name__
     return schema
 
 
-Collective = _choices("Collective", get_args(core_config.Collective),
+Collective = _choices("Collective", [c.value for c in CoreCollective],
                       "Gradient / parameter collectives of the ZeRO engine (``ZeroConfig.collective``).")
+
+
+def _in_yaml(source: type, types: dict[str, Any], leave_out: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """``(name, type, default)`` of a core dataclass's fields in the types YAML writes them in (``types``: a
+    field's YAML type; its default converted to it: an enum's value, a tuple of classes as a list of import
+    paths), so that the default stays written once, in the core."""
+    out = []
+    for name, hint, default in _fields_of(source):
+        if name in leave_out:
+            continue
+        yaml_type = types.get(name, hint)
+        value = default.value if isinstance(default, Enum) else default
+        if isinstance(yaml_type, type) and issubclass(yaml_type, Enum):
+            value = yaml_type(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif yaml_type in (int, str):
+            value = yaml_type(value)
+        out.append((name, yaml_type, value))
+    return out
 
 
 # precision mode -> Lightning's string
@@ -71,13 +93,9 @@ PrecisionName = _choices("PrecisionName", LIGHTNING_PRECISION,
                          "Precision modes: the keys of :data:`LIGHTNING_PRECISION`.")
 
 
-class PipeSchedule(Enum):
-    """Pipeline schedules: none, GPipe fill-drain, 1F1B (DeepSpeed's TrainSchedule), interleaved 1F1B."""
-
-    none = "none"
-    gpipe = "gpipe"
-    one_f_one_b = "one_f_one_b"
-    interleaved_1f1b = "interleaved_1f1b"
+PipeSchedule = _choices("PipeSchedule", ["none", *(s.name.lower() for s in CorePipeSchedule)],
+                        "Pipeline schedules: ``none`` (no pipeline) and the core's ``PipeSchedule`` by name "
+                        "(``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``).")
 
 
 class OptimizerName(Enum):
@@ -105,45 +123,31 @@ class LoggerKind(Enum):
     none = "none"
 
 
-@dataclass
-class ZeroSchema:
-    """``zero/``: the ZeRO stage and its communication knobs (fields of ``ZeroConfig``)."""
-
-    stage: int = 2
-    reduce_bucket_size: int = 10_000_000
-    overlap_comm: bool = True
-    collective: Collective = Collective.auto
-    timeout_s: float = 300.0
-    hang_timeout_s: float = 45.0  # a rank silent, or every rank without progress, this long: named, exit (0: off)
-    nonfinite: str = "off"  # nan/inf gradients in fp32/bf16: off | skip | raise (core NonFinitePolicy's values;
-    # a str here because `raise` cannot be an enum member name, which OmegaConf parses by; checked by ZeroConfig)
-    # stage 3 only
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000  # a unit stays gathered into backward within this many elements (0: none)
-    param_persistence_threshold: int = 100_000
-    # strategy options
-    check_step_errors: bool = True
-    # stage 3: the whole model gathered back where it fits after fit (ZeroStrategy's gather_on_teardown). The CLI
-    # needs nothing back (validate_at_end runs inside the fit), so by default it does not gather (docs/zero.md)
-    gather_on_teardown: bool = False
-    elementwise_optimizers: list[str] = field(default_factory=list)  # "module.path:ClassName"
-    unit_classes: list[str] = field(default_factory=list)  # stage 3 units "module:Class"; [] = ModuleList children
+ZeroSchema = _mirror(
+    "ZeroSchema",
+    """``zero/``: the ZeRO stage and its knobs, the fields of :class:`~lightning_zero.ZeroConfig` (each default written
+    once, there) in YAML's types: the stage an int, ``collective`` the :class:`Collective` options, ``nonfinite`` a
+    string (``raise`` cannot be an enum member name, which OmegaConf parses by; ``ZeroConfig`` checks it),
+    ``elementwise_optimizers`` / ``unit_classes`` as ``"module.path:ClassName"`` import paths; and the strategy's
+    ``check_step_errors`` and ``gather_on_teardown`` (the CLI needs nothing back after fit, as validate_at_end runs
+    inside it, so by default it does not gather; docs/zero.md). ``activation_checkpointing`` is the model's choice,
+    not a ``zero/`` option.""",
+    *_in_yaml(core_zero.ZeroConfig, {"stage": int, "collective": Collective, "nonfinite": str,
+                                     "elementwise_optimizers": list[str], "unit_classes": list[str]},
+              leave_out=("activation_checkpointing",)),
+    ("check_step_errors", bool, True),
+    ("gather_on_teardown", bool, False),
+)
 
 
-@dataclass
-class OffloadSchema:
-    """``offload/``: ZeRO-Offload / ZeRO-Infinity (DeepSpeed's ``offload_optimizer`` / ``offload_param``)."""
-
-    optimizer_device: OffloadDevice = OffloadDevice.none
-    param_device: OffloadDevice = OffloadDevice.none
-    nvme_path: str | None = None
-    # DeepSpeed's default false; true needs an accelerator (else a warning); null: pinned where trainer.accelerator
-    # is not cpu and CUDA is there (the cpu presets), so CPU runs do not warn on every rank
-    pin_memory: bool | None = False
-    buffer_count: int = 4
-    max_in_cpu: int = 1_000_000_000
-    sub_group_size: int = 1_000_000  # elements stepped / swapped at once with nvme (docs/offload.md)
+OffloadSchema = _mirror(
+    "OffloadSchema",
+    """``offload/``: ZeRO-Offload / ZeRO-Infinity (DeepSpeed's ``offload_optimizer`` / ``offload_param``), the fields
+    of :class:`~lightning_zero.OffloadConfig` (each default written once, there); ``pin_memory`` may be ``null``:
+    pinned where ``trainer.accelerator`` is not cpu and CUDA is there (the cpu presets), so CPU runs do not warn
+    on every rank (DeepSpeed's default is false; true needs an accelerator, else a warning).""",
+    *_in_yaml(core_offload.OffloadConfig, {"pin_memory": bool | None}),
+)
 
 
 PrecisionSchema = _mirror(

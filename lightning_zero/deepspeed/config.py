@@ -19,10 +19,13 @@ from typing import Any
 
 import torch
 
-from lightning_zero.core.offload.config import DEFAULT_MAX_IN_CPU, OffloadConfig
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.core.zero.memory import OFFLOAD_STAGES
+from lightning_zero.core.settings.expert import ExpertParallelConfig
+from lightning_zero.core.settings.offload import DEFAULT_MAX_IN_CPU, OffloadConfig
+from lightning_zero.core.settings.precision import LossScalerConfig, PrecisionConfig
+from lightning_zero.core.settings.rules import settings_problems
+from lightning_zero.core.settings.tensor import TensorParallelConfig
+from lightning_zero.core.settings.tree import ParallelSettings, Settings
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.deepspeed.batch import GAS, MICRO, TBS, BatchSizes
 from lightning_zero.deepspeed.json_section import AUTO, JsonSection, Problems, load_json, refuse_nulls
 from lightning_zero.deepspeed.optim import optimizer_recipe
@@ -107,6 +110,16 @@ class DeepSpeedConfig:
     unsupported: tuple[str, ...] = ()
     source: str = "<dict>"
 
+    def precision_settings(self, default: str | None = None) -> PrecisionConfig | None:
+        """The precision node the JSON asks for (``None``: it sets no precision). Only what differs from the
+        node's defaults is taken (a default ``LossScalerConfig`` is not); ``default`` is the mode when the JSON
+        sets only dtypes (else ``"32-true"``)."""
+        scaler = self.loss_scaler if self.loss_scaler is not None and self.loss_scaler != LossScalerConfig() else None
+        if self.precision is None and scaler is None and self.reduce_dtype is None and self.grad_accum_dtype is None:
+            return None
+        return PrecisionConfig(self.precision or default or "32-true", scaler, self.reduce_dtype,
+                               self.grad_accum_dtype)
+
     def unsupported_message(self) -> str:
         """The one warning (or strict error) text naming every ignored key."""
         return (f"DeepSpeed config {self.source}: lightning_zero does not support these keys and ignores them: "
@@ -154,6 +167,10 @@ def parse_deepspeed_config(source: str | Path | Mapping[str, Any], *, strict: bo
         lambda: expert_parallel_from_deepspeed(data.get(DEEPSPEED_SECTION), root.used, unsupported), 1)
     if expert_parallel > 1:
         given["expert_parallel.size"] = f"{DEEPSPEED_SECTION}.autoep_size"
+    # the rules across the nodes the JSON sets (its pipeline joins them in the strategy, with the batch)
+    problems.add(settings_problems(Settings(zero=zero, offload=offload, parallel=ParallelSettings(
+        None, TensorParallelConfig(tensor_parallel), sequence_parallel,
+        ExpertParallelConfig(expert_parallel) if expert_parallel > 1 else None)), json_keys(given=given)))
     problems.raise_any(origin)
     root.noop(_NOOP_TOP)
     amp = root.section("amp")
@@ -261,13 +278,13 @@ def _zero(root: JsonSection, given: dict[str, str], unsupported: list[str]) -> t
         zero = ZeroConfig(**kwargs)
     except ValueError as err:
         raise ValueError(f"DeepSpeed config: zero_optimization: {err}") from err
-    offload = _offload(z, zero.stage, given)
+    offload = _offload(z, given)
     z.noop(_NOOP_ZERO)
     z.finish()
     return zero, offload
 
 
-def _offload(z: JsonSection, stage: int, given: dict[str, str]) -> OffloadConfig:
+def _offload(z: JsonSection, given: dict[str, str]) -> OffloadConfig:
     values: dict[str, Any] = {}
     sub_group = z.get("sub_group_size", int)
     if sub_group is not None:  # elements stepped and swapped at once (docs/offload.md)
@@ -301,28 +318,23 @@ def _offload(z: JsonSection, stage: int, given: dict[str, str]) -> OffloadConfig
             given.setdefault(f"offload.{key}", section.key(key))
         section.noop({"fast_init": (False,), "ratio": (1, 1.0)})
         section.finish()
-    offload = OffloadConfig(**values)
-    _check_offload(offload, stage)
-    return offload
+    return OffloadConfig(**values)
 
 
-def _check_offload(offload: OffloadConfig, stage: int) -> None:
-    """Every rule the offload sections break, in one ``ValueError`` (one line each)."""
-    problems = []
-    if offload.param_device != "none" and offload.optimizer_device == "none":
-        problems.append("DeepSpeed config: zero_optimization.offload_param without offload_optimizer: lightning_zero "
-                        "moves the optimizer state with the parameters. Fix: add \"offload_optimizer\": "
-                        f"{{\"device\": \"{offload.param_device}\"}}.")
-    elif stage not in OFFLOAD_STAGES[offload.name]:
-        what = "offload_param" if offload.param_device != "none" else "offload_optimizer"
-        need = "stage 3" if OFFLOAD_STAGES[offload.name] == (3,) else "stage 1, 2 or 3"
-        problems.append(f"DeepSpeed config: zero_optimization.{what} (device "
-                        f"{offload.param_device if what == 'offload_param' else offload.optimizer_device}) "
-                        f"needs ZeRO {need}, got zero_optimization.stage={stage}.")
-    if "nvme" in (offload.optimizer_device, offload.param_device) and not offload.nvme_path:
-        problems.append("DeepSpeed config: offload to nvme needs `nvme_path` (a directory on a local NVMe drive).")
-    if problems:
-        raise ValueError("\n  - ".join(problems))
+def json_keys(ds: DeepSpeedConfig | None = None, given: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The settings tree's keys as a DeepSpeed JSON writes them (Note [one rule, many spellings] in
+    ``core/settings/rules.py``): the keys ``ds`` (or ``given``) set, else DeepSpeed's names for them."""
+    named = dict(ds.given if ds is not None else given or {})
+    return {"zero.stage": named.get("zero.stage", "zero_optimization.stage"),
+            "offload.optimizer_device": named.get("offload.optimizer_device",
+                                                  "zero_optimization.offload_optimizer.device"),
+            "offload.param_device": named.get("offload.param_device", "zero_optimization.offload_param.device"),
+            "offload.nvme_path": named.get("offload.nvme_path", "zero_optimization.offload_optimizer.nvme_path"),
+            "parallel.pipeline": named.get("pipeline.stages", "pipeline.stages"),
+            "parallel.tensor": named.get("tensor_parallel.size", f"{SECTION}.autotp_size"),
+            "parallel.sequence": named.get("sequence_parallel.size", "sequence_parallel_size"),
+            "parallel.expert": named.get("expert_parallel.size", f"{DEEPSPEED_SECTION}.autoep_size"),
+            "pipeline.reduce_per_micro_batch": "pipeline.reduce_per_micro_batch"}
 
 
 def _precision(root: JsonSection, given: dict[str, str]) -> tuple[str | None, LossScalerConfig | None,

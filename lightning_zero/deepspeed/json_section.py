@@ -33,6 +33,10 @@ class Problems:
             self.messages.extend(str(err).split("\n" + _LIST))
             return fallback
 
+    def add(self, messages: list[str]) -> None:
+        """Problems found otherwise (the settings tree's rules), one message each."""
+        self.messages.extend(messages)
+
     def raise_any(self, origin: str) -> None:
         """Raise the one problem as it was, or all of them in one ``ValueError``, one line each."""
         if len(self.messages) == 1:

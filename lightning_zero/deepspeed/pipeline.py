@@ -34,8 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_zero.core.settings.pipeline import PipelineConfig
 from lightning_zero.deepspeed.batch import GAS, BatchSizes, ResolvedBatch
-from lightning_zero.pipeline.config import PipelineConfig
 
 SECTION = "pipeline"
 _NOOP = {"seed_layers": (False,), "use_reentrant": (False,)}

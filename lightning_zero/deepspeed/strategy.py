@@ -29,6 +29,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,9 +52,10 @@ from lightning_zero.deepspeed.optim import optimizer_recipe
 from lightning_zero.deepspeed.pipeline import pipeline_for_batch
 from lightning_zero.deepspeed.report import DeepSpeedReport
 from lightning_zero.deepspeed.schedulers import NEEDS_TOTAL_STEPS, build_scheduler
-from lightning_zero.deepspeed.strategy_args import strategy_conflict, strategy_kwargs
+from lightning_zero.deepspeed.strategy_args import json_strategy_arguments, strategy_conflict
 from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.strategy import ZeroStrategy
+from lightning_zero.parallel.mesh import parallel_dims
 from lightning_zero.sparse_attention import SparseSelfAttention, make_sparsity_config
 
 OptimizerSource = Literal["auto", "config"]
@@ -107,8 +109,10 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
             ds = parse_deepspeed_config(source, strict=strict, warn=False)
             if ds.unsupported:
                 rank_zero_warn(ds.unsupported_message())
-        return cls(deepspeed_config=ds, optimizer_source=optimizer_source,
-                   pipeline_from_json=overrides.get("pipeline") is None, **strategy_kwargs(ds, overrides))
+        base = overrides.get("settings")  # the Hydra route's whole tree
+        callers = overrides.get("pipeline") or (base.parallel.pipeline if base is not None else None)
+        return cls(deepspeed_config=ds, optimizer_source=optimizer_source, pipeline_from_json=callers is None,
+                   **json_strategy_arguments(ds, overrides))
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZeroPrecision:
@@ -146,15 +150,15 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
         pipe = self.pipeline_config
         try:  # pipelined: over the data-parallel ranks of a stage (Note [DeepSpeed pipeline batches])
             # ... and over data only with sequence / tensor parallel: such a group shares its samples
-            self.resolved_batch = ds.batch.resolve(self.world_size // (
-                (pipe.stages if pipe is not None else 1) * self.sequence_parallel * self.tensor_parallel.size))
+            self.resolved_batch = ds.batch.resolve(parallel_dims(self.world_size, self.settings.parallel).data)
         except ValueError as err:
             raise ValueError(f"DeepSpeed config {ds.source}: {err}") from err
         manual = not self.lightning_module.automatic_optimization
         batch = self.resolved_batch
         if batch is not None and pipe is not None:  # GAS are the pipeline's micro-batches: nothing to accumulate
-            if ds.batch.gives_accumulation:
-                self.pipeline_config = pipeline_for_batch(pipe, batch, self.pipeline_from_json, ds.source)
+            if ds.batch.gives_accumulation:  # this strategy's settings tree, with the batch's pipeline
+                pipeline = pipeline_for_batch(pipe, batch, self.pipeline_from_json, ds.source)
+                self.settings = replace(self.settings, parallel=replace(self.settings.parallel, pipeline=pipeline))
             if trainer.accumulate_grad_batches != 1:
                 problems.append(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with a pipeline "
                                 f"and the DeepSpeed config {ds.source}: its {GAS} are the pipeline's micro-batches.")
@@ -218,19 +222,6 @@ class DeepSpeedZeroStrategy(ZeroStrategy):
             self._patched.__dict__.pop("configure_optimizers", None)
             self._patched = None
         super().teardown()
-
-
-def _deprecated_from_deepspeed_config(cls: type, source: str | Path | Mapping[str, Any] | DeepSpeedConfig, /,
-                                      **kwargs: Any) -> DeepSpeedZeroStrategy:
-    """``ZeroStrategy.from_deepspeed_config``, the name before the method moved to ``DeepSpeedZeroStrategy``."""
-    warnings.warn("ZeroStrategy.from_deepspeed_config is deprecated and will be removed in the next release: use "
-                  "lightning_zero.DeepSpeedZeroStrategy.from_deepspeed_config (same arguments).", DeprecationWarning,
-                  stacklevel=2)
-    return DeepSpeedZeroStrategy.from_deepspeed_config(source, **kwargs)
-
-
-# the old name keeps working for a release (ZeroStrategy cannot import this module: it would be a cycle)
-ZeroStrategy.from_deepspeed_config = classmethod(_deprecated_from_deepspeed_config)  # type: ignore[attr-defined]
 
 
 def _check_sparse_attention(section: Mapping[str, Any], module: pl.LightningModule, source: str) -> None:
@@ -318,13 +309,3 @@ def configure_optimizers(strategy: DeepSpeedZeroStrategy,
                 "optimizer_source='config' to use the config's.")
         configs = json_schedulers(optimizers[0])
     return optimizers, configs
-
-
-def __getattr__(name: str) -> object:
-    if name in ("precision_plugin_args", "build_precision_plugin"):  # moved in issue 30's file-size split
-        warnings.warn(f"lightning_zero.deepspeed.strategy.{name} moved to lightning_zero.deepspeed.strategy_args; "
-                      "import from there (this path goes away in the next release)", DeprecationWarning, stacklevel=2)
-        from lightning_zero.deepspeed import strategy_args
-
-        return getattr(strategy_args, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
-"""A DeepSpeed JSON as :class:`~lightning_zero.ZeroStrategy`'s constructor arguments, with the caller's keyword
-arguments: what ``DeepSpeedZeroStrategy.from_deepspeed_config`` passes on (``strategy.py``).
+"""A DeepSpeed JSON as :class:`~lightning_zero.ZeroStrategy`'s constructor arguments (its settings tree), with the
+caller's keyword arguments: what ``DeepSpeedZeroStrategy.from_deepspeed_config`` passes on (``strategy.py``).
 
 A setting given both in the JSON and as a keyword argument must be equal, else ``ValueError`` lists every conflict
 (the precedence table is in ``docs/deepspeed_config.md``); what the Trainer decides is checked later, in the
@@ -14,35 +14,15 @@ from typing import Any
 
 from lightning.pytorch.plugins.precision import Precision
 
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
-from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.deepspeed.config import DeepSpeedConfig
+from lightning_zero.core.settings.expert import ExpertParallelConfig
+from lightning_zero.core.settings.precision import PrecisionConfig
+from lightning_zero.core.settings.rules import check_settings
+from lightning_zero.core.settings.tensor import TensorParallelConfig
+from lightning_zero.core.settings.tree import ParallelSettings, Settings
+from lightning_zero.core.settings.zero import ZeroConfig
+from lightning_zero.deepspeed.config import DeepSpeedConfig, json_keys
 from lightning_zero.deepspeed.pipeline import merged_pipeline
 from lightning_zero.lightning.precision import ZeroPrecision
-
-
-def precision_plugin_args(ds: DeepSpeedConfig, default: str | None = None) -> tuple[str, dict[str, Any]] | None:
-    """``(precision, keyword arguments)`` of the :class:`ZeroPrecision` the JSON asks for (``None``: not set).
-
-    Only what differs from the plugin's own defaults is passed (a default ``LossScalerConfig`` is not).
-    ``default`` is the precision to use when the JSON sets only dtypes (else ``"32-true"``).
-    """
-    kwargs: dict[str, Any] = {}
-    if ds.loss_scaler is not None and ds.loss_scaler != LossScalerConfig():
-        kwargs["loss_scaler"] = ds.loss_scaler
-    if ds.reduce_dtype is not None:
-        kwargs["reduce_dtype"] = ds.reduce_dtype
-    if ds.grad_accum_dtype is not None:
-        kwargs["grad_accum_dtype"] = ds.grad_accum_dtype
-    if ds.precision is None and not kwargs:
-        return None
-    return ds.precision or default or "32-true", kwargs
-
-
-def build_precision_plugin(ds: DeepSpeedConfig, default: str | None = None) -> ZeroPrecision | None:
-    """The one place a DeepSpeed config's precision plugin is built (``None``: the JSON sets no precision)."""
-    args = precision_plugin_args(ds, default)
-    return None if args is None else ZeroPrecision(args[0], **args[1])
 
 
 def _shown(value: Any) -> str:
@@ -60,22 +40,29 @@ def strategy_conflict(ds: DeepSpeedConfig, setting: str, json_value: Any, other:
     return f"the DeepSpeed config {ds.source} sets {said}, but {other}={_shown(other_value)}. Set it in one place."
 
 
-def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``ZeroStrategy`` keyword arguments from the JSON and the caller's ``overrides``.
+def json_strategy_arguments(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``ZeroStrategy`` keyword arguments from the JSON and the caller's ``overrides``: the settings tree
+    (``settings=``: the JSON's, with the caller's settings over it where the JSON sets nothing) and the
+    caller's other arguments as they are.
 
-    ``overrides`` are ``ZeroStrategy`` arguments: ``config=`` (a ``ZeroConfig``: every field counts as
-    set), ``ZeroConfig`` fields (``stage=``, ``reduce_bucket_size=``, ...), ``precision=`` /
-    ``precision_plugin=``, and the rest (``check_step_errors``, ``process_group_backend``, ...) as is.
+    ``overrides`` are ``ZeroStrategy`` arguments: ``settings=`` (a whole tree: every value counts as set, as the
+    Hydra route passes it), ``config=`` (a ``ZeroConfig``: every field counts as set), ``ZeroConfig`` fields
+    (``stage=``, ``reduce_bucket_size=``, ...), ``precision=`` / ``precision_plugin=``, ``offload=``,
+    ``pipeline=``, ``tensor_parallel=``, ``sequence_parallel=``, ``expert_parallel=``, ``checkpoint_format=``, and
+    the rest
+    (``check_step_errors``, ``process_group_backend``, ...) as is.
 
     Raises:
-        ValueError: a setting given both here and in the JSON with different values (all listed).
+        ValueError: a setting given both here and in the JSON with different values (all listed), or a rule of the
+            settings tree broken (named as the JSON's keys).
     """
     rest = dict(overrides)
+    base: Settings | None = rest.pop("settings", None)
     names = [f.name for f in fields(ZeroConfig)]
     user: dict[str, Any] = {}
-    base = rest.pop("config", None)
-    if base is not None:
-        user = {n: getattr(base, n) for n in names}
+    config = rest.pop("config", None) or (base.zero if base is not None else None)
+    if config is not None:
+        user = {n: getattr(config, n) for n in names}
     for name in names:
         if name in rest:
             user[name] = rest.pop(name)
@@ -86,39 +73,57 @@ def strategy_kwargs(ds: DeepSpeedConfig, overrides: Mapping[str, Any]) -> dict[s
         if plugin is not None:
             raise ValueError("pass the precision plugin once: `precision=` or `precision_plugin=`, not both.")
         precision, plugin = None, precision
-    wanted = getattr(plugin, "precision", None) if plugin is not None else precision
+    mine = base.precision if base is not None else None  # the caller's precision node, if any
+    wanted = getattr(plugin, "precision", None) if plugin is not None else (
+        precision if precision is not None else (str(mine.mode) if mine is not None else None))
     if ds.precision is not None and wanted is not None and str(wanted) != ds.precision:
         problems.append(strategy_conflict(ds, "precision.name", ds.precision,
-                                  "precision_plugin.precision" if plugin is not None else "precision", wanted))
+                                          "precision_plugin.precision" if plugin is not None else "precision", wanted))
     if problems:
         raise ValueError("conflicting settings:\n  - " + "\n  - ".join(problems))
-    offload = rest.pop("offload", None)
+    offload = rest.pop("offload", None) or (base.offload if base is not None else None)
     if offload is not None and ds.offload.enabled and offload != ds.offload:
         raise ValueError("conflicting settings:\n  - "
                          + strategy_conflict(ds, "offload", ds.offload, "offload", offload))
     if offload is None or not offload.enabled:
         offload = ds.offload
-    rest["pipeline"] = merged_pipeline(ds.pipeline, ds.batch, rest.get("pipeline"), ds.source)
+    user_pipeline = rest.pop("pipeline", None) or (base.parallel.pipeline if base is not None else None)
+    pipeline = merged_pipeline(ds.pipeline, ds.batch, user_pipeline, ds.source)
+    sequence = rest.pop("sequence_parallel", None) or (base.parallel.sequence if base is not None else None)
     if "sequence_parallel.size" in ds.given:
-        if rest.get("sequence_parallel", ds.sequence_parallel) != ds.sequence_parallel:
+        if sequence not in (None, ds.sequence_parallel):
             raise ValueError("conflicting settings:\n  - " + strategy_conflict(
-                ds, "sequence_parallel.size", ds.sequence_parallel, "sequence_parallel", rest["sequence_parallel"]))
-        rest["sequence_parallel"] = ds.sequence_parallel
+                ds, "sequence_parallel.size", ds.sequence_parallel, "sequence_parallel", sequence))
+        sequence = ds.sequence_parallel
+    user_tp = rest.pop("tensor_parallel", None) or (base.parallel.tensor if base is not None else None)
+    tensor = TensorParallelConfig.coerce(user_tp)
     if "tensor_parallel.size" in ds.given:  # autotp_size; the user's TensorParallelConfig (plan) kept when it agrees
-        user_tp = rest.get("tensor_parallel")
-        size = user_tp if isinstance(user_tp, int) or user_tp is None else user_tp.size
-        if user_tp is not None and size != ds.tensor_parallel:
+        if user_tp is not None and tensor.size not in (1, ds.tensor_parallel):
             raise ValueError("conflicting settings:\n  - " + strategy_conflict(
                 ds, "tensor_parallel.size", ds.tensor_parallel, "tensor_parallel", user_tp))
-        rest["tensor_parallel"] = user_tp if user_tp is not None else ds.tensor_parallel
+        tensor = replace(tensor, size=ds.tensor_parallel)
+    user_ep = rest.pop("expert_parallel", None) or (base.parallel.expert if base is not None else None)
+    expert = ExpertParallelConfig.coerce(user_ep)
     if "expert_parallel.size" in ds.given:  # autoep_size
-        user_ep = rest.get("expert_parallel")
-        if user_ep is not None and (user_ep if isinstance(user_ep, int) else user_ep.size) != ds.expert_parallel:
+        if expert is not None and expert.size != ds.expert_parallel:
             raise ValueError("conflicting settings:\n  - " + strategy_conflict(
                 ds, "expert_parallel.size", ds.expert_parallel, "expert_parallel", user_ep))
-        rest["expert_parallel"] = user_ep if user_ep is not None else ds.expert_parallel
-    zero = replace(ds.zero, **{n: v for n, v in user.items() if f"zero.{n}" not in ds.given})
-    if plugin is None:
-        plugin = build_precision_plugin(ds, default=precision)
-    return {**rest, "config": zero, "precision": None if plugin is not None else precision,
-            "precision_plugin": plugin, "offload": offload}
+        expert = ExpertParallelConfig(ds.expert_parallel)
+    scaler = rest.pop("loss_scaler", None)
+    json_node = ds.precision_settings(default=precision if isinstance(precision, str) else (
+        str(mine.mode) if mine is not None else None))
+    if isinstance(plugin, ZeroPrecision):
+        mine = plugin.settings  # the caller's plugin object is the strategy's precision
+    elif json_node is not None:
+        mine = json_node
+    elif isinstance(precision, str):
+        mine = PrecisionConfig(precision, scaler)
+    settings = Settings(
+        zero=replace(ds.zero, **{n: v for n, v in user.items() if f"zero.{n}" not in ds.given}),
+        offload=offload,
+        parallel=ParallelSettings(pipeline, tensor, sequence or 1, expert),
+        precision=mine if plugin is None or isinstance(plugin, ZeroPrecision) else None,
+        checkpoint_format=rest.pop("checkpoint_format", base.checkpoint_format if base is not None else "auto"),
+    )
+    check_settings(settings, json_keys(ds))
+    return {**rest, "settings": settings, "precision_plugin": plugin}

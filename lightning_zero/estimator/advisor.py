@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from typing_extensions import Unpack
 
-from lightning_zero.core.offload.config import nvme_path_problem
+from lightning_zero.core.settings.offload import nvme_path_problem
 from lightning_zero.estimator import (
     PRECISIONS,
     Activations,
@@ -179,7 +179,7 @@ class Advice:
 
     def nvme_path_problem(self) -> str | None:
         """Why the recommended ``"nvme"`` configuration's ``nvme_path`` cannot hold its state on this machine
-        (:func:`~lightning_zero.core.offload.config.nvme_path_problem`: exists, writable, the node's NVMe need free),
+        (:func:`~lightning_zero.core.settings.offload.nvme_path_problem`: exists, writable, the node's NVMe need free),
         or ``None`` (also when the choice does not use NVMe)."""
         choice = self.choice
         if choice is None or choice.estimate.target != "nvme":

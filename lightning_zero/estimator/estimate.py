@@ -1,8 +1,8 @@
 """The estimate itself: per-rank device, CPU and NVMe bytes of ZeRO stages 0-3, with and without offload.
 
-Model states come from :func:`lightning_zero.core.zero.memory.model_state_formula` (the ZeRO paper's
+Model states come from :func:`lightning_zero.core.common.memory.model_state_formula` (the ZeRO paper's
 2Ψ + 2Ψ + KΨ, partitioned by stage) and its offload split
-:func:`~lightning_zero.core.zero.memory.offloaded_model_state` -- the same functions the strategy's
+:func:`~lightning_zero.core.common.memory.offloaded_model_state` -- the same functions the strategy's
 measured memory is tested against. Activations follow Korthikanti et al. (2022), see
 :func:`activation_memory`. DeepSpeed's own estimator figures are reproduced beside ours by
 :func:`deepspeed_figures`. The stage advisor lives in :mod:`lightning_zero.estimator.advisor`; the
@@ -16,8 +16,8 @@ from typing import TypedDict
 
 from torch import nn
 
-from lightning_zero.core.zero.config import ZeroStage
-from lightning_zero.core.zero.memory import OFFLOAD_STAGES, ModelStateBytes, offloaded_model_state
+from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.common.memory import OFFLOAD_STAGES, ModelStateBytes, offloaded_model_state
 from lightning_zero.estimator.activations import Activations, activation_memory
 from lightning_zero.estimator.cluster import Cluster, make_cluster
 from lightning_zero.estimator.deepspeed_figures import DeepSpeedFigures, deepspeed_figures

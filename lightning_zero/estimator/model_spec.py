@@ -164,9 +164,9 @@ def spec_of_module(model: nn.Module, name: str | None = None) -> ModelSpec:
 
 def _moe_counts(model: nn.Module) -> dict[str, Any]:
     """The expert parameters, experts per layer, experts per token and MoE layers of ``model`` (the layers expert
-    parallelism splits: ``lightning_zero.moe.lightning.moe_layers``); empty for a dense model."""
+    parallelism splits: ``lightning_zero.parallel.expert.moe_layers``); empty for a dense model."""
     from lightning_zero.moe.experts import expert_parameter_names
-    from lightning_zero.moe.lightning import moe_layers
+    from lightning_zero.parallel.expert import moe_layers
 
     layers = [m for _, m in moe_layers(model)]
     if not layers:

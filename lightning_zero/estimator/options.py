@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_zero.core.zero.memory import OFFLOAD_STAGES
+from lightning_zero.core.common.memory import OFFLOAD_STAGES
 
 # user spelling -> (formula precision of model_state_formula, Hydra `precision/` option)
 PRECISIONS: dict[str, tuple[str, str]] = {
@@ -20,7 +20,7 @@ OFFLOADS: tuple[str, ...] = tuple(OFFLOAD_STAGES)
 
 
 def formula_precision(precision: str) -> str:
-    """The :func:`~lightning_zero.core.zero.memory.model_state_formula` precision of a user spelling."""
+    """The :func:`~lightning_zero.core.common.memory.model_state_formula` precision of a user spelling."""
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
     return PRECISIONS[precision][0]

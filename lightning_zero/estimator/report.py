@@ -81,7 +81,7 @@ def expert_parallel_lines(model: ModelSpec, cluster: Cluster, ep: int, acts: Act
 
 
 def tensor_parallel_lines(model: ModelSpec, cluster: Cluster, tp: int) -> list[str]:
-    """What a tensor-parallel rank holds (Note [model state with TP] in ``core/zero/memory.py``)."""
+    """What a tensor-parallel rank holds (Note [model state with TP] in ``core/common/memory.py``)."""
     rep = model.replicated_params
     known = "" if rep is not None else " (replicated parameters unknown: every parameter taken as split; give " \
         "--replicated-params or a --model with a plan)"

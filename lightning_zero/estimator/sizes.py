@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from lightning_zero.core.zero.memory import format_bytes as format_bytes  # re-exported: it lives in core
+from lightning_zero.core.common.memory import format_bytes as format_bytes  # re-exported: it lives in core
 
 _SIZE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _DECIMAL = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,

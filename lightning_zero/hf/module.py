@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_zero.core.errors import UsageError
+from lightning_zero.core.common.errors import UsageError
 from lightning_zero.core.stage3.materialize import parameters_go_to_meta
 from lightning_zero.hf.directory import HFDirectory
 from lightning_zero.lightning.state_files import SafetensorsFiles

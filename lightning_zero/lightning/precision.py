@@ -17,7 +17,7 @@ Note [loading a converted module]
     the loaded weights and left with the initial ones. So every load into a converted module
     without an engine runs inside :meth:`ZeroPrecision.whole_precision`: it loads into the module in
     its own dtype and converts again from there. With an engine the masters take the loaded values
-    (``core/stage3/loading.py``), and the pre-cast weights still kept (parameters without a master: frozen
+    (``core/zero/loading.py``), and the pre-cast weights still kept (parameters without a master: frozen
     ones) are replaced by the loaded values (:meth:`ZeroPrecision.refresh_originals`).
 
 Gradient clipping has to see every shard, so the plugin hands clipping to the ZeRO engine (global
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -46,35 +46,16 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.core.precision.loss_scaler import LossScaler, LossScalerConfig
+from lightning_zero.core.precision.loss_scaler import LossScaler
+from lightning_zero.core.settings.precision import DtypePolicy, LossScalerConfig, PrecisionConfig
 from lightning_zero.core.stage3.sharded_unit import is_released
-from lightning_zero.core.zero.config import DtypePolicy
 from lightning_zero.core.zero.engine import ZeroEngine
-
-PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
-_NAMES: dict[str, PrecisionName] = {
-    "32": "32-true", "32-true": "32-true", "16": "16-mixed", "16-mixed": "16-mixed",
-    "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
-}
-_COMPUTE = {"32-true": torch.float32, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
-            "bf16-true": torch.bfloat16}
-_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
-                "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def as_float_dtype(value: torch.dtype | str | None, what: str) -> torch.dtype | None:
-    """``value`` as a floating ``torch.dtype`` (``None`` stays ``None``), or a ValueError naming the fix."""
-    if value is None:
-        return None
-    dtype = _DTYPE_NAMES.get(value.removeprefix("torch.")) if isinstance(value, str) else value
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"`{what}` must be a floating dtype: 'float32', 'float16' or 'bfloat16' (or torch.float32, "
-                         f"torch.float16, torch.bfloat16), got {value!r}.")
-    return dtype
 
 
 class ZeroPrecision(Precision):
-    """Precision of :class:`~lightning_zero.ZeroStrategy` (see the module docstring for the modes).
+    """Precision of :class:`~lightning_zero.ZeroStrategy` (see the module docstring for the modes): the Lightning
+    plugin of the settings tree's precision node, :class:`~lightning_zero.core.settings.precision.PrecisionConfig`
+    (``settings``), which checks the arguments (:meth:`of` builds the plugin from a node).
 
     Args:
         precision: ``"32-true"``, ``"16-mixed"`` (fp16 with loss scaling), ``"bf16-mixed"`` or
@@ -96,24 +77,13 @@ class ZeroPrecision(Precision):
         reduce_dtype: torch.dtype | str | None = None,
         grad_accum_dtype: torch.dtype | str | None = None,
     ) -> None:
-        name = _NAMES.get(str(precision))
-        if name is None:
-            hint = (" fp16 weights without an fp32 master lose small updates; use '16-mixed' (fp32 master "
-                    "shards) or 'bf16-true'." if str(precision) == "16-true" else "")
-            raise ValueError(f"Unknown precision {precision!r} for ZeroStrategy. Use one of '32-true', '16-mixed', "
-                             f"'bf16-mixed', 'bf16-true'.{hint}")
-        if loss_scaler is not None and name != "16-mixed":
-            raise ValueError(f"A loss scaler (loss_scale, initial_scale_power, hysteresis, ...) applies to fp16 "
-                             f"('16-mixed') only, got precision={name!r}: bf16 has fp32's range and needs no loss "
-                             "scaling. Fix: drop `loss_scaler`, or use precision='16-mixed'.")
-        if loss_scaler is not None and not isinstance(loss_scaler, LossScalerConfig):
-            raise ValueError(f"`loss_scaler` must be a LossScalerConfig, got {type(loss_scaler).__name__}.")
-        self.precision: PrecisionName = name
-        self.compute_dtype: torch.dtype = _COMPUTE[name]
-        self.reduce_dtype = as_float_dtype(reduce_dtype, "reduce_dtype")
-        self.grad_accum_dtype = as_float_dtype(grad_accum_dtype, "grad_accum_dtype")
+        self.settings = PrecisionConfig(precision, loss_scaler, reduce_dtype, grad_accum_dtype)  # checked there
+        self.precision: str = str(self.settings.mode)  # Lightning's name of the mode
+        self.compute_dtype: torch.dtype = self.settings.compute_dtype
+        self.reduce_dtype = self.settings.reduce_dtype
+        self.grad_accum_dtype = self.settings.grad_accum_dtype
         self.scaler: LossScaler | None = (
-            LossScaler(loss_scaler or LossScalerConfig()) if name == "16-mixed" else None
+            LossScaler(self.settings.loss_scaler or LossScalerConfig()) if self.settings.scaled else None
         )
         self.engine: ZeroEngine | None = None  # the fit's engine (bind_engine: the strategy, when fitting)
         self.last_step_skipped = False  # the last optimizer step overflowed and was skipped
@@ -121,6 +91,12 @@ class ZeroPrecision(Precision):
         # from them, and parameters the engine does not own get them back at restore_module
         self._originals: dict[nn.Parameter, Tensor] = {}
         self._module_dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, settings: PrecisionConfig) -> ZeroPrecision:
+        """The plugin of a precision node."""
+        return cls(settings.mode, loss_scaler=settings.loss_scaler, reduce_dtype=settings.reduce_dtype,
+                   grad_accum_dtype=settings.grad_accum_dtype)
 
     def bind_engine(self, engine: ZeroEngine | None) -> None:
         """The engine this plugin steps, clips and unscales through (the strategy's, while fitting; ``None``
@@ -316,21 +292,6 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def strategy_precision(precision: str | ZeroPrecision | None, loss_scaler: LossScalerConfig | None,
-                       plugin: Precision | None) -> Precision | None:
-    """``ZeroStrategy(precision=, loss_scaler=, precision_plugin=)`` as the one plugin the strategy starts with
-    (``None``: the Trainer's, converted at setup); ``loss_scaler`` only with a precision given as a string."""
-    if isinstance(precision, ZeroPrecision):
-        if loss_scaler is not None:
-            raise ValueError("Pass `loss_scaler` to the ZeroPrecision instance, not to the strategy.")
-        return precision
-    if precision is not None:
-        return ZeroPrecision(precision, loss_scaler=loss_scaler)
-    if loss_scaler is not None:
-        raise ValueError("`loss_scaler` needs precision='16-mixed' on the strategy.")
-    return plugin
 
 
 def to_zero_precision(plugin: Precision | None) -> ZeroPrecision:

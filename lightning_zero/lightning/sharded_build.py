@@ -1,5 +1,5 @@
 """Lightning glue for stage-3 models built in ``configure_model``: their parameters go to the meta
-device as they are registered, are sharded unit by unit at the strategy's setup (``compose.py``, for
+device as they are registered, are sharded unit by unit at the strategy's setup (``parallel/parallelize.py``, for
 fit and for test / validate / predict), and a ``ckpt_path`` is read after setup, into the shards. The
 strategy's ``model_sharded_context`` and teardown call these; the mechanism is
 ``core/stage3/materialize.py`` and ``core/stage3/runtime.py``.
@@ -12,9 +12,9 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from lightning_zero.core.settings.pipeline import PipelineConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import has_unmaterialized_tensors, parameters_on_meta
-from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.pipeline.config import PipelineConfig
 
 
 @contextmanager

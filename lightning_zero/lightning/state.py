@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
-import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torch import Tensor
 from torch.optim import Optimizer
@@ -30,21 +30,19 @@ from lightning_zero.checkpoint.owned import load_owned_optimizer_state, load_own
 from lightning_zero.checkpoint.plain import CheckpointError
 from lightning_zero.checkpoint.tensor_file import own_bytes
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.stage3.loading import load_full_state_dict
+from lightning_zero.core.common.memory import ModelStateBytes
+from lightning_zero.core.settings.tree import Settings
 from lightning_zero.core.stage3.materialize import has_meta_parameters
 from lightning_zero.core.stage3.sharded_unit import is_released
-from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.core.zero.memory import ModelStateBytes
+from lightning_zero.core.zero.loading import load_full_state_dict
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
-from lightning_zero.lightning.mesh_setup import ParallelRun
-from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.run import ParallelRun
 from lightning_zero.lightning.state_files import open_state_dict
 from lightning_zero.lightning.steps import StepDispatch
 from lightning_zero.moe.checkpoint import ExpertParallelCheckpoint
-from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.parallel.tensor import refuse_pipeline_checkpoint
 from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
-from lightning_zero.tensor_parallel.config import TensorParallelConfig
-from lightning_zero.tensor_parallel.lightning import refuse_pipeline_checkpoint
 from lightning_zero.tensor_parallel.pipeline_checkpoint import pipelined_sharded_parts
 
 Fallback = Callable[..., Any]  # Lightning's own implementation of the hook (the strategy's super())
@@ -72,38 +70,25 @@ def called_by_checkpoint_dump(depth: int = 1) -> bool:
     return caller.f_code in _DUMP_CODES
 
 
-class CheckpointHost(Protocol):
-    """What :class:`StrategyCheckpointing` reads of its strategy (``ZeroStrategy`` is one)."""
-
-    zero_config: ZeroConfig
-    pipeline_config: PipelineConfig | None
-    checkpoint_format: str
-    _steps: StepDispatch
-    tensor_parallel: TensorParallelConfig
-
-    @property
-    def precision_plugin(self) -> ZeroPrecision: ...
-
-    @property
-    def lightning_module(self) -> pl.LightningModule | None: ...
-
-    @property
-    def global_rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def is_global_zero(self) -> bool: ...
+def _plugin(lightning: ParallelStrategy) -> ZeroPrecision:
+    """The strategy's precision plugin as the ``ZeroPrecision`` it is (a stock one converted)."""
+    return to_zero_precision(lightning.precision_plugin)
 
 
 class StrategyCheckpointing:
-    """Checkpoint and state methods of :class:`~lightning_zero.ZeroStrategy` (``host``; its engine, stage and groups:
-    ``run``; see the module docstring)."""
+    """Checkpoint and state methods of :class:`~lightning_zero.ZeroStrategy` (see the module docstring); the hooks
+    that depend on the settings take the strategy's settings tree as they run (it may be replaced between saves).
 
-    def __init__(self, host: CheckpointHost, run: ParallelRun) -> None:
-        self._host = host
+    Args:
+        lightning: the strategy, for what Lightning keeps on it (the module, the precision plugin, the ranks).
+        run: its engine, stage and groups.
+        steps: its step part, which continues a loaded checkpoint's random streams.
+    """
+
+    def __init__(self, lightning: ParallelStrategy, run: ParallelRun, steps: StepDispatch) -> None:
+        self._lightning = lightning
         self._run = run
+        self._steps = steps
 
     # ------------------------------------------------------------------ state
     def model_state_bytes(self) -> ModelStateBytes:
@@ -129,7 +114,7 @@ class StrategyCheckpointing:
             prefix: the keys' prefix before the LightningModule's own parameter names.
             strict: refuse missing and unexpected keys.
         """
-        host, module = self._host, self._host.lightning_module
+        host, module = self._lightning, self._lightning.lightning_module
         assert module is not None
         if self._run.engine is not None:
             state = open_state_dict(source)
@@ -138,7 +123,7 @@ class StrategyCheckpointing:
             if self._expert_parallel() is not None:  # and to this rank's experts
                 state = ExpertParallelCheckpoint.split_state_dict(state, module, prefix)
             load_full_state_dict(self._run.engine, state, prefix, strict)
-            host.precision_plugin.refresh_originals(module, state, prefix)  # frozen parameters
+            _plugin(host).refresh_originals(module, state, prefix)  # frozen parameters
             return
         state = open_state_dict(source)
         if self._run.tensor is not None:  # a split module (a finished fit's) takes its slices
@@ -146,7 +131,7 @@ class StrategyCheckpointing:
         if self._expert_parallel() is not None:
             state = ExpertParallelCheckpoint.split_state_dict(state, module, prefix)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        with host.precision_plugin.whole_precision(module):  # Note [loading a converted module]
+        with _plugin(host).whole_precision(module):  # Note [loading a converted module]
             module.load_state_dict(own, strict=strict)
 
     @property
@@ -173,7 +158,7 @@ class StrategyCheckpointing:
         """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known, named as
         :class:`~lightning_zero.ZeroStatsMonitor` logs them."""
         out: dict[str, float] = {}
-        plugin = self._host.precision_plugin
+        plugin = _plugin(self._lightning)
         if plugin.loss_scale is not None:
             out["train/loss_scale"] = float(plugin.loss_scale)
             out["train/skipped_steps"] = float(plugin.skipped_steps)
@@ -183,12 +168,12 @@ class StrategyCheckpointing:
 
     def _tensor_parallel(self) -> TensorParallelCheckpoint | None:
         """The TP side when this strategy split the module (its states are unsplit before they are saved)."""
-        tp, module = self._run.tensor, self._host.lightning_module
+        tp, module = self._run.tensor, self._lightning.lightning_module
         return tp.checkpoint if tp is not None and module is not None and tp.splits(module) else None
 
     def _expert_parallel(self) -> ExpertParallelCheckpoint | None:
         """The expert-parallel side when this strategy split the module's experts (they are unsplit when saved)."""
-        ep, module = self._run.expert, self._host.lightning_module
+        ep, module = self._run.expert, self._lightning.lightning_module
         return ExpertParallelCheckpoint(ep.ep) if ep is not None and module is not None and ep.splits(module) else None
 
     def _unsplit(self, state: dict[str, Any], module: Any) -> dict[str, Any]:
@@ -202,17 +187,17 @@ class StrategyCheckpointing:
         state = tp.unsplit_optimizer_state(state, params) if tp is not None else state
         return ep.unsplit_optimizer_state(state, params) if ep is not None else state
 
-    def lightning_module_state_dict(self, fallback: Fallback, for_save: bool) -> dict[str, Any]:
+    def lightning_module_state_dict(self, settings: Settings, fallback: Fallback, for_save: bool) -> dict[str, Any]:
         """Whole tensors (stage 3 gathers them unit by unit; tensor-parallel slices are gathered over the TP
         group and unsplit, experts over the expert-parallel group; every rank calls this). With an fp32 master the
         checkpoint holds fp32 weights (the masters, gathered), like the module before the cast, so a resumed run
         starts from exact masters. ``for_save``: called by Lightning's checkpoint dump, which a sharded save ignores
         (``{}`` then: Note [state dicts for the strategy's own save])."""
-        engine, module = self._run.engine, self._host.lightning_module
+        engine, module = self._run.engine, self._lightning.lightning_module
         if engine is None or module is None:
             state = fallback()
             return self._unsplit(state, module) if module is not None else state
-        if for_save and self._writes_shards:
+        if for_save and self._writes_shards(settings):
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
         pipeline = self._run.pipeline
         if pipeline is not None and pipeline.checkpoint is not None:  # unsplit names, all stages
@@ -229,17 +214,17 @@ class StrategyCheckpointing:
                     state[key] = value.to(engine.dtypes.master_dtype)
         return self._unsplit(state, module)
 
-    def optimizer_state(self, optimizer: Optimizer, for_save: bool) -> dict[str, Any]:
+    def optimizer_state(self, settings: Settings, optimizer: Optimizer, for_save: bool) -> dict[str, Any]:
         """The whole optimizer state, numbered as the unsplit optimizer's, on rank 0 (``{}`` elsewhere; a
         collective). ``for_save``: as for :meth:`lightning_module_state_dict`."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if for_save and self._writes_shards:
+        if for_save and self._writes_shards(settings):
             return {}  # save_checkpoint writes every rank's shards instead (no gather)
         engine, pipeline = self._run.engine, self._run.pipeline
         if pipeline is not None and pipeline.checkpoint is not None and engine is not None:
             state = pipeline.checkpoint.optimizer_state(engine)  # numbered as the unsplit optimizer's
-            return state if self._host.is_global_zero else {}
+            return state if self._lightning.is_global_zero else {}
         if engine is None or engine.sharded is None:
             state = optimizer.state_dict()
             return self._unsplit_optimizer(state, [p for g in optimizer.param_groups for p in g["params"]])
@@ -247,7 +232,7 @@ class StrategyCheckpointing:
         # EP-size independent: split tensors whole
         state = full_optimizer_state(engine.sharded, engine.comm)
         state = self._unsplit_optimizer(state, [p for ps in engine.sharded.original_params for p in ps])
-        return state if self._host.is_global_zero else {}
+        return state if self._lightning.is_global_zero else {}
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any], fallback: Fallback) -> None:
         states = checkpoint.get("optimizer_states", [])
@@ -282,30 +267,22 @@ class StrategyCheckpointing:
         return None
 
     # ------------------------------------------------------------------ checkpoint files
-    @property
-    def _writes_shards(self) -> bool:
+    def _writes_shards(self, settings: Settings) -> bool:
         """Whether save_checkpoint writes the sharded format from the engine's shards."""
-        host = self._host
-        return self._sharded_format() and self._run.engine is not None and host.zero_config.stage.shards_optimizer
+        return self._sharded_format(settings) and self._run.engine is not None and settings.zero.stage.shards_optimizer
 
-    def _sharded_format(self) -> bool:
-        """Whether checkpoints are saved in the sharded format (``checkpoint_format``, ``"auto"``: stage >= 1; with
-        expert parallelism ``"auto"`` is the consolidated format, ``"sharded"`` refused)."""
-        fmt = self._host.checkpoint_format
-        if self._expert_parallel() is not None:
-            if fmt == "sharded":
-                raise CheckpointError("checkpoint_format='sharded' with expert parallelism is not built yet (each "
-                                      "rank's shards hold its own experts): use 'consolidated' or 'auto', whose "
-                                      "files hold the unsplit experts and resume at any expert-parallel size")
-            return False
-        return fmt == "sharded" or (fmt == "auto" and self._host.zero_config.stage.shards_optimizer)
+    def _sharded_format(self, settings: Settings) -> bool:
+        """Whether checkpoints are saved in the sharded format (``settings.sharded_checkpoints``); with the experts
+        split (their size the strategy's or the MoE layers'), the consolidated format, whose files hold the unsplit
+        experts and resume at any expert-parallel size (``"sharded"`` is refused by the settings tree's rules)."""
+        return settings.sharded_checkpoints and self._expert_parallel() is None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,
+    def save_checkpoint(self, settings: Settings, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,
                         fallback: Fallback) -> None:
         """Sharded format (docs/checkpoints.md): every rank writes its shards into a temporary
         directory; once all succeeded rank 0 publishes it atomically under ``filepath``."""
-        refuse_pipeline_checkpoint(self._host.tensor_parallel, self._host.pipeline_config is not None,
-                                   self._writes_shards)
+        writes_shards = self._writes_shards(settings)
+        refuse_pipeline_checkpoint(settings.parallel.tensor, settings.parallel.pipeline is not None, writes_shards)
         refusal = self._run.after_fit_refusal if self._run.pipeline is None else None
         if refusal is not None and ("optimizer_states" in checkpoint or not refusal[1]):
             raise CheckpointError(
@@ -313,11 +290,11 @@ class StrategyCheckpointing:
                 "fit instead (`ModelCheckpoint`, or `trainer.save_checkpoint` in a callback), where every stage "
                 "contributes its part."
             )
-        if not self._sharded_format():  # each tensor its own bytes, not the flat buffer it views
+        if not self._sharded_format(settings):  # each tensor its own bytes, not the flat buffer it views
             return fallback(own_bytes(checkpoint), filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError("The sharded checkpoint format takes no `storage_options`.")
-        module = self._host.lightning_module
+        module = self._lightning.lightning_module
         if self._run.engine is None and module is not None and any(is_released(p) for p in module.parameters()):
             raise CheckpointError(
                 "The model's stage-3 parameters were left released at the end of fit (it did not fit to be gathered, "
@@ -326,56 +303,57 @@ class StrategyCheckpointing:
             )
         comm, layout, merge, pipeline = self._run.comm, None, None, self._run.pipeline
         tp, staged = self._tensor_parallel(), pipeline.checkpoint if pipeline is not None else None
-        if staged is not None and tp is not None and self._writes_shards:  # Note [pipeline x TP shards]
+        if staged is not None and tp is not None and writes_shards:  # Note [pipeline x TP shards]
             layout, merge = pipelined_sharded_parts(staged, tp, self._run.engine, module)
-        elif staged is not None and self._writes_shards:
+        elif staged is not None and writes_shards:
             layout, merge = staged.sharded_parts(self._run.engine, module)  # each stage its shards
-        elif tp is not None and self._writes_shards:  # each TP rank its slices (Note [TP slices in checkpoints])
+        elif tp is not None and writes_shards:  # each TP rank its slices (Note [TP slices in checkpoints])
             layout, merge = tp.sharded_parts(self._run.engine, module)
-        if self._host.pipeline_config is not None or self._run.tensor is not None:  # every stage / TP rank writes
+        if settings.parallel.pipeline is not None or self._run.tensor is not None:  # every stage / TP rank writes
             comm = DataParallelComm()  # into one directory: the world's group agrees
         save_sharded(
-            filepath, checkpoint, self._run.engine if self._writes_shards else None, self._host.global_rank,
-            self._host.world_size, broadcast=comm.broadcast_text if comm is not None else (lambda name: name),
+            filepath, checkpoint, self._run.engine if writes_shards else None, self._lightning.global_rank,
+            self._lightning.world_size, broadcast=comm.broadcast_text if comm is not None else (lambda name: name),
             failed_ranks=comm.ranks_with if comm is not None else (lambda flag: [0] if flag else []),
             layout=layout, merge=merge,
         )
         return None
 
     def remove_checkpoint(self, filepath: Any, fallback: Fallback) -> None:
-        if self._host.is_global_zero and is_sharded_checkpoint(filepath):
+        if self._lightning.is_global_zero and is_sharded_checkpoint(filepath):
             remove_sharded(filepath)
             return
         fallback(filepath)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None, fallback: Fallback) -> dict[str, Any]:
+    def load_checkpoint(self, settings: Settings, checkpoint_path: Any, weights_only: bool | None,
+                        fallback: Fallback) -> dict[str, Any]:
         """A sharded checkpoint directory is read lazily (JSON + safetensors, never unpickled);
         a file goes to Lightning's CheckpointIO."""
         if not is_sharded_checkpoint(checkpoint_path):
             return fallback(checkpoint_path, weights_only=weights_only)
         ckpt = ShardedCheckpoint(checkpoint_path)
         written_tp = ckpt.tensor_parallel.size if ckpt.tensor_parallel is not None else 1
-        here_tp = self._host.tensor_parallel.size  # known before setup (the mesh is built in setup)
+        here_tp = settings.parallel.tensor.size  # known before setup (the mesh is built in setup)
         # each rank's RNG where the layout is the same (a TP group's ranks share the replicated regions' stream)
-        same_world = ckpt.world_size == self._host.world_size and written_tp == here_tp
-        self._host._steps.resume_rng(ckpt.rng_state(self._host.global_rank) if same_world else None)
+        same_world = ckpt.world_size == self._lightning.world_size and written_tp == here_tp
+        self._steps.resume_rng(ckpt.rng_state(self._lightning.global_rank) if same_world else None)
         return ckpt.to_lightning()
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
+    def restore_checkpoint_after_setup(self, settings: Settings) -> bool:
         """Stage 3 reads a ``ckpt_path`` after setup, each rank only the slices of its shards
         (Note [owned slices] in checkpoint/owned.py), so the whole model never exists anywhere. A
         pipelined run reads before setup (its checkpoints hold the unsplit module, docs/pipeline.md),
         unless it was built on the meta device: then each stage reads its own layers after setup."""
-        if self._host.pipeline_config is not None:
-            return self._host.lightning_module is not None and has_meta_parameters(self._host.lightning_module)
-        return self._host.zero_config.stage.shards_parameters
+        module = self._lightning.lightning_module
+        if settings.parallel.pipeline is not None:
+            return module is not None and has_meta_parameters(module)
+        return settings.zero.stage.shards_parameters
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool, fallback: Fallback) -> None:
         """Before setup the module is whole (and in its original dtype): ``load_state_dict``. After
         setup (stage 3 with a model built in ``configure_model``: ``restore_checkpoint_after_setup``)
         the values are streamed into the engine's shards one unit at a time, also for evaluation."""
-        state, module = checkpoint["state_dict"], self._host.lightning_module
+        state, module = checkpoint["state_dict"], self._lightning.lightning_module
         assert module is not None
         if self._run.pipeline is not None:  # after setup, built on meta: this stage's layers, by their unsplit names
             self._run.pipeline.load_local_state_dict(module, self._run.engine, state, strict)
@@ -383,11 +361,11 @@ class StrategyCheckpointing:
         if self._run.engine is not None:  # after setup: into the shards
             if isinstance(state, LazyStateDict) and self._expert_parallel() is None:
                 load_owned_state_dict(self._run.engine, state, strict)  # this rank's slices only
-                self._host.precision_plugin.refresh_originals(module, state)  # frozen parameters
+                _plugin(self._lightning).refresh_originals(module, state)  # frozen parameters
             else:
                 self.load_full_state_dict(state, strict=strict)  # masters take the loaded fp32 values
             return None
-        if has_meta_parameters(self._host.lightning_module):  # load_state_dict would silently copy into nothing
+        if has_meta_parameters(self._lightning.lightning_module):  # load_state_dict would silently copy into nothing
             raise RuntimeError(
                 "The model's parameters are on the meta device (built in `configure_model` under stage 3); they "
                 "exist only after the strategy's setup. Load weights after setup: Lightning does so for `ckpt_path`; "
@@ -395,8 +373,8 @@ class StrategyCheckpointing:
             )
         # the module is whole; after setup (stage 3 evaluation) it may be converted to 16 bits: it takes the
         # values in its own dtype (Note [loading a converted module] in precision.py)
-        with self._host.precision_plugin.whole_precision(self._host.lightning_module):
+        with _plugin(self._lightning).whole_precision(self._lightning.lightning_module):
             if not isinstance(state, LazyStateDict):
                 return fallback(checkpoint, strict=strict)
-            load_whole_module(self._host.lightning_module, state, strict)  # one tensor at a time
+            load_whole_module(self._lightning.lightning_module, state, strict)  # one tensor at a time
         return None

@@ -1,7 +1,7 @@
 """Whole-model weight files opened lazily: a ``.safetensors`` file, the safetensors shards of a directory
 (``save_pretrained``'s ``model.safetensors.index.json`` and its files, or one ``model.safetensors``), or a
 ``torch.save`` file (a Lightning checkpoint's ``state_dict`` is found) as a read-only mapping that loads one
-tensor per access, for :func:`lightning_zero.core.stage3.loading.load_full_state_dict`.
+tensor per access, for :func:`lightning_zero.core.zero.loading.load_full_state_dict`.
 
 The file-format glue lives here, outside ``core/`` (which imports only torch and the standard
 library): safetensors is imported only when a ``.safetensors`` file is opened.

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any, Protocol
+from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -30,53 +30,38 @@ from lightning_zero.core.comm.deferred import settle_pending
 from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.mesh import Axis
 from lightning_zero.core.reliability.progress_record import RECORD
-from lightning_zero.lightning.mesh_setup import ParallelRun, parallel_dims
-from lightning_zero.lightning.precision import ZeroPrecision
+from lightning_zero.core.settings.tree import ParallelSettings
+from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.lightning.run import ParallelRun
 from lightning_zero.lightning.uneven import JoinedEvalLoader, check_training_batches
-from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.parallel.mesh import parallel_dims
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.step_errors import AGREEMENT_WAIT_S, FirstStepError, StepFailedElsewhere, step_failed
-from lightning_zero.tensor_parallel.config import TensorParallelConfig
 
 
-class StepHost(Protocol):
-    """What :class:`StepDispatch` reads of its strategy (``ZeroStrategy`` is one)."""
-
-    check_step_errors: bool
-    pipeline_config: PipelineConfig | None
-    _nonfinite: NonFiniteGuard
-    sequence_parallel: int
-    tensor_parallel: TensorParallelConfig
-
-    @property
-    def precision_plugin(self) -> ZeroPrecision: ...
-
-    @property
-    def lightning_module(self) -> pl.LightningModule | None: ...
-
-    @property
-    def last_step_skipped(self) -> bool: ...
-
-    @property
-    def lr_scheduler_configs(self) -> list[LRSchedulerConfig]: ...
-
-    @property
-    def global_rank(self) -> int: ...
-
-    @property
-    def num_nodes(self) -> int: ...
-
-    @property
-    def num_processes(self) -> int: ...
+def _plugin(lightning: ParallelStrategy) -> ZeroPrecision:
+    """The strategy's precision plugin as the ``ZeroPrecision`` it is (a stock one converted)."""
+    return to_zero_precision(lightning.precision_plugin)
 
 
 class StepDispatch:
-    """The steps of a :class:`~lightning_zero.ZeroStrategy` (``host``; its engine, stage and groups: ``run``), and
-    the random streams a resumed run continues at its first training step (:meth:`resume_rng`)."""
+    """The steps of a :class:`~lightning_zero.ZeroStrategy`, and the random streams a resumed run continues at its
+    first training step (:meth:`resume_rng`).
 
-    def __init__(self, host: StepHost, run: ParallelRun) -> None:
-        self._host = host
+    Args:
+        lightning: the strategy, for what Lightning keeps on it (the module, the precision plugin, the schedulers,
+            the ranks).
+        run: its engine, stage and groups.
+        check_step_errors: agree after every ``training_step`` on whether one raised (Note [deferred agreement]).
+        nonfinite: the strategy's non-finite gradient guard (``ZeroConfig.nonfinite``).
+    """
+
+    def __init__(self, lightning: ParallelStrategy, run: ParallelRun, *, check_step_errors: bool,
+                 nonfinite: NonFiniteGuard) -> None:
+        self._lightning = lightning
         self._run = run
+        self._check_step_errors = check_step_errors
+        self._nonfinite = nonfinite
         self._pending_rng: dict[str, Any] | None = None  # RNG states of a loaded sharded checkpoint
         self._first_error = FirstStepError(None, 0)  # this fit's first failing rank (start_fit: the store's)
 
@@ -91,7 +76,7 @@ class StepDispatch:
         self._first_error = FirstStepError.for_this_fit()
         if isinstance(optimizer, OneBitAdam) and (why := optimizer.warmup_outlasts(trainer.max_steps)):
             rank_zero_warn(why)
-        if self._host.precision_plugin.scaler is not None:
+        if _plugin(self._lightning).scaler is not None:
             self.guard_lr_schedulers()
 
     def check_train_start(self, trainer: pl.Trainer) -> None:
@@ -113,12 +98,12 @@ class StepDispatch:
             manual optimization (the user calls ``scheduler.step()``; check
             ``strategy.last_step_skipped``) are left alone.
         """
-        host, module = self._host, self._host.lightning_module
+        host, module = self._lightning, self._lightning.lightning_module
         assert module is not None
         original = module.lr_scheduler_step
 
         def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
-            if host.last_step_skipped and any(
+            if _plugin(host).last_step_skipped and any(
                 c.scheduler is scheduler and c.interval == "step" for c in host.lr_scheduler_configs
             ):
                 return None
@@ -132,7 +117,7 @@ class StepDispatch:
             restore_rng(self._pending_rng)
             self._pending_rng = None
         comm = self._run.everyone  # every rank holding part of the model: data x tensor x pipeline x sequence
-        if not self._host.check_step_errors or comm is None or not comm.active:
+        if not self._check_step_errors or comm is None or not comm.active:
             return self._training_step(step, *args, **kwargs)
         broken = RECORD.broken
         try:
@@ -174,10 +159,10 @@ class StepDispatch:
         settle_pending()
 
     def _training_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        host = self._host
+        host = self._lightning
         if self._run.pipeline is None or self._run.engine is None:
             return step(*args, **kwargs)
-        scaler = host.precision_plugin.scaler  # the schedule scales each micro-batch's loss itself
+        scaler = _plugin(host).scaler  # the schedule scales each micro-batch's loss itself
         module = host.lightning_module
         assert module is not None
         # Lightning divides a returned loss by the accumulation count before its backward; the schedule's
@@ -214,37 +199,41 @@ class StepDispatch:
                        model: Any, **kwargs: Any) -> Any:
         """With an engine: the precision plugin's step, its closure followed by the engine's ``before_step`` and the
         non-finite check, then ``after_step``; without one, Lightning's ``step``."""
-        host, engine = self._host, self._run.engine
+        host, engine = self._lightning, self._run.engine
         if engine is None:
             return step(optimizer, closure, model, **kwargs)
+        plugin = _plugin(host)
 
         def checked_closure() -> Any:
             result = closure()
             engine.before_step()
             trainer = host.lightning_module.trainer if host.lightning_module is not None else None
-            host._nonfinite.check(engine, trainer, fp16=host.precision_plugin.scaler is not None)
+            self._nonfinite.check(engine, trainer, fp16=plugin.scaler is not None)
             return result
 
-        output = host.precision_plugin.optimizer_step(optimizer, model=model or host.lightning_module,
-                                                      closure=checked_closure, **kwargs)
+        output = plugin.optimizer_step(optimizer, model=model or host.lightning_module, closure=checked_closure,
+                                       **kwargs)
         engine.after_step()
         return output
 
     # ------------------------------------------------------------------ data
-    def sampler_kwargs(self) -> dict[str, Any] | None:
-        """The sampler's replicas and rank: the data dimension of the mesh only (the ranks of a pipeline, a
-        tensor-parallel or a sequence group see the same samples; Note [rank order]); ``None``: Lightning's
-        (every rank is a data-parallel rank)."""
-        host = self._host
+    def sampler_kwargs(self, parallel: ParallelSettings) -> dict[str, Any] | None:
+        """The sampler's replicas and rank: the data dimension of the mesh only (its ``data_shard``: the ranks of a
+        pipeline, a tensor-parallel or a sequence group see the same samples; Note [rank order]); ``None``:
+        Lightning's (every rank is a data-parallel rank). Before the first setup (a data module's ``setup``) the mesh
+        those sizes will make, ``parallel`` on the launched world."""
+        host, mesh = self._lightning, self._run.mesh
         world = host.num_nodes * host.num_processes
-        dims = parallel_dims(world, host.pipeline_config, host.tensor_parallel, host.sequence_parallel)
-        if dims.data == world:
-            return None
-        return {"num_replicas": dims.data, "rank": dims.coordinates(host.global_rank)[Axis.DATA]}
+        if mesh is not None and mesh.dims.world_size == world:
+            replicas, rank = mesh.data_shard
+        else:
+            dims = parallel_dims(world, parallel)
+            replicas, rank = dims.data, dims.coordinates(host.global_rank)[Axis.DATA]
+        return None if replicas == world else {"num_replicas": replicas, "rank": rank}
 
     def evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``step``: Lightning's ``validation_step`` / ``test_step`` / ``predict_step`` of the strategy."""
-        host = self._host
+        host = self._lightning
         if self._run.pipeline is not None:
             assert host.lightning_module is not None
             stage = {"validation_step": "val", "test_step": "test"}.get(step.__name__, "predict")
@@ -256,7 +245,7 @@ class StepDispatch:
                 self._run.engine.end_forward_only()  # stage 3: free what the step gathered
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        host = self._host
+        host = self._lightning
         engine, module = self._run.engine, host.lightning_module
         trainer = module.trainer if module is not None else None
         evaluating = trainer is not None and trainer.state.stage not in (None, RunningStage.TRAINING)
@@ -267,7 +256,7 @@ class StepDispatch:
 
     def _batches_drawn_from(self, loader: Any) -> float:
         """How many batches the running evaluation loop draws from ``loader`` (limits applied)."""
-        module = self._host.lightning_module
+        module = self._lightning.lightning_module
         assert module is not None
         loop = module.trainer._evaluation_loop
         for dl, limit in zip(loop._combined_loader.flattened, loop.max_batches):

@@ -1,10 +1,11 @@
 """``ZeroStrategy``: DeepSpeed-style ZeRO as a Lightning strategy, on plain torch.distributed.
 
 The strategy is thin glue: process groups and launchers come from Lightning's DDP machinery, its arguments are
-checked into typed settings (``compose.strategy_options``), and all partitioning lives in :mod:`lightning_zero.core`,
-which it drives through its parts (``mesh_setup.ParallelRun``, ``steps.StepDispatch``, ``state.StrategyCheckpointing``):
+the settings tree (``settings``, translated by ``arguments.py``: Note [one settings tree]), and all partitioning lives
+in :mod:`lightning_zero.core`, which it drives through its parts (``run.ParallelRun``, ``steps.StepDispatch``,
+``state.StrategyCheckpointing``), each given the settings and collaborators it needs explicitly:
 
-    setup            -> ZeroEngine(module, optimizer)       flat buffers, hooks, broadcast (compose.py)
+    setup            -> ZeroEngine(module, optimizer)       flat buffers, hooks, broadcast (parallel/)
     block_backward_sync (non-boundary micro-steps) -> engine.no_sync()
     backward         -> loss.backward(); engine.finish_backward()
     clip (precision plugin) -> engine.clip_grad_norm_()     global norm over shards
@@ -19,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -35,29 +37,44 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.offload.config import OffloadConfig
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.common.choices import CheckpointFormat
+from lightning_zero.core.common.memory import ModelStateBytes
+from lightning_zero.core.settings.expert import ExpertParallelConfig
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.pipeline import PipelineConfig
+from lightning_zero.core.settings.precision import LossScalerConfig
+from lightning_zero.core.settings.rules import check_settings
+from lightning_zero.core.settings.tensor import TensorParallelConfig
+from lightning_zero.core.settings.tree import Settings
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
-from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
-from lightning_zero.core.zero.memory import ModelStateBytes
-from lightning_zero.lightning.compose import only_optimizer, strategy_options
-from lightning_zero.lightning.mesh_setup import ParallelRun
+from lightning_zero.lightning.arguments import KEYWORDS, strategy_arguments
 from lightning_zero.lightning.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.registry import register_zero_strategies
+from lightning_zero.lightning.run import ParallelRun
 from lightning_zero.lightning.sharded_build import hidden_from_teardown, sharded_build_context
 from lightning_zero.lightning.state import StrategyCheckpointing, called_by_checkpoint_dump
 from lightning_zero.lightning.steps import StepDispatch
-from lightning_zero.moe.config import ExpertParallelConfig
 from lightning_zero.observability.callbacks import add_monitor
 from lightning_zero.observability.monitoring import ProfilerWindow
-from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.parallel.expert import expert_settings
 from lightning_zero.reliability.hang_watchdog import HangWatchdog, RecordedCollectives, add_hang_watchdog
 from lightning_zero.reliability.nonfinite_guard import NonFiniteGuard
 from lightning_zero.reliability.setup_agreement import setup_settings
-from lightning_zero.tensor_parallel.config import TensorParallelConfig
 
 log = logging.getLogger(__name__)
+
+
+def only_optimizer(optimizers: list[Optimizer]) -> Optimizer:
+    """The one optimizer of Lightning's ``configure_optimizers``, refused unless it made exactly one (ZeRO shards
+    one optimizer's state)."""
+    if len(optimizers) != 1:
+        raise NotImplementedError(
+            f"ZeroStrategy supports exactly one optimizer, got {len(optimizers)}. Put several "
+            "parameter sets in param groups of one optimizer."
+        )
+    return optimizers[0]
 
 
 class ZeroStrategy(DDPStrategy):
@@ -65,6 +82,10 @@ class ZeroStrategy(DDPStrategy):
 
     Args:
         stage: 0 (DDP-like), 1 (optimizer state and fp32 master partitioned), 2 (+ gradients), 3 (+ parameters).
+        settings: the whole settings tree (:class:`~lightning_zero.core.settings.Settings`: ZeRO, offload, parallel
+            sizes, precision, checkpoint format) instead of the arguments that make it (``stage``, ``config``,
+            ``precision``, ``loss_scaler``, ``checkpoint_format``, ``pipeline``, the offload arguments,
+            ``tensor_parallel``, ``sequence_parallel``, ``zero_options``): the Hydra and DeepSpeed routes pass it.
         config: a full :class:`~lightning_zero.ZeroConfig`; overrides ``stage`` and ``zero_options``.
         precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or a ``ZeroPrecision``, over the
             Trainer's (on CPU Lightning turns ``"16-mixed"`` into ``"bf16-mixed"``: pass fp16 here).
@@ -105,6 +126,7 @@ class ZeroStrategy(DDPStrategy):
         self,
         stage: int = 2,
         *,
+        settings: Settings | None = None,
         config: ZeroConfig | None = None,
         precision: str | ZeroPrecision | None = None,
         loss_scaler: LossScalerConfig | None = None,
@@ -132,34 +154,74 @@ class ZeroStrategy(DDPStrategy):
         resolved_config: dict[str, Any] | None = None,
         **zero_options: Any,
     ) -> None:
-        opts = strategy_options(  # every argument checked before any process starts
-            stage, zero_options, config=config, precision=precision, loss_scaler=loss_scaler,
-            precision_plugin=precision_plugin, checkpoint_format=checkpoint_format, monitor=monitor, profiler=profiler,
-            pipeline=pipeline, offload=offload, offload_optimizer=offload_optimizer, offload_param=offload_param,
-            nvme_path=nvme_path, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-            expert_parallel=expert_parallel,
+        args = strategy_arguments(  # every argument checked before any process starts
+            stage, zero_options, settings=settings, config=config, precision=precision, loss_scaler=loss_scaler,
+            precision_plugin=precision_plugin, checkpoint_format=checkpoint_format, pipeline=pipeline,
+            offload=offload, offload_optimizer=offload_optimizer, offload_param=offload_param, nvme_path=nvme_path,
+            tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
         )
+        if profiler and not monitor:
+            raise ValueError("`profiler` runs inside the monitor: drop `monitor=False`, or the profiler.")
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=opts.precision_plugin,
-            process_group_backend=process_group_backend, timeout=timedelta(seconds=opts.zero_config.timeout_s),
+            checkpoint_io=checkpoint_io, precision_plugin=args.precision_plugin,
+            process_group_backend=process_group_backend, timeout=timedelta(seconds=args.settings.zero.timeout_s),
             start_method=start_method,  # type: ignore[arg-type]
         )
-        self.zero_config, self.offload, self.pipeline_config = opts.zero_config, opts.offload, opts.pipeline_config
-        self.tensor_parallel, self.sequence_parallel = opts.tensor_parallel, opts.sequence_parallel
-        self.expert_parallel = opts.expert_parallel
-        self.checkpoint_format, self.monitor, self.profiler = opts.checkpoint_format, opts.monitor, opts.profiler
+        self.settings: Settings = args.settings  # the settings tree (Note [one settings tree]); a new one replaces it
+        self.monitor, self.profiler = monitor, ProfilerWindow() if profiler is True else (profiler or None)
         self.check_step_errors, self.param_init_fn = check_step_errors, param_init_fn
         self.gather_on_teardown = gather_on_teardown
         self.resolved_config: dict[str, Any] | None = resolved_config  # compared across ranks at setup
-        self._fixed_precision = opts.precision_plugin is not None  # it wins over the Trainer's
+        self._fixed_precision = args.precision_plugin is not None  # it wins over the Trainer's
         self._hang: HangWatchdog | None = None  # this rank's heartbeat (core/reliability/heartbeat.py)
-        self._nonfinite = NonFiniteGuard(self.zero_config.nonfinite)
-        self._run = ParallelRun(self)  # the mesh, and the engine and stage setup composes on it (mesh_setup.py)
-        self._steps = StepDispatch(self, self._run)  # how each Lightning step runs (steps.py)
-        self._checkpointing = StrategyCheckpointing(self, self._run)  # state dicts and checkpoint files (state.py)
+        self._nonfinite = NonFiniteGuard(self.settings.zero.nonfinite)
+        self._run = ParallelRun()  # the mesh, and what each setup parallelizes on it (run.py)
+        # how each Lightning step runs (steps.py)
+        self._steps = StepDispatch(self, self._run, check_step_errors=check_step_errors, nonfinite=self._nonfinite)
+        self._checkpointing = StrategyCheckpointing(self, self._run, self._steps)  # state dicts, files (state.py)
         # Lightning's own collectives (and the end of training) settle another rank's step error first
         self._collectives = RecordedCollectives(settle=self._steps.settle_step_errors)
+
+    # ------------------------------------------------------------------ the settings tree's nodes, read-only
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The ZeRO node of :attr:`settings`."""
+        return self.settings.zero
+
+    @property
+    def offload(self) -> OffloadConfig:
+        """The offload node of :attr:`settings`."""
+        return self.settings.offload
+
+    @property
+    def pipeline_config(self) -> PipelineConfig | None:
+        """The pipeline of :attr:`settings` (``None``: not split)."""
+        return self.settings.parallel.pipeline
+
+    @property
+    def tensor_parallel(self) -> TensorParallelConfig:
+        """The tensor-parallel node of :attr:`settings`."""
+        return self.settings.parallel.tensor
+
+    @property
+    def sequence_parallel(self) -> int:
+        """Ranks per sequence group (:attr:`settings`)."""
+        return self.settings.parallel.sequence
+
+    @property
+    def expert_parallel(self) -> ExpertParallelConfig | None:
+        """The expert-parallel node of :attr:`settings` (``None``: the MoE layers' ``ep_size``, else off)."""
+        return self.settings.parallel.expert
+
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:
+        """How checkpoints are saved (:attr:`settings`); assigning one replaces the settings tree's value."""
+        return self.settings.checkpoint_format
+
+    @checkpoint_format.setter
+    def checkpoint_format(self, value: str | CheckpointFormat) -> None:
+        self.settings = check_settings(replace(self.settings, checkpoint_format=value), KEYWORDS)
 
     # ------------------------------------------------------------------ read-outs (state.py and the engine)
     @property
@@ -218,6 +280,12 @@ class ZeroStrategy(DDPStrategy):
         """The running engine's collectives, timed by the monitor (Note [the monitor reads a view, not the engine])."""
         return self.engine.comm if self.engine is not None else None
 
+    def layout(self) -> dict[str, int]:
+        """What ran: the sizes of the mesh's dimensions (``world_size``, ``data``, ``pipeline``, ``tensor``,
+        ``sequence``) and how many modules the tensor-parallel plan split (``tensor_split_modules``); empty before
+        the first setup. ``lightning-zero train`` writes it into ``result.json``."""
+        return self._run.layout()
+
     @property
     def pipelined(self) -> bool:
         """Whether the module is split into pipeline stages."""
@@ -237,12 +305,12 @@ class ZeroStrategy(DDPStrategy):
         """The module's whole state dict, at every stage and checkpoint format (a collective: call it on every
         rank). Only Lightning's own checkpoint dump of a sharded save gets ``{}`` (Note [state dicts for the
         strategy's own save] in state.py)."""
-        return self._checkpointing.lightning_module_state_dict(super().lightning_module_state_dict,
+        return self._checkpointing.lightning_module_state_dict(self.settings, super().lightning_module_state_dict,
                                                                called_by_checkpoint_dump())
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self._checkpointing.optimizer_state(optimizer, called_by_checkpoint_dump())
+        return self._checkpointing.optimizer_state(self.settings, optimizer, called_by_checkpoint_dump())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -250,7 +318,8 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self._checkpointing.save_checkpoint(checkpoint, filepath, storage_options, super().save_checkpoint)
+        self._checkpointing.save_checkpoint(self.settings, checkpoint, filepath, storage_options,
+                                            super().save_checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -258,12 +327,13 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._checkpointing.load_checkpoint(checkpoint_path, weights_only, super().load_checkpoint)
+        return self._checkpointing.load_checkpoint(self.settings, checkpoint_path, weights_only,
+                                                   super().load_checkpoint)
 
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        return self._checkpointing.restore_checkpoint_after_setup
+        return self._checkpointing.restore_checkpoint_after_setup(self.settings)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -297,12 +367,20 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self._run.open_mesh()
-        self._hang = add_hang_watchdog(trainer, self.zero_config.hang_timeout_s)
+        # the expert size the module's MoE layers ask for, when the strategy sets none (Note [expert parallel in
+        # the strategy]): this setup's tree; the strategy's own stays as it was given
+        settings = expert_settings(self.settings, self.lightning_module, KEYWORDS)
+        self._run.open_mesh(settings)
+        self._hang = add_hang_watchdog(trainer, settings.zero.hang_timeout_s)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             add_monitor(trainer, self.monitor, self.profiler)
-        self._run.compose((lambda: self._the_optimizer(trainer)) if fitting else None, setup_settings(self, trainer))
+        self._run.setup(
+            self.lightning_module, settings, self.precision_plugin, self.root_device,
+            make_optimizer=(lambda: self._the_optimizer(trainer)) if fitting else None,
+            agreed=setup_settings(settings, self.precision_plugin, self.resolved_config, trainer),
+            param_init_fn=self.param_init_fn,
+        )
         if fitting:
             self._steps.start_fit(trainer, self.optimizers[0])
         self.setup_precision_plugin()
@@ -315,7 +393,7 @@ class ZeroStrategy(DDPStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with sharded_build_context(self.zero_config, self.pipeline_config):
+        with sharded_build_context(self.settings.zero, self.settings.parallel.pipeline):
             yield
 
     @override
@@ -362,7 +440,7 @@ class ZeroStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self._steps.sampler_kwargs() or super().distributed_sampler_kwargs
+        return self._steps.sampler_kwargs(self.settings.parallel) or super().distributed_sampler_kwargs
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -392,7 +470,7 @@ class ZeroStrategy(DDPStrategy):
         trainer = module.trainer if module is not None else None
         failed = trainer is None or trainer.state.status == TrainerStatus.INTERRUPTED
         try:
-            self._run.release(failed)
+            self._run.release(module, self.optimizers, self.precision_plugin, failed, self.gather_on_teardown)
             if hidden_from_teardown(module):  # Lightning's teardown moves the module: nothing of it exists to move
                 self._lightning_module = None
             super().teardown()

@@ -7,7 +7,7 @@ DeepSpeed's ``MoE``), ``hf`` (Hugging Face MoE models from their ``base_model_ep
 statistics), ``config`` (``ExpertParallelConfig``).
 """
 
-from lightning_zero.moe.config import ExpertParallelConfig
+from lightning_zero.core.settings.expert import ExpertParallelConfig
 from lightning_zero.moe.dispatch import ExpertGroup, dispatch_and_combine
 from lightning_zero.moe.experts import ExpertSplit, GroupedMLPExperts, StackedExperts, expert_split_of
 from lightning_zero.moe.grouped import GroupedKernel, expert_mlp, grouped_matmul

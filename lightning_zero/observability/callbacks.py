@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -393,14 +392,3 @@ def _micro_batch_loss(outputs: Any, trainer: pl.Trainer, pl_module: pl.Lightning
         return None
     loss = loss.detach().float().reshape(())
     return loss * trainer.accumulate_grad_batches if pl_module.automatic_optimization else loss
-
-
-def __getattr__(name: str) -> object:
-    if name == "ZeroModelSummary":  # moved in issue 30's file-size split
-        warnings.warn("lightning_zero.observability.callbacks.ZeroModelSummary moved to "
-                      "lightning_zero.observability.model_summary; import from there (or from lightning_zero."
-                      "observability); this path goes away in the next release", DeprecationWarning, stacklevel=2)
-        from lightning_zero.observability.model_summary import ZeroModelSummary
-
-        return ZeroModelSummary
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

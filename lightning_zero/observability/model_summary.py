@@ -11,8 +11,8 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 from typing_extensions import override
 
+from lightning_zero.checkpoint.slices import split_dim
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.layers import split_dim
 
 
 def per_rank_note(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:

@@ -16,7 +16,7 @@ from typing import Protocol, cast, runtime_checkable
 import lightning.pytorch as pl
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.zero.memory import ModelStateBytes
+from lightning_zero.core.common.memory import ModelStateBytes
 
 
 @runtime_checkable

@@ -9,6 +9,6 @@ here: it is what users and the configs import; the other pieces import the strat
 through ``lightning``.
 """
 
-from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.core.settings.pipeline import PipelineConfig
 
 __all__ = ["PipelineConfig"]

@@ -23,12 +23,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_zero.core.common.uninitialized import is_uninitialized, mark_initialized
 from lightning_zero.core.stage3.materialize import (
     ParamInitFn,
     has_meta_parameters,
     initialize_modules,
-    is_uninitialized,
-    mark_initialized,
     replace_meta_parameters,
 )
 

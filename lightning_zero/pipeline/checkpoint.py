@@ -61,11 +61,10 @@ class PipelineCheckpoint:
 
     def _from_owner(self, value: Tensor | None, p: nn.Parameter, dtype: torch.dtype) -> Tensor:
         owner = self.local.owner_stage[p]
-        buf = value.detach().to(dtype).clone() if value is not None and owner == self.groups.mesh.stage else (
+        buf = value.detach().to(dtype).clone() if value is not None and owner == self.groups.stage else (
             torch.empty(p.shape, dtype=dtype, device=p.device))
-        if self.groups.mesh.stages > 1:
-            src = self.groups.mesh.global_rank(owner, self.groups.mesh.dp_rank)
-            dist.broadcast(buf, src=src, group=self.groups.pp)
+        if self.groups.stages > 1:
+            dist.broadcast(buf, src=self.groups.peer(owner), group=self.groups.pp)
         return buf
 
     @torch.no_grad()
@@ -98,12 +97,12 @@ class PipelineCheckpoint:
         if engine.sharded is not None:
             restricted = _numbering(engine.sharded.original_params)
         by_id = {i: p for p, i in restricted.items()}
-        stage = self.groups.mesh.stage
+        stage = self.groups.stage
         own = {self.original[by_id[int(i)]]: s for i, s in mine["state"].items()
                if self.local.owner_stage[by_id[int(i)]] == stage}
         parts: list[Any] = [own]
-        if self.groups.mesh.stages > 1:
-            parts = [None] * self.groups.mesh.stages
+        if self.groups.stages > 1:
+            parts = [None] * self.groups.stages
             dist.all_gather_object(parts, own, group=self.groups.pp)
         state = {i: s for part in parts for i, s in part.items()}
         param_groups = [{**{k: v for k, v in saved.items() if k != "params"},
@@ -114,27 +113,28 @@ class PipelineCheckpoint:
     def sharded_parts(self, engine: ZeroEngine, module: nn.Module) -> tuple[StageLayout, Any]:
         """This stage's place in a sharded checkpoint and the merge of the stages' metadata
         (Note [pipelined shards]); one collective over the pipeline group (the stages' group counts)."""
-        mesh = self.groups.mesh
+        groups, stage = self.groups, self.groups.stage
         counts = [len(engine.all_groups)]
-        if mesh.stages > 1:
-            counts = [0] * mesh.stages
+        if groups.stages > 1:
+            counts = [0] * groups.stages
             dist.all_gather_object(counts, len(engine.all_groups), group=self.groups.pp)
+        zero_ranks = groups.mesh.ranks(*groups.mesh.dims.zero_axes)  # this stage's ZeRO group: its shard files
         whole = {}
-        if mesh.rank == 0:  # the unsplit module's buffers, as the consolidated format writes them
+        if groups.mesh.rank == 0:  # the unsplit module's buffers, as the consolidated format writes them
             whole = {k: v for k, v in module.state_dict(keep_vars=True).items() if not isinstance(v, nn.Parameter)}
         layout = StageLayout(
-            group_offset=sum(counts[: mesh.stage]), file_of=lambda dp: mesh.global_rank(mesh.stage, dp),
+            group_offset=sum(counts[:stage]), file_of=lambda dp: zero_ranks[dp],
             key_of=self.local.unsplit, index_of=self.original,
-            owns=lambda p: self.local.owner_stage.get(p) == mesh.stage, param_groups=self.original_groups,
+            owns=lambda p: self.local.owner_stage.get(p) == stage, param_groups=self.original_groups,
             whole=whole,
         )
 
         def merge(meta: dict[str, Any] | None) -> dict[str, Any] | None:
             parts: list[Any] = [meta]
-            if mesh.stages > 1:
-                parts = [None] * mesh.stages
+            if groups.stages > 1:
+                parts = [None] * groups.stages
                 dist.all_gather_object(parts, meta, group=self.groups.pp)
-            if mesh.rank != 0:
+            if groups.mesh.rank != 0:
                 return None
             missing = [stage for stage, part in enumerate(parts) if part is None]
             if missing:

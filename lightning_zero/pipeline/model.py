@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.core.settings.pipeline import PipelineConfig
 from lightning_zero.pipeline.partition import layer_weights, partition
 
 PROTOCOL_HELP = (

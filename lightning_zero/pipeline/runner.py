@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from lightning_zero.core.common.choices import PipeSchedule
 from lightning_zero.core.reliability.progress_record import RECORD
-from lightning_zero.pipeline.config import PipelineConfig
+from lightning_zero.core.settings.pipeline import PipelineConfig
 from lightning_zero.pipeline.mesh import PipelineGroups
 from lightning_zero.pipeline.model import LocalModel
 
@@ -55,15 +56,15 @@ class PipelineRunner:
         # reduce_per_micro_batch: called before and after each micro-batch's backward of a local chunk
         self.around_backward: tuple[Callable[[], None], Callable[[], None]] | None = None
         self._schedules: dict[tuple[Any, ...], Any] = {}
-        self.last_rank = groups.mesh.global_rank(config.stages - 1, groups.mesh.dp_rank)
+        self.last_rank = groups.peer(config.stages - 1)
 
     @property
     def is_first(self) -> bool:
-        return self.groups.mesh.stage == 0
+        return self.groups.stage == 0
 
     @property
     def is_last(self) -> bool:
-        return self.groups.mesh.stage == self.config.stages - 1
+        return self.groups.stage == self.config.stages - 1
 
     def _scaled_loss(self, micro_batches: int) -> Callable[[Any, Any], torch.Tensor]:
         def loss(output: Any, target: Any) -> torch.Tensor:
@@ -81,10 +82,10 @@ class PipelineRunner:
         for stage in stages:
             stage.backward_one_chunk = self._bracketed(stage.backward_one_chunk)  # type: ignore[method-assign]
         loss = self._scaled_loss(micro_batches) if with_loss else None  # predict: outputs only
-        if self.config.schedule == "interleaved_1f1b":
+        if self.config.schedule is PipeSchedule.INTERLEAVED_1F1B:
             schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss, scale_grads=False)
         else:
-            cls = Schedule1F1B if self.config.schedule == "1f1b" and training else ScheduleGPipe
+            cls = Schedule1F1B if self.config.schedule is PipeSchedule.ONE_F_ONE_B and training else ScheduleGPipe
             schedule = cls(stages[0], micro_batches, loss_fn=loss, scale_grads=False)
         self._schedules[full_key] = schedule
         return schedule
@@ -136,7 +137,7 @@ class PipelineRunner:
         merged over micro-batches) is broadcast to every rank of the pipeline."""
         size = _batch_size(inputs)
         m = max(d for d in range(1, self.config.micro_batches + 1) if size % d == 0)
-        if self.config.schedule == "interleaved_1f1b" and m % self.config.stages:
+        if self.config.schedule is PipeSchedule.INTERLEAVED_1F1B and m % self.config.stages:
             raise ValueError(f"An evaluation batch of {size} samples does not split into a multiple of "
                              f"stages={self.config.stages} micro-batches, which the interleaved schedule needs. "
                              "Fix: an evaluation batch size that is a multiple of micro_batches.")
@@ -192,7 +193,7 @@ class PipelineRunner:
         """The share of ``param``'s norm terms this rank leaves out: all of a tied parameter's whose gradient
         another stage owns, so that it counts once in the global norm (Note [counting a parameter once] in
         core/zero/engine_step.py); nothing of the others."""
-        return 0.0 if self.local.owner_stage.get(param, self.groups.mesh.stage) == self.groups.mesh.stage else 1.0
+        return 0.0 if self.local.owner_stage.get(param, self.groups.stage) == self.groups.stage else 1.0
 
 
 def _batch_size(inputs: Any) -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from lightning_zero.core.errors import UsageError
+from lightning_zero.core.common.errors import UsageError
 from lightning_zero.project.targets import TargetNode
 
 PROJECT_ENV = "LIGHTNING_ZERO_PROJECT_DIR"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_zero.core.common.choices import NonFinitePolicy
 from lightning_zero.core.precision.nonfinite import NonFiniteGradientError
-from lightning_zero.core.zero.config import NonFinitePolicy
 from lightning_zero.core.zero.engine import ZeroEngine
 
 

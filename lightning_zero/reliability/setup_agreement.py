@@ -1,38 +1,29 @@
 """The settings ``ZeroStrategy`` asks the ranks to agree on at setup, besides the model itself
-(compared by one hash before the first collective: Note [setup agreement] in core/reliability/agreement.py)."""
+(compared by one hash before the first collective: Note [setup agreement] in core/comm/agreement.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
 
+from lightning_zero.core.settings.tree import Settings
+
 PER_NODE = frozenset({"trainer.node_rank", "trainer.rdzv_endpoint"})  # config keys that differ between nodes
 
 
-class AgreedSettings(Protocol):
-    """What :func:`setup_settings` reads of the strategy."""
-
-    @property
-    def zero_config(self) -> object: ...
-
-    @property
-    def precision_plugin(self) -> Precision: ...
-
-    @property
-    def resolved_config(self) -> Mapping[str, Any] | None: ...
-
-
-def setup_settings(strategy: AgreedSettings, trainer: pl.Trainer) -> dict[str, str]:
-    """What must agree across ranks besides the model (Note [setup agreement] in core/reliability/agreement.py):
-    the ZeRO config, precision, the Trainer's step settings and the resolved config the CLI ran."""
-    out = {f"zero.{k}": repr(v) for k, v in vars(strategy.zero_config).items()}
-    out["precision"] = str(strategy.precision_plugin.precision)
+def setup_settings(settings: Settings, precision: Precision, resolved_config: Mapping[str, Any] | None,
+                   trainer: pl.Trainer) -> dict[str, str]:
+    """What must agree across ranks besides the model (Note [setup agreement] in core/comm/agreement.py):
+    the ZeRO node of ``settings``, the ``precision`` plugin's mode, the Trainer's step settings and the resolved
+    config the CLI ran."""
+    out = {f"zero.{k}": repr(v) for k, v in vars(settings.zero).items()}
+    out["precision"] = str(precision.precision)
     for key in ("accumulate_grad_batches", "gradient_clip_val", "max_steps", "max_epochs"):
         out[f"trainer.{key}"] = repr(getattr(trainer, key, None))
-    out.update({f"config.{k}": v for k, v in _flat(strategy.resolved_config or {}).items() if k not in PER_NODE})
+    out.update({f"config.{k}": v for k, v in _flat(resolved_config or {}).items() if k not in PER_NODE})
     return out
 
 

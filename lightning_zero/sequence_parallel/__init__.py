@@ -3,15 +3,14 @@ all-to-all around attention swapping the sequence split for a head split (docs/s
 
 Public pieces: ``scatter_heads`` / ``gather_heads`` (the differentiable all-to-alls, ``all_to_all``),
 ``SequenceGroup`` (a rank's slice, positions, attention and token-weighted loss, ``group``),
-``DistributedAttention`` (any attention wrapped, ``attention``), ``check_sequence_parallel`` (the refusals,
-``checks``) and ``StrategySequenceParallel`` (the strategy's sequence dimension, ``lightning``).
+``DistributedAttention`` (any attention wrapped, ``attention``) and ``check_sequence_parallel`` (the refusals,
+``checks``). Applied to a module by the strategy in ``lightning_zero/parallel/sequence.py``.
 """
 
 from lightning_zero.sequence_parallel.all_to_all import Traffic, gather_heads, scatter_heads
 from lightning_zero.sequence_parallel.attention import DistributedAttention
 from lightning_zero.sequence_parallel.checks import check_sequence_parallel
 from lightning_zero.sequence_parallel.group import SequenceGroup
-from lightning_zero.sequence_parallel.lightning import StrategySequenceParallel
 
-__all__ = ["DistributedAttention", "SequenceGroup", "StrategySequenceParallel", "Traffic",
+__all__ = ["DistributedAttention", "SequenceGroup", "Traffic",
            "check_sequence_parallel", "gather_heads", "scatter_heads"]

@@ -1,18 +1,12 @@
-"""The sequence-parallel settings refused before any rank starts, each with the fix."""
+"""The sequence-parallel size against what a run splits (the world, the model's heads, the data's length), refused
+before any rank starts where it can be, each with the fix. Its combinations with the other parallel sizes are rules
+of the settings tree (``core/settings/rules.py``)."""
 
 from __future__ import annotations
 
-NOT_BUILT = {
-    "pipeline": "sequence parallel inside pipeline stages is not built (the stages would pass sequence slices "
-                "between them and the schedule's loss is not the token-weighted one): use pipeline=none with "
-                "sequence_parallel, or pipeline stages without it",
-    "tensor": "sequence parallel with tensor parallel is not built (both split the heads: the all-to-all would "
-              "have to run inside each tensor-parallel group): use one of them",
-}
-
 
 def check_sequence_parallel(size: int, *, world_size: int | None = None, heads: int | None = None,
-                            seq_len: int | None = None, pipeline: int = 1, tensor: int = 1) -> None:
+                            seq_len: int | None = None) -> None:
     """Raise ``ValueError`` naming the fix when ``size`` cannot split this run (what is known is checked).
 
     Args:
@@ -20,16 +14,11 @@ def check_sequence_parallel(size: int, *, world_size: int | None = None, heads: 
         world_size: all ranks (devices x nodes): must be a multiple of ``size``.
         heads: attention heads of the model: divisible by ``size`` (each rank attends with ``heads / size``).
         seq_len: tokens per sample: divisible by ``size`` (each rank holds ``seq_len / size``).
-        pipeline, tensor: the other model-parallel sizes; above 1 they are refused (:data:`NOT_BUILT`).
     """
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"sequence_parallel must be a positive integer, got {size!r}")
     if size == 1:
         return
-    if pipeline > 1:
-        raise ValueError(f"sequence_parallel={size} with {pipeline} pipeline stages: {NOT_BUILT['pipeline']}")
-    if tensor > 1:
-        raise ValueError(f"sequence_parallel={size} with tensor parallel {tensor}: {NOT_BUILT['tensor']}")
     if world_size is not None and world_size % size:
         raise ValueError(f"sequence_parallel={size} does not divide the {world_size} ranks: launch a multiple of "
                          f"{size} ranks (trainer.devices x trainer.num_nodes), or choose a size dividing {world_size}")

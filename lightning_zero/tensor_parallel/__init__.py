@@ -7,9 +7,10 @@ on split activations), ``plan`` (finding, checking and applying a plan), ``light
 mesh, norm, sampler, refusals).
 """
 
+from lightning_zero.checkpoint.slices import split_dim
+from lightning_zero.core.settings.tensor import TensorParallelConfig
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.config import TensorParallelConfig
-from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, split_dim
+from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_zero.tensor_parallel.styles import Colwise, Replicate, ReplicateGradSum, Rowwise, VocabEmbedding
 from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 

@@ -23,12 +23,12 @@ from torch import Tensor, nn
 from lightning_zero.checkpoint.collect import StageLayout
 from lightning_zero.checkpoint.layout import FORMAT_VERSION, TensorParallelRecord
 from lightning_zero.checkpoint.plain import CheckpointError
-from lightning_zero.checkpoint.slices import CutOnRead, parts_ref
+from lightning_zero.checkpoint.slices import CutOnRead, SplitTag, parts_ref, split_of
 from lightning_zero.core.comm.deferred import strategy_collective
 from lightning_zero.core.mesh.dims import Axis, ParallelDims
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.layers import SplitTag, slice_tensor, split_of, unslice_tensors
+from lightning_zero.tensor_parallel.layers import slice_tensor, unslice_tensors
 
 Merge = Callable[[dict[str, Any] | None], dict[str, Any] | None]
 

@@ -4,9 +4,11 @@ Note [split tags]
     A parameter split across the tensor-parallel ranks carries ``tp_split_dim`` (the dimension of the
     unsplit weight it was cut along) and ``tp_chunks`` (how many fused blocks, e.g. 3 for a fused
     q/k/v projection, each cut separately so that whole heads stay together); a replicated parameter
-    has no tag. The tags are ordinary attributes of a plain ``nn.Parameter``: ZeRO's flat buffers lay
+    has no tag. The tag (``SplitTag``, written by ``tag_split``, read by ``split_of``) is defined beside the
+    checkpoint's slice references in ``checkpoint/slices.py``, which reads it too and sits below this folder.
+    The tags are ordinary attributes of a plain ``nn.Parameter``: ZeRO's flat buffers lay
     out the local slices like any other tensor, and the gradient norm counts an untagged parameter
-    once over its TP group (``tensor_parallel/lightning.py``, Note [norm over tensor x data]).
+    once over its TP group (``parallel/tensor.py``, Note [norm over tensor x data]).
 
 Layers are built from an existing, initialised ``nn.Linear`` by slicing its weights
 (:func:`slice_param`), so one seed gives the same model whatever the tensor-parallel size.
@@ -14,12 +16,11 @@ Layers are built from an existing, initialised ``nn.Linear`` by slicing its weig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_zero.checkpoint.slices import SplitTag, tag_split
 from lightning_zero.tensor_parallel.collectives import (
     TPGroup,
     copy_to_tp,
@@ -30,34 +31,6 @@ from lightning_zero.tensor_parallel.collectives import (
 
 # id(whole param) -> (the whole param, kept alive so that its id is not reused; (dim, chunks); its slice)
 SliceMemo = dict[int, tuple[nn.Parameter, tuple[int, int], nn.Parameter]]
-
-
-def split_dim(param: torch.Tensor) -> int | None:
-    """The dimension ``param`` was split along, or ``None`` when it is replicated (Note [split tags])."""
-    return getattr(param, "tp_split_dim", None)
-
-
-@dataclass(frozen=True)
-class SplitTag:
-    """How a split parameter was cut (Note [split tags]): ``chunks`` blocks along ``dim``, each cut into ``size``
-    parts, this one the ``rank``-th part of every block."""
-
-    dim: int
-    chunks: int
-    size: int
-    rank: int
-
-    def whole_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
-        """The unsplit tensor's shape, from a slice's."""
-        return tuple(n * self.size if i == self.dim else n for i, n in enumerate(local))
-
-
-def split_of(param: torch.Tensor) -> SplitTag | None:
-    """The whole tag of a split parameter, or ``None`` when it is replicated."""
-    dim = split_dim(param)
-    if dim is None:
-        return None
-    return SplitTag(dim, param.tp_chunks, param.tp_size, param.tp_rank)  # type: ignore[attr-defined]
 
 
 def slice_tensor(whole: torch.Tensor, tag: SplitTag) -> torch.Tensor:
@@ -116,10 +89,7 @@ def slice_param(param: nn.Parameter, dim: int, chunks: int, tp: TPGroup, memo: S
         raise ValueError(f"{name}: dimension {dim} of size {size} does not split into {chunks} block(s) x "
                          f"{tp.size} tensor-parallel ranks: choose a tensor-parallel size dividing {size // chunks}")
     out = nn.Parameter(slice_local(param, dim, chunks, tp), requires_grad=param.requires_grad)
-    out.tp_split_dim = dim  # type: ignore[attr-defined]
-    out.tp_chunks = chunks  # type: ignore[attr-defined]
-    out.tp_size = tp.size  # type: ignore[attr-defined]
-    out.tp_rank = tp.rank  # type: ignore[attr-defined]
+    tag_split(out, SplitTag(dim, chunks, tp.size, tp.rank))
     memo[id(param)] = (param, key, out)
     return out
 

@@ -23,13 +23,12 @@ from torch import nn
 from lightning_zero.checkpoint.collect import StageLayout
 from lightning_zero.checkpoint.layout import FORMAT_VERSION, TensorParallelRecord
 from lightning_zero.checkpoint.plain import CheckpointError
-from lightning_zero.checkpoint.slices import parts_ref
+from lightning_zero.checkpoint.slices import parts_ref, split_of
 from lightning_zero.core.comm.deferred import strategy_collective
 from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
 from lightning_zero.tensor_parallel.checkpoint import Merge, TensorParallelCheckpoint
-from lightning_zero.tensor_parallel.layers import split_of
 
 Split = dict[str, tuple[int, int, list[int]]]  # key or optimizer index -> (dim, chunks, whole shape)
 

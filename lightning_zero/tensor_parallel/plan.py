@@ -34,11 +34,11 @@ from typing import Any
 
 from torch import nn
 
-from lightning_zero.core.errors import UsageError
+from lightning_zero.core.common.errors import UsageError
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
 from lightning_zero.tensor_parallel.regions import sum_grads_over_tp, watch_replicated_grads
-from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG
+from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG, split_hf_attention
 from lightning_zero.tensor_parallel.styles import (
     Colwise,
     Replicate,
@@ -232,6 +232,8 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         split.append(name)
     _retie(root, memo)
     _split_region_dropouts(root, rng)
+    if any(hasattr(getattr(m, "config", None), "_attn_implementation") for m in root.modules()):
+        split_hf_attention(root, rng)  # a Hugging Face model's attention dropout (Note [dropout streams])
     watch_replicated_grads(root, tp, summed)  # Note [replicated parameters on split activations]
     return split
 

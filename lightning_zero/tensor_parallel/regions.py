@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_zero.checkpoint.slices import split_dim
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.layers import split_dim
 
 FIX = ("plan its module 'replicated_with_grad_allreduce' (a whole parameter applied to each rank's own heads or "
        "features, e.g. Qwen3's per-head q_norm: its gradient is summed over the TP group), or split it")

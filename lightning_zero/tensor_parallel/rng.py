@@ -22,9 +22,10 @@ Note [dropout streams]
     layout. Where the split regions are: the GPT's attention (``split_region_rng``), and any ``nn.Dropout``
     between a column-parallel layer with a split output and a row-parallel one inside an ``nn.Sequential``
     (``plan='auto'``'s pairs, or a user's plan on such a stack), which ``apply_plan`` wraps in
-    ``SplitRegionDropout``. Hugging Face models draw their attention dropout from the default stream (we
-    do not reach inside their attention functions): the replicated state stays in sync, but head ``h`` of
-    every TP rank shares its mask with the same-numbered head of the other ranks.
+    ``SplitRegionDropout``, and a Hugging Face model's attention function (transformers draws the attention
+    dropout inside the function it looks up by ``config._attn_implementation``; ``split_hf_attention``
+    registers that function wrapped in its attention module's split stream under a name of its own, so the
+    residual dropout beside it, replicated, stays on the default stream).
 
     Under sequence parallelism every activation is split: a rank holds its slice of the tokens, and inside
     attention its share of the heads (Note [Ulysses all-to-all]). The ranks of a sequence group start from
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 
 from lightning_zero.tensor_parallel.collectives import TPGroup
+from lightning_zero.tensor_parallel.layers import ColumnParallelLinear
 
 SPLIT_SEED_OFFSET = 2718  # Megatron's offset of the model-parallel stream
 SEQUENCE_SEED_OFFSET = 3141  # the sequence ranks' streams (Note [dropout streams])
@@ -101,6 +103,51 @@ def split_region_rng(module: nn.Module) -> Any:
     if rng is None:
         return nullcontext()
     return rng.fork(next(module.parameters()).device)
+
+
+def split_hf_attention(root: nn.Module, rng: SplitRegionRNG) -> None:
+    """Each Hugging Face attention module under ``root`` whose projections ``apply_plan`` made column-parallel
+    draws its attention dropout from ``rng`` (Note [dropout streams]): the module gets ``tp_rng`` and its
+    model's attention implementation ``name`` becomes ``tp_split_name``, ``name``'s function (the modeling
+    file's own eager function for ``eager``) called inside ``split_region_rng(module)``, with ``name``'s mask."""
+
+    configs = {}
+    for module in root.modules():
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "_attn_implementation"):
+            continue
+        if any(isinstance(child, ColumnParallelLinear) for child in module.children()):
+            module.tp_rng = rng
+            configs[id(config)] = (config, module)
+    for config, module in configs.values():
+        name = config._attn_implementation or "eager"
+        if not name.startswith("tp_split_"):
+            config._attn_implementation = _register_split(name, module)
+
+
+def _register_split(name: str, module: nn.Module) -> str:
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner = (getattr(sys.modules[type(module).__module__], "eager_attention_forward", None) if name == "eager"
+             else ALL_ATTENTION_FUNCTIONS.get(name))
+    if inner is None:
+        raise ValueError(f"tensor parallelism cannot find the attention function {name!r} of "
+                         f"{type(module).__name__}, so its dropout could not draw per-rank masks. Fix: "
+                         "attn_implementation='sdpa' (or 'eager').")
+
+    def split_attention(attention: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with split_region_rng(attention):
+            return inner(attention, *args, **kwargs)
+
+    split = f"tp_split_{name}"
+    AttentionInterface.register(split, split_attention)
+    if name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionMaskInterface.register(split, ALL_MASK_ATTENTION_FUNCTIONS[name])
+    return split
 
 
 def agree_default_rng(tp: TPGroup, device: torch.device) -> None:

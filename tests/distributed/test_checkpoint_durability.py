@@ -14,7 +14,7 @@ import pytest
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError
 from lightning_zero.checkpoint import publish as ckpt_publish
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.settings.precision import LossScalerConfig
 from lightning_zero.lightning.precision import ZeroPrecision
 from tests.models import TinyTransformer, make_trainer, token_loader
 

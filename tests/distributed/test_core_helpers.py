@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.zero.flat_param import overlap
+from lightning_zero.core.common.flat_param import overlap
 
 bounds = st.tuples(st.integers(0, 50), st.integers(0, 50)).map(sorted)
 

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.core.zero.memory import expert_parallel_model_state, model_state_formula
+from lightning_zero.core.common.memory import expert_parallel_model_state, model_state_formula
 from lightning_zero.moe import MoELayer, expert_split_of
 from tests.distributed.test_expert_parallel import BATCH, SEQ, VOCAB, make_model
 from tests.distributed.test_moe import Starving

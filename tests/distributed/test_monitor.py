@@ -253,8 +253,8 @@ def test_profiler_needs_the_monitor(tmp_path: Path) -> None:
 
 
 def test_hydra_run_logs_the_composed_config_as_hyperparameters(tmp_path: Path) -> None:
-    from lightning_zero.config.build import fit
-    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.run.build import fit
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.validate import validate_config
 
     cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.devices=1", "trainer.max_steps=2",
@@ -313,8 +313,8 @@ def test_a_pipelined_run_logs_one_training_loss_and_no_unmeasured_step_split(glo
 def test_the_cli_model_summary_has_no_column_of_unmeasured_flops(tmp_path: Path) -> None:
     import logging
 
-    from lightning_zero.config.build import build_callbacks
-    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.run.build import build_callbacks
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.validate import validate_config
     from lightning_zero.observability.model_summary import ZeroModelSummary
 

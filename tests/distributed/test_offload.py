@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
-from lightning_zero.core.offload.config import OffloadConfig
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.precision import LossScalerConfig
 from tests.models import (
     STAGE3_SHARDED,
     TinyTransformer,
@@ -187,12 +187,12 @@ def test_offload_counters_advance_every_step_and_files_go(offload_results: list[
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
     (dict(stage=2, offload_param="cpu"), ValueError, r"offload_param='cpu' needs ZeRO stage 3"),
-    (dict(stage=0, offload_optimizer="cpu"), ValueError, r"needs ZeRO stage 1, 2 or 3, got stage 0"),
-    (dict(stage=2, offload_optimizer="nvme"), ValueError, r"needs `nvme_path`"),
+    (dict(stage=0, offload_optimizer="cpu"), ValueError, r"needs ZeRO stage 1, 2 or 3 .*, got stage=0"),
+    (dict(stage=2, offload_optimizer="nvme"), ValueError, r"'nvme' keeps its swap files under nvme_path"),
     (dict(stage=2, offload_optimizer="nvme", nvme_path="/no/such/dir"), ValueError, r"does not exist"),
-    (dict(stage=3, offload_param="nvme"), ValueError, r"offload=param_nvme needs `nvme_path`"),
+    (dict(stage=3, offload_param="nvme"), ValueError, r"offload_param='nvme' keeps its swap files under nvme_path"),
     (dict(stage=1, offload_optimizer="nvme", offload_param="nvme", nvme_path="/tmp"), ValueError,
-     r"offload_param='nvme' needs ZeRO stage 3 \(partitioned parameters\), got stage 1. Fix: stage=3"),
+     r"offload_param='nvme' needs ZeRO stage 3 \(partitioned parameters\), got stage=1. Fix: stage=3"),
 ])
 def test_bad_offload_input_is_refused_when_the_strategy_is_built(kwargs: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
@@ -204,7 +204,7 @@ def test_a_file_in_place_of_the_directory_and_a_full_disk_are_refused(tmp_path, 
     not_a_dir.write_text("")
     with pytest.raises(ValueError, match="does not exist or is not a directory"):
         OffloadConfig(optimizer_device="nvme", nvme_path=str(not_a_dir)).check_path()
-    monkeypatch.setattr("lightning_zero.core.offload.config.os.access", lambda path, mode: False)
+    monkeypatch.setattr("lightning_zero.core.settings.offload.os.access", lambda path, mode: False)
     with pytest.raises(ValueError, match="is not writable"):
         OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)).check_path()
 
@@ -215,7 +215,7 @@ def test_the_engine_refuses_a_disk_without_room_for_the_estimated_state(tmp_path
     from lightning_zero import ZeroConfig, ZeroEngine
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("lightning_zero.core.offload.config.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
+    monkeypatch.setattr("lightning_zero.core.settings.offload.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
     model = torch.nn.Linear(100, 100)
     with pytest.raises(ValueError, match=r"has 1 kB free but the offloaded state needs 162 kB. Fix: nvme_path=<"):
         ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2),
@@ -249,7 +249,7 @@ def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
 
     script = (
         "import os, sys, torch\n"
-        "from lightning_zero.core.offload.config import OffloadConfig\n"
+        "from lightning_zero.core.settings.offload import OffloadConfig\n"
         "from lightning_zero.core.offload.store import open_shard_store\n"
         f"store = open_shard_store(OffloadConfig(optimizer_device='nvme', nvme_path={str(tmp_path)!r}))\n"
         "master = store.new_master(0, torch.zeros(1 << 20), torch.float32)\n"

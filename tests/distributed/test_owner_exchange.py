@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.common.flat_param import Bucket, FlatParamGroup
 from lightning_zero.core.zero.exchange import plan_messages, sum_in_rank_order
-from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup
 from lightning_zero.core.zero.grad_reducer import GradReducer
 from tests.pool import Pools
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroPrecision, ZeroStrategy, model_state_formula
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.settings.precision import LossScalerConfig
 from tests.models import VOCAB, RankSampler, TinyTransformer, make_trainer, rank_and_world
 
 STAGES = (0, 1, 2, 3)

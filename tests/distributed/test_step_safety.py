@@ -1,6 +1,6 @@
 """Step safety: the non-finite gradient policy in fp32 / bf16 (Note [non-finite policy] in
 lightning_zero/core/precision/nonfinite.py) and the setup agreement across ranks (Note [setup agreement] in
-lightning_zero/core/reliability/agreement.py): what each rank raises or skips, on the shared 2-rank pool."""
+lightning_zero/core/comm/agreement.py): what each rank raises or skips, on the shared 2-rank pool."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.core.reliability.agreement import describe_mismatch, first_difference
+from lightning_zero.core.comm.agreement import describe_mismatch, first_difference
 from tests.models import TinyTransformer, make_trainer, params_of, rank_and_world, token_loader
 
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_zero import TensorParallelConfig, ZeroStrategy
-from lightning_zero.core.zero.memory import model_state_formula, tensor_parallel_model_state
+from lightning_zero.core.common.memory import model_state_formula, tensor_parallel_model_state
 from lightning_zero.models.gpt import GPTConfig, GPTLightningModule
 from lightning_zero.tensor_parallel import Colwise, Rowwise, VocabEmbedding, split_dim
 from lightning_zero.tensor_parallel.plan import auto_plan, find_plan, resolve_plan
@@ -88,7 +88,7 @@ def test_the_strategy_refuses_what_it_does_not_compose_with_tp_yet() -> None:
 
 
 def test_consolidated_checkpoints_of_pipeline_x_tp_stay_refused_before_anything_is_written() -> None:
-    from lightning_zero.tensor_parallel.lightning import refuse_pipeline_checkpoint
+    from lightning_zero.parallel.tensor import refuse_pipeline_checkpoint
 
     with pytest.raises(NotImplementedError, match="consolidated checkpoint of pipeline x tensor_parallel=2 is not"):
         refuse_pipeline_checkpoint(TensorParallelConfig(2), True, False)
@@ -384,18 +384,18 @@ def test_a_hugging_face_llama_trains_with_its_own_tp_plan_and_follows_the_unspli
 def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() -> None:
     from omegaconf import OmegaConf
 
-    from lightning_zero.config.build import strategy_kwargs
-    from lightning_zero.config.launch import compose_config
-    from lightning_zero.config.parallel_checks import tensor_parallel_problems
+    from lightning_zero.config.parallel_checks import tensor_parallel_problems, world_problems
+    from lightning_zero.config.run.launch import compose_config
+    from lightning_zero.config.settings import settings_of
     from lightning_zero.config.validate import validate_config
 
     ok = ["experiment=gpt_tiny", "tensor_parallel=tp2", "trainer.devices=2"]
-    assert strategy_kwargs(validate_config(compose_config(ok)))["tensor_parallel"] == 2
-    assert strategy_kwargs(validate_config(compose_config(["experiment=gpt_tiny"])))["tensor_parallel"] is None
+    assert settings_of(validate_config(compose_config(ok))).parallel.tensor.size == 2
+    assert settings_of(validate_config(compose_config(["experiment=gpt_tiny"]))).parallel.tensor.size == 1
     cases = {
-        "trainer.devices=3": "not a multiple of pipeline.stages x tensor_parallel.size",
+        "trainer.devices=3": "not a multiple of pipeline x sequence x tensor",
         "tensor_parallel=tp4": "",  # see below
-        "pipeline=pp2_gpipe": "not a multiple of pipeline.stages x tensor_parallel.size",  # 2 ranks for 2 x 2
+        "pipeline=pp2_gpipe": "not a multiple of pipeline x sequence x tensor = 2 x 1 x 2",  # 2 ranks for 2 x 2
         "model.optimizer=onebit_adam": "onebit_adam is not built yet",
         "tensor_parallel.size=3": "model.n_head (attention heads) = 4 does not split over tensor_parallel.size=3",
         # it failed on every rank at setup, after launch
@@ -406,7 +406,8 @@ def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() 
     with pytest.raises(Exception, match="sequence parallel with tensor parallel is not built"):
         validate_config(both)
     for override, message in cases.items():
-        problems = tensor_parallel_problems(OmegaConf.to_object(compose_config([*ok, override])))
+        cfg = OmegaConf.to_object(compose_config([*ok, override]))
+        problems = world_problems(cfg) + tensor_parallel_problems(cfg)  # the ranks are the mesh's check
         if override == "tensor_parallel=tp4":  # 4 divides heads, vocabulary and width: only the world is wrong
             assert problems and all("not a multiple" in p for p in problems), problems
             continue

@@ -68,7 +68,7 @@ def test_a_nan_in_one_tp_ranks_slice_raises_on_every_rank_naming_the_parameter(g
     """``nonfinite="raise"``: both TP ranks raise at step 1, naming the parameter (before the fix only rank 0
     raised; rank 1 stepped on and then waited for it)."""
     for rank, r in enumerate(gloo_pool.run("tests.distributed.test_tensor_parallel_agreement:nonfinite_body",
-                                           policy="raise")):
+                                           _timeout_s=120, policy="raise")):  # before the fix: a hang
         assert r["error"] is not None and r["error"].startswith("NonFiniteGradientError: Non-finite gradient at "
                                                                 "optimizer step 1"), (rank, r)
         assert f"reduced gradient is '{POISONED}'" in r["error"], (rank, r)
@@ -101,8 +101,8 @@ def summed_ln_f_body() -> str:
 @pytest.mark.distributed
 def test_summing_the_gradient_of_a_norm_on_replicated_activations_is_refused(gloo_pool: GlooPool) -> None:
     """``ln_f`` sits beside the column-parallel ``lm_head`` but acts on the replicated residual stream: summing its
-    gradient over TP doubled its update (2.0000 times the normal plan's at SGD lr 1, TP 2). Its input is the
-    same on both TP ranks at the first forward: refused on both ranks, before any step, with the fix."""
+    gradient over TP doubled its update (2.0000 times the normal plan's at SGD lr 1, TP 2). Its input is the same on
+    both TP ranks at the first forward: refused on both ranks, before any step, with the fix."""
     for message in gloo_pool.run("tests.distributed.test_tensor_parallel_agreement:summed_ln_f_body"):
         assert message.startswith("tensor_parallel plan: 'model.ln_f' is planned 'replicated_with_grad_allreduce' "
                                   "but its input is the same on every TP rank"), message
@@ -165,9 +165,11 @@ def unseeded_body(precision: str) -> dict[str, Any]:
         def on_train_start(self, trainer: Any, module: Any) -> None:
             first.update({n: p.detach().float().clone() for n, p in module.named_parameters()
                           if split_dim(p) is None})
+            first.update({f"buffer:{n}": b.detach().float().clone() for n, b in module.named_buffers()})
 
     torch.manual_seed(1000 + dist.get_rank())
     module = _Recorded()
+    module.register_buffer("noise", torch.randn(3))  # a replicated buffer: DDP broadcasts these too
     strategy = ZeroStrategy(stage=1, tensor_parallel=2, precision=ZeroPrecision(precision), timeout_s=60)
     try:
         make_trainer(strategy, devices=2, max_steps=2, callbacks=[AtStart()]).fit(module, _loader(1))
@@ -187,7 +189,7 @@ def test_tp_ranks_seeded_differently_start_from_tp_rank_0s_replicated_weights(gl
     steps."""
     a, b = gloo_pool.run("tests.distributed.test_tensor_parallel_agreement:unseeded_body", precision=precision)
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
-    assert "model.pos_emb.weight" in a["first"] and a["first"].keys() == b["first"].keys()
+    assert {"model.pos_emb.weight", "buffer:noise"} <= a["first"].keys() and a["first"].keys() == b["first"].keys()
     for when in ("first", "last"):
         differ = {n: float((a[when][n] - b[when][n]).abs().max()) for n in a[when]
                   if not torch.equal(a[when][n], b[when][n])}

@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import ShardedCheckpoint, convert_checkpoint
-from lightning_zero.checkpoint.slices import slice_runs, whole_runs
+from lightning_zero.checkpoint.slices import SplitTag, slice_runs, split_of, whole_runs
 from lightning_zero.models.gpt import GPTConfig, GPTLightningModule
-from lightning_zero.tensor_parallel.layers import SplitTag, slice_tensor, split_of, unslice_tensors
+from lightning_zero.tensor_parallel.layers import slice_tensor, unslice_tensors
 from tests.models import RankSampler, make_trainer
 from tests.pool import GlooPool
 

@@ -134,7 +134,7 @@ def overflow_body(stage: int) -> list[dict[str, Any]]:
     loss scale before and after, its skipped-step count, and its split weight's shape."""
 
     from lightning_zero import ZeroPrecision
-    from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+    from lightning_zero.core.settings.precision import LossScalerConfig
 
     steps: list[dict[str, Any]] = []
 

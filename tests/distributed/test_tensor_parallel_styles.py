@@ -227,3 +227,66 @@ def test_the_lightning_modules_own_plan_wins_over_a_hugging_face_submodules_and_
     with pytest.raises(ValueError, match=r"splits no module: every rank would hold the whole model. Fix: split at "
                                          r"least one nn.Linear \('colwise' / 'rowwise'\)"):
         resolve_plan(module, {"model.model.norm": "replicate"}, source)
+
+
+# ------------------------------------------------- a Hugging Face model's attention dropout under TP
+def hf_attention_dropout_body(implementation: str) -> dict[str, Any]:
+    """A Llama with attention dropout 0.5 split by its own plan at TP 2: the generator state each attention
+    dropout draws from, the default state after the forward, and the (replicated) logits."""
+    import hashlib
+
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_zero.tensor_parallel.collectives import TPGroup
+    from lightning_zero.tensor_parallel.plan import apply_plan, hf_plan, resolve_plan
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5)
+    model = LlamaForCausalLM(config)
+    model.set_attn_implementation(implementation)
+    plan = hf_plan(model)
+    assert plan is not None
+    apply_plan(model, resolve_plan(model, plan, "its own plan"), TPGroup(dist.group.WORLD, 2, dist.get_rank()))
+
+    def state() -> str:
+        return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
+
+    drawn: list[str] = []
+    functional = torch.nn.functional
+    sdpa, dropout = functional.scaled_dot_product_attention, functional.dropout
+
+    def recording_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("dropout_p", 0.0) > 0:
+            drawn.append(state())
+        return sdpa(*args, **kwargs)
+
+    def recording_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *args: Any, **kw: Any) -> Any:
+        if training and p > 0:
+            drawn.append(state())
+        return dropout(x, p, training, *args, **kw)
+
+    functional.scaled_dot_product_attention, functional.dropout = recording_sdpa, recording_dropout
+    try:
+        torch.manual_seed(1)  # every rank alike, as agree_default_rng leaves them
+        logits = model(torch.randint(0, 64, (2, 16))).logits
+    finally:
+        functional.scaled_dot_product_attention, functional.dropout = sdpa, dropout
+    return {"drawn": drawn, "after": state(), "logits": logits.detach()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_hugging_face_models_attention_dropout_draws_each_tp_ranks_own_masks(gloo_pool: GlooPool,
+                                                                               implementation: str) -> None:
+    """Head h of TP rank 0 and head h + H/2 of rank 1 drew one mask (transformers draws attention dropout
+    inside its attention function, on the default stream): each layer's attention now draws from the rank's
+    own stream, while the replicated stream after it, and the logits, stay the same on both ranks."""
+    ranks = gloo_pool.run("tests.distributed.test_tensor_parallel_styles:hf_attention_dropout_body",
+                          implementation=implementation)
+    first, second = ranks
+    assert len(first["drawn"]) == len(second["drawn"]) == 2  # one draw per layer's attention
+    assert all(a != b for a, b in zip(first["drawn"], second["drawn"], strict=True))
+    assert first["after"] == second["after"]
+    assert torch.equal(first["logits"], second["logits"])

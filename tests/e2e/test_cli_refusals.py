@@ -48,7 +48,7 @@ def _refused_by_the_cli(args: list[str], cwd: Path) -> str:
 def _refused_in_process(args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch,
                         capsys: pytest.CaptureFixture[str]) -> str:
     """``lightning_zero.cli.main(ARGS)`` in ``cwd``, its launch made to fail: refused as the module docstring says."""
-    import lightning_zero.config.launch as launch
+    import lightning_zero.config.run.launch as launch
 
     def launched(*args: object, **kwargs: object) -> None:
         raise AssertionError("a run was launched")
@@ -117,9 +117,9 @@ def test_another_model_s_checkpoint_names_the_shapes_before_launch(tmp_path: Pat
 def test_a_folder_of_checkpoints_resumes_from_its_last_ckpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run's ``checkpoints/`` folder given for ``last.ckpt``: what the fit (and the ranks' config.yaml) get."""
     from lightning_zero.checkpoint.publish import save_sharded
-    from lightning_zero.config.launch import compose_config
     from lightning_zero.config.model_zoo import gpt_config
     from lightning_zero.config.paths import FitResult
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.schema import to_train_config
     from lightning_zero.models.gpt_model import state_shapes
 
@@ -134,7 +134,7 @@ def test_a_folder_of_checkpoints_resumes_from_its_last_ckpt(tmp_path: Path, monk
         resumed.append(cfg.trainer.resume_from)
         return FitResult(3, 0.0, None, None, [], resumed_at=3)
 
-    monkeypatch.setattr("lightning_zero.config.build.fit", fit)
+    monkeypatch.setattr("lightning_zero.config.run.build.fit", fit)
     monkeypatch.chdir(tmp_path)
     assert main(["train", "experiment=gpt_tiny", "trainer=cpu1", f"trainer.resume_from={folder}",
                  "hydra.run.dir=out"]) == 0
@@ -208,9 +208,9 @@ def test_a_text_file_smaller_than_one_batch_is_refused(tmp_path: Path, monkeypat
 
 def test_the_counted_batches_are_lightning_s(tmp_path: Path) -> None:
     """The count before launch is the one the data module and Lightning's sampler make (padded or dropped)."""
-    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.model_checks import epoch_problems
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.schema import to_train_config
-    from lightning_zero.config.validate import epoch_problems
     from lightning_zero.models.data import TextDataModule
 
     corpus = tmp_path / "notes.txt"
@@ -235,10 +235,12 @@ def test_every_problem_of_a_deepspeed_json_at_once(tmp_path: Path) -> None:
     text = _refused_by_the_cli(["train", "experiment=gpt_tiny", "deepspeed_config=ds.json"], tmp_path)
     assert text.strip().splitlines() == [
         "lightning-zero train: error: DeepSpeed config: ds.json: 3 problems:",
-        '  - zero_optimization.offload_param without offload_optimizer: lightning_zero moves the optimizer state '
-        'with the parameters. Fix: add "offload_optimizer": {"device": "nvme"}.',
-        "  - offload to nvme needs `nvme_path` (a directory on a local NVMe drive).",
-        "  - `gradient_clipping` must be >= 0, got -1.0."]
+        "  - `gradient_clipping` must be >= 0, got -1.0.",
+        "  - zero_optimization.offload_param.device='nvme' moves the optimizer state with the parameters, so the "
+        "optimizer must be offloaded too. Fix: also set zero_optimization.offload_optimizer.device='nvme'.",
+        "  - zero_optimization.offload_param.device='nvme' keeps its swap files under "
+        "zero_optimization.offload_optimizer.nvme_path: an existing, writable directory on a local disk. Fix: "
+        "zero_optimization.offload_optimizer.nvme_path=<a writable directory on a local disk>."]
 
 
 @pytest.mark.parametrize(("args", "line"), [

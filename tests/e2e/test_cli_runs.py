@@ -4,7 +4,7 @@ it in ``train.log``, the TensorBoard dashboard of an fp32 and an fp16 run (one r
 loss and the vital signs first, memory in MiB, a layout of existing tags, hparams that tell the runs apart
 against a few metrics, monotone steps), run directories named by their choices, a resume whose start
 value is the checkpoint's, the summary of a rank killed by SIGKILL, and ranks that end right after their exit
-handlers (Note [rank exit] in lightning_zero/config/worker.py). The fp32 run is the session's real launch of
+handlers (Note [rank exit] in lightning_zero/config/run/worker.py). The fp32 run is the session's real launch of
 the docs' ``lightning-zero train experiment=gpt_tiny``; the fp16 run and the resume run their ranks in the pool
 (Note [shared launches] in tests/launches.py)."""
 
@@ -28,7 +28,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from docs.regenerate import check_test_quote
-from lightning_zero.config.console import NOISE
+from lightning_zero.config.run.console import NOISE
 from tests.launches import GPT_TINY, Launch, SharedLaunches
 
 STEPS = 20  # gpt_tiny's own: the docs' `lightning-zero train experiment=gpt_tiny` (tests/launches.py GPT_TINY)
@@ -145,9 +145,9 @@ def test_the_run_directory_is_named_by_the_run_s_choices(runs) -> None:
 
 
 def test_run_names_and_hparams_tell_the_choices_apart() -> None:
-    from lightning_zero.config.build import run_hparams
-    from lightning_zero.config.launch import compose_config
     from lightning_zero.config.paths import run_name
+    from lightning_zero.config.run.build import run_hparams
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.validate import validate_config
 
     assert run_name("gpt_small", 3, "bf16", "optimizer_cpu", "pp2_1f1b", "onebit_adam") == \
@@ -273,7 +273,7 @@ def _rank_pid(parent: int, rank: int) -> int | None:
             cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"lightning_zero.config.worker" in cmd and f"RANK={rank}".encode() in env:
+        if b"lightning_zero.config.run.worker" in cmd and f"RANK={rank}".encode() in env:
             return pid
     return None
 

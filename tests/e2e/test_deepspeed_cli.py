@@ -13,8 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_zero.cli import main
-from lightning_zero.config.deepspeed import apply_deepspeed_config, explicit_keys
-from lightning_zero.config.launch import CONFIG_FILE, compose_config
+from lightning_zero.config.run.deepspeed import apply_deepspeed_config, explicit_keys
+from lightning_zero.config.run.launch import CONFIG_FILE, compose_config
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
 from tests.in_pool import run_in_process

@@ -310,7 +310,7 @@ def test_every_doc_command_uses_the_venv_form_of_the_readme() -> None:
         for match in re.finditer(r"`((?:lightning-zero|python3?) [^`]*[=/][^`]*)`|<!-- output of: "
                                  r"((?:lightning-zero|python3?) .*?) -->", doc.read_text()):
             command = match.group(1) or match.group(2)
-            if not command.startswith("python -m lightning_zero.config.worker"):  # what the launcher runs
+            if not command.startswith("python -m lightning_zero.config.run.worker"):  # what the launcher runs
                 bare.append(f"{name}: {command}")
     assert not bare, "write .venv/bin/lightning-zero / .venv/bin/python, as the README does:\n" + "\n".join(bare)
 

@@ -90,7 +90,10 @@ def test_converted_back_it_loads_with_from_pretrained_with_the_trained_weights(a
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     trained = transformers.AutoModelForCausalLM.from_pretrained(str(models[arch]), dtype=torch.float32).eval()
     start = {k: v.clone() for k, v in trained.state_dict().items()}
-    trained.load_state_dict(consolidate_checkpoint(checkpoint, prefix="model."), strict=False)
+    loaded = trained.load_state_dict(consolidate_checkpoint(checkpoint, prefix="model."), strict=False)
+    tied = {"lm_head.weight"} if trained.get_output_embeddings().weight is trained.get_input_embeddings().weight \
+        else set()
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= tied, loaded  # every weight, nothing else
     assert any(not torch.equal(start[k], v) for k, v in trained.state_dict().items())  # training changed them
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     ids = torch.tensor([tokenizer("def fill(text, width=70):")["input_ids"]])
@@ -99,11 +102,11 @@ def test_converted_back_it_loads_with_from_pretrained_with_the_trained_weights(a
 
 
 @pytest.mark.slow
-def test_validate_and_predict_read_a_finished_runs_directory_with_the_same_groups(models, runs, tmp_path: Path,
-                                                                                  monkeypatch) -> None:
-    """``lightning-zero validate / predict ckpt_path=<run dir>`` with the training run's groups, on 1 rank in this
-    process (the 2-rank sharded checkpoint read at another world size): the validation loss is the one the run
-    ended with; predict writes each rank's next-token predictions."""
+def test_validate_test_and_predict_read_a_finished_runs_directory_with_the_same_groups(models, runs, tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """``lightning-zero validate / test / predict ckpt_path=<run dir>`` with the training run's groups, on 1 rank
+    in this process (the 2-rank sharded checkpoint read at another world size): the validation and test losses
+    are the one the run ended with; predict writes each rank's next-token predictions."""
     monkeypatch.chdir(tmp_path)
     groups = ["model=hf_causal_lm", f"model.path={models['llama']}", "data=text_file", f"data.path={models['corpus']}",
               f"data.seq_len={SEQ}", f"data.micro_batch_size={BATCH}", f"data.max_val_samples={VAL}", "zero=stage3",
@@ -113,8 +116,30 @@ def test_validate_and_predict_read_a_finished_runs_directory_with_the_same_group
     assert result["checkpoint"] == str((runs["llama"] / "checkpoints" / "last.ckpt").resolve())
     ended = json.loads((runs["llama"] / "result.json").read_text())["val_loss_end"]
     assert result["metrics"]["val_loss"] == pytest.approx(ended, rel=1e-5)
+    assert cli(["test", *groups, "hydra.run.dir=tst"]) == 0
+    tested = json.loads((tmp_path / "tst" / "result.json").read_text())
+    assert tested["metrics"]["test_loss"] == pytest.approx(ended, rel=1e-5)  # the held-out split again
     assert cli(["predict", *groups, "hydra.run.dir=pred"]) == 0
     predictions = torch.load(tmp_path / "pred" / "predictions" / "rank0.pt")
     assert len(predictions) == VAL // BATCH and predictions[0].shape == (BATCH, SEQ)
     assert cli(["validate", *groups[:-1], "ckpt_path=nowhere", "hydra.run.dir=bad"]) == 2  # refused before launch
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_model_config_builds_random_weights_that_train_with_the_given_tokenizer(models, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """``model.config=<config.json>`` (no weights) with ``model.tokenizer=DIR``: one step on 1 rank in this process.
+    Freshly initialised weights (std 0.02) predict every token nearly alike, so the step-0 validation loss is
+    ln(vocabulary) of the config, read through the given tokenizer's ids."""
+    import math
+
+    monkeypatch.chdir(tmp_path)
+    vocab = json.loads((models["llama"] / "config.json").read_text())["vocab_size"]
+    assert cli(["train", "model=hf_causal_lm", f"model.config={models['llama'] / 'config.json'}",
+                f"model.tokenizer={models['llama']}", "data=text_file", f"data.path={models['corpus']}",
+                f"data.seq_len={SEQ}", f"data.micro_batch_size={BATCH}", f"data.max_val_samples={VAL}",
+                "trainer=cpu1", "trainer.max_steps=1", "trainer.val_check_interval=null", "hydra.run.dir=run"]) == 0
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["global_step"] == 1
+    assert result["val_loss_start"] == pytest.approx(math.log(vocab), abs=0.05)

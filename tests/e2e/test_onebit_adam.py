@@ -20,7 +20,7 @@ from lightning_zero import OneBitAdam, ZeroEngine, ZeroStrategy
 from lightning_zero.core.comm.compressed_allreduce import CompressedAllReduce, padded_numel
 from lightning_zero.core.comm.compression import ErrorFeedback, compress, pack_signs, unpack_signs
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 from tests.models import TinyTransformer, make_trainer, params_of, token_loader
 from tests.pool import GlooPool, Pools
 

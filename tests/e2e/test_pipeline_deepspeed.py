@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from lightning_zero import PipelineConfig
 from lightning_zero.cli import main
-from lightning_zero.config.launch import CONFIG_FILE
+from lightning_zero.config.run.launch import CONFIG_FILE
 from lightning_zero.config.validate import validate_config
 from lightning_zero.deepspeed.config import parse_deepspeed_config
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
@@ -91,7 +91,7 @@ def test_bad_pipeline_keys_stop_the_cli_before_launch(tmp_path: Path, monkeypatc
     assert "ignores them: pipeline.seed_layers=true" in capsys.readouterr().err
     assert main(["train", "experiment=gpt_tiny", f"deepspeed_config={_json(tmp_path, PIPE, 'ok.json')}",
                  "trainer.devices=3"]) == 2  # not a multiple of the JSON's 2 stages
-    assert "pipeline.stages=2 must divide trainer.devices=3" in capsys.readouterr().err
+    assert "the world size 3 is not a multiple of pipeline x sequence x tensor = 2 x 1 x 1" in capsys.readouterr().err
     assert not list(run.iterdir())  # no output directory, no process
 
 

@@ -183,8 +183,8 @@ def slicing_body() -> None:
     import torch.distributed as dist
 
     from lightning_zero.core.mesh import ProcessMesh
+    from lightning_zero.parallel.tensor import StrategyTensorParallel
     from lightning_zero.tensor_parallel.layers import has_storage
-    from lightning_zero.tensor_parallel.lightning import StrategyTensorParallel
 
     torch.manual_seed(0)
     module = GPTLightningModule(CONFIG)

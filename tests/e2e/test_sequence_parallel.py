@@ -199,7 +199,7 @@ def test_sequence_2_by_data_2_at_zero_3_follows_2_data_parallel_ranks(gloo_pool:
     (["sequence_parallel=sp4", "trainer.devices=4", "data.seq_len=62"], "a sequence of 62 tokens does not split "
                                                                         "over sequence_parallel=4"),
     (["sequence_parallel=sp2", "pipeline=pp2_1f1b", "trainer.devices=4"],
-     "with 2 pipeline stages: sequence parallel inside pipeline stages is not built"),
+     "sequence_parallel.size=2 with pipeline.stages=2: sequence parallel inside pipeline stages is not built"),
     (["sequence_parallel=sp2", "experiment=mlp"], "only the GPT experiment splits its sequences"),
 ])
 def test_the_cli_refuses_what_sequence_parallel_cannot_split_before_launch(

@@ -11,9 +11,10 @@ import torch
 
 from lightning_zero.checkpoint.tensor_file import own_bytes
 from lightning_zero.cli import main
-from lightning_zero.config.build import fit
-from lightning_zero.config.launch import compose_config
-from lightning_zero.config.validate import count_model_parameters, validate_config
+from lightning_zero.config.describe import count_model_parameters
+from lightning_zero.config.run.build import fit
+from lightning_zero.config.run.launch import compose_config
+from lightning_zero.config.validate import validate_config
 
 
 @pytest.mark.parametrize(("args", "lines"), [
@@ -84,7 +85,7 @@ def test_every_file_written_for_a_user_holds_the_parameter_bytes_only(tmp_path: 
 
 def test_progress_is_on_by_default_lines_off_a_terminal_and_off_by_option(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_zero.config.build import trainer_kwargs
+    from lightning_zero.config.run.build import trainer_kwargs
     from lightning_zero.observability.progress import LineProgress
 
     def progress(overrides: list[str], tty: bool) -> tuple[bool, list[type]]:
@@ -105,7 +106,7 @@ def test_a_whole_limit_val_batches_counts_the_batches_of_all_data_replicas_toget
     a fraction is Lightning's."""
     import logging
 
-    from lightning_zero.config.build import val_batches_per_rank
+    from lightning_zero.config.run.build import val_batches_per_rank
 
     def per_rank(*overrides: str) -> float | int | None:
         return val_batches_per_rank(validate_config(compose_config(["experiment=gpt_tiny", *overrides])))
@@ -131,7 +132,7 @@ def test_a_whole_number_of_batches_on_the_command_line_counts_batches_and_a_frac
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lightning_zero.config.build import val_batches_per_rank
+    from lightning_zero.config.run.build import val_batches_per_rank
 
     class Counts(pl.Callback):
         def __init__(self) -> None:
@@ -158,7 +159,7 @@ def test_a_whole_number_of_batches_on_the_command_line_counts_batches_and_a_frac
     assert batches("trainer.limit_val_batches=1", "trainer.limit_train_batches=1") == (1, 1)
     assert batches("trainer.limit_val_batches=1.0", "trainer.limit_train_batches=0.25") == (16, 64)
     assert batches("trainer.limit_val_batches=0.5", "trainer.limit_train_batches=2") == (2, 32)
-    from lightning_zero.config.build import count_or_share_lines, trainer_kwargs
+    from lightning_zero.config.run.build import count_or_share_lines, trainer_kwargs
 
     cfg = validate_config(compose_config(["experiment=gpt_tiny", "logger=none", "trainer.limit_val_batches=1",
                                           "trainer.limit_train_batches=0.5", "trainer.val_check_interval=1"]))
@@ -183,8 +184,8 @@ def test_the_cli_gathers_nothing_after_fit_and_validates_at_its_last_step_inside
     no ``trainer.validate`` follows the fit."""
     import lightning.pytorch as pl
 
-    from lightning_zero.config import build
-    from lightning_zero.config.build import strategy_kwargs
+    from lightning_zero.config.run import build
+    from lightning_zero.config.run.build import strategy_arguments
     from lightning_zero.core.stage3.sharded_unit import is_released
 
     modules: list[torch.nn.Module] = []
@@ -197,12 +198,12 @@ def test_the_cli_gathers_nothing_after_fit_and_validates_at_its_last_step_inside
     overrides = [*TINY_ONE_RANK, "zero=stage3", "zero.param_persistence_threshold=0", "trainer.validate_at_end=true",
                  "trainer.checkpoint.enabled=false"]
     cfg = validate_config(compose_config(overrides))
-    assert strategy_kwargs(cfg)["gather_on_teardown"] is False
+    assert strategy_arguments(cfg)["gather_on_teardown"] is False
     result = fit(cfg, tmp_path)
     assert after == [] and result.val_loss_end is not None and result.global_step == 2
     assert all(is_released(p) for p in modules[-1].parameters())
     gathered = validate_config(compose_config([*overrides, "zero.gather_on_teardown=true"]))
-    assert strategy_kwargs(gathered)["gather_on_teardown"] is True
+    assert strategy_arguments(gathered)["gather_on_teardown"] is True
     again = fit(gathered, tmp_path)
     assert not any(is_released(p) for p in modules[-1].parameters())
     assert again.val_loss_end == result.val_loss_end  # the same run: the same end validation

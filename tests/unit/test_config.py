@@ -16,8 +16,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from lightning_zero.config.build import RESULT_FILE, build_strategy
-from lightning_zero.config.launch import CONFIG_FILE, compose_config, conf_dir, expand_sweep, run_job
+from lightning_zero.config.describe import describe
+from lightning_zero.config.run.build import RESULT_FILE, build_strategy
+from lightning_zero.config.run.launch import CONFIG_FILE, compose_config, conf_dir, expand_sweep, run_job
 from lightning_zero.config.schema import (
     GPTModelSchema,
     MLPModelSchema,
@@ -27,7 +28,7 @@ from lightning_zero.config.schema import (
     to_train_config,
     to_yaml,
 )
-from lightning_zero.config.validate import describe, validate_config
+from lightning_zero.config.validate import validate_config
 
 CONF = conf_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
@@ -201,18 +202,19 @@ def test_big_presets_are_only_counted_on_meta(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize(("overrides", "reason"), [
-    (["offload=param_cpu"], r"offload=param_cpu \(offload_param\) needs ZeRO stage 3.*Fix: zero=stage3"),
-    (["zero=stage0", "offload=optimizer_cpu"], r"needs a partitioned optimizer \(ZeRO stage >= 1\)"),
-    (["zero=stage3", "offload=param_cpu", "offload.optimizer_device=none"], "optimizer_device is none"),
-    (["zero=stage3", "offload=optimizer_nvme", "offload.nvme_path=null"], "needs offload.nvme_path"),
+    (["offload=param_cpu"], r"offload.param_device='cpu' needs ZeRO stage 3.*Fix: zero.stage=3"),
+    (["zero=stage0", "offload=optimizer_cpu"], r"needs ZeRO stage 1, 2 or 3 \(a partitioned optimizer\)"),
+    (["zero=stage3", "offload=param_cpu", "offload.optimizer_device=none"],
+     r"optimizer must be offloaded too. Fix: also set offload.optimizer_device='cpu'"),
+    (["zero=stage3", "offload=optimizer_nvme", "offload.nvme_path=null"], "swap files under offload.nvme_path"),
     (["pipeline=pp2_1f1b", "data.micro_batch_size=6"], "does not split into pipeline.micro_batches=8"),
     (["pipeline=pp2_1f1b", "model=mlp", "data=teacher"], "does not follow the pipeline protocol"),
-    (["pipeline=pp4_interleaved", "zero=stage1"], "must divide trainer.devices=2"),
+    (["pipeline=pp4_interleaved", "zero=stage1"], r"world size 2 is not a multiple of pipeline x sequence x tensor"),
     (["pipeline=pp4_interleaved", "trainer.devices=4", "model=gpt_tiny", "model.n_layer=1"],
      "3 pipeline layers, fewer than pipeline.stages"),
-    (["precision=bf16", "precision.loss_scale=128"], "loss scaling applies to fp16 only"),
-    (["precision=bf16_true", "precision.raise_at_min_scale=true"], "loss scaling applies to fp16 only"),
-    (["precision=bf16", "precision.grad_accum_dtype=int32"], "grad_accum_dtype=int32 is not a floating dtype"),
+    (["precision=bf16", "precision.loss_scale=128"], r"precision: A loss scaler .* applies to fp16"),
+    (["precision=bf16_true", "precision.raise_at_min_scale=true"], r"applies to fp16 \('16-mixed'\) only"),
+    (["precision=bf16", "precision.grad_accum_dtype=int32"], "`grad_accum_dtype` must be a floating dtype.*'int32'"),
     (["model=mlp"], "needs classification data"),
     (["model=mlp", "data=teacher", "data.input_dim=8"], "differ from data.input_dim"),
     (["data.seq_len=512"], "exceeds the model's context 256"),
@@ -231,7 +233,7 @@ def test_invalid_beats_not_built_and_all_reasons_are_listed() -> None:
     with pytest.raises(ValueError) as info:  # every reason is listed
         validate_config(compose_config(["zero=stage3", "pipeline=pp2_1f1b", "pipeline.micro_batches=3",
                                         "precision=bf16", "precision.hysteresis=4", "offload=param_cpu"]))
-    assert "pipeline" in str(info.value) and "loss scaling applies to fp16 only" in str(info.value)
+    assert "pipeline" in str(info.value) and "applies to fp16 ('16-mixed') only" in str(info.value)
     built = validate_config(compose_config(["zero=stage3", "offload=param_cpu"]))  # parameter offload is built
     assert built.offload.param_device.value == "cpu"
 
@@ -354,7 +356,7 @@ def test_the_cpu_offload_presets_pin_only_where_an_accelerator_is(option: str,
     """The presets said pin_memory: true, so every rank of a CPU run warned that it could not pin."""
     import warnings
 
-    from lightning_zero.config.validate import offload_config
+    from lightning_zero.config.settings import offload_settings as offload_config
 
     cpu = validate_config(compose_config(["zero=stage3", f"offload={option}"]))
     with warnings.catch_warnings():
@@ -375,7 +377,7 @@ def test_val_check_interval_counts_optimizer_steps_under_accumulation() -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lightning_zero.config.build import val_check_batches
+    from lightning_zero.config.run.build import val_check_batches
 
     cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.accumulate_grad_batches=2",
                                           "trainer.val_check_interval=2"]))

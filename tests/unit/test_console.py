@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_zero.config.console import RankConsole, RankExit, failure_summary, host_memory_note
-from lightning_zero.config.validate import count_model_parameters, gpt_config
+from lightning_zero.config.describe import count_model_parameters
+from lightning_zero.config.model_zoo import gpt_config
+from lightning_zero.config.run.console import RankConsole, RankExit, failure_summary, host_memory_note
 
 
 def _failure(idx: int, rank: int, code: int, traceback: str) -> str:
@@ -56,7 +57,7 @@ def test_a_single_failure_and_no_report(tmp_path: Path) -> None:
 
 
 def test_a_sigkilled_rank_gets_the_estimators_host_memory_figure_and_the_settings_that_lower_it() -> None:
-    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.validate import validate_config
     from lightning_zero.estimator import estimate_memory, format_bytes
 
@@ -98,8 +99,8 @@ def test_the_host_memory_note_and_the_advice_of_a_tensor_parallel_run_count_its_
     """With tensor_parallel=tp2 the figure is the estimator's at TP 2 (a rank's slices plus the replicated
     parameters, activations split), and the offload settings are offered as without TP (they compose), each with
     its figure at TP 2."""
-    from lightning_zero.config.console import oom_advice
-    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.run.console import oom_advice
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.validate import validate_config
     from lightning_zero.estimator import estimate_memory, format_bytes
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
-from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.offload.copy_fence import CopyFence
+from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.zero import engine_step
 from lightning_zero.core.zero.optimizer import ShardedOptimizer
 

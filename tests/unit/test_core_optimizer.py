@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero import optimizer as zero_optimizer
-from lightning_zero.core.zero.config import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
-from lightning_zero.core.offload.config import OffloadConfig
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.precision import LossScalerConfig
 from tests.models import STAGE3_SHARDED, TinyTransformer, make_trainer, token_loader
 from tests.unit.test_sparse_attention import CONFIGS as SPARSE_CONFIGS
 from tests.unit.test_sparse_attention import _inputs as sparse_inputs

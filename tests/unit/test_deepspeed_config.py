@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from lightning_zero import DeepSpeedZeroStrategy, ZeroConfig
-from lightning_zero.config.build import strategy_kwargs as hydra_strategy_kwargs
-from lightning_zero.config.deepspeed import apply_deepspeed_config, deepspeed_settings, strategy_settings
-from lightning_zero.config.launch import compose_config
+from lightning_zero.config.run.build import strategy_arguments as hydra_strategy_arguments
+from lightning_zero.config.run.deepspeed import apply_deepspeed_config
+from lightning_zero.config.run.launch import compose_config
 from lightning_zero.config.schema import to_train_config
+from lightning_zero.config.settings import settings_of
 from lightning_zero.config.validate import invalid_combinations, validate_config
-from lightning_zero.core.offload.config import OffloadConfig
-from lightning_zero.core.precision.loss_scaler import LossScalerConfig
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.precision import LossScalerConfig, PrecisionConfig
 from lightning_zero.deepspeed import BatchSizes, parse_deepspeed_config
-from lightning_zero.deepspeed import strategy as ds_strategy
-from lightning_zero.deepspeed.strategy_args import precision_plugin_args
+from lightning_zero.deepspeed.strategy_args import json_strategy_arguments
 from lightning_zero.lightning.precision import ZeroPrecision
 
 # The two DeepSpeed configs the project started from, exactly as written there.
@@ -34,7 +34,7 @@ SEED_BF16 = json.loads((_EXAMPLES / "seed_bf16.json").read_text())
 
 
 def _plugin_args(plugin: ZeroPrecision) -> tuple[str, dict[str, Any]]:
-    """What a real ZeroPrecision was built with, shaped like ``precision_plugin_args`` (defaults left out)."""
+    """What a real ZeroPrecision was built with: its mode and keyword arguments (defaults left out)."""
     kwargs: dict[str, Any] = {}
     if plugin.scaler is not None and plugin.scaler.config != LossScalerConfig():
         kwargs["loss_scaler"] = plugin.scaler.config
@@ -72,13 +72,14 @@ def test_seed_configs_parse_into_precision_and_batch(config: dict, precision: st
                                  "precision.hysteresis", "precision.min_loss_scale"}
     else:
         assert ds.loss_scaler is None and set(ds.given) == {"precision.name"}
-    # the plugin: ZeroPrecision(precision) with the plugin's default loss scaler
-    assert precision_plugin_args(ds) == (precision, {})
-    kwargs = ds_strategy.strategy_kwargs(ds, {})
-    plugin = kwargs["precision_plugin"]
+    # the precision node: the mode with the plugin's default loss scaler; the strategy builds its plugin of it
+    assert ds.precision_settings() == PrecisionConfig(precision)
+    kwargs = json_strategy_arguments(ds, {})
+    assert kwargs["settings"].precision == PrecisionConfig(precision) and kwargs["precision_plugin"] is None
+    plugin = ZeroPrecision.of(kwargs["settings"].precision)
     assert isinstance(plugin, ZeroPrecision) and _plugin_args(plugin) == (precision, {})
     assert (plugin.scaler is not None) == (precision == "16-mixed")
-    assert kwargs["config"] == ZeroConfig() and kwargs["precision"] is None
+    assert kwargs["settings"].zero == ZeroConfig()
 
 
 def test_fp16_loss_scaler_keys_and_dtypes_reach_the_precision_plugin() -> None:
@@ -89,15 +90,15 @@ def test_fp16_loss_scaler_keys_and_dtypes_reach_the_precision_plugin() -> None:
     scaler = LossScalerConfig(loss_scale=0.0, initial_scale_power=12, loss_scale_window=500, hysteresis=3,
                               consecutive_hysteresis=True, min_loss_scale=2)
     expected = ("16-mixed", {"loss_scaler": scaler, "reduce_dtype": torch.float32, "grad_accum_dtype": torch.float32})
-    assert precision_plugin_args(ds) == expected
-    plugin = ds_strategy.build_precision_plugin(ds)
+    assert ds.precision_settings() == PrecisionConfig("16-mixed", scaler, torch.float32, torch.float32)
+    plugin = ZeroPrecision.of(ds.precision_settings())
     assert isinstance(plugin, ZeroPrecision) and _plugin_args(plugin) == expected
     assert plugin.scaler is not None and plugin.scaler.scale == 2.0**12  # the real scaler runs the JSON's policy
     static = parse_deepspeed_config({"fp16": {"enabled": True, "loss_scale": 128}})
-    assert precision_plugin_args(static) == ("16-mixed", {"loss_scaler": LossScalerConfig(loss_scale=128.0)})
+    assert static.precision_settings() == PrecisionConfig("16-mixed", LossScalerConfig(loss_scale=128.0))
     # no precision section: the Trainer's precision decides, nothing is fixed on the strategy
-    assert precision_plugin_args(parse_deepspeed_config({"fp16": {"enabled": False, "loss_scale": 4}})) is None
-    assert ds_strategy.strategy_kwargs(parse_deepspeed_config({}), {})["precision_plugin"] is None
+    assert parse_deepspeed_config({"fp16": {"enabled": False, "loss_scale": 4}}).precision_settings() is None
+    assert json_strategy_arguments(parse_deepspeed_config({}), {})["settings"].precision is None
 
 
 # ---------------------------------------------------------------------------- zero_optimization
@@ -164,11 +165,12 @@ def test_unsupported_keys_are_named_in_one_warning_or_a_strict_error(tmp_path: P
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}}, r"unknown key\(s\) \['warmup_steps'\]"),
     ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1}}}, r"missing \['cycle_max_lr'\]"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}},
-     "offload_param .* needs ZeRO stage 3, got zero_optimization.stage=2"),
+     "offload_param.device='cpu' needs ZeRO stage 3 .*, got zero_optimization.stage=2"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-     "offload_param without offload_optimizer"),
+     "optimizer must be offloaded too. Fix: also set zero_optimization.offload_optimizer.device='cpu'"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs ZeRO stage 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}, "needs `nvme_path`"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+     "keeps its swap files under zero_optimization.offload_optimizer.nvme_path"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "disk"}}}, "must be none, cpu or nvme"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                             "offload_param": {"device": "cpu", "pin_memory": False}}}, "one pin_memory for both"),
@@ -231,7 +233,7 @@ def test_offload_io_knobs_that_are_not_built_are_refused(section: str, key: str,
         OffloadConfig(optimizer_device="cpu", **{key: int(value)})
     hydra = compose_config(["zero=stage3", "offload=param_cpu", f"offload.{key}={int(value)}"])
     problems = invalid_combinations(to_train_config(hydra))
-    assert any(p.startswith(f"offload.{key}={int(value)} is not built") for p in problems), problems
+    assert any(p.startswith(f"offload: offload `{key}`={int(value)} is not built") for p in problems), problems
 
 
 def test_files_bad_json_and_duplicate_keys(tmp_path: Path) -> None:
@@ -304,16 +306,18 @@ def test_stage3_offload_config_equals_the_hydra_options_field_by_field(config: d
         overrides = [*overrides, f"offload.nvme_path={tmp_path}"]
     ds = parse_deepspeed_config(config)
     hydra = validate_config(compose_config(overrides))
-    from_json, from_hydra = deepspeed_settings(ds), strategy_settings(hydra)
-    assert from_json.keys() == from_hydra.keys()
-    for part in ("zero", "offload"):
-        for f in dataclasses.fields(from_json[part]):
-            a, b = getattr(from_json[part], f.name), getattr(from_hydra[part], f.name)
+    from_hydra = settings_of(hydra)
+    for part, from_json in (("zero", ds.zero), ("offload", ds.offload)):
+        for f in dataclasses.fields(from_json):
+            a, b = getattr(from_json, f.name), getattr(getattr(from_hydra, part), f.name)
             assert a == b, f"{part}.{f.name}: JSON gives {a!r}, Hydra {b!r}"
-    assert from_json["precision"] == from_hydra["precision"]
-    assert from_json["loss_scaler"] == from_hydra["loss_scaler"]
+    json_precision = ds.precision_settings()
+    assert json_precision is not None and from_hydra.precision is not None
+    assert json_precision.mode == from_hydra.precision.mode
+    default = LossScalerConfig()
+    assert (json_precision.loss_scaler or default) == (from_hydra.precision.loss_scaler or default)
     # the strategy arguments the Hydra path builds carry the same ZeroConfig
-    assert hydra_strategy_kwargs(hydra)["config"] == ds.zero
+    assert hydra_strategy_arguments(hydra)["settings"].zero == ds.zero
     # and the JSON merged over the default composition amounts to the same groups as the Hydra options
     merged = validate_config(apply_deepspeed_config(
         compose_config([f"deepspeed_config={_write(tmp_path, config)}", *[o for o in overrides if "trainer" in o]])))

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -80,7 +81,7 @@ def test_load_full_state_dict_gives_masters_the_fp32_values(stage: int, param: t
                                                             accum: torch.dtype) -> None:
     """Issue 15 defect 2: loading under mixed precision rounded the fp32 master through the 16-bit
     parameter (1.001 became 1.0 in bf16). The master must hold the loaded values exactly."""
-    from lightning_zero.core.stage3.loading import load_full_state_dict
+    from lightning_zero.core.zero.loading import load_full_state_dict
 
     engine, _ = _engine(_model(param), stage, DtypePolicy(param_dtype=param, master_dtype=F32, accum_dtype=accum))
     torch.manual_seed(3)

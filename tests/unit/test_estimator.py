@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero.cli import main
-from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.common.memory import model_state_formula, offloaded_model_state
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
-from lightning_zero.core.zero.memory import model_state_formula, offloaded_model_state
 from lightning_zero.estimator import (
     PRESETS,
     activation_memory,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zero.cli import main
-from lightning_zero.core.zero.memory import tensor_parallel_model_state
+from lightning_zero.core.common.memory import tensor_parallel_model_state
 from lightning_zero.estimator import OFFLOADS, PRESETS, activation_memory, estimate_memory, resolve_model
 from lightning_zero.estimator.advisor import PREFERENCE, advise
 
@@ -128,13 +128,13 @@ def test_the_advisor_proposes_tp_when_a_layer_is_bigger_than_a_rank_and_says_so(
     code, out, _ = run_cli(capsys, "advise", *argv)
     assert code == 0 and "Recommended: stage 2 + TP 2" in out and "Tensor parallelism is what makes it fit" in out, out
     # the overrides are a valid training configuration
-    from lightning_zero.config.build import strategy_kwargs
-    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.run.launch import compose_config
+    from lightning_zero.config.settings import settings_of
     from lightning_zero.config.validate import validate_config
 
     overrides = adv.overrides.split()
-    kwargs = strategy_kwargs(validate_config(compose_config(["experiment=gpt_tiny", "trainer.devices=8", *overrides])))
-    assert kwargs["tensor_parallel"] == 2 and int(kwargs["config"].stage) == 2
+    settings = settings_of(validate_config(compose_config(["experiment=gpt_tiny", "trainer.devices=8", *overrides])))
+    assert settings.parallel.tensor.size == 2 and int(settings.zero.stage) == 2
     # TP is not proposed where ZeRO fits, and a given size is used as it is (with every offload)
     assert all(c.tensor_parallel == 1 for c in advise(3e9, device_memory="80GB", world_size=8).candidates)
     fixed = advise(3e9, device_memory="80GB", world_size=8, tensor_parallel=4)
@@ -165,10 +165,10 @@ def test_the_advisor_proposes_tp_with_offload_when_tp_alone_does_not_fit(capsys:
     code, out, _ = run_cli(capsys, "advise", *argv)
     assert code == 0 and "Recommended: stage 2 + optimizer_cpu + TP 2" in out, out
     # the overrides are a valid training configuration (offload x TP is not refused)
-    from lightning_zero.config.build import strategy_kwargs
-    from lightning_zero.config.launch import compose_config
+    from lightning_zero.config.run.launch import compose_config
+    from lightning_zero.config.settings import settings_of
     from lightning_zero.config.validate import validate_config
 
     cfg = validate_config(compose_config(["experiment=gpt_tiny", "trainer.devices=8", *adv.overrides.split()]))
-    kwargs = strategy_kwargs(cfg)
-    assert kwargs["tensor_parallel"] == 2 and int(kwargs["config"].stage) == 2
+    settings = settings_of(cfg)
+    assert settings.parallel.tensor.size == 2 and int(settings.zero.stage) == 2

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from lightning_zero import ExpertParallelConfig, ZeroStrategy
+from lightning_zero.core.common.memory import expert_parallel_model_state, model_state_formula
 from lightning_zero.core.mesh import Axis, ParallelDims
-from lightning_zero.core.zero.memory import expert_parallel_model_state, model_state_formula
 from lightning_zero.moe import MoE
-from lightning_zero.moe.lightning import expert_size
+from lightning_zero.parallel.expert import expert_size
 
 
 def test_the_expert_axes_split_the_data_axis_expert_inner() -> None:
@@ -35,12 +35,15 @@ def test_the_strategy_takes_one_switch_and_refuses_what_is_not_built_before_laun
     assert ZeroStrategy(stage=2, expert_parallel=2).expert_parallel == ExpertParallelConfig(2)
     assert ZeroStrategy(stage=3, expert_parallel=ExpertParallelConfig(4)).expert_parallel.size == 4
     assert ZeroStrategy(stage=1).expert_parallel is None
-    with pytest.raises(NotImplementedError, match="expert_parallel=2 with tensor_parallel=2 is not built yet"):
+    with pytest.raises(ValueError, match=r"expert_parallel=2 with tensor_parallel=2: expert parallel with pipeline, "
+                       r"tensor or sequence parallel is not built yet .* Fix: expert_parallel=1, or tensor_parallel=1"):
         ZeroStrategy(expert_parallel=2, tensor_parallel=2)
-    with pytest.raises(NotImplementedError, match="expert_parallel=2 with pipeline=2 is not built yet"):
+    with pytest.raises(ValueError, match=r"expert_parallel=2 with PipelineConfig\.stages=2: .* is not built yet"):
         ZeroStrategy(expert_parallel=2, pipeline=PipelineConfig(stages=2))
-    with pytest.raises(NotImplementedError, match="with sequence_parallel=2"):
+    with pytest.raises(ValueError, match="with sequence_parallel=2"):
         ZeroStrategy(expert_parallel=2, sequence_parallel=2)
+    with pytest.raises(ValueError, match="checkpoint_format='sharded' with expert_parallel=2: sharded checkpoints"):
+        ZeroStrategy(stage=2, expert_parallel=2, checkpoint_format="sharded")
     with pytest.raises(TypeError, match="an int or an ExpertParallelConfig"):
         ZeroStrategy(expert_parallel="2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive integer"):
@@ -57,6 +60,20 @@ def test_deepspeed_style_layers_set_the_size_unless_the_strategy_does() -> None:
     with pytest.raises(ValueError, match="different ep_size"):
         expert_size(None, nn.ModuleList([MoE(4, expert, num_experts=4, ep_size=2),
                                          MoE(4, expert, num_experts=4, ep_size=4)]))
+
+
+def test_a_size_the_moe_layers_set_is_checked_by_the_settings_rules_at_setup() -> None:
+    """``ep_size`` of DeepSpeed-style layers (no ``expert_parallel=``) becomes this setup's settings tree, whose rules
+    refuse what is not built as the strategy's argument would be (before: TP 2 with ``ep_size=2`` layers passed the
+    constructor's check and reached the mesh)."""
+    from lightning_zero.core.settings import ParallelSettings, Settings, TensorParallelConfig
+    from lightning_zero.parallel.expert import expert_settings
+
+    layers = nn.ModuleList([MoE(4, nn.Linear(4, 4), num_experts=4, ep_size=2)])
+    assert expert_settings(Settings(), layers).parallel.expert == ExpertParallelConfig(2)
+    assert expert_settings(Settings(), nn.Linear(2, 2)) == Settings()
+    with pytest.raises(ValueError, match="expert parallel with pipeline, tensor or sequence parallel is not built"):
+        expert_settings(Settings(parallel=ParallelSettings(tensor=TensorParallelConfig(2))), layers)
 
 
 def test_a_deepspeed_json_expert_parallel_section_sets_the_size_and_refuses_what_is_not_built() -> None:
@@ -81,20 +98,22 @@ def test_a_deepspeed_json_expert_parallel_section_sets_the_size_and_refuses_what
 
 
 def test_the_cli_config_builds_expert_parallel_and_refuses_what_is_not_built_before_launch() -> None:
-    from lightning_zero.config.build import strategy_kwargs
-    from lightning_zero.config.launch import compose_config
     from lightning_zero.config.model_zoo import gpt_config
+    from lightning_zero.config.run.build import strategy_arguments
+    from lightning_zero.config.run.launch import compose_config
     from lightning_zero.config.validate import validate_config
 
     ok = ["experiment=gpt_tiny", "model.moe.num_experts=8", "expert_parallel=ep2", "trainer.devices=2"]
     cfg = validate_config(compose_config(ok))
-    assert strategy_kwargs(cfg)["expert_parallel"] == 2 and gpt_config(cfg.model).moe.num_experts == 8
-    assert strategy_kwargs(validate_config(compose_config(["experiment=gpt_tiny"])))["expert_parallel"] is None
+    assert strategy_arguments(cfg)["settings"].parallel.expert == ExpertParallelConfig(2)
+    assert gpt_config(cfg.model).moe.num_experts == 8
+    assert strategy_arguments(validate_config(compose_config(["experiment=gpt_tiny"])))["settings"].parallel.expert \
+        is None
     cases = {
         "trainer.devices=3": "does not divide the 3 data-parallel ranks",
         "model.moe.num_experts=0": "expert_parallel needs MoE layers",
         "model.moe.num_experts=3": "num_experts=3 does not split over expert_parallel.size=2",
-        "tensor_parallel=tp2": "expert_parallel with tensor_parallel.size=2 is not built yet",
+        "tensor_parallel=tp2": "expert_parallel.size=2 with tensor_parallel.size=2: expert parallel with pipeline",
         "model.build_in_configure_model=true": "build_in_configure_model=true is not built yet",
     }
     for override, message in cases.items():

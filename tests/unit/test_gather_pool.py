@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.stage3.gather_pool import GatherPool
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit, UnitState
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 
 def test_released_memory_is_reused_and_bounded_by_the_most_ever_gathered() -> None:

@@ -26,15 +26,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lightning_zero.lightning", "lightning_zero.observability", "lightning_zero.reliability",
         "lightning_zero.checkpoint", "lightning_zero.deepspeed", "lightning_zero.models", "lightning_zero.pipeline",
         "lightning_zero.tensor_parallel",
-        "lightning_zero.sequence_parallel", "lightning_zero.moe",
-        "lightning_zero.hf",
-        # former paths, kept for a release
-        "lightning_zero.callbacks", "lightning_zero.monitoring", "lightning_zero.progress",
+        "lightning_zero.sequence_parallel", "lightning_zero.parallel", "lightning_zero.moe", "lightning_zero.hf",
     )),
     ("tools", (
         "lightning_zero.config", "lightning_zero.cli", "lightning_zero.estimator",
-        "lightning_zero.advisor",  # a former path, kept for a release
         "lightning_zero.testing", "lightning_zero.__main__", "lightning_zero.project",
+        "lightning_zero.compat",  # the former paths' table and finder: imports only core/lazy.py, by name the rest
     )),
 )
 TOP = "lightning_zero"  # the package's __init__: imports from every layer (only the module itself, not a prefix)
@@ -174,6 +171,59 @@ def test_imports_point_down_the_layers() -> None:
     upward = [f"{m} ({LAYERS[_layer(m)][0]}) imports {i} ({LAYERS[_layer(i)][0]})"
               for m, deps in _graph().items() for i in sorted(deps) if _layer(i) > _layer(m)]
     assert upward == []
+
+
+# core/'s folders, lowest first (docs/design.md, "One order inside core"): a module of one may import its own folder
+# and the folders before it, never one after it. ``common`` is the leaf everything shares; ``zero`` (the engine)
+# composes the rest and is imported back by nothing in core/.
+CORE_ORDER = ("common", "settings", "mesh", "reliability", "comm", "experts", "precision", "stage3", "offload", "zero")
+
+
+def _folder(module: str) -> str:
+    """The folder a module sits in: a package stands for its own folder, a module for its parent's (the root's
+    modules, ``cli`` or ``__main__``, are the root's folder, ``lightning_zero``)."""
+    path = PACKAGE.parent.joinpath(*module.split("."))
+    return module if path.is_dir() else module.rpartition(".")[0]
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """Folder -> the folders its modules import -> the module imports that make the arrow."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for m, deps in graph.items():
+        arrows = out.setdefault(_folder(m), {})
+        for d in deps:
+            if _folder(d) != _folder(m):
+                arrows.setdefault(_folder(d), []).append(f"{m} -> {d}")
+    return out
+
+
+def test_folder_helpers_see_packages_and_modules() -> None:
+    assert _folder("lightning_zero.core.zero.engine") == "lightning_zero.core.zero"
+    assert _folder("lightning_zero.core.zero") == "lightning_zero.core.zero"
+    assert _folder("lightning_zero.cli") == "lightning_zero"
+    graph = {"lightning_zero.cli": {"lightning_zero.config.validate"},
+             "lightning_zero.config.validate": {"lightning_zero"}, "lightning_zero": set()}
+    folders = _folder_graph(graph)
+    assert _cycles({f: set(a) for f, a in folders.items()}) == [["lightning_zero", "lightning_zero.config"]]
+
+
+def test_core_folders_follow_one_order() -> None:
+    """Every folder of core/ has its place in :data:`CORE_ORDER`, and no import runs back up it."""
+    on_disk = {p.name for p in (PACKAGE / "core").iterdir() if (p / "__init__.py").exists()}
+    assert sorted(on_disk) == sorted(CORE_ORDER), "give each folder of core/ its place in CORE_ORDER"
+    rank = {f"lightning_zero.core.{name}": i for i, name in enumerate(CORE_ORDER)}
+    back_up = [why for folder, arrows in _folder_graph(_graph()).items() if folder in rank
+               for target, whys in sorted(arrows.items()) if rank.get(target, -1) > rank[folder] for why in whys]
+    assert back_up == [], "imports running back up core/'s order"
+
+
+def test_no_folder_cycles() -> None:
+    """No two folders of the package import each other, directly or around a loop (the root's modules, ``cli``
+    and ``__main__``, are one folder: ``lightning_zero``)."""
+    folders = _folder_graph(_graph())
+    cycles = _cycles({f: set(arrows) for f, arrows in folders.items()})
+    shown = [f"{a} -> {b}: {folders[a][b][0]}" for c in cycles for a in c for b in c if b in folders[a]]
+    assert cycles == [], shown
 
 
 def test_nothing_in_lightning_zero_imports_experiments() -> None:

@@ -49,9 +49,9 @@ def test_the_launcher_imports_no_lightning_and_the_names_register_when_lightning
         import contextlib, io, sys
         import lightning_zero, lightning_zero.__main__
         from lightning_zero.cli import main
-        from lightning_zero.config.launch import check_jobs, launch_ranks, run_job
+        from lightning_zero.config.run.launch import check_jobs, launch_ranks, run_job
         from lightning_zero.config.paths import FitResult, register_run_name
-        from lightning_zero.config.validate import describe
+        from lightning_zero.config.describe import describe
         with contextlib.redirect_stdout(io.StringIO()):
             assert main(["--help"]) == 0
             assert main(["estimate", "--params", "1e9", "--world-size", "8"]) == 0

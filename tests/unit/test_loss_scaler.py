@@ -22,13 +22,8 @@ import pytest
 import torch
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.precision.loss_scaler import (
-    LossScaler,
-    LossScalerConfig,
-    MinLossScaleError,
-    any_rank,
-    local_sum_of_squares,
-)
+from lightning_zero.core.precision.loss_scaler import LossScaler, MinLossScaleError, any_rank, local_sum_of_squares
+from lightning_zero.core.settings.precision import LossScalerConfig
 
 # scale 16, window 2, 2 credits, floor 2
 BASE = dict(initial_scale_power=4, loss_scale_window=2, hysteresis=2, min_loss_scale=2.0)

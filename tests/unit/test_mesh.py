@@ -57,3 +57,16 @@ def test_one_process_mesh_has_no_groups() -> None:
     assert mesh.group(Axis.DATA) is None and mesh.ranks(Axis.DATA) == [0]
     assert mesh.index(Axis.TENSOR) == 0
     mesh.close()
+
+
+def test_the_mesh_answers_the_pipeline_and_the_sampler_from_its_coordinates() -> None:
+    """What the pipeline's own rank arithmetic and the sampler's recomputed sizes did, the mesh says (issue 47):
+    the same position in another stage, the data shard, and (in one process) no tie group."""
+    dims = ParallelDims(8, pipeline=2, tensor=2)  # rank 5: stage 1, data 0, tensor 1
+    mesh = ProcessMesh(dims, 5, [])
+    assert mesh.index(Axis.PIPELINE) == 1 and mesh.peer(Axis.PIPELINE, 0) == 1
+    assert mesh.data_shard == (2, 0) and ProcessMesh(dims, 7, []).data_shard == (2, 1)
+    assert [mesh.peer(Axis.PIPELINE, s) for s in (0, 1)] == [ProcessMesh(dims, r, []).rank for r in (1, 5)]
+    assert mesh.subgroup(Axis.PIPELINE, (0, 1)) is None  # no process group: every collective is local
+    single = ProcessMesh.single()
+    assert single.subgroup(Axis.PIPELINE, (0,)) is None and single.data_shard == (1, 0)

@@ -1,4 +1,5 @@
-"""Nothing is assigned into the engine or the strategy from another module after construction.
+"""Nothing is assigned into the engine or the strategy from another module after construction, and no private
+attribute of the strategy is read outside its own folder.
 
 The ZeRO engine and the strategy receive their collaborators (groups, the pipeline's coupling, the
 resolved config, ...) in their constructors or through a method of their own (issue 30): an attribute
@@ -19,9 +20,9 @@ SCANNED = ("lightning_zero", "benchmarks", "experiments")
 OWNED_NAMES = {"engine", "_engine", "strategy", "_strategy"}  # objects that must not be assigned into
 # any other name ending so (a class, ``ddp_strategy``, ``self.zero_engine``) is one too
 OWNED_SUFFIXES = ("strategy", "engine")
-# the one allowed, with its reason: a deprecated alias of a moved classmethod, installed by the module it moved
-# to (ZeroStrategy cannot import that module: it is a layer above); removed with the alias next release
-ALLOWED = {"lightning_zero/deepspeed/strategy.py: ZeroStrategy.from_deepspeed_config"}
+# none allowed (a former method, ``ZeroStrategy.from_deepspeed_config``, is set on its class by lightning_zero/compat
+# with the other former paths: Note [former paths]); an entry is "file: target" with its reason beside it
+ALLOWED: set[str] = set()
 
 
 def _last_name(node: ast.expr) -> str | None:
@@ -80,3 +81,35 @@ def test_no_module_assigns_into_the_engine_or_the_strategy() -> None:
             found += outside_assignments(path.read_text(), where)
     assert not found, ("attributes of the engine / the strategy assigned from another module (pass them to the "
                        "constructor, or call a method of the object that owns the attribute):\n" + "\n".join(found))
+
+
+def private_strategy_reads(source: str, where: str) -> list[str]:
+    """``file:line: expression`` of every read of a private attribute (``_name``) of an object named like a strategy
+    (``strategy``, ``trainer.strategy``, ``ddp_strategy``, ...; ``self`` is the object's own business)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = _last_name(node.value)
+            if owner is not None and owner != "self" and owner.lower().endswith("strategy"):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_scan_finds_a_private_read_of_a_strategy() -> None:
+    source = ("a = strategy._run.mesh\nb = trainer.strategy._steps\nc = self._run\nd = strategy.engine\n"
+              "e = s.__class__\n")
+    found = sorted(private_strategy_reads(source, "m.py"))
+    assert found == ["m.py:1: strategy._run", "m.py:2: trainer.strategy._steps"], found
+
+
+def test_no_private_attribute_of_the_strategy_is_read_outside_its_folder() -> None:
+    """The strategy's parts (``lightning_zero/lightning/``) are given what they need; everything else reads its public
+    read-outs (``engine``, ``engine_comm``, ``layout()``, ``settings``, ...). Tests may look inside: they are not
+    scanned."""
+    found = []
+    for folder in SCANNED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            where = path.relative_to(ROOT).as_posix()
+            if not where.startswith("lightning_zero/lightning/"):
+                found += private_strategy_reads(path.read_text(), where)
+    assert not found, "private attributes of the strategy read from outside lightning/:\n" + "\n".join(found)

@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero.checkpoint.reader import ShardedCheckpoint
 from lightning_zero.cli import main
-from lightning_zero.config.launch import check_jobs
-from lightning_zero.core.offload.config import OffloadConfig
+from lightning_zero.config.run.launch import check_jobs
+from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
 from tests.models import TinyTransformer, make_trainer, token_loader
 
@@ -47,7 +47,7 @@ def test_the_cli_refuses_an_unusable_nvme_path_in_one_line_before_launch(
     assert "is not a directory" in _refusal([*NVME_RUN, f"offload.nvme_path={not_a_dir}"], capsys)
     # a disk without room for the estimator's figure of the node's offloaded state (2 ranks)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("lightning_zero.core.offload.config.shutil.disk_usage", lambda path: usage(10**9, 0, 1000))
+    monkeypatch.setattr("lightning_zero.core.settings.offload.shutil.disk_usage", lambda path: usage(10**9, 0, 1000))
     line = _refusal([*NVME_RUN, f"offload.nvme_path={tmp_path}"], capsys)
     assert f"'{tmp_path}' has 1 kB free but the offloaded state needs 2.24 MB." in line
     assert line.endswith("Fix: offload.nvme_path=<a writable directory on a local disk with 2.24 MB free>.")

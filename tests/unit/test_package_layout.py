@@ -8,6 +8,7 @@ holds two mechanisms: split it by mechanism (docs/design.md says where each goes
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_zero"
@@ -58,3 +59,50 @@ def test_every_sub_package_names_its_public_pieces_or_says_why_not() -> None:
             continue
         assert names and all(hasattr(module, n) for n in names), name
     assert silent == []
+
+
+def _shim_reasons(path: Path, relative: str, former: set[str]) -> list[str]:
+    """Why ``path`` is a shim module (empty: it is not): a file at a former path (compat/ serves those), a module
+    that warns on import, or one that only hands names on without a word of its own (no definition, no Note)."""
+    text = path.read_text()
+    tree = ast.parse(text)
+    out = []
+    if relative in former:
+        out.append("a file at a former path")
+    if any(isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and "warn" in ast.unparse(n.value.func)
+           for n in tree.body):
+        out.append("warns on import")
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    defines = [n for n in body if not isinstance(n, (ast.Import, ast.ImportFrom))
+               and not (isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets))]
+    if not defines and path.name not in ("__init__.py", "__main__.py") and "Note [" not in text:
+        out.append("only hands names on")
+    return out
+
+
+def test_the_shim_scan_finds_each_kind(tmp_path: Path) -> None:
+    reexport = tmp_path / "old.py"
+    reexport.write_text('"""Moved."""\n\nfrom a.b import c\n\n__all__ = ["c"]\n')
+    assert _shim_reasons(reexport, "x/old.py", {"x/old.py"}) == ["a file at a former path", "only hands names on"]
+    warning = tmp_path / "warns.py"
+    warning.write_text('"""Moved."""\n\nimport warnings\n\nwarnings.warn("moved", DeprecationWarning)\nX = 1\n')
+    assert _shim_reasons(warning, "x/warns.py", set()) == ["warns on import"]
+    face = tmp_path / "face.py"
+    face.write_text('"""The format.\n\nNote [the format]\n    Described here.\n"""\n\nfrom a.b import c\n')
+    assert _shim_reasons(face, "x/face.py", set()) == []
+
+
+def test_no_shim_module_outside_compat() -> None:
+    """Every former path is served from ``compat/`` (Note in ``compat/former.py``); no module elsewhere is a shim."""
+    from lightning_zero.compat.former import FORMER_MODULES
+
+    former = {m.old.removeprefix("lightning_zero.").replace(".", "/") + ".py" for m in FORMER_MODULES}
+    former |= {f.removesuffix(".py") + "/__init__.py" for f in former}
+    shims = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith("compat/"):
+            continue
+        if reasons := _shim_reasons(path, relative, former):
+            shims[relative] = reasons
+    assert shims == {}

@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
+from lightning_zero.core.common.flat_param import FlatParamGroup
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 from lightning_zero.core.zero.optimizer import trainable_groups
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -35,7 +35,12 @@ HYDRA_CONFIGS = sorted((ROOT / "conf").rglob("*.yaml"))
 # former documented paths, kept for one release: a reference at or under one must warn where it moved
 DEPRECATED_MODULES = ("lightning_zero.core.engine", "lightning_zero.core.config", "lightning_zero.core.loss_scaler",
                       "lightning_zero.advisor", "lightning_zero.callbacks", "lightning_zero.monitoring",
-                      "lightning_zero.progress", "lightning_zero.core.memory")
+                      "lightning_zero.progress", "lightning_zero.core.memory",
+                      # issue 47's one order inside core/ (lightning_zero/compat/former.py)
+                      "lightning_zero.core.zero.config", "lightning_zero.core.zero.memory",
+                      "lightning_zero.core.zero.flat_param", "lightning_zero.core.offload.config",
+                      "lightning_zero.core.reliability.agreement", "lightning_zero.core.stage3.teardown",
+                      "lightning_zero.core.stage3.loading", "lightning_zero.lightning.own_bytes")
 DEPRECATED = (*DEPRECATED_MODULES, "lightning_zero.DynamicLossScaler",
               "lightning_zero.core.precision.loss_scaler.DynamicLossScaler",
               # names the docs of the previous release showed at paths that moved (issue 30's reorganisation)
@@ -43,7 +48,14 @@ DEPRECATED = (*DEPRECATED_MODULES, "lightning_zero.DynamicLossScaler",
               "lightning_zero.progress.LineProgress", "lightning_zero.core.memory.model_state_formula",
               "lightning_zero.core.memory.offloaded_model_state", "lightning_zero.core.offload.nvme_path_problem",
               "lightning_zero.lightning.own_bytes.own_bytes",
-              "lightning_zero.observability.callbacks.ZeroModelSummary")
+              "lightning_zero.observability.callbacks.ZeroModelSummary",
+              # names issue 47 moved (lightning_zero/compat/former.py): documented paths of the previous release
+              "lightning_zero.core.zero.config.ZeroConfig", "lightning_zero.core.zero.config.DtypePolicy",
+              "lightning_zero.core.zero.memory.model_state_formula",
+              "lightning_zero.core.zero.memory.offloaded_model_state",
+              "lightning_zero.core.offload.config.nvme_path_problem", "lightning_zero.core.offload.OffloadConfig",
+              "lightning_zero.core.zero.ZeroConfig", "lightning_zero.core.offload.store.OptimizerOffload",
+              "lightning_zero.deepspeed.strategy.precision_plugin_args")
 # former names that warn when called, not when looked up (a page must not show them either; calling
 # ZeroStrategy.from_deepspeed_config is tests/unit/test_deepspeed_config.py's old-name test)
 DEPRECATED_ON_CALL = ("lightning_zero.ZeroStrategy.from_deepspeed_config",)

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_zero.cli import main
-from lightning_zero.config.launch import compose_config
-from lightning_zero.config.validate import config_warnings, describe, validate_config
+from lightning_zero.config.describe import describe
+from lightning_zero.config.run.launch import compose_config
+from lightning_zero.config.validate import config_warnings, validate_config
 
 
 def _config(*overrides: str):  # a TrainConfig
@@ -61,8 +62,8 @@ def test_header_run_directory_and_hparams_name_every_dimension_that_is_not_the_d
     one, and its hparams had no tensor, sequence or attention key."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_zero.config.build import run_hparams
     from lightning_zero.config.paths import conf_dir, register_configs, register_run_name
+    from lightning_zero.config.run.build import run_hparams
 
     cfg = _config(*overrides)
     assert describe(cfg).endswith(header), describe(cfg)
@@ -107,7 +108,7 @@ def test_a_sparse_layout_that_is_dense_at_the_run_s_length_is_warned_about_befor
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """gpt_tiny's 64 tokens are 4 blocks of 16, and sparse_fixed's windows are 4 blocks: its losses equalled dense's
     exactly, at 3x the time."""
-    import lightning_zero.config.launch as launch
+    import lightning_zero.config.run.launch as launch
 
     dense = config_warnings(_config("model.attention=sparse_fixed"))
     assert dense == ["model.attention=sparse_fixed is dense at data.seq_len=64 (4 blocks of 16): its layout keeps "
@@ -130,7 +131,7 @@ def test_a_sparse_layout_that_is_dense_at_the_run_s_length_is_warned_about_befor
 def test_a_run_in_this_process_prints_each_line_once_without_the_noise(tmp_path: Path) -> None:
     """Hydra's root handlers (console and train.log) and Lightning's own ``INFO:`` handler printed each Lightning
     line twice, the model summary too, and the litlogger tip and LeafSpec deprecation the 2-rank console drops."""
-    from lightning_zero.config.console import in_process_console
+    from lightning_zero.config.run.console import in_process_console
 
     console = io.StringIO()
     root, lightning = logging.getLogger(), logging.getLogger("lightning")
@@ -170,7 +171,7 @@ def test_a_run_in_this_process_prints_each_line_once_without_the_noise(tmp_path:
 
 def test_lightning_adds_no_model_summary_of_its_own_and_says_nothing_about_ours(tmp_path: Path) -> None:
     """Every run printed "Trainer already configured with model summary callbacks: [...]"."""
-    from lightning_zero.config.build import trainer_kwargs
+    from lightning_zero.config.run.build import trainer_kwargs
     from lightning_zero.observability.model_summary import ZeroModelSummary
 
     kwargs = trainer_kwargs(_config(), tmp_path)

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from lightning_zero.core.offload import shard_store, store
-from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.offload.file_store import FileStore
 from lightning_zero.core.offload.host_store import HostStore
 from lightning_zero.core.offload.shard_store import DeviceStore, ShardStore
-from lightning_zero.core.zero.config import ZeroConfig
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 
 OPERATIONS = sorted(n for n, v in vars(ShardStore).items() if inspect.isfunction(v) and not n.startswith("_"))
@@ -99,3 +99,25 @@ def test_the_optimizer_calls_the_store_it_was_given_and_steps_as_a_plain_optimiz
     # the device store's step is the user's own; the host store runs it and writes each sub-group back
     assert ({"sub_groups", "step", "write_back", "place"} <= calls) is (device == "cpu")
     assert shard_store.DeviceStore.runs_step is False
+
+
+def test_the_optimizer_and_the_engine_ask_the_store_never_the_device() -> None:
+    """The last branches on the offload device outside the stores (the engine's ``master_grad_is_view``, the
+    optimizer's checks of ``store.device``) ask the store whether its shards are offloaded (issue 47)."""
+    from pathlib import Path
+
+    zero = Path(__file__).resolve().parents[2] / "lightning_zero" / "core" / "zero"
+    naming = sorted(p.name for p in zero.glob("*.py") if "OffloadDevice" in p.read_text())
+    assert naming == [], naming  # only open_shard_store (core/offload/store.py) looks at the device
+    assert DeviceStore.offloaded is False and HostStore.offloaded is True and FileStore.offloaded is True
+    module = nn.Linear(4, 4)
+    plain = ZeroEngine(module, torch.optim.AdamW(module.parameters()), ZeroConfig(stage=2))
+    assert plain.master_grad_is_view and plain.sharded is not None and plain.sharded.offload is None
+    module = nn.Linear(4, 4)
+    offloaded = ZeroEngine(module, torch.optim.AdamW(module.parameters()), ZeroConfig(stage=2),
+                           offload=OffloadConfig(optimizer_device="cpu"))
+    try:
+        assert not offloaded.master_grad_is_view and offloaded.sharded is not None
+        assert offloaded.sharded.offload is offloaded.sharded.store
+    finally:
+        offloaded.detach()

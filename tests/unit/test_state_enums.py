@@ -5,6 +5,7 @@ state machine and the reducer's reduction mode."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,10 +14,10 @@ import torch
 from torch import nn
 
 from lightning_zero import NonFinitePolicy, OffloadConfig, OffloadDevice, ZeroConfig, ZeroStage
+from lightning_zero.core.common.memory import model_state_formula
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.engine_step import StepState, StepStateError
 from lightning_zero.core.zero.grad_reducer import ReductionMode
-from lightning_zero.core.zero.memory import model_state_formula
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_zero"
 
@@ -98,7 +99,7 @@ def test_the_hydra_schema_uses_the_core_offload_enum() -> None:
 
     from lightning_zero.config import schema
 
-    assert schema.OffloadDevice is OffloadDevice
+    assert {f.name: f.type for f in dataclasses.fields(schema.OffloadSchema)}["optimizer_device"] is OffloadDevice
     node = OmegaConf.merge(OmegaConf.structured(schema.OffloadSchema), {"optimizer_device": "cpu"})
     assert node.optimizer_device is OffloadDevice.cpu
     assert "optimizer_device: cpu" in OmegaConf.to_yaml(node)

@@ -16,7 +16,7 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.offload.param_offload import ParamOffload
 from lightning_zero.core.reliability.progress_record import ProgressRecord
 from lightning_zero.core.zero.engine_step import GradReduction
@@ -73,13 +73,16 @@ def test_model_summary_moved_and_its_former_path_warns() -> None:
     assert public is ZeroModelSummary
 
 
-@pytest.mark.parametrize(("former", "name", "now"), [
-    ("lightning_zero.deepspeed.strategy", "precision_plugin_args", "lightning_zero.deepspeed.strategy_args"),
-    ("lightning_zero.deepspeed.strategy", "build_precision_plugin", "lightning_zero.deepspeed.strategy_args"),
-])
-def test_names_the_file_size_split_moved_still_import_and_warn(former: str, name: str, now: str) -> None:
-    with pytest.warns(DeprecationWarning, match=now):
+@pytest.mark.parametrize("former", ["lightning_zero.deepspeed.strategy", "lightning_zero.deepspeed.strategy_args"])
+@pytest.mark.parametrize("name", ["precision_plugin_args", "build_precision_plugin"])
+def test_names_the_file_size_split_moved_still_import_and_warn(former: str, name: str) -> None:
+    """Issue 30 moved them to ``strategy_args``; issue 47 made them the JSON's precision node
+    (``DeepSpeedConfig.precision_settings``): both former places still serve them (lightning_zero/compat)."""
+    from lightning_zero.deepspeed.config import parse_deepspeed_config
+
+    with pytest.warns(DeprecationWarning, match="precision_settings"):
         found = getattr(importlib.import_module(former), name)
-    assert found is getattr(importlib.import_module(now), name)
+    made = found(parse_deepspeed_config({"bf16": {"enabled": True}}))
+    assert made == ("bf16-mixed", {}) if name == "precision_plugin_args" else made.precision == "bf16-mixed"
     with pytest.raises(AttributeError):
         importlib.import_module(former).no_such_name  # noqa: B018

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_zero.config.launch import CONFIG_FILE, check_jobs, compose_config, train_command
+from lightning_zero.config.run.launch import CONFIG_FILE, check_jobs, compose_config, train_command
 from lightning_zero.config.schema import to_train_config, to_yaml
 from lightning_zero.project import TargetError, TargetNode, locate, static_problems
 from lightning_zero.project.locate import PROJECT_ENV
@@ -51,6 +51,17 @@ def test_the_projects_config_composes_typed_and_round_trips_through_the_ranks_fi
     assert to_train_config(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))) == cfg  # what a rank reads
     off = compose_config([*RUN[2:], "callbacks.lr_monitor=null"], config_dir="conf")  # an entry turned off
     assert set(to_train_config(off).callbacks) == {"step_trace"}
+
+
+def test_hydra_searchpath_adds_the_projects_groups_as_config_dir_does(project: Path) -> None:
+    """``hydra.searchpath=[file://conf]`` instead of ``--config-dir conf``: the same groups, the same config."""
+    (by_dir,) = check_jobs([RUN[2:]], config_dir="conf")
+    (by_searchpath,) = check_jobs([["hydra.searchpath=[file://conf]", *RUN[2:]]])
+    assert by_searchpath == by_dir and by_searchpath.model.target == "wave.model.WaveNet"
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException):  # without either, the project's groups are not found
+        check_jobs([RUN[2:]])
 
 
 def test_a_wrong_target_is_refused_before_launch_with_the_name_it_meant(project: Path, capsys) -> None:
@@ -112,8 +123,8 @@ def test_an_import_error_inside_the_users_module_names_the_missing_module_and_th
 def test_what_only_the_rank_can_see_is_one_line_and_exit_code_2_from_the_worker(project: Path, capsys) -> None:
     """``LearningRateMonitor`` comes through ``lightning.pytorch.callbacks``' imports: its parameters are not in that
     file, so the key is checked on the rank, after the import, before the Trainer exists."""
-    from lightning_zero.config.launch import run_job  # noqa: F401  (the worker's own imports, as in a rank)
-    from lightning_zero.config.worker import main as worker
+    from lightning_zero.config.run.launch import run_job  # noqa: F401  (the worker's own imports, as in a rank)
+    from lightning_zero.config.run.worker import main as worker
 
     overrides = [*RUN[2:], "+callbacks.lr_monitor.bogus=1", "trainer=cpu1"]
     (cfg,) = check_jobs([overrides], config_dir="conf")  # the source cannot tell: accepted before launch
@@ -145,7 +156,7 @@ def test_a_checkpoint_missing_a_weight_or_holding_an_unexpected_one_is_refused_l
 
     from safetensors.torch import load_file, save_file
 
-    from lightning_zero.core.errors import UsageError
+    from lightning_zero.core.common.errors import UsageError
     from lightning_zero.core.stage3.materialize import parameters_on_meta
     from lightning_zero.hf.module import HFCausalLM
 
@@ -256,8 +267,8 @@ def test_what_your_module_lacks_for_a_parallel_dimension_is_one_line_from_the_ra
     without a plan or without `configure_sequence_parallel` is a UsageError, which the worker prints once (exit 2)."""
     from torch import nn
 
-    from lightning_zero.core.errors import UsageError
-    from lightning_zero.sequence_parallel.lightning import StrategySequenceParallel
+    from lightning_zero.core.common.errors import UsageError
+    from lightning_zero.parallel.sequence import StrategySequenceParallel
     from lightning_zero.tensor_parallel.plan import find_plan
 
     with pytest.raises(UsageError, match="carries no tensor-parallel plan"):

@@ -1,10 +1,13 @@
 """Communication: the explicit data-parallel group and every collective the core issues, compressed ones too.
 
-Public pieces: ``DataParallelComm`` (``data_parallel``), ``OneBitAdam`` (``onebit_adam``) with its compressed
-all-reduce (``compressed_allreduce``, ``compression``), the groups closed before exit (``process_groups``), and the
-agreements settled before the strategy's next collective (``deferred``: ``DeferredFlags``, ``strategy_collective``).
+Public pieces: ``DataParallelComm`` (``data_parallel``), the setup agreement, ``check_same_everywhere``,
+``first_difference`` (``agreement``: the first differing entry and rank), ``OneBitAdam`` (``onebit_adam``) with its
+compressed all-reduce (``compressed_allreduce``, ``compression``), the groups closed before exit
+(``process_groups``), and the agreements settled before the strategy's next collective (``deferred``:
+``DeferredFlags``, ``strategy_collective``).
 """
 
+from lightning_zero.core.comm.agreement import check_same_everywhere, first_difference
 from lightning_zero.core.comm.compressed_allreduce import CompressedAllReduce
 from lightning_zero.core.comm.compression import Compressed, ErrorFeedback, compress
 from lightning_zero.core.comm.data_parallel import DataParallelComm
@@ -13,4 +16,5 @@ from lightning_zero.core.comm.onebit_adam import OneBitAdam
 from lightning_zero.core.comm.process_groups import close_all, own, reusable
 
 __all__ = ["Compressed", "CompressedAllReduce", "DataParallelComm", "DeferredFlags", "ErrorFeedback", "OneBitAdam",
-           "close_all", "compress", "own", "reusable", "strategy_collective"]
+           "check_same_everywhere", "close_all", "compress", "first_difference", "own", "reusable",
+           "strategy_collective"]

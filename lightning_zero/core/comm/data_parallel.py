@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.core.comm.deferred import DONE, DeferredFlags, Handle, defer, forget_pending, settle_pending
+from lightning_zero.core.common.choices import Collective
 from lightning_zero.core.reliability.progress_record import RECORD
-from lightning_zero.core.zero.config import Collective
 
 
 def _all_gather_single(output: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGroup | None,
@@ -94,7 +94,7 @@ class DataParallelComm:
     Args:
         group: the data-parallel process group (``None``: the default group when one is
             initialised, otherwise a single rank with no communication).
-        collective: see :class:`~lightning_zero.core.zero.config.ZeroConfig`.
+        collective: see :class:`~lightning_zero.core.settings.zero.ZeroConfig`.
         expert_data: with expert parallelism, the collectives over the ranks holding this rank's experts (the
             expert-data group, Note [expert axes] in core/mesh/dims.py), which the experts' flat groups use
             (:meth:`of`); ``None``: no expert partition.

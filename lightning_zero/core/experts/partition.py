@@ -8,7 +8,7 @@ from collections.abc import Set
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.zero.flat_param import FlatParamGroup
+from lightning_zero.core.common.flat_param import FlatParamGroup
 
 
 def bind_partitioned(params: list[nn.Parameter], experts: Set[nn.Parameter], comm: DataParallelComm,

@@ -1,8 +1,10 @@
-"""The process groups of the device mesh, created once, and this rank's view of them.
+"""The process groups of the device mesh, created once, and this rank's view of them (a strategy's one mesh).
 
 Every rank creates every group of each requested axis set in the same order (``dist.new_group`` is
-collective over the world) and keeps the one it belongs to. Without an initialised process group
-(one process: unit tests, a single-device run) the mesh has world size 1 and no groups, and every
+collective over the world) and keeps the one it belongs to. The groups a model adds (the pipeline stages sharing
+a tied weight: :meth:`ProcessMesh.subgroup`) are the mesh's too, as are this rank's coordinates (the data rank the
+sampler reads) and the sizes (``dims``: the data-parallel size is derived there alone). Without an initialised
+process group (one process: unit tests, a single-device run) the mesh has world size 1 and no groups, and every
 collective its users issue becomes a local no-op through ``DataParallelComm(group=None)``.
 """
 
@@ -42,19 +44,14 @@ class ProcessMesh:
         self.rank = rank
         self.coordinates = dims.coordinates(rank)
         self._groups: dict[AxisSet, dist.ProcessGroup | None] = {}
+        self._subgroups: dict[tuple[Axis, tuple[int, ...]], dist.ProcessGroup | None] = {}
+        self._timeout = timedelta(seconds=timeout_s)
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and dist.get_world_size() != dims.world_size:
             raise ValueError(f"the mesh was sized for {dims.world_size} ranks but the process group has "
                              f"{dist.get_world_size()}: build ParallelDims from the launched world size")
-        timeout = timedelta(seconds=timeout_s)
         for axes in dict.fromkeys(_key(a) for a in axis_sets):  # unique, in the caller's order
-            mine = None
-            if distributed and dims.world_size > 1:
-                for ranks in dims.all_groups(axes):
-                    group = dist.new_group(ranks, timeout=timeout)
-                    if rank in ranks:
-                        mine = group
-            self._groups[axes] = mine
+            self._groups[axes] = self._new_groups(dims.all_groups(axes))
 
     @classmethod
     def single(cls, dims: ParallelDims | None = None) -> ProcessMesh:
@@ -74,9 +71,41 @@ class ProcessMesh:
             raise KeyError(f"no process group along {[a.value for a in key]} was created: add it to axis_sets")
         return self._groups[key]
 
+    def subgroup(self, axis: Axis, positions: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """This rank's group of the ranks at ``positions`` along ``axis``, the other coordinates its own (e.g. the
+        pipeline stages sharing a tied weight); one is created per group along ``axis`` on first use, every rank
+        asking for the same ones in the same order (``dist.new_group`` is collective over the world), and kept
+        and closed with the mesh's other groups. ``None`` when this rank is not at one of ``positions``."""
+        key = (axis, tuple(positions))
+        if key not in self._subgroups:
+            self._subgroups[key] = self._new_groups([[ranks[i] for i in key[1]]
+                                                     for ranks in self.dims.all_groups((axis,))])
+        return self._subgroups[key]
+
+    def _new_groups(self, groups: list[list[int]]) -> dist.ProcessGroup | None:
+        """Create ``groups`` (collective over the world), keeping the one this rank is in (``None`` in one process)."""
+        mine = None
+        if dist.is_available() and dist.is_initialized() and self.dims.world_size > 1:
+            for ranks in groups:
+                group = dist.new_group(ranks, timeout=self._timeout)
+                if self.rank in ranks:
+                    mine = group
+        return mine
+
     def index(self, axis: Axis) -> int:
         """This rank's coordinate along ``axis``."""
         return self.coordinates[axis]
+
+    def peer(self, axis: Axis, index: int) -> int:
+        """The global rank at this rank's coordinates but ``index`` along ``axis`` (another pipeline stage's rank
+        holding the same data, sequence and tensor position)."""
+        return self.dims.rank_of({**self.coordinates, axis: index})
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """``(replicas, index)`` of the data dimension: what a sampler shards over (the ranks of a pipeline, tensor
+        or sequence group see the same samples; Note [rank order])."""
+        return self.dims.data, self.coordinates[Axis.DATA]
 
     def ranks(self, *axes: Axis) -> list[int]:
         """The global ranks of this rank's group along ``axes``."""
@@ -84,8 +113,9 @@ class ProcessMesh:
 
     def close(self) -> None:
         """Destroy the groups this mesh created (Note [clean exit] in core/comm/process_groups.py)."""
-        groups, self._groups = self._groups, {}
-        for group in groups.values():
+        groups, self._groups = [*self._groups.values(), *self._subgroups.values()], {}
+        self._subgroups = {}
+        for group in groups:
             if group is not None and dist.is_available() and dist.is_initialized():
                 with suppress(ValueError):  # already destroyed
                     dist.destroy_process_group(group)

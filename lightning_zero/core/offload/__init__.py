@@ -1,13 +1,12 @@
 """Where optimizer and parameter shards live: on the device, in host memory or in run-private swap files.
 
-Public pieces: ``OffloadConfig``, ``OffloadDevice`` (``config``); the one storage interface of the optimizer's
+Public pieces: the one storage interface of the optimizer's
 shards (Note [one storage interface]): ``ShardStore`` and ``DeviceStore`` (``shard_store``), ``HostStore``
 (``host_store``), ``FileStore`` (``file_store``), chosen by ``open_shard_store`` (``store``); stage 3's parameter
 offload, ``ParamOffload`` (``param_offload``), the swap file, ``SwapFile`` (``swap_file``) and the CUDA copy fence,
 ``CopyFence`` (``copy_fence``).
 """
 
-from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
 from lightning_zero.core.offload.copy_fence import CopyFence
 from lightning_zero.core.offload.file_store import FileStore
 from lightning_zero.core.offload.host_store import HostStore
@@ -16,19 +15,5 @@ from lightning_zero.core.offload.shard_store import DeviceStore, ShardStore
 from lightning_zero.core.offload.store import open_shard_store
 from lightning_zero.core.offload.swap_file import SwapFile
 
-__all__ = ["CopyFence", "DeviceStore", "FileStore", "HostStore", "OffloadConfig", "OffloadDevice", "ParamOffload",
-           "ShardStore", "SwapFile", "open_shard_store"]
-
-
-def __getattr__(name: str) -> object:
-    """``lightning_zero.core.offload`` was a module (``OffloadConfig``, ``nvme_path_problem``, ...) before it became
-    this folder: its other names still resolve for one release, with a warning saying where they moved."""
-    import warnings
-
-    from lightning_zero.core.offload import config
-
-    if name.startswith("_") or not hasattr(config, name):
-        raise AttributeError(f"module 'lightning_zero.core.offload' has no attribute {name!r}")
-    warnings.warn(f"lightning_zero.core.offload.{name} moved to lightning_zero.core.offload.config.{name}; import "
-                  "from there (this path goes away in the next release)", DeprecationWarning, stacklevel=2)
-    return getattr(config, name)
+__all__ = ["CopyFence", "DeviceStore", "FileStore", "HostStore", "ParamOffload", "ShardStore", "SwapFile",
+           "open_shard_store"]

@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.offload.host_store import HostStore
 from lightning_zero.core.offload.shard_store import SubGroup
 from lightning_zero.core.offload.swap_file import SwapFile
+from lightning_zero.core.settings.offload import OffloadConfig
 
 if TYPE_CHECKING:
     from lightning_zero.core.stage3.sharded_unit import ShardedUnit

@@ -25,15 +25,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.offload.copy_fence import CopyFence
 from lightning_zero.core.offload.param_offload import ParamOffload
 from lightning_zero.core.offload.shard_store import SubGroup
 from lightning_zero.core.offload.swap_file import remove_stale_run_dirs
+from lightning_zero.core.settings.offload import OffloadConfig
 
 if TYPE_CHECKING:
+    from lightning_zero.core.common.flat_param import FlatParamGroup
     from lightning_zero.core.stage3.sharded_unit import ShardedUnit
-    from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 MMAP_THRESHOLD_BYTES = 1 << 20  # Note [freed memory]
 
@@ -87,6 +88,7 @@ class HostStore:
 
     device = OffloadDevice.cpu
     runs_step = True
+    offloaded = True
     nvme = False  # the optimizer state is in swap files (``FileStore``)
 
     def __init__(self, config: OffloadConfig, rank: int = 0, units: list[ShardedUnit] | None = None) -> None:

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
+from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.offload.copy_fence import CopyFence
 from lightning_zero.core.offload.swap_file import SwapFile
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 if TYPE_CHECKING:
     from lightning_zero.core.stage3.sharded_unit import ShardedUnit

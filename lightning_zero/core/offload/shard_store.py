@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
 
 if TYPE_CHECKING:
-    from lightning_zero.core.zero.flat_param import FlatParamGroup
+    from lightning_zero.core.common.flat_param import FlatParamGroup
 
 # a sub-group: (flat group, first element, one past the last) ranges, at master-piece boundaries
 SubGroup = list[tuple[int, int, int]]
@@ -45,6 +45,9 @@ class ShardStore(Protocol):
     """The offload device this store implements."""
     runs_step: bool
     """The optimizer's ``step`` runs through :meth:`step`, which writes each stepped sub-group back."""
+    offloaded: bool
+    """The shards live apart from the parameters (host memory, swap files): the optimizer steps on the store's
+    masters and gradients, never on the reduced gradient buffers themselves, and needs a partitioned optimizer."""
 
     def new_master(self, fi: int, own: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Storage for the master of flat group ``fi`` mirroring ``own`` (the parameter elements); ``own``
@@ -103,6 +106,7 @@ class DeviceStore:
 
     device = OffloadDevice.none
     runs_step = False
+    offloaded = False
 
     def new_master(self, fi: int, own: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if dtype == own.dtype:

@@ -9,19 +9,19 @@ which from then on calls it without asking where the shards are (Note [one stora
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
+from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.offload.file_store import FileStore
 from lightning_zero.core.offload.host_store import HostStore
 from lightning_zero.core.offload.shard_store import DeviceStore, ShardStore
+from lightning_zero.core.settings.offload import OffloadConfig
 
 if TYPE_CHECKING:
+    from lightning_zero.core.common.flat_param import FlatParamGroup
     from lightning_zero.core.stage3.sharded_unit import ShardedUnit
-    from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 STORES: dict[OffloadDevice, type[HostStore]] = {OffloadDevice.cpu: HostStore, OffloadDevice.nvme: FileStore}
 
@@ -61,14 +61,3 @@ def swap_bytes(config: OffloadConfig, groups: list[FlatParamGroup], units: list[
     if config.param_device is OffloadDevice.nvme:
         out += sum(g.shard_numel * g.flat.element_size() for u in units if not u.persistent for g in u.groups)
     return out
-
-
-def OptimizerOffload(config: OffloadConfig, rank: int = 0, units: list[ShardedUnit] | None = None) -> HostStore:
-    """Former class of the offloaded store: now :class:`HostStore` (``"cpu"``) and :class:`FileStore` (``"nvme"``),
-    chosen by :func:`open_shard_store`. Kept for one release; warns."""
-    warnings.warn("lightning_zero.core.offload.store.OptimizerOffload is now HostStore ('cpu') / FileStore ('nvme'); "
-                  "use lightning_zero.core.offload.open_shard_store(config, rank, units) (this name goes away in "
-                  "the next release)", DeprecationWarning, stacklevel=2)
-    if config.optimizer_device not in STORES:
-        raise ValueError(f"optimizer_device must be 'cpu' or 'nvme', not {config.optimizer_device!r}.")
-    return STORES[config.optimizer_device](config, rank, units)

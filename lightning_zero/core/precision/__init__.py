@@ -4,8 +4,9 @@ Public pieces: ``LossScaler``, ``LossScalerConfig``, ``MinLossScaleError`` (``lo
 ``first_nonfinite_parameter``, ``NonFiniteGradientError`` (``nonfinite``).
 """
 
-from lightning_zero.core.precision.loss_scaler import LossScaler, LossScalerConfig, MinLossScaleError
+from lightning_zero.core.precision.loss_scaler import LossScaler, MinLossScaleError
 from lightning_zero.core.precision.nonfinite import NonFiniteGradientError, first_nonfinite_parameter
+from lightning_zero.core.settings.precision import LossScalerConfig
 
 __all__ = ["LossScaler", "LossScalerConfig", "MinLossScaleError", "NonFiniteGradientError",
            "first_nonfinite_parameter"]

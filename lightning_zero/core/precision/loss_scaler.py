@@ -22,62 +22,12 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-
-
-@dataclass(frozen=True)
-class LossScalerConfig:
-    """DeepSpeed's ``fp16`` loss-scaler keys (docs/precision.md).
-
-    Args:
-        loss_scale: 0 = dynamic loss scaling; > 0 = this fixed scale.
-        initial_scale_power: the dynamic scale starts at ``2 ** initial_scale_power``.
-        loss_scale_window: clean steps (counted from the last overflow) before the scale doubles.
-        hysteresis: overflows tolerated (credits) before the scale halves.
-        consecutive_hysteresis: refill the credits on every clean step (else when the scale grows).
-        min_loss_scale: the dynamic scale never goes below this.
-        raise_at_min_scale: when an overflow happens at ``min_loss_scale`` raise (with what to try)
-            instead of skipping the step and training on.
-    """
-
-    loss_scale: float = 0.0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
-    raise_at_min_scale: bool = False
-
-    def __post_init__(self) -> None:
-        # DeepSpeed's checks: the scale must be a finite number >= 0 and min_loss_scale finite, always;
-        # the dynamic-only knobs are checked only when the scale is dynamic (a static scale ignores them).
-        if isinstance(self.loss_scale, bool) or not math.isfinite(self.loss_scale) or self.loss_scale < 0:
-            raise ValueError(f"`loss_scale` must be a finite number: 0 (dynamic) or a positive fixed scale, got "
-                             f"{self.loss_scale!r}.")
-        if not math.isfinite(self.min_loss_scale):
-            raise ValueError(f"`min_loss_scale` must be a finite number, got {self.min_loss_scale!r}.")
-        if not self.dynamic:
-            return
-        if not 0 <= self.initial_scale_power <= 63:
-            raise ValueError(f"`initial_scale_power` must be in [0, 63], got {self.initial_scale_power!r}.")
-        if self.loss_scale_window < 1:
-            raise ValueError(f"`loss_scale_window` must be >= 1 step with dynamic loss scaling (loss_scale=0), "
-                             f"got {self.loss_scale_window!r}.")
-        if self.hysteresis < 1:
-            raise ValueError(f"`hysteresis` must be >= 1 with dynamic loss scaling (loss_scale=0), got "
-                             f"{self.hysteresis!r}.")
-        if not self.min_loss_scale > 0:
-            raise ValueError(f"`min_loss_scale` must be positive with dynamic loss scaling (loss_scale=0), got "
-                             f"{self.min_loss_scale!r}.")
-
-    @property
-    def dynamic(self) -> bool:
-        return self.loss_scale == 0
+from lightning_zero.core.settings.precision import LossScalerConfig
 
 
 class MinLossScaleError(RuntimeError):
@@ -180,15 +130,6 @@ def local_sum_of_squares(tensors: Iterable[torch.Tensor]) -> float:
     """Sum of squares (in fp32) of this rank's elements; inf / nan when any element is."""
     parts = [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors if t.numel()]
     return float(torch.stack(parts).square().sum()) if parts else 0.0  # one device sync
-
-
-def __getattr__(name: str) -> type[LossScaler]:
-    """``DynamicLossScaler``, the former name of :class:`LossScaler` (which also does the static scale)."""
-    if name == "DynamicLossScaler":
-        warnings.warn("DynamicLossScaler is now LossScaler (it does the static scale too): import LossScaler.",
-                      DeprecationWarning, stacklevel=2)
-        return LossScaler
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def non_finite(value: float) -> bool:

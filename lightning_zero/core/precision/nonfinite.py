@@ -4,7 +4,7 @@ Note [non-finite policy]
     fp16 has the loss scaler (an overflowing step is skipped and the scale lowered). fp32 and bf16
     have no scale to lower: a ``nan`` / ``inf`` gradient is a bug or a divergence, and one optimizer
     step on it poisons the weights (Adam's moments keep the ``nan`` for good). ``ZeroConfig.nonfinite``
-    (a ``NonFinitePolicy``, ``core/zero/config.py``; users give its strings):
+    (a ``NonFinitePolicy``, ``core/common/choices.py``; users give its strings):
 
     * ``"off"`` (default): not checked (no extra pass over the gradients);
     * ``"skip"``: the step is skipped on every rank (parameters and optimizer state untouched) and
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.zero.flat_param import FlatParamGroup
+from lightning_zero.core.common.flat_param import FlatParamGroup
 
 NONFINITE_POLICIES = ("off", "skip", "raise")
 

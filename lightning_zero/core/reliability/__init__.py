@@ -1,13 +1,12 @@
-"""Torch-only reliability: the setup agreement, the hang heartbeat and what it finds.
+"""Torch-only reliability: this rank's progress, the hang heartbeat and what it finds.
 
-Public pieces named here: ``HeartbeatWatchdog``, ``HangReport`` (``heartbeat``), this rank's progress,
-``ProgressRecord``, ``RankProgress`` (``progress_record``), and the findings as text (``hang_finding``).
-The setup agreement (``agreement``: ``check_same_everywhere``, first differing entry and rank) is imported from
-its module: it imports ``core/comm``, whose ``data_parallel`` imports ``progress_record``, an import cycle
-through this ``__init__``. The Lightning glue is ``lightning_zero/reliability/``.
+Public pieces: ``HeartbeatWatchdog``, ``HangReport`` (``heartbeat``), this rank's progress, ``ProgressRecord``,
+``RankProgress``, ``RECORD`` (``progress_record``), and the findings as text (``hang_finding``). Below ``comm`` in
+core/'s order: every collective records itself into ``RECORD``; the setup agreement, a collective, is
+``core/comm/agreement.py``. The Lightning glue is ``lightning_zero/reliability/``.
 """
 
 from lightning_zero.core.reliability.heartbeat import HangReport, HeartbeatWatchdog
-from lightning_zero.core.reliability.progress_record import ProgressRecord, RankProgress
+from lightning_zero.core.reliability.progress_record import RECORD, ProgressRecord, RankProgress
 
-__all__ = ["HangReport", "HeartbeatWatchdog", "ProgressRecord", "RankProgress"]
+__all__ = ["RECORD", "HangReport", "HeartbeatWatchdog", "ProgressRecord", "RankProgress"]

@@ -39,9 +39,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-ParamInitFn = Callable[[nn.Module, str], None]  # (module, qualified name) -> initialise its own params
+from lightning_zero.core.common.uninitialized import is_uninitialized, mark_initialized, mark_uninitialized
 
-_UNINITIALIZED = "_lightning_zero_uninitialized"  # attribute on parameters replaced from meta
+ParamInitFn = Callable[[nn.Module, str], None]  # (module, qualified name) -> initialise its own params
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -70,20 +70,10 @@ def replace_meta_parameters(module: nn.Module, device: torch.device) -> int:
                 t = torch.empty(p.shape, dtype=p.dtype, device=device)
                 t.untyped_storage().resize_(0)
                 replacement = nn.Parameter(t, requires_grad=p.requires_grad)
-                setattr(replacement, _UNINITIALIZED, True)
+                mark_uninitialized(replacement)
                 new[id(p)] = replacement
             mod._parameters[key] = new[id(p)]
     return len(new)
-
-
-def is_uninitialized(p: torch.Tensor) -> bool:
-    return bool(getattr(p, _UNINITIALIZED, False))
-
-
-def mark_initialized(p: torch.Tensor) -> None:
-    """Drop the uninitialised mark (a stand-in that is never initialised here: another rank's)."""
-    if hasattr(p, _UNINITIALIZED):
-        delattr(p, _UNINITIALIZED)
 
 
 def default_init(module: nn.Module, name: str) -> None:
@@ -131,7 +121,7 @@ def initialize_modules(
         for p, data in kept.items():
             p.data = data
         for p in own:
-            delattr(p, _UNINITIALIZED)
+            mark_initialized(p)
 
 
 @torch.no_grad()
@@ -142,7 +132,7 @@ def initialize_like_sharded(module: nn.Module, init_fn: ParamInitFn | None, base
     built whole, by each pipeline stage or unit by unit at stage 3, for any world size. Meta parameters stay
     meta (nothing to write)."""
     for p in module.parameters():
-        setattr(p, _UNINITIALIZED, True)
+        mark_uninitialized(p)
     initialize_modules(list(module.named_modules(prefix=prefix)), init_fn, base_seed)
 
 

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm, Handle
+from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.stage3.gather_pool import GatherPool, lend, take_back
 from lightning_zero.core.stage3.units import PERSISTENT
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 
 class ShardReader(Protocol):

@@ -13,13 +13,13 @@ from collections.abc import Set
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.experts.partition import bind_partitioned
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn, initialize_modules
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
 from lightning_zero.core.stage3.units import ROOT, direct_owners, plan_units
-from lightning_zero.core.zero.config import ZeroConfig
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 
 
 def apply_stage3(

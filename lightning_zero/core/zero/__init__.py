@@ -1,19 +1,24 @@
-"""ZeRO partitioning (stages 0-2, and the engine every stage runs in): torch only.
+"""ZeRO partitioning (stages 0-3) and the engine that composes the core: the top of core/, torch only.
 
-Public pieces named here: ``ZeroConfig``, ``DtypePolicy``, ``ZeroStage``, ``NonFinitePolicy``, ``StrChoice``
-(``config``), ``FlatParamGroup`` (``flat_param``: the flat sharded buffer), ``ModelStateBytes``,
-``model_state_formula``, ``format_bytes`` (``memory``).
-
-Not named here, import them from their modules: the engine (``ZeroEngine``, ``StageCoupling`` in ``engine``;
-``StepState`` in ``engine_step``), the gradient hooks and buckets (``grad_reducer``: ``ReductionMode``) and the
-optimizer re-pointed at shards (``optimizer``, ``optimizer_state``). They import ``core/stage3``, ``core/offload``
-and ``core/comm``, whose modules import this package's ``config`` / ``flat_param``: naming them here would be an
-import cycle through this ``__init__`` (``tests/unit/test_import_graph.py`` refuses it).
+Public pieces: the engine, ``ZeroEngine`` and ``StageCoupling`` (``engine``), ``SelfReducingOptimizer``
+(``engine_setup``), the step's states, ``StepState``, ``GradReduction``, ``StepStateError``, and
+``weighted_norm_excess`` (``engine_step``); the gradient hooks and buckets, ``GradReducer``, ``ReductionMode``
+(``grad_reducer``); the optimizer re-pointed at shards, ``ShardedOptimizer``, ``check_optimizer`` (``optimizer``),
+its whole state, ``full_optimizer_state``, ``load_full_optimizer_state`` (``optimizer_state``); whole tensors
+streamed into the shards, ``load_full_state_dict`` (``loading``); and what a finished fit gathers back,
+``plan_teardown``, ``TeardownPlan`` (``teardown``). Nothing else in core/ imports this folder.
 """
 
-from lightning_zero.core.zero.config import DtypePolicy, NonFinitePolicy, StrChoice, ZeroConfig, ZeroStage
-from lightning_zero.core.zero.flat_param import FlatParamGroup
-from lightning_zero.core.zero.memory import ModelStateBytes, format_bytes, model_state_formula
+from lightning_zero.core.zero.engine import StageCoupling, ZeroEngine
+from lightning_zero.core.zero.engine_setup import SelfReducingOptimizer
+from lightning_zero.core.zero.engine_step import GradReduction, StepState, StepStateError, weighted_norm_excess
+from lightning_zero.core.zero.grad_reducer import GradReducer, ReductionMode
+from lightning_zero.core.zero.loading import load_full_state_dict
+from lightning_zero.core.zero.optimizer import ShardedOptimizer, check_optimizer
+from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
+from lightning_zero.core.zero.teardown import TeardownPlan, plan_teardown
 
-__all__ = ["DtypePolicy", "FlatParamGroup", "ModelStateBytes", "NonFinitePolicy", "StrChoice", "ZeroConfig",
-           "ZeroStage", "format_bytes", "model_state_formula"]
+__all__ = ["GradReducer", "GradReduction", "ReductionMode", "SelfReducingOptimizer", "ShardedOptimizer",
+           "StageCoupling", "StepState", "StepStateError", "TeardownPlan", "ZeroEngine", "check_optimizer",
+           "full_optimizer_state", "load_full_optimizer_state", "load_full_state_dict", "plan_teardown",
+           "weighted_norm_excess"]

@@ -32,14 +32,18 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.experts.reducers import make_reducer
-from lightning_zero.core.offload.config import OffloadConfig, OffloadDevice
+from lightning_zero.core.common.flat_param import FlatParamGroup
+from lightning_zero.core.common.memory import ModelStateBytes
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.rules import check_settings
+from lightning_zero.core.settings.tree import Settings
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3 import gathered
 from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
 from lightning_zero.core.zero.engine_setup import (
     SelfReducingOptimizer,
     broadcast_from_rank0,
@@ -52,10 +56,9 @@ from lightning_zero.core.zero.engine_setup import (
 )
 from lightning_zero.core.zero.engine_step import GradReduction, NormExcess, StepPreparation
 from lightning_zero.core.zero.engine_views import WholeModelViews, unit_modules
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 from lightning_zero.core.zero.grad_reducer import BackwardState, ReductionMode
-from lightning_zero.core.zero.memory import ModelStateBytes
 from lightning_zero.core.zero.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
+from lightning_zero.core.zero.partitioned_reducer import make_reducer
 
 
 @dataclass(frozen=True)
@@ -94,12 +97,12 @@ class ZeroEngine:
             initialises a module's own parameters (default ``reset_parameters``).
         init_seed: base seed of that initialisation (Note [sharded construction] in materialize.py).
         setup_settings: settings that must agree across ranks (the resolved config), compared with the
-            parameter names / shapes / dtypes before the first collective (``core/reliability/agreement.py``).
+            parameter names / shapes / dtypes before the first collective (``core/comm/agreement.py``).
         offload: where the optimizer shards live (docs/offload.md); default: with the parameters.
         coupling: a pipeline stage's engine: how its step combines with the other stages' (default: none).
         experts: expert parameters (expert parallelism): their flat groups are reduced and partitioned over
             ``comm.expert_data``, the rest over ``comm`` (Note [expert axes] in core/mesh/dims.py, Note
-            [partitioned reduction] in core/experts/reducers.py).
+            [partitioned reduction] in core/zero/partitioned_reducer.py).
     """
 
     def __init__(
@@ -118,7 +121,7 @@ class ZeroEngine:
         experts: Set[nn.Parameter] = frozenset(),
     ) -> None:
         self.offload_config = offload or OffloadConfig()
-        self.offload_config.check(config.stage)
+        check_settings(Settings(zero=config, offload=self.offload_config))  # Note [one rule, many spellings]
         self.module = module
         self.optimizer = optimizer
         self.config = config
@@ -188,8 +191,9 @@ class ZeroEngine:
 
     @property
     def master_grad_is_view(self) -> bool:
-        """Whether the optimizer steps on the reduced gradient buffers themselves (no cast, no offload)."""
-        return self.dtypes.master_grad_is_view and self.offload_config.optimizer_device is OffloadDevice.none
+        """Whether the optimizer steps on the reduced gradient buffers themselves: no cast, and its store keeps the
+        shards with the parameters (the store is asked: Note [one storage interface])."""
+        return self.dtypes.master_grad_is_view and (self.sharded is None or not self.sharded.store.offloaded)
 
     # ------------------------------------------------------------------ backward
     @contextmanager

@@ -14,17 +14,19 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.core.comm.agreement import check_same_everywhere
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.experts.partition import bind_partitioned
-from lightning_zero.core.offload.config import OffloadConfig
 from lightning_zero.core.offload.store import open_shard_store
-from lightning_zero.core.reliability.agreement import check_same_everywhere
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
 from lightning_zero.core.stage3.sharding import apply_stage3
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig, ZeroStage
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 from lightning_zero.core.zero.optimizer import ShardedOptimizer
 from lightning_zero.core.zero.optimizer_state import broadcast_master_init
 

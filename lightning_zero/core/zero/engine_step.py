@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.common.flat_param import FlatParamGroup, overlap
 from lightning_zero.core.precision.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.precision.nonfinite import agree_over_model_parallel, first_nonfinite_parameter
-from lightning_zero.core.zero.config import DtypePolicy, ZeroConfig
-from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.grad_reducer import GradReducer
 from lightning_zero.core.zero.optimizer import ShardedOptimizer
 
@@ -36,7 +37,7 @@ def weighted_norm_excess(weight: Callable[[nn.Parameter], float]) -> NormExcess:
         counted ``k`` times; each holder subtracting ``weight`` of its terms before the sums makes it count
         once (a tie: 1 on every stage but its owner; a replicated parameter: ``1 - 1/tp`` everywhere). The
         maximum norm needs no correction. Zero weights cost nothing: the pipeline's and tensor parallel's
-        weights compose as their maximum (``lightning/compose.py``).
+        weights compose as their maximum (``parallel/zero.py``).
     """
 
     def excess(grads: list[torch.Tensor], groups: list[FlatParamGroup], norm_type: float) -> float:

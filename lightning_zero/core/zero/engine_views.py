@@ -15,13 +15,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.common.flat_param import FlatParamGroup
+from lightning_zero.core.common.memory import ModelStateBytes, StorageCounter
+from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit, UnitState
 from lightning_zero.core.stage3.units import plan_units
-from lightning_zero.core.zero.config import DtypePolicy
-from lightning_zero.core.zero.flat_param import FlatParamGroup
 from lightning_zero.core.zero.grad_reducer import GradReducer
-from lightning_zero.core.zero.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.zero.optimizer import ShardedOptimizer
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state
 
@@ -84,7 +84,7 @@ class WholeModelViews:
                 ``False`` leaves them released (NaN placeholders of the right shapes, Note
                 [released parameters]) and drops the optimizer state: for models that do not fit
                 on one rank, and after an error (no collective). ``plan_teardown`` in
-                ``core/stage3/teardown.py`` decides both flags for the strategy (Note [teardown gather]).
+                ``core/zero/teardown.py`` decides both flags for the strategy (Note [teardown gather]).
         """
         self.reducer.remove_hooks()
         if self._undo_checkpointing is not None:

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
+from lightning_zero.core.common.flat_param import Bucket, FlatParamGroup, overlap
 
 
 @dataclass(frozen=True)

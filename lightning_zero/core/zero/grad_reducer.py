@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm, Handle
-from lightning_zero.core.zero.config import ZeroStage
+from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.common.flat_param import Bucket, FlatParamGroup, overlap
 from lightning_zero.core.zero.exchange import BufferPool, GradShards, Message, MessageStaging, Segment, plan_buckets
-from lightning_zero.core.zero.flat_param import Bucket, FlatParamGroup, overlap
 
 
 class BackwardState(enum.Enum):

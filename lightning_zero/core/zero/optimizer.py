@@ -24,10 +24,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.offload.config import OffloadDevice
+from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.common.flat_param import FlatParamGroup, overlap
 from lightning_zero.core.offload.shard_store import DeviceStore, ShardStore, SubGroup
-from lightning_zero.core.zero.config import ZeroStage
-from lightning_zero.core.zero.flat_param import FlatParamGroup, overlap
 
 MASTER_PIECE_NUMEL = 1 << 20  # elements per optimizer tensor (Note [master pieces])
 
@@ -125,7 +124,7 @@ class ShardedOptimizer:
         store: ShardStore | None = None,
     ) -> None:
         store = store if store is not None else DeviceStore()
-        if store.device is not OffloadDevice.none and whole:
+        if store.offloaded and whole:
             raise ValueError("Optimizer offload needs ZeRO stage >= 1 (it offloads this rank's shard).")
         self.optimizer = optimizer
         self.groups = groups
@@ -169,7 +168,7 @@ class ShardedOptimizer:
     @property
     def offload(self) -> ShardStore | None:
         """The store when the shards are offloaded (its ``counters``, docs/offload.md), else ``None``."""
-        return None if self.store.device is OffloadDevice.none else self.store
+        return self.store if self.store.offloaded else None
 
     def master_range(self, flat_group: int) -> tuple[int, int]:
         fg = self.groups[flat_group]
