@@ -16,7 +16,8 @@ from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.settings.tree import Settings
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
-from lightning_zero.core.zero.engine import StageCoupling, ZeroEngine
+from lightning_zero.core.zero.engine import ZeroEngine
+from lightning_zero.core.zero.engine_setup import StageCoupling
 from lightning_zero.core.zero.engine_step import weighted_norm_excess
 from lightning_zero.parallel.mesh import StrategyMesh
 from lightning_zero.parallel.pipeline import StrategyPipeline

@@ -124,28 +124,3 @@ class FlatParamGroup:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views (parameter shapes) into a buffer laid out like this group."""
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
-
-    def make_buckets(self, bucket_numel: int) -> list[tuple[int, int, tuple[int, ...], int]]:
-        """Split into buckets of whole parameters, walking backwards (backward produces the
-        last parameters first). Returns ``(start, end, slot indices, first slot index)``;
-        the caller assigns the global launch order."""
-        buckets = []
-        current: list[int] = []
-        size = 0
-        for i in reversed(range(len(self.slots))):
-            current.append(i)
-            size += self.slots[i].numel
-            if size >= bucket_numel:
-                buckets.append(current)
-                current, size = [], 0
-        if current:
-            buckets.append(current)
-        out = []
-        for idx in buckets:
-            lo, hi = min(idx), max(idx)
-            start = self.slots[lo].offset
-            end = self.slots[hi].offset + self.slots[hi].numel
-            if hi == len(self.slots) - 1:
-                end = self.padded_numel  # the padding rides with the last bucket
-            out.append((start, end, tuple(sorted(idx)), lo))
-        return out

@@ -19,13 +19,23 @@ stage 0: params, grads, optimizer state; stage 1: params, grads; stage 2: params
 nothing (units are gathered just in time, see ``core/stage3/runtime.py``).
 Mixed precision adds a master copy in ``dtypes.master_dtype`` (whole at stage 0, else a shard)
 that the optimizer steps and that is cast back into the 16-bit parameters (Note [master shards]).
+
+Note [construction order]
+    The engine builds each of its parts once, in one order, each from what the steps before it handed down, and
+    nothing built later calls back into an earlier step's module:
+    1. the checks (``engine_setup.py``): the settings' rules, this rank's dtypes and optimizer, then the same
+       model and settings on every rank, before the first collective that a mismatch could hang;
+    2. the partition (``core/stage3/sharding.py``): the units planned once (stage 3 shards them, activation
+       checkpointing wraps them), the flat groups bound, rank 0's values broadcast;
+    3. the gradient reduction over those groups (``partitioned_reducer.py``; buckets in ``exchange.py``);
+    4. the optimizer over this rank's masters, in the store that keeps them (``optimizer_state.py``);
+    5. the step's preparation (``engine_step.py``) and the whole-model views (``engine_views.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Set
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,40 +50,17 @@ from lightning_zero.core.settings.rules import check_settings
 from lightning_zero.core.settings.tree import Settings
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3 import gathered
-from lightning_zero.core.stage3.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
-from lightning_zero.core.zero.engine_setup import (
-    SelfReducingOptimizer,
-    broadcast_from_rank0,
-    check_same_structure,
-    module_dtype,
-    norm_shares,
-    partition_parameters,
-    self_reducing,
-    sharded_optimizer,
-)
+from lightning_zero.core.stage3.sharding import partition_module
+from lightning_zero.core.zero.engine_setup import SelfReducingOptimizer, StageCoupling, check_construction
 from lightning_zero.core.zero.engine_step import GradReduction, NormExcess, StepPreparation
-from lightning_zero.core.zero.engine_views import WholeModelViews, unit_modules
+from lightning_zero.core.zero.engine_views import WholeModelViews
 from lightning_zero.core.zero.grad_reducer import BackwardState, ReductionMode
-from lightning_zero.core.zero.optimizer import ShardedOptimizer, check_optimizer, trainable_groups
+from lightning_zero.core.zero.optimizer import ShardedOptimizer
+from lightning_zero.core.zero.optimizer_state import sharded_optimizer
 from lightning_zero.core.zero.partitioned_reducer import make_reducer
-
-
-@dataclass(frozen=True)
-class StageCoupling:
-    """How a pipeline stage's engine combines its step with the other stages' (Note [deferred reduction]).
-
-    Args:
-        model_parallel: the ranks holding the rest of the model (other pipeline stages, other TP ranks), over
-            which gradient norms, the overflow decision and the non-finite check are combined (``None``: none).
-        norm_excess: ``fn(grads, groups, norm_type)``: the norm share to leave out (tied parameters
-            another stage counts).
-    """
-
-    model_parallel: DataParallelComm | None = None
-    norm_excess: NormExcess | None = None
 
 
 class ZeroEngine:
@@ -120,80 +107,58 @@ class ZeroEngine:
         coupling: StageCoupling | None = None,
         experts: Set[nn.Parameter] = frozenset(),
     ) -> None:
+        self.module, self.optimizer, self.config = module, optimizer, config
         self.offload_config = offload or OffloadConfig()
-        check_settings(Settings(zero=config, offload=self.offload_config))  # Note [one rule, many spellings]
-        self.module = module
-        self.optimizer = optimizer
-        self.config = config
-        self.comm = comm or DataParallelComm(collective=config.collective)
-        self.dtypes = dtypes or DtypePolicy(param_dtype=module_dtype(module))
-        if self.dtypes.param_dtype != module_dtype(module):
-            raise ValueError(
-                f"The module's parameters are {module_dtype(module)} but the dtype policy says "
-                f"{self.dtypes.param_dtype}. Cast the module first (the precision plugin's convert_module does)."
-            )
-        if experts and self.comm.expert_data is None:
-            raise ValueError("expert parameters need the expert-data group: build the engine's comm with "
-                             "DataParallelComm(..., expert_data=DataParallelComm(<expert-data group>))")
         self.experts: frozenset[nn.Parameter] = frozenset(experts)
-        # an optimizer that averages over the ranks itself once it compresses (1-bit Adam): stage 0 only
-        self._self_reducing: SelfReducingOptimizer | None = self_reducing(optimizer, config.stage, self.comm)
-        if self._self_reducing is not None and experts:
-            raise ValueError(f"{type(optimizer).__name__} with expert parallelism is not built (its compressed "
-                             "all-reduce averages every parameter over the whole data group): use AdamW / Adam / SGD")
-        if optimizer is not None:
-            check_optimizer(optimizer, config.stage, config.elementwise_optimizers)
-        self.names: dict[nn.Parameter, str] = {}  # every module parameter -> qualified name, module order
-        for name, p in module.named_parameters():
-            self.names.setdefault(p, name)
-        check_same_structure(self.names, optimizer, setup_settings or {}, self.comm)
-        groups = trainable_groups(optimizer, self.names) if optimizer is not None else []
-        managed = {p for g in groups for p in g}
+        # Note [construction order]: each part once, from what the steps before it handed down
+        # 1. the checks: the settings' rules; then this rank's dtypes and optimizer, then every rank's structure
+        check_settings(Settings(zero=config, offload=self.offload_config))  # Note [one rule, many spellings]
+        self.comm = comm or DataParallelComm(collective=config.collective)
+        checked = check_construction(module, optimizer, config, self.comm, dtypes, self.experts, setup_settings or {})
+        self.dtypes, self.names = checked.dtypes, checked.names  # names: every parameter, module order
+        self._self_reducing: SelfReducingOptimizer | None = checked.self_reducing
+        managed = {p for g in checked.optimizer_groups for p in g}
         # trainable parameters no optimizer group holds: they are never updated nor reduced
         self.unmanaged: list[nn.Parameter] = [p for p in self.names if p.requires_grad and p not in managed]
         self.frozen_at_setup: list[nn.Parameter] = [p for p in self.names if not p.requires_grad]
-        # stage 3: units (sharded one at a time) and the runtime's gather / release hooks; else no units
-        self.units: list[ShardedUnit]
-        self.runtime: Stage3Runtime | None
-        self.units, self.runtime, self.all_groups = partition_parameters(module, self.names, groups, self.comm, config,
-                                                                         param_init_fn, init_seed, self.experts)
-        # the flat groups of trainable parameters (stage 3 also has groups of frozen ones)
-        self.groups: list[FlatParamGroup] = [g for g in self.all_groups if g.optimizer_group >= 0]
-        broadcast_from_rank0(module, self.names, self.all_groups, self.comm, self.experts)
-        undo_checkpointing = (
-            apply_activation_checkpointing(unit_modules(module, self.names, config.unit_classes, self.runtime))
-            if config.activation_checkpointing else None
-        )
-        gathered.register(self)
+        # 2. the partition: stage 3's units (sharded one at a time) and the runtime's gather / release hooks, else
+        #    whole flat groups; rank 0's values everywhere; activation checkpointing of the units
+        part = partition_module(module, self.names, checked.optimizer_groups, self.comm, config, param_init_fn,
+                                init_seed, self.experts)
+        self.units: list[ShardedUnit] = part.units
+        self.runtime: Stage3Runtime | None = part.runtime
+        self.all_groups: list[FlatParamGroup] = part.all_groups  # stage 3 also has groups of frozen parameters
+        self.groups: list[FlatParamGroup] = [g for g in self.all_groups if g.optimizer_group >= 0]  # trainable
+        # 3. the gradient reduction over the trainable groups (its buckets planned in exchange.py)
         self.reducer = make_reducer(self.groups, self.comm, config.stage, config.reduce_bucket_size,
                                     config.overlap_comm, self.dtypes.grad_dtype,
                                     {p: n for p, n in self.names.items() if p in managed}, self.dtypes.grad_accum_dtype)
-        # stage >= 1: the optimizer steps this rank's master shards; stage 0: the whole params (None), or
-        # with a separate master (mixed precision) per-parameter views of a whole master
+        # 4. stage >= 1: the optimizer steps this rank's master shards (in the offload's store); stage 0: the whole
+        #    params (None), or with a separate master (mixed precision) per-parameter views of a whole master
         self.sharded: ShardedOptimizer | None = sharded_optimizer(
             optimizer, config, self.dtypes, self.offload_config, self.comm, self.units, self.groups,
             [p for p in self.names if p in managed], master_init, self.experts)
         if optimizer is None:
             self.offload_config.warn_unused()
-        self._user_zero_grad: Callable[..., None] | None = None
-        if optimizer is not None:
-            self._user_zero_grad = optimizer.zero_grad
-            optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
-        # Note [step preparation]: ``prepare_step`` runs once per optimizer step, after the last
-        # backward; ``step_skipped`` (an overflow on any rank) makes ``after_step`` leave params alone.
+        # 5. the step (Note [step preparation]: ``prepare_step`` runs once per optimizer step, after the last
+        #    backward; ``step_skipped``, an overflow on any rank, makes ``after_step`` leave params alone) and the
+        #    whole-model views, over all of the above
         coupling = coupling or StageCoupling()
-        self.preparation = StepPreparation(self.config, self.comm, self.dtypes, self.names, self.groups, self.reducer,
-                                           self.sharded, self.master_grad_is_view, coupling.model_parallel,
-                                           coupling.norm_excess, norm_shares(self.groups, self.comm, config))
+        self.preparation = StepPreparation(config, self.comm, self.dtypes, self.names, self.groups, self.reducer,
+                                           self.sharded, coupling.model_parallel, coupling.norm_excess)
+        self._user_zero_grad: Callable[..., None] | None = optimizer.zero_grad if optimizer is not None else None
         self.views = WholeModelViews(module, optimizer, self.comm, self.dtypes, self.names, self.groups,
                                      self.all_groups, self.units, self.runtime, self.reducer, self.sharded,
-                                     undo_checkpointing, self._user_zero_grad)
+                                     part.undo_checkpointing, self._user_zero_grad)
+        gathered.register(self)
+        if optimizer is not None:
+            optimizer.zero_grad = self._zero_grad_hook  # type: ignore[method-assign]
 
     @property
     def master_grad_is_view(self) -> bool:
         """Whether the optimizer steps on the reduced gradient buffers themselves: no cast, and its store keeps the
         shards with the parameters (the store is asked: Note [one storage interface])."""
-        return self.dtypes.master_grad_is_view and (self.sharded is None or not self.sharded.store.offloaded)
+        return self.preparation.master_grad_is_view
 
     # ------------------------------------------------------------------ backward
     @contextmanager

@@ -1,13 +1,14 @@
-"""What :class:`~lightning_zero.core.zero.engine.ZeroEngine` checks and does once, at construction.
+"""What :class:`~lightning_zero.core.zero.engine.ZeroEngine` checks once, at construction (:func:`check_construction`).
 
-The same model and settings on every rank (before the first collective), the parameters partitioned into flat
-groups (stage 3: sharded units), rank 0's values broadcast, the optimizer over this rank's masters, the optimizer
-that reduces its own gradients (1-bit Adam), and the module's dtype.
+The dtypes, the optimizer (element-wise at stage >= 1; reducing its own gradients only at stage 0), the experts'
+group, and then the same model and settings on every rank, compared before the first collective that a mismatch
+could hang (Note [construction order] in engine.py). Also what couples a pipeline stage's engine to the others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Set
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -17,18 +18,123 @@ from torch.optim import Optimizer
 from lightning_zero.core.comm.agreement import check_same_everywhere
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.choices import ZeroStage
-from lightning_zero.core.common.flat_param import FlatParamGroup
-from lightning_zero.core.experts.partition import bind_partitioned
-from lightning_zero.core.offload.store import open_shard_store
-from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.settings.zero import ZeroConfig
-from lightning_zero.core.stage3.materialize import ParamInitFn
-from lightning_zero.core.stage3.runtime import Stage3Runtime
-from lightning_zero.core.stage3.sharded_unit import ShardedUnit
-from lightning_zero.core.stage3.sharding import apply_stage3
-from lightning_zero.core.zero.optimizer import ShardedOptimizer
-from lightning_zero.core.zero.optimizer_state import broadcast_master_init
+from lightning_zero.core.zero.engine_step import NormExcess
+
+# Optimizers whose update of an element depends only on that element's own history, so that
+# stepping a 1-D shard equals stepping the whole tensors.
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+
+
+@dataclass(frozen=True)
+class StageCoupling:
+    """How a pipeline stage's engine combines its step with the other stages' (Note [deferred reduction]).
+
+    Args:
+        model_parallel: the ranks holding the rest of the model (other pipeline stages, other TP ranks), over
+            which gradient norms, the overflow decision and the non-finite check are combined (``None``: none).
+        norm_excess: ``fn(grads, groups, norm_type)``: the norm share to leave out (tied parameters
+            another stage counts).
+    """
+
+    model_parallel: DataParallelComm | None = None
+    norm_excess: NormExcess | None = None
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What :func:`check_construction` handed on: the dtypes, every parameter's name (module order), the trainable
+    parameters of each optimizer group (module order), and the optimizer when it reduces its own gradients."""
+
+    dtypes: DtypePolicy
+    names: dict[nn.Parameter, str]
+    optimizer_groups: list[list[nn.Parameter]]
+    self_reducing: SelfReducingOptimizer | None
+
+
+def check_construction(module: nn.Module, optimizer: Optimizer | None, config: ZeroConfig, comm: DataParallelComm,
+                       dtypes: DtypePolicy | None, experts: Set[nn.Parameter],
+                       setup_settings: Mapping[str, str]) -> Checked:
+    """Refuse, with the fix, what the engine cannot build: first what this rank can tell alone, then (the one
+    collective) parameters or settings that differ across ranks."""
+    dtypes = checked_dtypes(module, dtypes)
+    if experts and comm.expert_data is None:
+        raise ValueError("expert parameters need the expert-data group: build the engine's comm with "
+                         "DataParallelComm(..., expert_data=DataParallelComm(<expert-data group>))")
+    # an optimizer that averages over the ranks itself once it compresses (1-bit Adam): stage 0 only
+    reducing = self_reducing(optimizer, config.stage, comm)
+    if reducing is not None and experts:
+        raise ValueError(f"{type(optimizer).__name__} with expert parallelism is not built (its compressed "
+                         "all-reduce averages every parameter over the whole data group): use AdamW / Adam / SGD")
+    if optimizer is not None:
+        check_optimizer(optimizer, config.stage, config.elementwise_optimizers)
+    names: dict[nn.Parameter, str] = {}
+    for name, p in module.named_parameters():
+        names.setdefault(p, name)
+    groups = trainable_groups(optimizer, names) if optimizer is not None else []
+    check_same_structure(names, optimizer, setup_settings, comm)
+    return Checked(dtypes, names, groups, reducing)
+
+
+def checked_dtypes(module: nn.Module, dtypes: DtypePolicy | None) -> DtypePolicy:
+    """``dtypes`` (default: the module's dtype, fp32 master), refused when the module is not cast to them."""
+    dtypes = dtypes or DtypePolicy(param_dtype=module_dtype(module))
+    if dtypes.param_dtype != module_dtype(module):
+        raise ValueError(
+            f"The module's parameters are {module_dtype(module)} but the dtype policy says "
+            f"{dtypes.param_dtype}. Cast the module first (the precision plugin's convert_module does)."
+        )
+    return dtypes
+
+
+def check_optimizer(optimizer: Optimizer, stage: int | ZeroStage, extra_allowed: tuple[type, ...] = ()) -> None:
+    """Refuse, with the fix, an optimizer whose update is not element-wise under stage >= 1."""
+    if not ZeroStage.of(stage).shards_optimizer:
+        return
+    if type(optimizer) in ELEMENTWISE_OPTIMIZERS or isinstance(optimizer, tuple(extra_allowed)):
+        return
+    if getattr(optimizer, "_zero_elementwise", False):
+        return
+    raise ValueError(
+        f"ZeRO stage {stage} steps each rank's 1-D shard of the parameters, which is only correct for an "
+        f"element-wise optimizer; {type(optimizer).__name__} is not known to be one (LBFGS, Adafactor, "
+        "Muon and other optimizers that mix elements of a tensor are not). Use stage 0, an optimizer from "
+        f"{[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}, or, if yours is element-wise, pass "
+        f"`ZeroStrategy(..., elementwise_optimizers=({type(optimizer).__name__},))`."
+    )
+
+
+def trainable_groups(optimizer: Optimizer, module_params: dict[nn.Parameter, str]) -> list[list[nn.Parameter]]:
+    """The trainable module parameters of each param group, in module order.
+
+    Raises when the optimizer holds a tensor that is not a parameter of the module.
+    """
+    position = {p: i for i, p in enumerate(module_params)}
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p not in position:
+                raise ValueError(
+                    f"Param group {gi} of {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)} "
+                    "that is not a parameter of the LightningModule. Build the optimizer in "
+                    "`configure_optimizers` from `self.parameters()` (or a subset of them)."
+                )
+        trainable = [p for p in group["params"] if p.requires_grad]
+        groups.append(sorted(trainable, key=position.__getitem__))
+    return groups
 
 
 def check_same_structure(names: Mapping[nn.Parameter, str], optimizer: Optimizer | None,
@@ -45,53 +151,6 @@ def check_same_structure(names: Mapping[nn.Parameter, str], optimizer: Optimizer
         "Build the same model with the same configuration on every rank: set the seed before constructing "
         "it, do not make layers or settings depend on the rank, and give every node the same config.",
     )
-
-
-def partition_parameters(module: nn.Module, names: dict[nn.Parameter, str], groups: list[list[nn.Parameter]],
-                         comm: DataParallelComm, config: ZeroConfig, param_init_fn: ParamInitFn | None,
-                         init_seed: int, experts: Set[nn.Parameter] = frozenset(),
-                         ) -> tuple[list[ShardedUnit], Stage3Runtime | None, list[FlatParamGroup]]:
-    """``(units, runtime, all flat groups)``: stage 3 binds, initialises (meta-built models), broadcasts and shards
-    one unit at a time (``core/stage3/sharding.py``); the other stages bind one flat group per optimizer param
-    group, with no units and no runtime, and a second one for the group's ``experts`` (sharded over the
-    expert-data group, Note [expert axes] in core/mesh/dims.py) when it holds some."""
-    if config.stage.shards_parameters:
-        return apply_stage3(module, names, groups, comm, config, param_init_fn, init_seed, experts)
-    return [], None, [g for i, params in enumerate(groups) for g in bind_partitioned(params, experts, comm, i, True)]
-
-
-def sharded_optimizer(optimizer: Optimizer | None, config: ZeroConfig, dtypes: DtypePolicy, offload: OffloadConfig,
-                      comm: DataParallelComm, units: list[ShardedUnit], groups: list[FlatParamGroup],
-                      managed: list[nn.Parameter], master_init: Mapping[nn.Parameter, torch.Tensor] | None,
-                      experts: Set[nn.Parameter] = frozenset()) -> ShardedOptimizer | None:
-    """Stage >= 1: the optimizer over this rank's master shards; stage 0: over per-parameter views of a whole
-    separate master (mixed precision), or ``None`` when the optimizer steps the parameters themselves."""
-    separate_master = not dtypes.master_is_param_view
-    if optimizer is None or not (config.stage.shards_optimizer or separate_master):
-        return None
-    if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
-        master_init = broadcast_master_init(master_init, managed, dtypes.master_dtype, comm, experts)
-    store = open_shard_store(offload, comm.rank, units, groups, dtypes.master_dtype)  # where the shards live, once
-    return ShardedOptimizer(optimizer, groups, dtypes.master_dtype, whole=not config.stage.shards_optimizer,
-                            master_init=master_init, store=store)
-
-
-@torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, names: Mapping[nn.Parameter, str], all_groups: list[FlatParamGroup],
-                         comm: DataParallelComm, experts: Set[nn.Parameter] = frozenset()) -> None:
-    """Make parameters and buffers identical on every rank (as DDP does at construction); expert parameters on
-    every rank of their expert-data group (the other expert-parallel ranks hold other experts)."""
-    if not comm.active:
-        return
-    for g in all_groups:
-        if g.shard is None:  # stage 3 broadcast its units while sharding them
-            comm.of(g.experts).broadcast(g.flat)
-    in_flat = {s.param for g in all_groups for s in g.slots}
-    for p in names:
-        if p not in in_flat:
-            comm.of(p in experts).broadcast(p.data)
-    for b in module.buffers():
-        comm.broadcast(b)
 
 
 class SelfReducingOptimizer(Protocol):
@@ -115,16 +174,6 @@ def self_reducing(optimizer: Optimizer, stage: ZeroStage, comm: DataParallelComm
         )
     optimizer.bind_comm(comm)  # type: ignore[attr-defined]
     return optimizer  # type: ignore[return-value]
-
-
-def norm_shares(groups: list[FlatParamGroup], comm: DataParallelComm, config: ZeroConfig) -> list[float] | None:
-    """Stages 0 with expert groups: each flat group's share of its whole-gradient norm terms on this rank (1 / the
-    ranks holding the same whole gradient: the data group for dense groups, the expert-data group for the
-    experts'), so that one sum over the data group counts every parameter once (Note [counting a parameter
-    once] in engine_step.py); ``None`` otherwise (shards: every element is held by one data rank)."""
-    if config.stage.shards_optimizer or not any(g.experts for g in groups):
-        return None
-    return [1.0 / comm.of(g.experts).world_size for g in groups]
 
 
 def module_dtype(module: nn.Module) -> torch.dtype:

@@ -117,14 +117,11 @@ class StepPreparation:
         groups: the flat groups of trainable parameters.
         reducer: the gradient buffers the backward filled.
         sharded: the optimizer re-pointed at master shards (``None``: it steps the parameters).
-        master_grad_is_view: whether the optimizer steps on the reduced buffers themselves (no cast, no offload).
         model_parallel: the ranks holding the rest of the model (other pipeline stages, other TP ranks), over
             which norms, the overflow decision and the non-finite check are combined (Note [deferred reduction]
             in engine.py).
         norm_excess: pipelines: ``fn(grads, groups, norm_type)``, the norm share another stage counts (tied
             parameters).
-        shares: stage 0 with expert groups: each group's share of its norm terms, the norm then summed over the
-            data group (``engine_setup.norm_shares``); ``None``: every term counts once here.
     """
 
     def __init__(
@@ -136,20 +133,20 @@ class StepPreparation:
         groups: list[FlatParamGroup],
         reducer: GradReducer,
         sharded: ShardedOptimizer | None,
-        master_grad_is_view: bool,
         model_parallel: DataParallelComm | None = None,
         norm_excess: NormExcess | None = None,
-        shares: list[float] | None = None,
     ) -> None:
         self.config = config
-        self.shares = shares
+        self.shares = norm_shares(groups, comm, config)
         self.comm = comm
         self.dtypes = dtypes
         self.names = names
         self.groups = groups
         self.reducer = reducer
         self.sharded = sharded
-        self.master_grad_is_view = master_grad_is_view
+        # the optimizer steps on the reduced buffers themselves: no cast, and its store keeps the shards with the
+        # parameters (the store is asked: Note [one storage interface])
+        self.master_grad_is_view = dtypes.master_grad_is_view and (sharded is None or not sharded.store.offloaded)
         self.model_parallel = model_parallel
         self.norm_excess = norm_excess
         self.last_grad_norm: float | None = None  # global gradient norm of the last step that computed one
@@ -391,3 +388,13 @@ _WHY = {
                         "ones: finish the step (optimizer.step(); engine.after_step()) or call engine.zero_grad().",
 }
 _WHY[StepState.ACCUMULATED] = _WHY[StepState.REDUCED] = _WHY[StepState.BACKWARD]
+
+
+def norm_shares(groups: list[FlatParamGroup], comm: DataParallelComm, config: ZeroConfig) -> list[float] | None:
+    """Stages 0 with expert groups: each flat group's share of its whole-gradient norm terms on this rank (1 / the
+    ranks holding the same whole gradient: the data group for dense groups, the expert-data group for the
+    experts'), so that one sum over the data group counts every parameter once (Note [counting a parameter
+    once]); ``None`` otherwise (shards: every element is held by one data rank)."""
+    if config.stage.shards_optimizer or not any(g.experts for g in groups):
+        return None
+    return [1.0 / comm.of(g.experts).world_size for g in groups]

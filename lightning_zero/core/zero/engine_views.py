@@ -20,7 +20,6 @@ from lightning_zero.core.common.memory import ModelStateBytes, StorageCounter
 from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit, UnitState
-from lightning_zero.core.stage3.units import plan_units
 from lightning_zero.core.zero.grad_reducer import GradReducer
 from lightning_zero.core.zero.optimizer import ShardedOptimizer
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state
@@ -219,17 +218,3 @@ class WholeModelViews:
         if self.runtime is not None:
             counter.add("pooled", self.runtime.pool.spares())
         return counter.result()
-
-
-def unit_modules(module: nn.Module, names: dict[nn.Parameter, str], unit_classes: tuple[type, ...],
-                 runtime: Stage3Runtime | None) -> list[nn.Module]:
-    """The modules activation checkpointing wraps: stage 3's units, else the units ``plan_units`` finds."""
-    if runtime is not None:
-        return [m for mods in runtime.unit_modules for m in mods]
-    modules = [m for plan in plan_units(module, names, unit_classes) for m in plan.modules]
-    if not modules:
-        raise ValueError(
-            f"activation_checkpointing found no unit in {type(module).__name__}: it checkpoints the "
-            "children of nn.ModuleLists, or the modules of `unit_classes`. Name the block class in `unit_classes`."
-        )
-    return modules

@@ -110,6 +110,32 @@ class ModuleOrder:
         return self.prefix[hi + 1] - self.prefix[lo]
 
 
+def split_buckets(group: FlatParamGroup, bucket_numel: int) -> list[tuple[int, int, tuple[int, ...], int]]:
+    """Split ``group`` into buckets of whole parameters, walking backwards (backward produces the
+    last parameters first). Returns ``(start, end, slot indices, first slot index)``;
+    the caller assigns the global launch order."""
+    buckets = []
+    current: list[int] = []
+    size = 0
+    for i in reversed(range(len(group.slots))):
+        current.append(i)
+        size += group.slots[i].numel
+        if size >= bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    out = []
+    for idx in buckets:
+        lo, hi = min(idx), max(idx)
+        start = group.slots[lo].offset
+        end = group.slots[hi].offset + group.slots[hi].numel
+        if hi == len(group.slots) - 1:
+            end = group.padded_numel  # the padding rides with the last bucket
+        out.append((start, end, tuple(sorted(idx)), lo))
+    return out
+
+
 def plan_buckets(groups: list[FlatParamGroup], names: dict[nn.Parameter, str],
                  bucket_numel: int) -> tuple[list[Bucket], ModuleOrder]:
     """The gradient buckets of ``groups`` in launch order, the same on every rank (Note [fixed launch order] in
@@ -117,7 +143,7 @@ def plan_buckets(groups: list[FlatParamGroup], names: dict[nn.Parameter, str],
     position = {p: i for i, p in enumerate(names)}  # module order
     raw = []
     for gi, g in enumerate(groups):
-        for start, end, slots, first in g.make_buckets(bucket_numel):
+        for start, end, slots, first in split_buckets(g, bucket_numel):
             raw.append((position[g.slots[first].param], gi, start, end, slots))
     # A bucket is complete when its first-registered parameter reports, which backward
     # reaches last: launch first the bucket whose first parameter comes latest in the module.

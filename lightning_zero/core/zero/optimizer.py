@@ -24,64 +24,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.common.choices import ZeroStage
 from lightning_zero.core.common.flat_param import FlatParamGroup, overlap
 from lightning_zero.core.offload.shard_store import DeviceStore, ShardStore, SubGroup
 
 MASTER_PIECE_NUMEL = 1 << 20  # elements per optimizer tensor (Note [master pieces])
-
-# Optimizers whose update of an element depends only on that element's own history, so that
-# stepping a 1-D shard equals stepping the whole tensors.
-ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-    torch.optim.Adadelta,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.ASGD,
-    torch.optim.Rprop,
-)
-
-
-def check_optimizer(optimizer: Optimizer, stage: int | ZeroStage, extra_allowed: tuple[type, ...] = ()) -> None:
-    """Refuse, with the fix, an optimizer whose update is not element-wise under stage >= 1."""
-    if not ZeroStage.of(stage).shards_optimizer:
-        return
-    if type(optimizer) in ELEMENTWISE_OPTIMIZERS or isinstance(optimizer, tuple(extra_allowed)):
-        return
-    if getattr(optimizer, "_zero_elementwise", False):
-        return
-    raise ValueError(
-        f"ZeRO stage {stage} steps each rank's 1-D shard of the parameters, which is only correct for an "
-        f"element-wise optimizer; {type(optimizer).__name__} is not known to be one (LBFGS, Adafactor, "
-        "Muon and other optimizers that mix elements of a tensor are not). Use stage 0, an optimizer from "
-        f"{[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}, or, if yours is element-wise, pass "
-        f"`ZeroStrategy(..., elementwise_optimizers=({type(optimizer).__name__},))`."
-    )
-
-
-def trainable_groups(optimizer: Optimizer, module_params: dict[nn.Parameter, str]) -> list[list[nn.Parameter]]:
-    """The trainable module parameters of each param group, in module order.
-
-    Raises when the optimizer holds a tensor that is not a parameter of the module.
-    """
-    position = {p: i for i, p in enumerate(module_params)}
-    groups = []
-    for gi, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if p not in position:
-                raise ValueError(
-                    f"Param group {gi} of {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)} "
-                    "that is not a parameter of the LightningModule. Build the optimizer in "
-                    "`configure_optimizers` from `self.parameters()` (or a subset of them)."
-                )
-        trainable = [p for p in group["params"] if p.requires_grad]
-        groups.append(sorted(trainable, key=position.__getitem__))
-    return groups
 
 
 class ShardedOptimizer:

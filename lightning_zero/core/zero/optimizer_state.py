@@ -4,7 +4,8 @@
 optimizer over the original parameters would hold (world-size independent: it loads at any world
 size or stage, or into a plain optimizer); :func:`load_full_optimizer_state` cuts such a state
 into this rank's shards (and hands it to an offload's storage); :func:`broadcast_master_init`
-makes the masters' initial values rank 0's.
+makes the masters' initial values rank 0's; :func:`sharded_optimizer` re-points the optimizer at this rank's masters,
+in the store that keeps them (the engine's construction step 4, Note [construction order] in engine.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ from collections.abc import Mapping, Set
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.common.flat_param import FlatParamGroup
+from lightning_zero.core.offload.store import open_shard_store
+from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.settings.precision import DtypePolicy
+from lightning_zero.core.settings.zero import ZeroConfig
+from lightning_zero.core.stage3.sharded_unit import ShardedUnit
 from lightning_zero.core.zero.optimizer import SCALAR_STATE_KEYS, ShardedOptimizer, original_index
 
 
@@ -125,3 +133,19 @@ def broadcast_master_init(
             comm.of(p in experts).broadcast(t)
             out[p] = t.to(init[p].device)
     return out
+
+
+def sharded_optimizer(optimizer: Optimizer | None, config: ZeroConfig, dtypes: DtypePolicy, offload: OffloadConfig,
+                      comm: DataParallelComm, units: list[ShardedUnit], groups: list[FlatParamGroup],
+                      managed: list[nn.Parameter], master_init: Mapping[nn.Parameter, torch.Tensor] | None,
+                      experts: Set[nn.Parameter] = frozenset()) -> ShardedOptimizer | None:
+    """Stage >= 1: the optimizer over this rank's master shards; stage 0: over per-parameter views of a whole
+    separate master (mixed precision), or ``None`` when the optimizer steps the parameters themselves."""
+    separate_master = not dtypes.master_is_param_view
+    if optimizer is None or not (config.stage.shards_optimizer or separate_master):
+        return None
+    if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
+        master_init = broadcast_master_init(master_init, managed, dtypes.master_dtype, comm, experts)
+    store = open_shard_store(offload, comm.rank, units, groups, dtypes.master_dtype)  # where the shards live, once
+    return ShardedOptimizer(optimizer, groups, dtypes.master_dtype, whole=not config.stage.shards_optimizer,
+                            master_init=master_init, store=store)
