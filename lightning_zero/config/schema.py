@@ -274,7 +274,7 @@ class TrainConfig:
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> TargetNode (a `null` entry: off)
     name: str = "default"
     seed: int = 0
-    deepspeed_config: str | None = None  # a DeepSpeed JSON over the groups (lightning_zero/config/deepspeed.py)
+    deepspeed_config: str | None = None  # a DeepSpeed JSON over the groups (lightning_zero/config/run/deepspeed.py)
     deepspeed_strict: bool = False  # unsupported keys in that JSON are an error, not a warning
     profiler: ProfilerSchema = field(default_factory=ProfilerSchema)
     ckpt_path: str | None = None  # test / validate / predict: a checkpoint, or a finished run's directory
