@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="also write the summary rows to this file")
     args = p.parse_args(argv)
     from benchmarks.harness.config import BenchConfig
-    from lightning_zero.testing.pool import GlooPool
+    from benchmarks.harness.pools import start_pool, stop_pool
 
     if args.quick:
         args.model, args.rounds, args.steps, args.warmup, args.seq_len = "gpt_tiny", 1, 2, 1, 64
@@ -200,14 +200,14 @@ def main(argv: list[str] | None = None) -> None:
                                             steps=args.steps, warmup=args.warmup))
     systems = args.systems.split(",")
     results: dict[str, list[Any]] = {s: [] for s in systems}
-    pool = GlooPool(world_size=2, timeout_s=1800)
+    pool = start_pool(2, timeout_s=1800)
     try:
         for r in range(args.rounds):  # interleaved: every system once per round
             for system in systems:
                 results[system].append(pool.run("benchmarks.bench_breakdown:body", system=system, config=config))
                 print(f"round {r + 1}/{args.rounds} {system}: done", file=sys.stderr, flush=True)
     finally:
-        pool.close()
+        stop_pool(pool)
     load = os.getloadavg()
     print(f"{args.model}, fp32, 2 gloo ranks, micro-batch {args.micro_batch} x {args.seq_len} tokens, "
           f"{args.rounds} interleaved rounds of {args.steps} measured steps (+{args.warmup} warm-up); "

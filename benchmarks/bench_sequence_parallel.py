@@ -51,14 +51,25 @@ def _worker(kind: str, length: int, limit_mb: int, steps: int) -> dict[str, floa
 
     import torch.distributed as dist
 
-    from lightning_zero.models.gpt import GPT
-    from lightning_zero.sequence_parallel import SequenceGroup
-
     torch.set_num_threads(1)
     if limit_mb:
         _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
         resource.setrlimit(resource.RLIMIT_DATA, (proc_status_bytes("VmData") + limit_mb * 2**20, hard))
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        return measure(kind, length, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(kind: str, length: int, steps: int) -> dict[str, float]:
+    """One rank of an initialised process group (a worker's, or the test suite's pool): the measurements of
+    ``steps`` SGD steps of the GPT on one sample of ``length`` tokens, split over the world."""
+    import torch.distributed as dist
+
+    from lightning_zero.models.gpt import GPT
+    from lightning_zero.sequence_parallel import SequenceGroup
+
     sg = SequenceGroup.of(None)
     torch.manual_seed(0)
     model = GPT(_config(length, kind == "sparse"))
@@ -83,10 +94,8 @@ def _worker(kind: str, length: int, limit_mb: int, steps: int) -> dict[str, floa
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
-    out = {"seconds": statistics.median(times), "loss": float(loss), "bytes": sg.traffic.bytes_sent,
-           "calls": sg.traffic.calls, "peak_mb": proc_status_bytes("VmHWM") / 2**20}
-    dist.destroy_process_group()
-    return out
+    return {"seconds": statistics.median(times), "loss": float(loss), "bytes": sg.traffic.bytes_sent,
+            "calls": sg.traffic.calls, "peak_mb": proc_status_bytes("VmHWM") / 2**20}
 
 
 def _free_port() -> int:

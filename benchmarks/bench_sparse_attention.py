@@ -230,11 +230,16 @@ def quality(steps: int) -> None:
         print(f"| {kind} | {start:.4f} | {trainer.callback_metrics['val_loss'].item():.4f} |")
 
 
+def run_worker(args: list[str]) -> dict:
+    """One measurement of a worker process (``_attention ...`` / ``_longest ...``): what it prints as JSON."""
+    worker = {"_attention": lambda a: _attention_worker(a[0], int(a[1]), int(a[2])),
+              "_longest": lambda a: _longest_worker(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]))}[args[0]]
+    return worker(args[1:])
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # a worker process
-        worker = {"_attention": lambda a: _attention_worker(a[0], int(a[1]), int(a[2])),
-                  "_longest": lambda a: _longest_worker(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]))}[sys.argv[1]]
-        print(json.dumps(worker(sys.argv[2:])))
+        print(json.dumps(run_worker(sys.argv[1:])))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)

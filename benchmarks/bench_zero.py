@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                       "state), comm_buffers = unsharded parameters alive")  # fmt: skip
     print(report(summarize(runs, config.warmup), config, comm_share(runs, config.warmup), header, args.markdown))
     if args.json:
-        args.json.write_text(json.dumps({"config": asdict(config), "argv": sys.argv[1:], "runs": runs}))
+        given = sys.argv[1:] if argv is None else list(argv)
+        args.json.write_text(json.dumps({"config": asdict(config), "argv": given, "runs": runs}))
     return 0
 
 

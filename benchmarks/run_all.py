@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.estimate:
         return 0
     # absolute paths (a venv, a temporary directory) are this machine's, not the page's: shown by their role
-    shown = [f"<{prev.lstrip('-')}>" if a.startswith("/") else a for prev, a in zip(["", *sys.argv[1:]], sys.argv[1:])]
+    given = sys.argv[1:] if argv is None else list(argv)
+    shown = [f"<{prev.lstrip('-')}>" if a.startswith("/") else a for prev, a in zip(["", *given], given)]
     command = "python " + " ".join(shlex.quote(a) if not a.startswith("<") else a
                                    for a in ["benchmarks/run_all.py", *shown])  # fmt: skip
     ds_cache = _ds_op_cache()

@@ -1,8 +1,40 @@
-"""The session's gloo worker pool: :mod:`lightning_zero.testing.pool` (shared with ``benchmarks/``).
+"""The session's gloo worker pools: :mod:`lightning_zero.testing.pool` (shared with ``benchmarks/``).
 
-This module keeps the import path the tests use (``from tests.pool import GlooPool, GlooPoolError``).
+This module keeps the import path the tests use (``from tests.pool import GlooPool, GlooPoolError``) and holds
+:class:`Pools`, the session's pools by world size (fixtures ``gloo_pool``: 2 ranks, ``gloo_pools``: any size).
 """
+
+from __future__ import annotations
 
 from lightning_zero.testing.pool import GlooPool, GlooPoolError
 
-__all__ = ["GlooPool", "GlooPoolError"]
+__all__ = ["GlooPool", "GlooPoolError", "Pools"]
+
+LARGE = 8  # a pool of this many ranks or more is started alone (the others closed) and closed after its module
+
+
+class Pools:
+    """The session's pools by world size, each started when a test first asks for it (~6 s of CPU per rank) and
+    kept for the later ones: the 3- and 4-rank tests of several files share one start each.
+
+    A pool of :data:`LARGE` ranks or more closes the other extra pools first (memory: ~0.5 GB per rank) and is
+    closed by :meth:`close` (``tests/e2e/test_pipeline_tensor_parallel.py`` does after its module)."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, GlooPool] = {}
+
+    def get(self, world_size: int) -> GlooPool:
+        """The session's pool of ``world_size`` ranks (started now if it is not running)."""
+        if world_size not in self._pools:
+            if world_size >= LARGE:
+                for size in [s for s in self._pools if s != 2]:
+                    self.close(size)
+            self._pools[world_size] = GlooPool(world_size=world_size)
+        return self._pools[world_size]
+
+    def close(self, world_size: int | None = None) -> None:
+        """Close the pool of ``world_size`` ranks (every pool when ``None``)."""
+        for size in [world_size] if world_size is not None else list(self._pools):
+            pool = self._pools.pop(size, None)
+            if pool is not None:
+                pool.close()

@@ -7,11 +7,13 @@ interpreter that can import it (the one given, else this one when it can), or ``
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from benchmarks.harness.config import BenchConfig
@@ -19,6 +21,31 @@ from benchmarks.harness.contenders import CONTENDERS
 from lightning_zero.testing.pool import GlooPool
 
 RUN_TASK = "benchmarks.harness.run:run_contender"
+_LENT: dict[tuple[str, int], GlooPool] = {}  # (kind, world size) -> a pool lent by the caller (lent())
+
+
+@contextlib.contextmanager
+def lent(pool: GlooPool, kind: str = "main") -> Iterator[None]:
+    """While active, a benchmark that needs a ``kind`` pool of ``pool.world_size`` ranks runs in ``pool`` (the test
+    suite's warm pool: its smoke tests call a benchmark's ``main`` in process) instead of starting its own; it
+    never closes it. The measurements are the same code on warm workers (a lent pool's start-up is not counted)."""
+    key = (kind, pool.world_size)
+    _LENT[key] = pool
+    try:
+        yield
+    finally:
+        del _LENT[key]
+
+
+def start_pool(world_size: int, kind: str = "main", **kwargs: Any) -> GlooPool:
+    """The lent pool of ``kind`` and ``world_size`` (:func:`lent`), else a new :class:`GlooPool` of ``kwargs``."""
+    return _LENT.get((kind, world_size)) or GlooPool(world_size, **kwargs)
+
+
+def stop_pool(pool: GlooPool) -> None:
+    """Close ``pool`` unless it was lent."""
+    if pool not in _LENT.values():
+        pool.close()
 STARTUP_TIMEOUT_S = 300.0
 DS_ENV = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator, not a CUDA probe
 
@@ -71,10 +98,10 @@ class Pools:
                 raise RuntimeError("a DeepSpeed contender needs --deepspeed-python (see find_deepspeed_python)")
             python = self.deepspeed_python if kind == "deepspeed" and self.deepspeed_python != sys.executable else None
             t = time.perf_counter()
-            self._pools[kind] = GlooPool(self.world_size, timeout_s=max(self.timeout_s, STARTUP_TIMEOUT_S),
-                                         grace_s=10.0, threads=self.threads, python=python,
-                                         env=DS_ENV if kind == "deepspeed" else None,
-                                         release_groups=kind != "deepspeed")  # DeepSpeed reuses its cached groups
+            self._pools[kind] = start_pool(self.world_size, kind, timeout_s=max(self.timeout_s, STARTUP_TIMEOUT_S),
+                                           grace_s=10.0, threads=self.threads, python=python,
+                                           env=DS_ENV if kind == "deepspeed" else None,
+                                           release_groups=kind != "deepspeed")  # DeepSpeed reuses its cached groups
             self.startup_s[kind] = time.perf_counter() - t
         return self._pools[kind]
 
@@ -85,5 +112,5 @@ class Pools:
 
     def close(self) -> None:
         for pool in self._pools.values():
-            pool.close()
+            stop_pool(pool)
         self._pools = {}

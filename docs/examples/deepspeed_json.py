@@ -19,6 +19,7 @@ class TinyLM(GPTLightningModule):
 
 
 if __name__ == "__main__":
+    pl.seed_everything(0, verbose=False)  # the same run, and the same printed loss, every time
     strategy = DeepSpeedZeroStrategy.from_deepspeed_config(Path(__file__).with_name("ds_config.json"))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=20, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

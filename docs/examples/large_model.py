@@ -21,14 +21,17 @@ WEIGHTS = os.path.join(tempfile.gettempdir(), "lightning_zero_gpt_tiny.safetenso
 class LoadAndEdit(pl.Callback):
     def on_fit_start(self, trainer, pl_module):
         trainer.strategy.load_full_state_dict(WEIGHTS)  # one unit at a time, into the shards
-        head = pl_module.model.ln_f.weight
+        block, head = pl_module.model.blocks[0], pl_module.model.ln_f.weight
+        with gathered_parameters(block.parameters()):  # read, on every rank
+            norm = float(block.attn.qkv.weight.norm())
         with gathered_parameters(head, modifier_rank=0):  # rank 0 changes it, every rank gets it
             if trainer.global_rank == 0:
                 with torch.no_grad():
                     head.mul_(1.0)
         if trainer.is_global_zero:
             s = trainer.strategy
-            print("model-state bytes on rank 0 after loading:", s.model_state_bytes())
+            print(f"block 0's qkv weight norm {norm:.4f}; model-state bytes on rank 0 after loading:",
+                  s.model_state_bytes())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python docs/examples/mixed_precision.py 16-mixed       # or 32-true, bf16-mixed, bf16-true
     python docs/examples/mixed_precision.py bf16-true 200  # more steps (default 40)
+    python docs/examples/mixed_precision.py all 200        # the four modes in turn (docs/precision.md's table)
 """
 
 import sys
@@ -25,9 +26,7 @@ class Report(pl.Callback):
                   f"params/grads/optimizer bytes={bytes_.params:.0f}/{bytes_.grads:.0f}/{bytes_.optimizer:.0f}")
 
 
-if __name__ == "__main__":
-    mode = sys.argv[1] if len(sys.argv) > 1 else "16-mixed"
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+def run(mode: str, steps: int) -> None:
     # fp16 only: DeepSpeed's dynamic loss scaler (these are its defaults, except a shorter window)
     fp16 = mode == "16-mixed"
     scaler = LossScalerConfig(initial_scale_power=16, loss_scale_window=100, hysteresis=2) if fp16 else None
@@ -51,3 +50,10 @@ if __name__ == "__main__":
     val = trainer.validate(model, data, verbose=False)[0]["val_loss"]  # runs in the same precision
     if trainer.is_global_zero:
         print(f"{mode}: val_loss={val:.4f} after {steps} steps")
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else "16-mixed"
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    for each in ("32-true", "16-mixed", "bf16-mixed", "bf16-true") if mode == "all" else (mode,):
+        run(each, steps)

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from experiments.data import TextDataModule
 from experiments.gpt import GPTLightningModule
 
-from lightning_zero import ZeroStrategy
+from lightning_zero import OneBitAdam, ZeroStrategy
 
 
 class PrintTraffic(pl.Callback):
@@ -25,19 +25,15 @@ class PrintTraffic(pl.Callback):
                   f"{'warm-up (AdamW)' if ratio is None else f'compressed {ratio:.1f}x'}")
 
 
+class OneBitGPT(GPTLightningModule):  # any LightningModule
+    def configure_optimizers(self):
+        return OneBitAdam(self.parameters(), lr=3e-3, freeze_step=10, betas=(0.9, 0.999), weight_decay=0.01)
+
+
 if __name__ == "__main__":
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 30
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ZeroStrategy(stage=0),
-        max_steps=steps,
-        gradient_clip_val=1.0,
-        callbacks=[PrintTraffic()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-    )
-    # GPTLightningModule builds lightning_zero.OneBitAdam(groups, lr, betas, freeze_step) for "onebit_adam"
-    module = GPTLightningModule("gpt_tiny", lr=3e-3, warmup_steps=5, optimizer="onebit_adam", freeze_step=10)
-    trainer.fit(module, TextDataModule(seq_len=64, micro_batch_size=8, max_bytes=1_000_000))
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=0), gradient_clip_val=1.0,
+                         max_steps=steps, callbacks=[PrintTraffic()], **quiet)
+    data = TextDataModule(seq_len=64, micro_batch_size=8, max_bytes=1_000_000)
+    trainer.fit(OneBitGPT("gpt_tiny"), data)

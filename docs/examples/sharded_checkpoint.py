@@ -1,6 +1,6 @@
 """Sharded checkpoints: save during fit, resume at another world size / stage, export one file.
 
-Run: python docs/examples/sharded_checkpoint.py   (CPU, about a minute)
+Run: python docs/examples/sharded_checkpoint.py   (CPU, about a minute; writes ./sharded_example/)
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import lightning.pytorch as pl
 import torch
@@ -44,25 +43,39 @@ def data() -> DataLoader:
                       batch_size=8)
 
 
-def trainer(stage: int, devices: int, max_steps: int, root: str) -> pl.Trainer:
+QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+            "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")  # what a launcher set for this process's ranks
+
+
+def first_run(root: str) -> None:
+    """2 ranks at stage 2: every rank writes only its own shards."""
     saver = ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_last=True)
-    return pl.Trainer(strategy=ZeroStrategy(stage=stage), accelerator="cpu", devices=devices, max_steps=max_steps,
-                      callbacks=[saver], logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(strategy=ZeroStrategy(stage=2), devices=2, callbacks=[saver], max_steps=8, **QUIET)
+    trainer.fit(LM(), data())  # root/last.ckpt -> root/last.ckpt.v2/
+    if trainer.global_rank == 0:
+        print(sorted(os.listdir(root)))  # last.ckpt -> last.ckpt.v2, epoch=1-step=8.ckpt -> ....v1
+        fresh = {k: v for k, v in os.environ.items() if k not in LAUNCHER}  # a process of its own, not a rank
+        subprocess.run([sys.executable, __file__, "resume"], check=True, env=fresh)
+
+
+def resume(root: str) -> None:
+    """A fresh process: 1 rank at stage 3 from the 2-rank stage-2 checkpoint, then one plain file."""
+    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_last=True)
+    trainer = pl.Trainer(strategy=ZeroStrategy(stage=3), devices=1, callbacks=[saver], max_steps=12, **QUIET)
+    trainer.fit(LM(), data(), ckpt_path="last")  # resume: any world size, any stage
+    state = consolidate_checkpoint(os.path.join(root, "last.ckpt"))  # fp32 state_dict, no process group
+    LM().load_state_dict(state, strict=True)
+    convert_checkpoint(os.path.join(root, "last.ckpt"), os.path.join(root, "lm.ckpt"), lightning=True)
+    print(LM.load_from_checkpoint(os.path.join(root, "lm.ckpt"), weights_only=True).hparams)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("PL_DISABLE_FORK", "1")
-    root = os.path.join(tempfile.gettempdir(), "lightning_zero_sharded_example")  # the same on every rank
-    if sys.argv[1:] == ["resume"]:  # a fresh process: 1 rank, stage 3, from the 2-rank stage-2 checkpoint
-        trainer(stage=3, devices=1, max_steps=12, root=root).fit(LM(), data(), ckpt_path="last")
-        state = consolidate_checkpoint(os.path.join(root, "last.ckpt"))  # no process group needed
-        LM().load_state_dict(state, strict=True)
-        convert_checkpoint(os.path.join(root, "last.ckpt"), os.path.join(root, "lm.ckpt"), lightning=True)
-        print(LM.load_from_checkpoint(os.path.join(root, "lm.ckpt"), weights_only=True).hparams)
-        sys.exit(0)
-    if "LOCAL_RANK" not in os.environ:  # the launching process (Lightning starts rank 1 with LOCAL_RANK=1)
-        shutil.rmtree(root, ignore_errors=True)
-    trainer(stage=2, devices=2, max_steps=8, root=root).fit(LM(), data())  # 2 ranks write their shards
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        print(sorted(os.listdir(root)))  # last.ckpt -> last.ckpt.v2, epoch=1-step=8.ckpt -> ....v1
-        subprocess.run([sys.executable, __file__, "resume"], check=True)
+    root = os.path.abspath("sharded_example")  # the working directory: the same for every rank
+    if sys.argv[1:] == ["resume"]:
+        resume(root)
+    else:
+        if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:  # before any rank saves
+            shutil.rmtree(root, ignore_errors=True)
+        first_run(root)

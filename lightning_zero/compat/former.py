@@ -70,6 +70,8 @@ FORMER_MODULES: tuple[FormerModule, ...] = (
     # issue 47's config/run/: the launch side on top of config/'s schemas, settings route and checks
     *(FormerModule(f"lightning_zero.config.{name}", (f"lightning_zero.config.run.{name}",))
       for name in ("launch", "worker", "console", "build", "deepspeed")),
+    # issue 47: the swap directory's room, a check of the model's state, folded into model_checks
+    FormerModule("lightning_zero.config.offload_checks", ("lightning_zero.config.model_checks",)),
     # issue 47's leaf: the usage error every layer raises (issue 42 put it at core/'s root)
     FormerModule(f"{_CORE}.errors", (f"{_CORE}.common.errors",)),
     # issue 47's order: the experts' reducers extend ZeRO's reducer, so they sit beside it (partition stays below)
@@ -104,10 +106,13 @@ FORMER_NAMES: tuple[FormerName, ...] = (
     # issue 47's split of config/validate.py (over 500 lines), one concern per module beside it
     *(FormerName("lightning_zero.config.validate", name, f"lightning_zero.config.{where}:{name}")
       for name, where in (("counts", "value_checks"), ("val_check_batches", "value_checks"),
-                          ("epoch_problems", "model_checks"), ("nvme_bytes_per_node", "offload_checks"),
+                          ("epoch_problems", "model_checks"), ("nvme_bytes_per_node", "model_checks"),
                           ("offload_name", "describe"), ("count_model_parameters", "describe"),
                           ("run_choices", "describe"), ("describe", "describe"), ("DEFAULT_CHOICES", "describe"),
                           ("gpt_config", "model_zoo"))),
+    # issue 47's config/settings_schema.py: the settings groups' schemas and their option enums beside them
+    *(FormerName("lightning_zero.config.schema", name, f"lightning_zero.config.settings_schema:{name}")
+      for name in ("Collective", "PrecisionName", "PipeSchedule", "LIGHTNING_PRECISION")),
     FormerName("lightning_zero.config.build", "strategy_kwargs", "lightning_zero.config.build:strategy_arguments"),
     FormerName("lightning_zero.config.build", "pipeline_config", "lightning_zero.config.settings:pipeline_settings"),
     FormerName("lightning_zero.deepspeed.strategy_args", "strategy_kwargs",

@@ -1,9 +1,10 @@
 """Hydra configs of ``lightning-zero train``: schemas, cross-group validation, builders and the launcher.
 
-* :mod:`~lightning_zero.config.schema` -- typed group schemas in Hydra's ConfigStore.
+* :mod:`~lightning_zero.config.schema` -- typed group schemas in Hydra's ConfigStore (the settings groups':
+  :mod:`~lightning_zero.config.settings_schema`).
 * :mod:`~lightning_zero.config.settings` -- a config as the settings tree (the Hydra route in).
 * :mod:`~lightning_zero.config.validate` -- :func:`validate_config`, the one cross-group gate, running one check
-  per concern (``value_checks``, ``parallel_checks``, ``offload_checks``, ``model_checks``);
+  per concern (``value_checks``, ``parallel_checks``, ``model_checks``);
   :mod:`~lightning_zero.config.describe` the line printed before launch.
 * :mod:`~lightning_zero.config.run.build` -- config -> ZeroStrategy / Trainer / LightningModule / DataModule.
 * :mod:`~lightning_zero.config.run.launch` -- the ``train`` command: Hydra, then ranks via torchrun.

@@ -1,11 +1,13 @@
 """The model against its data, its optimizer and the checkpoint a run resumes from (a Hugging Face model's through
-``hf/checks.py``), and the corpus against the run's sizes (:func:`epoch_problems`), each with its fix."""
+``hf/checks.py``), the corpus against the run's sizes (:func:`epoch_problems`), and the model's offloaded state
+against the swap directory's room (:func:`offload_problems`, with the estimator's formula), each with its fix."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_zero.config.model_zoo import epoch_batches, gpt_config, resume_problems
+from lightning_zero.config.describe import count_model_parameters, offload_name
+from lightning_zero.config.model_zoo import epoch_batches, gpt_config, preset_known, resume_problems
 from lightning_zero.config.multinode import resolve_node
 from lightning_zero.config.parallel_checks import data_parallel_size
 from lightning_zero.config.schema import (
@@ -19,7 +21,10 @@ from lightning_zero.config.schema import (
     TrainConfig,
 )
 from lightning_zero.config.value_checks import counts, val_check_batches
-from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.common.choices import OffloadDevice, ZeroStage
+from lightning_zero.core.common.memory import OFFLOAD_STAGES
+from lightning_zero.core.offload.swap_step import SwappedStep
+from lightning_zero.core.settings.offload import nvme_path_problem
 from lightning_zero.hf.checks import HFRun, hf_problems
 from lightning_zero.project.targets import TargetNode
 
@@ -113,3 +118,44 @@ def epoch_problems(cfg: TrainConfig) -> list[str]:
                 f"trainer.check_val_every_n_epoch=null (validation every {t.val_check_interval} steps across "
                 "epochs), or more data."]
     return []
+
+
+def offload_problems(cfg: TrainConfig) -> list[str]:
+    """The swap directory of ``"nvme"`` offload, checked here before any rank starts, with the room the estimator
+    counts (the offload node's values and its rules with the stage are checked with the settings tree)."""
+    o = cfg.offload
+    out = []
+    if o.buffer_count is not None and o.optimizer_device is OffloadDevice.nvme:  # Note [swapped step]
+        state = {"adamw": 2, "adam": 2, "sgd": 1}.get(cfg.model.optimizer.value)
+        try:
+            SwappedStep(None, int(o.buffer_count), bool(o.pipeline_read), bool(o.pipeline_write)).check(
+                2 + (state or 0), f"the master, its gradient and the optimizer's {state} state tensor(s)")
+        except ValueError as err:
+            out.append(str(err).replace("offload buffer_count", "offload.buffer_count", 1))
+    if OffloadDevice.nvme not in (o.optimizer_device, o.param_device) or not o.nvme_path:
+        return out
+    problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
+    return out + ([problem] if problem else [])  # the check the ranks repeat, here before any of them starts
+
+
+def nvme_bytes_per_node(cfg: TrainConfig) -> float:
+    """The estimator's bytes of offloaded state under ``offload.nvme_path`` on one node (its ranks share the
+    path); 0 when it cannot be counted yet (a stage the offload cannot run, an unknown model: refused apart).
+
+    Args:
+        cfg: a composed config with ``"nvme"`` offload.
+    """
+    from lightning_zero.estimator import ModelSpec, estimate_config, make_cluster
+
+    name, t = offload_name(cfg), cfg.trainer
+    gpt = isinstance(cfg.model, GPTModelSchema)
+    if (cfg.zero.stage not in OFFLOAD_STAGES.get(name, ()) or (gpt and not preset_known(cfg.model))
+            or t.devices < 1 or t.num_nodes < 1):
+        return 0.0
+    params = count_model_parameters(cfg)
+    if params is None:  # not counted before launch: the ranks check the space they need
+        return 0.0
+    cluster = make_cluster(t.devices * t.num_nodes, t.num_nodes, t.devices)
+    estimate = estimate_config(cfg.zero.stage, name, ModelSpec(float(params)), cluster,
+                               cfg.precision.name.value)
+    return estimate.nvme_bytes * t.devices

@@ -10,10 +10,10 @@ from lightning_zero.config.schema import (
     HFCausalLMSchema,
     MLPModelSchema,
     OptimizerName,
-    PipeSchedule,
     TextDataSchema,
     TrainConfig,
 )
+from lightning_zero.config.settings_schema import PipeSchedule
 from lightning_zero.core.common.choices import ZeroStage
 from lightning_zero.core.mesh.dims import ParallelDims
 from lightning_zero.project.targets import TargetNode

@@ -5,97 +5,36 @@ or a value of the wrong type fails when Hydra composes the config, naming the ke
 :class:`TrainConfig` types each group too. The knob names follow DeepSpeed's JSON config where
 DeepSpeed has one (``reduce_bucket_size``, ``loss_scale_window``, ``offload_optimizer.device``, ...).
 
-Where a core dataclass or a module already declares the knobs (the fp16 loss scaler, the profiler
-window, the teacher task), the schema is built from it (``_mirror``) instead of restating
-them, and option lists kept elsewhere become enums the same way (``_choices``).
+The settings tree's groups (``zero/``, ``offload/``, ``precision/``, ``pipeline/``, the parallel sizes) are
+``settings_schema.py``'s, mirrors of their core nodes; here are the run's other groups (model, data, trainer,
+checkpoint, logger, profiler) and the root. Where a module already declares the knobs (the profiler window, the
+teacher task), the schema is built from it (``settings_schema.mirror``) instead of restating them.
 
-Cross-group rules (e.g. parameter offload needs stage 3) are not expressible as types; they live in
-:func:`lightning_zero.config.validate.validate_config`.
+Rules across groups are not expressible as types: the settings tree's are ``core/settings/rules.py``'s, the
+others' :func:`lightning_zero.config.validate.validate_config`'s.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterable
-from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import Any, get_type_hints
+from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from lightning_zero.core.common.choices import Collective as CoreCollective
-from lightning_zero.core.common.choices import PipeSchedule as CorePipeSchedule
-from lightning_zero.core.settings import offload as core_offload
-from lightning_zero.core.settings import zero as core_zero
-from lightning_zero.core.settings.precision import LossScalerConfig
+from lightning_zero.config.settings_schema import (
+    ExpertParallelSchema,
+    OffloadSchema,
+    PipelineSchema,
+    PrecisionSchema,
+    SequenceParallelSchema,
+    TensorParallelSchema,
+    ZeroSchema,
+    mirror,
+)
 from lightning_zero.models.mlp_parts import TeacherTask
 from lightning_zero.observability.monitoring import ProfilerWindow
 from lightning_zero.project.targets import USER_KEYS, as_plain, user_parts
-
-
-def _choices(name: str, values: Iterable[str], doc: str) -> Any:
-    """An ``Enum`` of the options ``values`` (each member named as its value), for options whose list
-    lives elsewhere."""
-    choices = Enum(name, [(v, v) for v in values])  # type: ignore[misc]
-    choices.__module__, choices.__doc__ = __name__, doc
-    return choices
-
-
-def _fields_of(source: type) -> list[tuple[str, Any, Any]]:
-    """``(name, type, default)`` of a dataclass's fields, or of the parameters of a class's ``__init__``."""
-    if is_dataclass(source):
-        hints = get_type_hints(source)
-        return [(f.name, hints[f.name], f.default) for f in fields(source)]
-    hints = get_type_hints(source.__init__)
-    return [(p.name, hints[p.name], p.default) for p in inspect.signature(source).parameters.values()]
-
-
-def _mirror(name: str, doc: str, *parts: tuple[str, Any, Any] | type, base: type | None = None) -> Any:
-    """A schema dataclass (subclassing ``base``) whose fields are ``parts`` in order: a ``(name, type,
-    default)`` field, or a frozen core dataclass or a class whose fields / ``__init__`` parameters are
-    taken over with their types and defaults, so that a knob and its default are written once, next
-    to the mechanism. (The schema itself is mutable: Hydra merges overrides into it.)"""
-    specs = [(n, t, field(default_factory=lambda d=d: list(d)) if isinstance(d, list) else field(default=d))
-             for part in parts for n, t, d in ([part] if isinstance(part, tuple) else _fields_of(part))]
-    schema = make_dataclass(name, specs, bases=(base,) if base else (), namespace={"__doc__": doc})
-    schema.__module__ = __name__
-    return schema
-
-
-Collective = _choices("Collective", [c.value for c in CoreCollective],
-                      "Gradient / parameter collectives of the ZeRO engine (``ZeroConfig.collective``).")
-
-
-def _in_yaml(source: type, types: dict[str, Any], leave_out: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
-    """``(name, type, default)`` of a core dataclass's fields in the types YAML writes them in (``types``: a
-    field's YAML type; its default converted to it: an enum's value, a tuple of classes as a list of import
-    paths), so that the default stays written once, in the core."""
-    out = []
-    for name, hint, default in _fields_of(source):
-        if name in leave_out:
-            continue
-        yaml_type = types.get(name, hint)
-        value = default.value if isinstance(default, Enum) else default
-        if isinstance(yaml_type, type) and issubclass(yaml_type, Enum):
-            value = yaml_type(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        elif yaml_type in (int, str):
-            value = yaml_type(value)
-        out.append((name, yaml_type, value))
-    return out
-
-
-# precision mode -> Lightning's string
-LIGHTNING_PRECISION: dict[str, str] = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed",
-                                       "bf16_true": "bf16-true"}
-PrecisionName = _choices("PrecisionName", LIGHTNING_PRECISION,
-                         "Precision modes: the keys of :data:`LIGHTNING_PRECISION`.")
-
-
-PipeSchedule = _choices("PipeSchedule", ["none", *(s.name.lower() for s in CorePipeSchedule)],
-                        "Pipeline schedules: ``none`` (no pipeline) and the core's ``PipeSchedule`` by name "
-                        "(``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``).")
 
 
 class OptimizerName(Enum):
@@ -123,75 +62,6 @@ class LoggerKind(Enum):
     none = "none"
 
 
-ZeroSchema = _mirror(
-    "ZeroSchema",
-    """``zero/``: the ZeRO stage and its knobs, the fields of :class:`~lightning_zero.ZeroConfig` (each default written
-    once, there) in YAML's types: the stage an int, ``collective`` the :class:`Collective` options, ``nonfinite`` a
-    string (``raise`` cannot be an enum member name, which OmegaConf parses by; ``ZeroConfig`` checks it),
-    ``elementwise_optimizers`` / ``unit_classes`` as ``"module.path:ClassName"`` import paths; and the strategy's
-    ``check_step_errors`` and ``gather_on_teardown`` (the CLI needs nothing back after fit, as validate_at_end runs
-    inside it, so by default it does not gather; docs/zero.md). ``activation_checkpointing`` is the model's choice,
-    not a ``zero/`` option.""",
-    *_in_yaml(core_zero.ZeroConfig, {"stage": int, "collective": Collective, "nonfinite": str,
-                                     "elementwise_optimizers": list[str], "unit_classes": list[str]},
-              leave_out=("activation_checkpointing",)),
-    ("check_step_errors", bool, True),
-    ("gather_on_teardown", bool, False),
-)
-
-
-OffloadSchema = _mirror(
-    "OffloadSchema",
-    """``offload/``: ZeRO-Offload / ZeRO-Infinity (DeepSpeed's ``offload_optimizer`` / ``offload_param``), the fields
-    of :class:`~lightning_zero.OffloadConfig` (each default written once, there); ``pin_memory`` may be ``null``:
-    pinned where ``trainer.accelerator`` is not cpu and CUDA is there (the cpu presets), so CPU runs do not warn
-    on every rank (DeepSpeed's default is false; true needs an accelerator, else a warning).""",
-    *_in_yaml(core_offload.OffloadConfig, {"pin_memory": bool | None}),
-)
-
-
-PrecisionSchema = _mirror(
-    "PrecisionSchema",
-    """``precision/``: the mode, DeepSpeed's fp16 loss-scaler knobs (the fields of
-    :class:`~lightning_zero.core.precision.loss_scaler.LossScalerConfig`; ``loss_scale=0`` means dynamic) and the
-    gradient dtypes (``reduce_dtype``: DeepSpeed's ``communication_data_type``; ``grad_accum_dtype``:
-    ``data_types.grad_accum_dtype``; ``null`` = the compute dtype).""",
-    ("name", PrecisionName, PrecisionName.fp32),
-    LossScalerConfig,
-    ("reduce_dtype", str | None, None),  # float32, float16 or bfloat16
-    ("grad_accum_dtype", str | None, None),
-)
-
-
-@dataclass
-class PipelineSchema:
-    """``pipeline/``: pipeline-parallel stages, schedule and micro-batches (``stages=1``: no pipeline)."""
-
-    stages: int = 1
-    schedule: PipeSchedule = PipeSchedule.none
-    micro_batches: int = 1
-    virtual_stages: int = 1
-    partition_method: str = "parameters"
-    activation_checkpoint_interval: int = 0
-    reduce_per_micro_batch: bool = False  # ZeRO 2-3, no ties across stages (docs/pipeline.md)
-
-
-@dataclass
-class TensorParallelSchema:
-    """``tensor_parallel/``: ranks per tensor-parallel group (``size=1``: none; docs/tensor_parallel.md). The
-    model's own plan is used (the GPT's ``tensor_parallel_plan``)."""
-
-    size: int = 1
-
-
-@dataclass
-class ExpertParallelSchema:
-    """``expert_parallel/``: ranks per expert-parallel group (each MoE layer's experts split over data ranks,
-    docs/expert_parallel.md; 1: off). The model needs MoE layers (``model.moe.num_experts``)."""
-
-    size: int = 1
-
-
 @dataclass
 class GPTMoESchema:
     """``model.moe``: the GPT's mixture-of-experts option (``lightning_zero.models.gpt_config.GPTMoE``;
@@ -205,13 +75,6 @@ class GPTMoESchema:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     intermediate_size: int | None = None  # None: 4 x n_embd
-
-
-@dataclass
-class SequenceParallelSchema:
-    """``sequence_parallel/``: ranks per sequence group (DeepSpeed-Ulysses, docs/sequence_parallel.md; 1: off)."""
-
-    size: int = 1
 
 
 @dataclass
@@ -312,7 +175,7 @@ class TextDataSchema(DataSchema):
     tokenizer: str | None = None  # a transformers tokenizer directory; null: bytes (with model=hf_causal_lm: its own)
 
 
-TeacherDataSchema = _mirror(
+TeacherDataSchema = mirror(
     "TeacherDataSchema",
     """``experiments.mlp.TeacherDataModule``: a synthetic random-teacher classification task (the
     arguments of :class:`~lightning_zero.models.mlp.TeacherDataModule`: the fields of
@@ -320,6 +183,7 @@ TeacherDataSchema = _mirror(
     ("kind", str, "teacher"),
     TeacherTask,
     base=DataSchema,
+    module=__name__,
 )
 
 
@@ -377,13 +241,14 @@ class LoggerSchema:
     monitor: bool = True  # ZeroStrategy(monitor=...): the ZeroStatsMonitor dashboard (docs/monitoring.md)
 
 
-ProfilerSchema = _mirror(
+ProfilerSchema = mirror(
     "ProfilerSchema",
     """``profiler.*`` (a root key, no group): ``torch.profiler`` with memory profiling over a window of
     optimizer steps, traces in ``<run dir>/<logger.name>/profiler``: ``enabled`` and the fields of
     :class:`lightning_zero.ProfilerWindow`.""",
     ("enabled", bool, False),
     ProfilerWindow,
+    module=__name__,
 )
 
 
@@ -411,7 +276,7 @@ class TrainConfig:
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> TargetNode (a `null` entry: off)
     name: str = "default"
     seed: int = 0
-    deepspeed_config: str | None = None  # a DeepSpeed JSON over the groups (lightning_zero/config/deepspeed.py)
+    deepspeed_config: str | None = None  # a DeepSpeed JSON over the groups (lightning_zero/config/run/deepspeed.py)
     deepspeed_strict: bool = False  # unsupported keys in that JSON are an error, not a warning
     profiler: ProfilerSchema = field(default_factory=ProfilerSchema)
     ckpt_path: str | None = None  # test / validate / predict: a checkpoint, or a finished run's directory

@@ -16,12 +16,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero.config.schema import (
-    LIGHTNING_PRECISION,
-    PipeSchedule,
-    PrecisionSchema,
-    TrainConfig,
-)
+from lightning_zero.config.schema import TrainConfig
+from lightning_zero.config.settings_schema import LIGHTNING_PRECISION, PipeSchedule, PrecisionSchema
 from lightning_zero.core.settings.expert import ExpertParallelConfig
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.settings.pipeline import PipelineConfig
@@ -80,13 +76,27 @@ def pipeline_settings(cfg: TrainConfig) -> PipelineConfig | None:
                           reduce_per_micro_batch=pp.reduce_per_micro_batch)
 
 
+def _scaler_knobs_set(cfg: TrainConfig) -> list[str]:
+    p, defaults = cfg.precision, PrecisionSchema()
+    return [k for k in _SCALER_KNOBS if getattr(p, k) != getattr(defaults, k)]
+
+
 def precision_settings(cfg: TrainConfig) -> PrecisionConfig:
     """The precision node of ``cfg.precision``: a loss scaler when fp16, or when any of its knobs is set."""
-    p, defaults = cfg.precision, PrecisionSchema()
-    knobs = {k: getattr(p, k) for k in _SCALER_KNOBS}
-    scaled = p.name.value == "fp16" or any(v != getattr(defaults, k) for k, v in knobs.items())
-    return PrecisionConfig(LIGHTNING_PRECISION[p.name.value], LossScalerConfig(**knobs) if scaled else None,
+    p = cfg.precision
+    scaled = p.name.value == "fp16" or bool(_scaler_knobs_set(cfg))
+    return PrecisionConfig(LIGHTNING_PRECISION[p.name.value],
+                           LossScalerConfig(**{k: getattr(p, k) for k in _SCALER_KNOBS}) if scaled else None,
                            p.reduce_dtype, p.grad_accum_dtype)
+
+
+def _unscaled_precision(cfg: TrainConfig) -> tuple[str, PrecisionConfig]:
+    """Loss-scaler knobs set with bf16 / fp32, in the Hydra keys, and the node without them (so that the rules
+    across nodes are still checked: every problem at once)."""
+    knobs, p = _scaler_knobs_set(cfg), cfg.precision
+    why = (f"{', '.join(f'precision.{k}' for k in knobs)} set with precision={p.name.value}: loss scaling applies "
+           "to fp16 only. Fix: precision=fp16, or drop those overrides.")
+    return why, PrecisionConfig(LIGHTNING_PRECISION[p.name.value], None, p.reduce_dtype, p.grad_accum_dtype)
 
 
 _NODES: dict[str, Callable[[TrainConfig], Any]] = {
@@ -112,19 +122,23 @@ def hydra_settings_problems(cfg: TrainConfig) -> list[str]:
     nodes, out = {}, []
     for group, node in _NODES.items():
         try:
+            if group == "precision" and cfg.precision.name.value != "fp16" and _scaler_knobs_set(cfg):
+                why, nodes[group] = _unscaled_precision(cfg)
+                out.append(why)
+                continue
             nodes[group] = node(cfg)
         except (ValueError, TypeError) as err:
             out.append(f"{group}: {err}")
         except (ImportError, AttributeError) as err:  # elementwise_optimizers / unit_classes
             out.append(f"zero: cannot import a class of zero.elementwise_optimizers / zero.unit_classes ({err}).")
-    if out:
+    if len(nodes) < len(_NODES):  # a node that could not be built: the rules across nodes need every node
         return out
     try:
         parallel = ParallelSettings(nodes["pipeline"], nodes["tensor_parallel"], cfg.sequence_parallel.size,
                                     nodes["expert_parallel"])
     except ValueError as err:
-        return [f"sequence_parallel: {err}"]
+        return [*out, f"sequence_parallel: {err}"]
     tree = Settings(zero=nodes["zero"], offload=nodes["offload"], parallel=parallel, precision=nodes["precision"])
-    return settings_problems(tree, HYDRA_KEYS)
+    return settings_problems(tree, HYDRA_KEYS) + out
 
 

@@ -4,7 +4,7 @@
 listing every reason with its fix; a valid combination that needs a feature lightning_zero does
 not have yet raises ``NotImplementedError`` naming the feature. It runs the settings tree's checks
 (``settings.py``) and each concern's beside it (``value_checks.py``, ``parallel_checks.py``,
-``offload_checks.py``, ``model_checks.py``); models are only counted on the meta device (``describe.py``), never
+``model_checks.py``); models are only counted on the meta device (``describe.py``), never
 materialised.
 """
 
@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zero.config.model_checks import BUILT_STAGES, epoch_problems, model_data_problems
+from lightning_zero.config.model_checks import BUILT_STAGES, epoch_problems, model_data_problems, offload_problems
 from lightning_zero.config.model_zoo import dense_layout_warning, gpt_config, preset_known
 from lightning_zero.config.multinode import node_device_problems
-from lightning_zero.config.offload_checks import offload_problems
 from lightning_zero.config.parallel_checks import (
     expert_parallel_problems,
     pipeline_problems,

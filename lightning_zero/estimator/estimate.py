@@ -123,7 +123,7 @@ def estimate_config(
 
     With ``expert_parallel`` = p > 1 a rank holds ``1/p`` of the expert parameters (its experts) and every dense
     one; ZeRO partitions the dense ones over the ``world`` data ranks and its experts over the ``world / p`` ranks
-    holding them (Note [model state with EP] in core/zero/memory.py), offload rows too; stage 3 gathers a
+    holding them (Note [model state with EP] in core/common/memory.py), offload rows too; stage 3 gathers a
     rank's experts only.
     """
     formula = formula_precision(precision)

@@ -64,7 +64,7 @@ def all_to_all_bytes(model: ModelSpec, ep: int, tokens: float, element_bytes: in
 
 def expert_parallel_lines(model: ModelSpec, cluster: Cluster, ep: int, acts: Activations | None,
                           units: str) -> list[str]:
-    """What an expert-parallel rank holds and sends (Note [model state with EP] in ``core/zero/memory.py``)."""
+    """What an expert-parallel rank holds and sends (Note [model state with EP] in ``core/common/memory.py``)."""
     experts, e = model.expert_params or 0.0, model.num_experts or 0
     line = (f"Experts: {format_count(experts)} of the parameters, {e} experts x {model.moe_layers} MoE layers, top-"
             f"{model.top_k}. ")

@@ -42,11 +42,14 @@ class StrategyMesh:
     """The strategy's mesh and the collectives that live as long: ZeRO's over ``zero_axes`` (``comm``; with expert
     parallelism its ``expert_data``, the experts' over ``expert_zero_axes``) and every rank's holding part of the
     model (``everyone``, the step-error agreement: data x tensor x pipeline x sequence, the expert ranks being data
-    ranks; ``comm`` itself when ZeRO's group is the world)."""
+    ranks; ``comm`` itself when ZeRO's group is the world) and the ranks holding the rest of this rank's model
+    (``model_parallel``: the pipeline and tensor axes that are on, over which the engine combines its gradient norm
+    and overflow decision; ``None``: neither is on)."""
 
     mesh: ProcessMesh
     comm: DataParallelComm
     everyone: DataParallelComm
+    model_parallel: DataParallelComm | None = None
 
 
 def build_mesh(dims: ParallelDims, rank: int, zero: ZeroConfig) -> StrategyMesh:
@@ -65,7 +68,9 @@ def build_mesh(dims: ParallelDims, rank: int, zero: ZeroConfig) -> StrategyMesh:
                if dims.expert_enabled else None)
     comm = own(DataParallelComm(mesh.group(*dims.zero_axes), zero.collective, expert_data=experts))
     everyone = own(DataParallelComm(mesh.group(*ORDER), zero.collective)) if beyond_zero else comm
-    return StrategyMesh(mesh, comm, everyone)
+    coupled = tuple(a for a in (Axis.PIPELINE, Axis.TENSOR) if dims.enabled(a))
+    model_parallel = own(DataParallelComm(mesh.group(*coupled), zero.collective)) if coupled else None
+    return StrategyMesh(mesh, comm, everyone, model_parallel)
 
 
 def open_mesh(settings: Settings, previous: StrategyMesh | None) -> StrategyMesh:

@@ -10,11 +10,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.core.comm.data_parallel import DataParallelComm
-from lightning_zero.core.mesh import Axis, ProcessMesh
 from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.settings.tree import Settings
-from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.engine_setup import StageCoupling
@@ -54,28 +51,26 @@ def apply_zero(module: nn.Module, optimizer: Optimizer | None, mesh: StrategyMes
     mesh (``zero_axes``) and coupled to the pipeline stages and tensor-parallel ranks (``agreed``: the settings
     compared across ranks with the model's structure); ``experts`` (expert parallelism's parameters) are
     partitioned over the experts' ZeRO group instead (``mesh.comm.expert_data``)."""
+    coupling = model_parallel_coupling(mesh, pipeline, tensor)  # its collectives the mesh's, made once
     return ZeroEngine(
         pipeline.local.module if pipeline is not None else module, optimizer, settings.zero, mesh.comm,
         dtypes=precision.dtype_policy(module),
         master_init=precision.master_init() if optimizer is not None else None,
         param_init_fn=param_init_fn, init_seed=torch.initial_seed() % 2**63, setup_settings=agreed,
         offload=settings.offload,
-        coupling=model_parallel_coupling(mesh.mesh, pipeline, tensor, settings.zero), experts=experts,
+        coupling=coupling, experts=experts,
     )
 
 
-def model_parallel_coupling(mesh: ProcessMesh, pipeline: StrategyPipeline | None,
-                            tensor: StrategyTensorParallel | None, zero: ZeroConfig) -> StageCoupling | None:
+def model_parallel_coupling(mesh: StrategyMesh, pipeline: StrategyPipeline | None,
+                            tensor: StrategyTensorParallel | None) -> StageCoupling | None:
     """The engine's one :class:`StageCoupling`: the gradient norm and the fp16 overflow flag are combined over
-    the ranks holding the rest of the model (``mesh.group`` along the pipeline and tensor axes that are on: one
-    all-reduce after the data group's; Note [rank order]); each rank leaves out the share of a parameter that
-    another holder counts too, the largest of the pipeline's (a tie another stage owns: all) and tensor
-    parallel's (a replicated parameter: ``1 - 1/tp``) (Note [counting a parameter once])."""
-    axes = tuple(a for a, on in ((Axis.PIPELINE, pipeline is not None and mesh.dims.pipeline_enabled),
-                                 (Axis.TENSOR, tensor is not None)) if on)
+    the ranks holding the rest of the model (``mesh.model_parallel``, made with the mesh: the pipeline and tensor
+    axes that are on; one all-reduce after the data group's; Note [rank order]); each rank leaves out the share of
+    a parameter that another holder counts too, the largest of the pipeline's (a tie another stage owns: all) and
+    tensor parallel's (a replicated parameter: ``1 - 1/tp``) (Note [counting a parameter once])."""
     weights = [w for w in (pipeline.norm_weight if pipeline is not None else None,
                            tensor.norm_weight if tensor is not None else None) if w is not None]
     if not weights:
         return None
-    comm = DataParallelComm(mesh.group(*axes), zero.collective) if axes else None
-    return StageCoupling(comm, weighted_norm_excess(lambda p: max(w(p) for w in weights)))
+    return StageCoupling(mesh.model_parallel, weighted_norm_excess(lambda p: max(w(p) for w in weights)))

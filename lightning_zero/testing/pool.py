@@ -117,10 +117,12 @@ def _release_task_groups() -> None:
 
 
 def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, conn: Connection,
-                 threads: int = 1, sys_path: list[str] | None = None, release_groups: bool = True) -> None:
+                 threads: int = 1, sys_path: list[str] | None = None, release_groups: bool = True,
+                 warm: bool = True) -> None:
     """Join the gloo group, then run ``(task_id, target, kwargs)`` messages until ``None`` or EOF.
 
-    ``sys_path``: the interpreter's own import path, put first (spawn hands the child the parent's path)."""
+    ``sys_path``: the interpreter's own import path, put first (spawn hands the child the parent's path).
+    ``warm``: import Lightning and every public name of lightning_zero before the first task."""
     if sys_path:
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
     log = open(Path(gen_dir) / f"rank{rank}.log", "ab", buffering=0)  # noqa: SIM115 - lives as long as we do
@@ -137,13 +139,15 @@ def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, 
 
     torch.set_num_threads(threads)
     _init_group(rank, world_size, Path(gen_dir) / "store0")
-    import lightning.pytorch  # noqa: F401 - warm imports: the point of the pool
     from lightning_utilities.core.rank_zero import rank_zero_only  # the object Lightning's modules re-export
 
-    import lightning_zero
+    if warm:
+        import lightning.pytorch  # noqa: F401 - warm imports: the point of the pool
 
-    for name in lightning_zero.__all__:  # every public name: the package imports them lazily (core/lazy.py)
-        getattr(lightning_zero, name)
+        import lightning_zero
+
+        for name in lightning_zero.__all__:  # every public name: the package imports them lazily (core/lazy.py)
+            getattr(lightning_zero, name)
 
     base_env = dict(os.environ)
     conn.send_bytes(pickle.dumps((True, "ready")))
@@ -195,13 +199,15 @@ class GlooPool:
         release_groups: destroy the process groups a task left after every task (Note [groups left by
             tasks]). ``False`` for a library that keeps its groups in module globals across tasks and
             reuses them (DeepSpeed's ``deepspeed.utils.groups``): destroyed, its next engine fails.
+        warm: import Lightning and lightning_zero's public names at start (~5 s of CPU per rank), so that no
+            task pays for them; ``False`` for a pool whose tasks need torch only (the pool's own tests).
     """
 
     def __init__(self, world_size: int = 2, timeout_s: float = 300.0, grace_s: float = 5.0,
                  threads: int = 1, python: str | None = None, env: dict[str, str] | None = None,
-                 release_groups: bool = True) -> None:
+                 release_groups: bool = True, warm: bool = True) -> None:
         self.world_size, self.timeout_s, self.grace_s, self.threads = world_size, timeout_s, grace_s, threads
-        self.release_groups = release_groups
+        self.release_groups, self.warm = release_groups, warm
         self.python, self.env = python, dict(env or {})
         self._sys_path = _interpreter_path(python) if python else None
         self._root = Path(tempfile.mkdtemp(prefix="gloo_pool_"))
@@ -235,7 +241,7 @@ class GlooPool:
                    "OMP_NUM_THREADS": str(self.threads), **self.env}  # fmt: skip
             parent_conn, child_conn = ctx.Pipe()
             args = (rank, self.world_size, env, str(self._gen_dir), child_conn, self.threads, self._sys_path,
-                    self.release_groups)
+                    self.release_groups, self.warm)
             proc = ctx.Process(target=_worker_main, args=args, name=f"gloo-pool-rank{rank}")
             _start_under(proc, self.python)
             child_conn.close()

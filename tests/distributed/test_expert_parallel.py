@@ -262,13 +262,9 @@ def test_ep2_composes_with_optimizer_offload_and_activation_checkpointing(gloo_p
 
 
 @pytest.fixture(scope="module")
-def pool4() -> Any:
-    """One 4-rank pool for this module's 4-rank tests (started once: ~25 s of process start-up on 2 cores)."""
-    pool = GlooPool(world_size=4)
-    try:
-        yield pool
-    finally:
-        pool.close()
+def pool4(gloo_pools: Any) -> Any:
+    """The session's 4-rank pool (tests/pool.py), shared with the other files' 4-rank tests."""
+    return gloo_pools.get(4)
 
 
 @pytest.mark.slow

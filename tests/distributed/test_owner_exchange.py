@@ -15,6 +15,7 @@ from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.flat_param import Bucket, FlatParamGroup
 from lightning_zero.core.zero.exchange import plan_messages, sum_in_rank_order
 from lightning_zero.core.zero.grad_reducer import GradReducer
+from tests.pool import Pools
 
 
 def _groups(sizes: list[int], world_size: int) -> list[FlatParamGroup]:
@@ -213,16 +214,10 @@ def three_rank_body() -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_exchange_equals_the_all_reduce_within_rounding_at_three_ranks() -> None:
-    from tests.pool import GlooPool
-
-    pool = GlooPool(world_size=3)
-    try:
-        for r in pool.run("tests.distributed.test_owner_exchange:three_rank_body"):
-            assert r["merged"] and r["exchange"].abs().sum() > 0
-            torch.testing.assert_close(r["exchange"], r["all_reduce"], rtol=1e-6, atol=1e-6)
-    finally:
-        pool.close()
+def test_the_exchange_equals_the_all_reduce_within_rounding_at_three_ranks(gloo_pools: Pools) -> None:
+    for r in gloo_pools.get(3).run("tests.distributed.test_owner_exchange:three_rank_body"):
+        assert r["merged"] and r["exchange"].abs().sum() > 0
+        torch.testing.assert_close(r["exchange"], r["all_reduce"], rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- the step-error agreement

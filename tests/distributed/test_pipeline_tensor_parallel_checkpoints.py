@@ -25,7 +25,7 @@ from tests.distributed.test_tensor_parallel_checkpoints import (
     _segment,
 )
 from tests.models import make_trainer
-from tests.pool import GlooPool
+from tests.pool import GlooPool, Pools
 
 
 class _PipelinedRecorded(_Recorded):
@@ -67,13 +67,9 @@ def resume_tp1_body(tmp: str) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_pipeline2_by_tp2_checkpoint_resumes_at_the_same_layout_and_at_tp1_on_one_rank(
-        tmp_path: Path, gloo_pool: GlooPool) -> None:
-    pool = GlooPool(world_size=4)
-    try:
-        results = pool.run("tests.distributed.test_pipeline_tensor_parallel_checkpoints:resume_body",
-                           tmp=str(tmp_path), _timeout_s=900)
-    finally:
-        pool.close()
+        tmp_path: Path, gloo_pool: GlooPool, gloo_pools: Pools) -> None:
+    results = gloo_pools.get(4).run("tests.distributed.test_pipeline_tensor_parallel_checkpoints:resume_body",
+                                    tmp=str(tmp_path), _timeout_s=900)
     per_epoch = STEPS_PER_EPOCH * ACCUMULATE
     recorded = [r for r in sorted(results, key=lambda r: r["rank"]) if r["whole"]]
     assert recorded, "no rank recorded the pipelined losses"

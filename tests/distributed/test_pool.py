@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -152,8 +153,20 @@ def test_remote_traceback(gloo_pool: GlooPool) -> None:
     assert [r["pid"] for r in gloo_pool.run(f"{HERE}:_whoami", tag="")] == pids  # all ranks answered: kept
 
 
+@pytest.fixture(scope="module")
+def cold_pool() -> Iterator[GlooPool]:
+    """A pool of 2 ranks without the warm imports (torch only): each restart below costs ~1 s of CPU per rank,
+    not the ~6 s of the session's pool, whose warm workers the later tests keep."""
+    pool = GlooPool(world_size=2, warm=False)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("action", ["sleep", "raise", "exit"])
-def test_poisoned_task_restarts_pool(gloo_pool: GlooPool, monkeypatch: pytest.MonkeyPatch, action: str) -> None:
+def test_poisoned_task_restarts_pool(cold_pool: GlooPool, monkeypatch: pytest.MonkeyPatch, action: str) -> None:
+    gloo_pool = cold_pool
     monkeypatch.setattr(gloo_pool, "grace_s", 1.0)
     with pytest.raises(GlooPoolError) as info:
         gloo_pool.run(f"{HERE}:_hang", _timeout_s=2, rank1_action=action)
@@ -191,7 +204,7 @@ def test_a_pool_runs_its_workers_under_another_interpreter_with_extra_environmen
     link = tmp_path / "python"
     link.symlink_to(sys.executable)
     default = multiprocessing.spawn.get_executable()
-    pool = GlooPool(world_size=1, python=str(link), env={"POOL_TEST_ENV": "set"})
+    pool = GlooPool(world_size=1, python=str(link), env={"POOL_TEST_ENV": "set"}, warm=False)
     try:
         [result] = pool.run(f"{HERE}:_interpreter")
     finally:

@@ -12,7 +12,6 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from tests.models import StackedLM, make_trainer, token_loader, units_released
-from tests.pool import GlooPool
 
 BLOCK_NUMEL = 688  # one StackedLM block's flat groups at world size 2 (687 padded)
 
@@ -84,14 +83,10 @@ def resume_three_body(path: str) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_two_rank_stage3_checkpoint_resumes_on_three_ranks(gloo_pool, tmp_path) -> None:
+def test_a_two_rank_stage3_checkpoint_resumes_on_three_ranks(gloo_pool, gloo_pools, tmp_path) -> None:
     path = str(tmp_path / "two.ckpt")
     gloo_pool.run("tests.distributed.test_semantics_dist:save_two_body", path=path)
-    three = GlooPool(world_size=3)
-    try:
-        results = three.run("tests.distributed.test_semantics_dist:resume_three_body", path=path)
-    finally:
-        three.close()
+    results = gloo_pools.get(3).run("tests.distributed.test_semantics_dist:resume_three_body", path=path)
     for r in results:
         assert (r["world"], r["saved_world"], r["step"]) == (3, 2, 3)
         assert r["weights_exact"] and r["optimizer_exact"]  # every rank's restored shards, gathered

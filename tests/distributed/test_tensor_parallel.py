@@ -21,7 +21,7 @@ from lightning_zero.tensor_parallel import Colwise, Rowwise, VocabEmbedding, spl
 from lightning_zero.tensor_parallel.plan import auto_plan, find_plan, resolve_plan
 from lightning_zero.tensor_parallel.styles import resolve_style
 from tests.models import make_trainer
-from tests.pool import GlooPool
+from tests.pool import GlooPool, Pools
 
 STEPS, ACCUMULATE, CLIP, BATCH = 6, 2, 0.3, 4
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_embd=32)
@@ -351,19 +351,15 @@ def test_model_state_per_rank_is_the_tp_formula_at_every_zero_stage_on_two_ranks
 
 
 @pytest.mark.slow
-def test_tp2_by_data2_follows_two_data_parallel_ranks_at_every_zero_stage() -> None:
+def test_tp2_by_data2_follows_two_data_parallel_ranks_at_every_zero_stage(gloo_pools: Pools) -> None:
     """4 processes, TP groups {0, 1} and {2, 3}: each data replica's losses and the global norms match the
     whole model fed by 2 data-parallel ranks, at ZeRO 0-3 (ZeRO partitions over the data axis only); each
     rank's model state is the TP formula. The same processes then run TP 4 (one group of all 4 ranks) at
     ZeRO 0-3, one step each, its model state against the formula (one spawn for every 4-rank layout)."""
-    pool = GlooPool(world_size=4)
-    try:
-        results = pool.run("tests.distributed.test_tensor_parallel:parity_body",
-                           stages=[0, 1, 2, 3], tp=2, _timeout_s=900)
-        tp4 = pool.run("tests.distributed.test_tensor_parallel:memory_body", stages=[0, 1, 2, 3], tp=4,
-                       _timeout_s=600)
-    finally:
-        pool.close()
+    pool = gloo_pools.get(4)  # the session's, shared with the other 4-rank tests
+    results = pool.run("tests.distributed.test_tensor_parallel:parity_body", stages=[0, 1, 2, 3], tp=2,
+                       _timeout_s=900)
+    tp4 = pool.run("tests.distributed.test_tensor_parallel:memory_body", stages=[0, 1, 2, 3], tp=4, _timeout_s=600)
     _check(results, [0, 1, 2, 3])
     for per_rank in tp4:
         assert sorted(per_rank) == [0, 1, 2, 3]

@@ -1,11 +1,11 @@
 """Smoke tests of benchmarks/bench_zero.py (its parts: benchmarks/harness): end to end on a tiny GPT, a few
-measured steps, and the registry and report pieces on their own."""
+measured steps, and the registry and report pieces on their own. Each benchmark's ``main`` runs in this process
+with the session's warm 2-rank pool lent to it (``benchmarks.harness.pools.lent``) instead of a pool of its own;
+the benchmarks' own commands (docs/benchmarks.md) start theirs."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +15,29 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from benchmarks.harness import contenders, report
 from benchmarks.harness.config import BenchConfig
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_zero.py"
 ROWS = ("ddp", "ddp_nosync", "zero0", "zero1", "zero2")
 
 
+def _main(module: str, argv: list[str], pool: Any, capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
+    """``python benchmarks/<module>.py <argv>``'s ``main`` in this process on the lent pool: (stdout, stderr)."""
+    import importlib
+
+    from benchmarks.harness.pools import lent
+
+    with lent(pool):
+        importlib.import_module(f"benchmarks.{module}").main(argv)
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
 @pytest.mark.slow
-def test_bench_zero_end_to_end(tmp_path: Path) -> None:
+@pytest.mark.distributed
+def test_bench_zero_end_to_end(tmp_path: Path, gloo_pool: Any, capsys: pytest.CaptureFixture[str]) -> None:
     raw_path = tmp_path / "raw.json"
-    command = [sys.executable, str(SCRIPT), "--model", "gpt_tiny", "--micro-batch", "2", "--seq-len", "32",
-               "--steps", "2", "--warmup", "1", "--repeats", "1", "--contenders", "ddp,zero0,zero1,zero2",
-               "--profile", "--markdown", "--timeout", "50", "--json", str(raw_path)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=110)  # nothing timed asserted
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    out = done.stdout
+    argv = ["--model", "gpt_tiny", "--micro-batch", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1",
+            "--repeats", "1", "--contenders", "ddp,zero0,zero1,zero2", "--profile", "--markdown", "--timeout", "120",
+            "--json", str(raw_path)]  # fmt: skip
+    out, _ = _main("bench_zero", argv, gloo_pool, capsys)  # nothing timed asserted
 
     # markdown tables: one row per contender in the main and the phase tables, probes for ZeRO only
     for name in ROWS:
@@ -63,16 +72,15 @@ def test_bench_zero_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_zero_stage3_and_fsdp2(tmp_path: Path) -> None:
+@pytest.mark.distributed
+def test_bench_zero_stage3_and_fsdp2(tmp_path: Path, gloo_pool: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """zero3 and fsdp2 end to end on a tiny GPT, 1 warm-up + 1 measured step (the model state is sampled
     before the last optimizer step, when AdamW's state exists); everything sharded (persistence threshold 0)."""
     raw_path = tmp_path / "raw.json"
-    command = [sys.executable, str(SCRIPT), "--model", "gpt_tiny", "--micro-batch", "2", "--seq-len", "32",
-               "--steps", "1", "--warmup", "1", "--repeats", "1", "--contenders", "ddp,zero3,fsdp2",
-               "--persistence-threshold", "0", "--profile", "--timeout", "25", "--json", str(raw_path)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=90)  # nothing timed asserted
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    out = done.stdout
+    argv = ["--model", "gpt_tiny", "--micro-batch", "2", "--seq-len", "32", "--steps", "1", "--warmup", "1",
+            "--repeats", "1", "--contenders", "ddp,zero3,fsdp2", "--persistence-threshold", "0", "--profile",
+            "--timeout", "120", "--json", str(raw_path)]  # fmt: skip
+    out, _ = _main("bench_zero", argv, gloo_pool, capsys)  # nothing timed asserted
     assert "Target zero3 <= 1.30x ddp:" in out
     assert "Target zero3 no slower than fsdp2:" in out and "Target zero3 no larger than fsdp2:" in out
     assert "Stage 3: prefetch_bucket_size 6,553,600 elements, param_persistence_threshold 0" in out
@@ -138,24 +146,23 @@ def test_contender_registry() -> None:
     assert table.splitlines() == ["contender  step ms", "ddp             12", "zero2           13"]
 
 
-RUN_ALL = ROOT / "benchmarks" / "run_all.py"
 
 
 @pytest.mark.slow
-def test_run_all_quick_prints_the_peer_table_with_agreeing_losses(tmp_path: Path) -> None:
+@pytest.mark.distributed
+def test_run_all_quick_prints_the_peer_table_with_agreeing_losses(tmp_path: Path, gloo_pool: Any,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """run_all.py --quick on the tiny GPT with two systems: the peer table, the formula check and the loss
     agreement come out (nothing timed is asserted); the docs are not written without --write."""
     raw = tmp_path / "rows.json"
-    command = [sys.executable, str(RUN_ALL), "--quick", "--systems", "ddp,zero2", "--parts", "peers", "--docs",
-               str(tmp_path), "--json", str(raw), "--timeout", "60"]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    out = done.stdout
+    argv = ["--quick", "--systems", "ddp,zero2", "--parts", "peers", "--docs", str(tmp_path), "--json", str(raw),
+            "--timeout", "60"]  # fmt: skip
+    out, err = _main("run_all", argv, gloo_pool, capsys)
     assert "| system | step ms |" in out and "| ddp |" in out and "| zero2 |" in out
     assert "every system within 0.0001: yes." in out
     assert "| zero2 |" in out.split("against the ZeRO formula")[1]  # the estimator check ran for zero2
     assert "Machine:" in out and "load average" in out and "Command: `python benchmarks/run_all.py --quick" in out
-    assert "Plan: 1 cells, 2 system runs; estimated" in done.stderr
+    assert "Plan: 1 cells, 2 system runs; estimated" in err
     rows = {r["name"]: r for r in json.loads(raw.read_text())["results"]["peers"]}
     assert set(rows) == {"ddp", "zero2"} and rows["ddp"]["loss"] == pytest.approx(rows["zero2"]["loss"], abs=1e-4)
     assert rows["zero2"]["state"]["grads"] == pytest.approx(rows["ddp"]["state"]["grads"] / 2, rel=0.02)
@@ -194,14 +201,13 @@ def test_a_sweep_reading_says_whether_the_knob_stands_out_of_the_spread() -> Non
 
 
 @pytest.mark.slow
-def test_bench_breakdown_quick_counts_every_part_of_a_step(tmp_path: Path) -> None:
+@pytest.mark.distributed
+def test_bench_breakdown_quick_counts_every_part_of_a_step(tmp_path: Path, gloo_pool: Any,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/bench_breakdown.py on the tiny GPT: a row per system, each part measured (issue 35)."""
     path = tmp_path / "breakdown.json"
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_breakdown.py"), "--quick", "--systems", "ddp,zero2",
-               "--json", str(path)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    assert "| ddp | " in done.stdout and "| zero2 | " in done.stdout and "load average" in done.stdout
+    out, _ = _main("bench_breakdown", ["--quick", "--systems", "ddp,zero2", "--json", str(path)], gloo_pool, capsys)
+    assert "| ddp | " in out and "| zero2 | " in out and "load average" in out
     ddp, zero2 = json.loads(path.read_text())
     for row in (ddp, zero2):
         assert row["step_ms"] > 0 and row["main_cpu_ms"] > 0 and row["collectives"] >= 1 and row["mb"] > 0, row

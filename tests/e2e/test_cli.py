@@ -1,14 +1,14 @@
 """``lightning-zero train`` end to end: 2 CPU ranks under torch.distributed.run, a Hydra multirun over
 two ZeRO stages (one output directory per run, with its config, TensorBoard events and checkpoint),
-rank failures reaching the exit code, and invalid configurations stopped before anything starts."""
+rank failures reaching the exit code, and invalid configurations stopped before anything starts.
+
+The two runs are the docs' commands (docs/configs.md), shared with tests/e2e/test_docs.py and
+test_cli_runs.py (Note [shared launches] in tests/launches.py): the 2-rank run is a real launch, the
+multirun's ranks run in the pool."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,15 +18,9 @@ from lightning_zero.cli import main
 from lightning_zero.config.run.launch import CONFIG_FILE, RankFailure, compose_config, launch_ranks
 from lightning_zero.config.schema import to_yaml
 from lightning_zero.config.validate import validate_config
+from tests.launches import GPT_TINY, MULTIRUN, SharedLaunches, assert_clean_exit
 
 TINY = ["experiment=gpt_tiny", "trainer.max_steps=3", "trainer.enable_model_summary=false"]
-
-
-def _train(args: list[str], cwd: Path, console_script: bool = False) -> subprocess.CompletedProcess[str]:
-    script = shutil.which("lightning-zero", path=str(Path(sys.executable).parent))
-    cmd = [script, "train"] if console_script and script else [sys.executable, "-m", "lightning_zero", "train"]
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=180, check=False)
 
 
 def _check_run_dir(run: Path, steps: int) -> dict:
@@ -41,30 +35,31 @@ def _check_run_dir(run: Path, steps: int) -> dict:
 
 
 @pytest.mark.slow
-def test_train_runs_two_cpu_ranks_in_one_output_directory(tmp_path: Path) -> None:
-    done = _train(TINY, tmp_path)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    assert "MEMBER: 2/2" in out and "--nproc_per_node=2" in out  # two ranks, launched by torchrun
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # no lightning_logs, no stray Hydra dirs
-    runs = [p for p in tmp_path.glob("outputs/*/*") if p.is_dir()]
+def test_train_runs_two_cpu_ranks_in_one_output_directory(launches: SharedLaunches) -> None:
+    done = launches.cli(*GPT_TINY).check()
+    assert_clean_exit(done.output)  # the soak's check (tests/e2e/test_soak.py, a long check) on this launch
+    assert "MEMBER: 2/2" in done.output and "--nproc_per_node=2" in done.output  # two ranks, launched by torchrun
+    made = sorted(p.name for p in done.cwd.iterdir() if not p.is_symlink())  # the links: the repository's files
+    assert made == ["outputs"]  # no lightning_logs, no stray Hydra dirs
+    runs = [p for p in done.cwd.glob("outputs/*/*") if p.is_dir()]
     assert len(runs) == 1, runs
-    _check_run_dir(runs[0], steps=3)
+    _check_run_dir(runs[0], steps=20)
     saved = OmegaConf.load(runs[0] / CONFIG_FILE)
     assert saved.trainer.devices == 2 and saved.zero.stage == 2 and saved.name == "gpt_tiny"
 
 
 @pytest.mark.slow
-def test_multirun_over_two_zero_stages_leaves_one_directory_per_run(tmp_path: Path) -> None:
-    done = _train(["-m", "zero=stage1,stage2", *TINY], tmp_path, console_script=True)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+def test_multirun_over_two_zero_stages_leaves_one_directory_per_run(launches: SharedLaunches) -> None:
+    """docs/configs.md's multirun, its ranks in the session's pool (the real launch of a run, its console and its
+    ranks' exits: test_train_runs_two_cpu_ranks_in_one_output_directory, test_cli_runs.py)."""
+    done = launches.pool_cli(*MULTIRUN).check()
+    tmp_path = done.cwd
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.is_symlink()) == ["multirun"]
     sweeps = list(tmp_path.glob("multirun/*/*"))
     assert len(sweeps) == 1, sweeps  # the ranks never re-entered Hydra: no second sweep
     jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
     assert [p.name for p in jobs] == ["0_gpt_tiny-zero1-fp32", "1_gpt_tiny-zero2-fp32"]  # named by their choices
-    results = [_check_run_dir(job, steps=3) for job in jobs]
+    results = [_check_run_dir(job, steps=20) for job in jobs]
     assert [OmegaConf.load(job / CONFIG_FILE).zero.stage for job in jobs] == [1, 2]
     assert ["zero=stage1" in (job / ".hydra" / "overrides.yaml").read_text() for job in jobs] == [True, False]
     # ZeRO is exact: the same data and seed give the same losses at stage 1 and stage 2

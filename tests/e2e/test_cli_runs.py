@@ -4,13 +4,16 @@ it in ``train.log``, the TensorBoard dashboard of an fp32 and an fp16 run (one r
 loss and the vital signs first, memory in MiB, a layout of existing tags, hparams that tell the runs apart
 against a few metrics, monotone steps), run directories named by their choices, a resume whose start
 value is the checkpoint's, the summary of a rank killed by SIGKILL, and ranks that end right after their exit
-handlers (Note [rank exit] in lightning_zero/config/worker.py)."""
+handlers (Note [rank exit] in lightning_zero/config/run/worker.py). The fp32 run is the session's real launch of
+the docs' ``lightning-zero train experiment=gpt_tiny``; the fp16 run and the resume run their ranks in the pool
+(Note [shared launches] in tests/launches.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,10 +27,11 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from docs.regenerate import check_test_quote
 from lightning_zero.config.run.console import NOISE
+from tests.launches import GPT_TINY, Launch, SharedLaunches
 
-STEPS = 10
-TINY = ["experiment=gpt_tiny", f"trainer.max_steps={STEPS}"]
+STEPS = 20  # gpt_tiny's own: the docs' `lightning-zero train experiment=gpt_tiny` (tests/launches.py GPT_TINY)
 PROGRESS = re.compile(r"^step (\d+)/(\d+)  loss \d\.\d+  tokens/s [\d,]+  elapsed \d+:\d\d:\d\d  ETA \d+:\d\d:\d\d$")
 
 
@@ -35,51 +39,18 @@ def _command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "lightning_zero", "train", *args]
 
 
-def _train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_command(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False)
-
-
-# imported by every process of the fp32 run (PYTHONPATH); in a rank (RANK set) and in `python -m lightning_zero`
-# it writes exit-<rank or cli> from its last atexit handler, finalized-<...> when the interpreter's finalization
-# clears this module (torchrun's agent is left alone)
-EXIT_PROBE = """
-import atexit, os, sys
-_who = os.environ.get("RANK") or ("cli" if sys.orig_argv[1:3] == ["-m", "lightning_zero"] else None)
-if _who:
-    _where = os.path.join(os.environ["EXIT_PROBE_DIR"], "{}-" + _who)
-    atexit.register(lambda: open(_where.format("exit"), "w").close())  # registered first: runs last
-
-    class _Finalized:
-        def __del__(self, _open=os.open, _close=os.close, _path=_where.format("finalized")):
-            _close(_open(_path, os.O_CREAT | os.O_WRONLY))
-
-    _finalized = _Finalized()
-"""
-
-
-def _probed_env(root: Path) -> dict[str, str]:
-    probe = root / "exit_probe"
-    probe.mkdir()
-    (probe / "sitecustomize.py").write_text(EXIT_PROBE)
-    path = os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "EXIT_PROBE_DIR": str(probe)}
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
-    root = tmp_path_factory.mktemp("cli_runs")
-    out = {}
-    for name, extra in (("fp32", [f"hydra.run.dir={root / 'fp32'}"]), ("fp16", ["precision=fp16"])):
-        (root / name).mkdir()
-        env = _probed_env(root) if name == "fp32" else None
-        done = _train([*TINY, *extra], root / name, env)  # fp16: in the default output directory
-        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-        out[name] = (root / name if name == "fp32" else next((root / name).glob("outputs/*/*")), done)
-    return out
+def runs(launches: SharedLaunches) -> dict[str, tuple[Path, Launch]]:
+    """The fp32 run: the session's real 2-rank launch of GPT_TINY (its console through a pipe, its processes'
+    exits probed); the fp16 run: the same command with precision=fp16, its ranks in the pool (what it shows is
+    the run directory and the dashboard, which the ranks write the same way there)."""
+    fp32 = launches.cli(*GPT_TINY).check()
+    fp16 = launches.pool_cli(*GPT_TINY, "precision=fp16").check()
+    return {"fp32": (fp32.run_dir, fp32), "fp16": (fp16.run_dir, fp16)}
 
 
-def _console(done: subprocess.CompletedProcess[str]) -> list[str]:
-    return (done.stdout + done.stderr).splitlines()
+def _console(done: Launch) -> list[str]:
+    return done.output.splitlines()
 
 
 @pytest.mark.slow
@@ -87,10 +58,10 @@ def test_the_console_shows_progress_lines_and_no_noise(runs) -> None:
     run, done = runs["fp32"]
     lines = _console(done)
     progress = [m for m in map(PROGRESS.match, lines) if m]
-    assert [(int(m[1]), int(m[2])) for m in progress] == [(5, STEPS), (10, STEPS)], "\n".join(lines)
-    assert "training on 2 rank(s): 10 steps" in lines
+    assert [(int(m[1]), int(m[2])) for m in progress] == [(s, STEPS) for s in (5, 10, 15, 20)], "\n".join(lines)
+    assert "training on 2 rank(s): 20 steps" in lines
     vals = [line for line in lines if re.fullmatch(r"step \d+  val_loss \d\.\d{4}", line)]
-    assert [v.split()[1] for v in vals] == ["0", "5", "10"], vals  # start, every 5 steps (the end: not twice)
+    assert [v.split()[1] for v in vals] == ["0", "5", "10", "15", "20"], vals  # start, every 5 (the end: not twice)
     noisy = [line for line in lines if any(p.search(line) for p in NOISE)]
     assert not noisy, noisy
     log = (run / "train.log").read_text()
@@ -101,12 +72,12 @@ def test_the_console_shows_progress_lines_and_no_noise(runs) -> None:
 
 
 @pytest.mark.slow
-def test_the_smoke_run_learns_on_one_replica_and_prints_each_line_once(tmp_path: Path) -> None:
+def test_the_smoke_run_learns_on_one_replica_and_prints_each_line_once(launches: SharedLaunches) -> None:
     """``experiment=gpt_tiny`` on one data replica (what cpu1, tp2, sp2 and pp2 train: their losses equal this run's,
     tests/e2e/test_sequence_parallel.py, test_pipeline_tensor_parallel.py) ended ``val_loss 5.4716 -> 5.5431``: its
     validation split was a build's configuration dump. And the run in one process printed each Lightning line twice
     (``INFO: ...`` and Hydra's format), the model summary twice, and the noise the 2-rank console drops."""
-    done = _train(["experiment=gpt_tiny", "trainer=cpu1", "hydra.run.dir=run"], tmp_path)
+    done = launches.cli("train", "experiment=gpt_tiny", "trainer=cpu1")  # a process: its console as a user sees it
     lines = _console(done)
     assert done.returncode == 0, "\n".join(lines[-40:])
     summary = re.search(r"steps=20 fit_time=[\d.]+s val_loss (\d\.\d{4}) -> (\d\.\d{4}) \(drop ([\d.]+) nats\)",
@@ -120,7 +91,7 @@ def test_the_smoke_run_learns_on_one_replica_and_prints_each_line_once(tmp_path:
     assert not [line for line in lines if line.startswith("INFO: ") or "rank_zero][INFO]" in line]
     noisy = [line for line in lines if any(p.search(line) for p in NOISE) or "already configured" in line]
     assert not noisy, noisy
-    log = (tmp_path / "run" / "train.log").read_text()
+    log = (done.run_dir / "train.log").read_text()
     assert "GPU available" in log and "Tip: For seamless cloud logging" in log  # train.log keeps everything
 
 
@@ -161,7 +132,8 @@ def _experiment(acc: EventAccumulator) -> plugin_data_pb2.Experiment:
 
 @pytest.mark.slow
 def test_ranks_and_cli_run_their_exit_handlers_then_skip_the_interpreter_s_teardown(runs) -> None:
-    probe = runs["fp32"][0].parent / "exit_probe"
+    probe = runs["fp32"][1].exit_probe
+    assert probe is not None
     assert sorted(p.name for p in probe.glob("exit-*")) == ["exit-0", "exit-1", "exit-cli"]  # every handler ran
     assert not list(probe.glob("finalized-*"))  # no module teardown: ~2 s per rank, ~1 s the CLI (Note [rank exit])
 
@@ -224,8 +196,8 @@ def test_the_dashboard_opens_on_the_loss_and_the_vital_signs(runs) -> None:
         assert groups[:2] == ["loss", "main"], groups
         assert {"main/lr", "main/grad_norm", "main/tokens_per_s"} <= tags
         assert ("main/loss_scale" in tags) == (name == "fp16")
-        assert [e.step for e in main.Scalars("loss/train")] == [5, 10]
-        assert len({e.step for e in main.Scalars("loss/val")}) == 3  # 0, 5, 10: a curve
+        assert [e.step for e in main.Scalars("loss/train")] == [5, 10, 15, 20]
+        assert len({e.step for e in main.Scalars("loss/val")}) == 5  # 0, 5, 10, 15, 20: a curve
         for path, steps in _steps_in_write_order(run / "tb").items():
             assert steps == sorted(steps), (name, path, steps)  # no out-of-order step
 
@@ -265,16 +237,19 @@ def test_the_hparams_table_compares_runs_by_choices_and_a_few_metrics(runs) -> N
 
 
 @pytest.mark.slow
-def test_resume_reports_the_checkpoint_s_validation_loss_as_start(runs) -> None:
-    run, _ = runs["fp32"]
+def test_resume_reports_the_checkpoint_s_validation_loss_as_start(runs, launches: SharedLaunches,
+                                                                 tmp_path: Path) -> None:
+    shared, _ = runs["fp32"]
+    run = tmp_path / "run"
+    shutil.copytree(shared, run, symlinks=True)  # the shared run stays as it was for the other tests
     first = json.loads((run / "result.json").read_text())
-    done = _train([*TINY, f"trainer.resume_from={run / 'checkpoints' / 'last.ckpt'}", f"trainer.max_steps={STEPS + 5}",
-                   f"hydra.run.dir={run}"], run.parent)  # into the same directory: its TensorBoard events go on
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    done = launches.pool_cli(*GPT_TINY, f"trainer.resume_from={run / 'checkpoints' / 'last.ckpt'}",
+                             f"trainer.max_steps={STEPS + 5}", f"hydra.run.dir={run}")  # its TensorBoard events go on
+    done.check()
     resumed = json.loads((run / "result.json").read_text())
     assert resumed["global_step"] == STEPS + 5
     assert resumed["val_loss_start"] == pytest.approx(first["val_loss_end"], rel=1e-5)  # not the untrained model's
-    assert "resuming at step 10" in done.stdout + done.stderr
+    assert f"resuming at step {STEPS}" in done.output
     for path, steps in _steps_in_write_order(run / "tb").items():
         assert steps == sorted(steps), (path, steps)
 
@@ -329,6 +304,11 @@ def test_a_rank_killed_by_sigkill_ends_with_a_short_summary(tmp_path: Path) -> N
     assert "zero=stage" in end and str(tmp_path / "run" / "train.log") in end
     assert "Traceback" not in "\n".join(lines[-8:])  # no launcher traceback after the summary
     assert "Root Cause" in (tmp_path / "run" / "train.log").read_text()  # torchrun's full report stays there
+    for doc in ("docs/configs.md", "docs/reliability.md"):  # the summary they quote (Note [quoted output])
+        test = "tests/e2e/test_cli_runs.py::test_a_rank_killed_by_sigkill_ends_with_a_short_summary"
+        issues = check_test_quote(doc, test, "\n".join(lines), tmp_path)
+        assert not issues, f"{doc} quotes this summary: refresh it with .venv/bin/python docs/regenerate.py " \
+                           f"--only {doc}\n" + "\n".join(issues)
 
 
 @pytest.mark.slow

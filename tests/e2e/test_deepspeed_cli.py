@@ -1,14 +1,13 @@
 """``lightning-zero train deepspeed_config=ds.json``: the JSON over the composed Hydra config (values from
 YAML defaults and experiments yield to it, explicit command-line values must agree), the batch triple
-checked against ``trainer.devices`` before anything starts, and a 2-rank run driven by a JSON."""
+checked against ``trainer.devices`` before anything starts, and 2-rank runs driven by a JSON (the command in
+this process, its ranks in the pool: Note [shared launches] in tests/launches.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
@@ -18,6 +17,8 @@ from lightning_zero.config.run.deepspeed import apply_deepspeed_config, explicit
 from lightning_zero.config.run.launch import CONFIG_FILE, compose_config
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.validate import validate_config
+from tests.in_pool import run_in_process
+from tests.launches import Launch
 from tests.unit.test_deepspeed_config import SEED_BF16, SEED_FP16
 
 DS = {"train_batch_size": 32, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
@@ -114,14 +115,12 @@ def test_bad_batch_triple_or_json_stops_before_anything_starts(tmp_path: Path, m
 
 
 @pytest.mark.slow
-def test_train_runs_two_ranks_from_a_deepspeed_json(tmp_path: Path) -> None:
+def test_train_runs_two_ranks_from_a_deepspeed_json(tmp_path: Path, gloo_pool) -> None:
     (tmp_path / "conf").mkdir()
     path = _json(tmp_path / "conf", {**DS, "aio": {"block_size": 1048576}})  # a performance hint: warned once
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    cmd = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "deepspeed_config=conf/ds.json",
-           "trainer.max_steps=3", "trainer.enable_model_summary=false"]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
-    out = done.stdout + done.stderr
+    done = _train(tmp_path, "experiment=gpt_tiny", "deepspeed_config=conf/ds.json", "trainer.max_steps=3",
+                  "trainer.enable_model_summary=false", pool=gloo_pool)
+    out = done.output
     assert done.returncode == 0, out[-4000:]
     runs = [p for p in tmp_path.glob("outputs/*/*") if p.is_dir()]
     assert len(runs) == 1, runs
@@ -136,10 +135,10 @@ def test_train_runs_two_ranks_from_a_deepspeed_json(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- defaults are not settings
-def _train(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    cmd = [sys.executable, "-m", "lightning_zero", "train", *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+def _train(tmp_path: Path, *args: str, pool: Any) -> Launch:
+    """``lightning-zero train <args>`` in ``tmp_path``, its ranks in the pool (Note [shared launches] in
+    tests/launches.py); one device trains in this process, as the command does."""
+    return run_in_process(["train", *args], tmp_path, pool)
 
 
 def test_group_defaults_yield_but_written_values_conflict_before_any_rank(
@@ -169,11 +168,11 @@ def test_group_defaults_yield_but_written_values_conflict_before_any_rank(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [SEED_FP16, SEED_BF16], ids=["fp16", "bf16"])
-def test_the_seed_jsons_train_from_the_command_line(config: dict, tmp_path: Path) -> None:
+def test_the_seed_jsons_train_from_the_command_line(config: dict, tmp_path: Path, gloo_pool) -> None:
     _json(tmp_path, config, "seed.json")
     done = _train(tmp_path, "experiment=gpt_tiny", "deepspeed_config=seed.json", "trainer.max_steps=2",
-                  "trainer.limit_val_batches=1", "trainer.enable_model_summary=false")
-    out = done.stdout + done.stderr
+                  "trainer.limit_val_batches=1", "trainer.enable_model_summary=false", pool=gloo_pool)
+    out = done.output
     assert done.returncode == 0, out[-4000:]
     assert " object at 0x" not in out
     runs = [p for p in tmp_path.glob("outputs/*/*") if p.is_dir()]
@@ -183,7 +182,8 @@ def test_the_seed_jsons_train_from_the_command_line(config: dict, tmp_path: Path
 
 
 @pytest.mark.slow
-def test_autotp_from_a_deepspeed_json_trains_two_ranks_and_its_checkpoint_resumes_without_tp(tmp_path: Path) -> None:
+def test_autotp_from_a_deepspeed_json_trains_two_ranks_and_its_checkpoint_resumes_without_tp(tmp_path: Path,
+                                                                                              gloo_pool) -> None:
     """``tensor_parallel.autotp_size=2`` from the command line's JSON: the run is TP 2 on 2 ranks (its saved
     config says so), its step-3 checkpoint (sharded, ZeRO 2, the TP slices recorded) resumes on 1 rank without TP
     and logs the uninterrupted run's losses at steps 4-6."""
@@ -197,15 +197,13 @@ def test_autotp_from_a_deepspeed_json_trains_two_ranks_and_its_checkpoint_resume
            "trainer.log_every_n_steps=1", "data.max_bytes=200000", "trainer.checkpoint.every_n_train_steps=3",
            "trainer.checkpoint.save_top_k=-1", "trainer.enable_model_summary=false", "trainer.validate_at_start=false",
            "trainer.validate_at_end=false"]
-    done = _train(tmp_path, *run, "deepspeed_config=tp.json", "trainer.devices=2", "hydra.run.dir=tp")
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    _train(tmp_path, *run, "deepspeed_config=tp.json", "trainer.devices=2", "hydra.run.dir=tp", pool=gloo_pool).check()
     saved = OmegaConf.load(tmp_path / "tp" / CONFIG_FILE)
     assert saved.tensor_parallel.size == 2 and saved.zero.stage == 2
     checkpoint = tmp_path / "tp" / "checkpoints" / "epoch=0-step=3.ckpt"
     assert ShardedCheckpoint(checkpoint).tensor_parallel.size == 2
-    done = _train(tmp_path, *run, "deepspeed_config=plain.json", "trainer.devices=1",
-                  f"trainer.resume_from='{checkpoint}'", "hydra.run.dir=resumed")
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    _train(tmp_path, *run, "deepspeed_config=plain.json", "trainer.devices=1", f"trainer.resume_from='{checkpoint}'",
+           "hydra.run.dir=resumed", pool=gloo_pool).check()
 
     def losses(where: str) -> dict[int, float]:
         with open(tmp_path / where / "csv" / "metrics.csv") as f:

@@ -1,16 +1,13 @@
 """Hugging Face causal LMs through the CLI: a tiny Llama and a tiny GPT-2, saved by ``save_pretrained`` (safetensors
 shards with their index, a byte-level BPE tokenizer trained here, no download), fine-tuned by ``lightning-zero train
-model=hf_causal_lm model.path=DIR data=text_file`` at ZeRO stage 3 on 2 ranks (one multirun, one launch per model:
-each built on the meta device, each tensor streamed from the shards into its owner's shard). The step-0 validation
-loss equals the model's own loss on the same batches; ``lightning-zero convert --hf`` writes a directory
-``from_pretrained`` loads, whose logits are the trained weights'."""
+model=hf_causal_lm model.path=DIR data=text_file`` at ZeRO stage 3 on 2 ranks (one multirun, its ranks in the test
+session's pool, one run per model: each built on the meta device, each tensor streamed from the shards into its
+owner's shard). The step-0 validation loss equals the model's own loss on the same batches; ``lightning-zero convert
+--hf`` writes a directory ``from_pretrained`` loads, whose logits are the trained weights'."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import torch  # noqa: E402
 
 from lightning_zero.cli import main as cli  # noqa: E402
 from lightning_zero.testing.hf_models import save_causal_lm  # noqa: E402
+from tests.launches import SharedLaunches  # noqa: E402
 
 ARCHS = ("llama", "gpt2")
 SEQ, BATCH, VAL = 32, 2, 8  # data.seq_len, data.micro_batch_size, data.max_val_samples (2 batches per rank)
@@ -36,17 +34,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    sweep = tmp_path_factory.mktemp("hf_runs") / "sweep"
+def runs(models: dict[str, Path], launches: SharedLaunches) -> dict[str, Path]:
+    """The multirun, its ranks in the session's pool (Note [shared launches] in tests/launches.py)."""
     paths = ",".join(str(models[a]) for a in ARCHS)
-    done = subprocess.run(
-        [sys.executable, "-m", "lightning_zero", "train", "-m", "model=hf_causal_lm", f"model.path={paths}",
-         "data=text_file", f"data.path={models['corpus']}", f"data.seq_len={SEQ}", f"data.micro_batch_size={BATCH}",
-         f"data.max_val_samples={VAL}", "zero=stage3", "trainer.max_steps=2", "trainer.val_check_interval=null",
-         "model.lr=1e-2", f"hydra.sweep.dir={sweep}"],
-        capture_output=True, text=True, timeout=600, check=False,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    done = launches.pool_cli(
+        "train", "-m", "model=hf_causal_lm", f"model.path={paths}", "data=text_file", f"data.path={models['corpus']}",
+        f"data.seq_len={SEQ}", f"data.micro_batch_size={BATCH}", f"data.max_val_samples={VAL}", "zero=stage3",
+        "trainer.max_steps=2", "trainer.val_check_interval=null", "model.lr=1e-2", "hydra.sweep.dir=sweep").check()
+    sweep = done.cwd / "sweep"
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())
     return dict(zip(ARCHS, jobs))
 

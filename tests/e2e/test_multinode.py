@@ -16,6 +16,7 @@ import pytest
 
 from lightning_zero.cli import main
 from lightning_zero.config.multinode import host_commands, parse_hostfile, resolve_node
+from tests.in_pool import run_in_process
 
 SHORT = ["experiment=mlp", "trainer.max_epochs=null", "trainer.max_steps=4", "logger=csv",
          "trainer.log_every_n_steps=1", "trainer.checkpoint.enabled=false", "trainer.validate_at_start=false",
@@ -37,7 +38,11 @@ def _losses(cwd: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_two_nodes_of_one_process_match_one_node_of_two_and_runs_are_deterministic(tmp_path: Path) -> None:
+def test_two_nodes_of_one_process_match_one_node_of_two_and_runs_are_deterministic(tmp_path: Path,
+                                                                                   gloo_pool) -> None:
+    """Nodes 0 and 1 are two real ``lightning-zero train`` processes (each its torchrun and its one rank, meeting at
+    the rendezvous endpoint); the one node of two ranks runs twice, its ranks in the session's pool (Note [shared
+    launches] in tests/launches.py): every loss bitwise equal, across fresh processes and the pool's."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -45,13 +50,14 @@ def test_two_nodes_of_one_process_match_one_node_of_two_and_runs_are_determinist
     runs = {
         "node0": _start([*nodes, "trainer.node_rank=0"], tmp_path / "node0"),
         "node1": _start([*nodes, "trainer.node_rank=1"], tmp_path / "node1"),
-        "one": _start([], tmp_path / "one"),
-        "again": _start([], tmp_path / "again"),
     }
+    pooled = {name: run_in_process(["train", *SHORT], tmp_path / name, gloo_pool) for name in ("one", "again")}
     outputs = {name: p.communicate(timeout=400)[0] for name, p in runs.items()}
     for name, p in runs.items():
         assert p.returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
-    assert "--nnodes=2 --node_rank=1" in outputs["node1"] and "--standalone" in outputs["one"]
+    for name, done in pooled.items():
+        assert done.returncode == 0, f"{name}:\n{done.output[-4000:]}"
+    assert "--nnodes=2 --node_rank=1" in outputs["node1"] and "--standalone" in pooled["one"].output
     one = _losses(tmp_path / "one")
     assert len(one) == 4
     assert _losses(tmp_path / "again") == one  # determinism: bitwise

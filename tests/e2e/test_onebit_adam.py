@@ -22,7 +22,7 @@ from lightning_zero.core.comm.compression import ErrorFeedback, compress, pack_s
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.settings.zero import ZeroConfig
 from tests.models import TinyTransformer, make_trainer, params_of, token_loader
-from tests.pool import GlooPool
+from tests.pool import GlooPool, Pools
 
 
 # ------------------------------------------------------------------------------------------ one process
@@ -152,14 +152,10 @@ def test_compressed_allreduce_two_ranks(gloo_pool) -> None:
 
 
 @pytest.mark.distributed
-def test_compressed_allreduce_three_ranks() -> None:
-    pool = GlooPool(world_size=3)
-    try:
-        for result in pool.run("tests.e2e.test_onebit_adam:allreduce_body", numel=48 * 40, steps=3):
-            assert result["exact"] and result["same"]
-            assert all(b * 20 <= result["fp32_bytes"] for b in result["bytes"]), result
-    finally:
-        pool.close()
+def test_compressed_allreduce_three_ranks(gloo_pools: Pools) -> None:
+    for result in gloo_pools.get(3).run("tests.e2e.test_onebit_adam:allreduce_body", numel=48 * 40, steps=3):
+        assert result["exact"] and result["same"]
+        assert all(b * 20 <= result["fp32_bytes"] for b in result["bytes"]), result
 
 
 class OneBitTiny(TinyTransformer):
@@ -262,17 +258,16 @@ def test_cli_refuses_onebit_adam_beyond_stage_0_before_launch(tmp_path: Path, mo
 
 
 @pytest.mark.slow
-def test_cli_trains_the_gpt_experiment_with_onebit_adam(tmp_path: Path) -> None:
+def test_cli_trains_the_gpt_experiment_with_onebit_adam(tmp_path: Path, gloo_pool: GlooPool) -> None:
+    """The command in this process, its ranks in the session's pool (Note [shared launches] in tests/launches.py)."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from tests.in_pool import run_in_process
 
     args = ["experiment=gpt_tiny", "zero=stage0", "model.optimizer=onebit_adam", "model.freeze_step=2",
             "trainer.max_steps=6", "trainer.log_every_n_steps=3", "trainer.enable_model_summary=false"]
-    done = subprocess.run([sys.executable, "-m", "lightning_zero", "train", *args], cwd=tmp_path, text=True,
-                          capture_output=True, timeout=300, check=False, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    done = run_in_process(["train", *args], tmp_path, gloo_pool)
+    assert done.returncode == 0, done.output[-4000:]
     (result,) = tmp_path.glob("outputs/*/*/result.json")
     assert json.loads(result.read_text())["global_step"] == 6
     # the dashboard shows the traffic and the compression ratio once the warm-up is over

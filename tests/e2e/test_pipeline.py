@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +22,10 @@ from lightning_zero import PipelineConfig, ZeroStrategy
 from lightning_zero.core.stage3.sharded_unit import UnitState
 from lightning_zero.pipeline.model import plan_split
 from lightning_zero.pipeline.partition import layer_weights, partition
+from tests.in_pool import run_in_process
 from tests.models import make_trainer
 from tests.pipeline_models import PipeLM, loader, param_bytes, reference
-from tests.pool import GlooPool
+from tests.pool import GlooPool, Pools
 
 STEPS, BATCH = 5, 8
 
@@ -259,37 +258,35 @@ def test_activation_checkpointing_recomputes_and_keeps_parity(gloo_pool: GlooPoo
 
 
 @pytest.mark.slow
-def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool, tmp_path: Path) -> None:
-    # the reference: real 2-rank ZeroStrategy runs (shared pool); then every case in one 4-rank launch
+def test_two_stages_by_two_data_parallel_match_data_parallel(gloo_pool: GlooPool, gloo_pools: Pools,
+                                                            tmp_path: Path) -> None:
+    # the reference: real 2-rank ZeroStrategy runs (shared pool); then every case on the session's 4-rank pool
     data_parallel = gloo_pool.run("tests.e2e.test_pipeline:data_parallel_body", optimizers=["adamw", "sgd"])
     untied = gloo_pool.run("tests.e2e.test_pipeline:data_parallel_body", optimizers=["sgd"], tie=False)
     clipped = gloo_pool.run("tests.e2e.test_pipeline:data_parallel_body",
                             optimizers=["sgd"], clip=1.0, zero_stages=(0, 3))
-    pool = GlooPool(world_size=4)
-    try:
-        # Lightning's own DistributedSampler shards over the data-parallel group: the two stages of a
-        # replica (ranks 0 and 2, 1 and 3) draw the same samples, the two replicas different ones
-        seen = pool.run("tests.e2e.test_pipeline:sampler_body")
-        assert seen[0] == seen[2] and seen[1] == seen[3] and not set(seen[0]) & set(seen[1]), seen
-        # clipping by the norm over both stages and both data-parallel ranks (a clip at 1.0 acts every step)
-        _check(pool.run("tests.e2e.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
-                        data_parallel=clipped, zero_stages=(0, 3), clip=1.0))
-        _check(pool.run("tests.e2e.test_pipeline:parity_body", schedules=["gpipe", "1f1b", "interleaved_1f1b"],
-                        stages=2, optimizers=["adamw", "sgd"], data_parallel=data_parallel, _timeout_s=600))
-        # Trainer(accumulate_grad_batches=2) over 2 x 2 ranks: the plain reference with batches of 2 x 8 per
-        # data-parallel rank (the schedule's backward divided by 2 on every stage)
-        _check(pool.run("tests.e2e.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
-                        zero_stages=(0, 3), accumulate=2))
-        # sharded checkpoints: each stage's ranks write their own shards; the same state as consolidated
-        for per_stage in pool.run("tests.e2e.test_pipeline:dp_checkpoint_body", directory=str(tmp_path),
-                                  zero_stages=(1, 3)):
-            assert all(v < 1e-6 for r in per_stage.values() for v in r.values()), per_stage
-        # reduce_per_micro_batch (ZeRO 2-3, untied): the same parameters, and no whole .grad left for backward
-        per_micro = pool.run("tests.e2e.test_pipeline:parity_body", schedules=["1f1b", "interleaved_1f1b"], stages=2,
-                             optimizers=["sgd"], data_parallel=untied, zero_stages=(2, 3), tie=False,
-                             per_micro=True, _timeout_s=300)
-    finally:
-        pool.close()
+    pool = gloo_pools.get(4)  # shared with the other 4-rank tests
+    # Lightning's own DistributedSampler shards over the data-parallel group: the two stages of a
+    # replica (ranks 0 and 2, 1 and 3) draw the same samples, the two replicas different ones
+    seen = pool.run("tests.e2e.test_pipeline:sampler_body")
+    assert seen[0] == seen[2] and seen[1] == seen[3] and not set(seen[0]) & set(seen[1]), seen
+    # clipping by the norm over both stages and both data-parallel ranks (a clip at 1.0 acts every step)
+    _check(pool.run("tests.e2e.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
+                    data_parallel=clipped, zero_stages=(0, 3), clip=1.0))
+    _check(pool.run("tests.e2e.test_pipeline:parity_body", schedules=["gpipe", "1f1b", "interleaved_1f1b"],
+                    stages=2, optimizers=["adamw", "sgd"], data_parallel=data_parallel, _timeout_s=600))
+    # Trainer(accumulate_grad_batches=2) over 2 x 2 ranks: the plain reference with batches of 2 x 8 per
+    # data-parallel rank (the schedule's backward divided by 2 on every stage)
+    _check(pool.run("tests.e2e.test_pipeline:parity_body", schedules=["1f1b"], stages=2, optimizers=["sgd"],
+                    zero_stages=(0, 3), accumulate=2))
+    # sharded checkpoints: each stage's ranks write their own shards; the same state as consolidated
+    for per_stage in pool.run("tests.e2e.test_pipeline:dp_checkpoint_body", directory=str(tmp_path),
+                              zero_stages=(1, 3)):
+        assert all(v < 1e-6 for r in per_stage.values() for v in r.values()), per_stage
+    # reduce_per_micro_batch (ZeRO 2-3, untied): the same parameters, and no whole .grad left for backward
+    per_micro = pool.run("tests.e2e.test_pipeline:parity_body", schedules=["1f1b", "interleaved_1f1b"], stages=2,
+                         optimizers=["sgd"], data_parallel=untied, zero_stages=(2, 3), tie=False,
+                         per_micro=True, _timeout_s=300)
     _check(per_micro)
     assert all(not any(r["whole_grads"]) and len(r["whole_grads"]) == STEPS for rank in per_micro
                for r in rank.values()), [{k: r["whole_grads"] for k, r in rank.items()} for rank in per_micro]
@@ -427,16 +424,15 @@ def test_bad_input_is_refused_on_every_rank(gloo_pool: GlooPool, case: str, mess
 
 
 @pytest.mark.slow
-def test_cli_trains_and_logs_a_pipelined_gpt(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+def test_cli_trains_and_logs_a_pipelined_gpt(tmp_path: Path, gloo_pool: GlooPool) -> None:
+    """The command in this process, its ranks in the session's pool (Note [shared launches] in tests/launches.py)."""
     # reduce_per_micro_batch here (the deferred reduction runs from the CLI in docs/pipeline.md's commands)
-    cmd = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "pipeline=pp2_1f1b",
-           "zero=stage3", "zero.param_persistence_threshold=0", "trainer.devices=2", "trainer.max_steps=6",
-           "pipeline.reduce_per_micro_batch=true", "model.tie_weights=false",
-           "trainer.log_every_n_steps=2", f"hydra.run.dir={tmp_path}"]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "val_loss" in done.stdout + done.stderr
+    args = ["train", "experiment=gpt_tiny", "pipeline=pp2_1f1b", "zero=stage3", "zero.param_persistence_threshold=0",
+            "trainer.devices=2", "trainer.max_steps=6", "pipeline.reduce_per_micro_batch=true",
+            "model.tie_weights=false", "trainer.log_every_n_steps=2", f"hydra.run.dir={tmp_path}"]
+    done = run_in_process(args, tmp_path, gloo_pool)
+    assert done.returncode == 0, done.output[-3000:]
+    assert "val_loss" in done.output
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     losses = []

@@ -6,8 +6,6 @@ Hydra config by ``lightning-zero train``, refused before launch when bad, and tr
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from lightning_zero.config.validate import validate_config
 from lightning_zero.deepspeed.config import parse_deepspeed_config
 from lightning_zero.deepspeed.strategy import DeepSpeedZeroStrategy
 from tests.e2e.test_deepspeed_cli import _json, _merged
+from tests.in_pool import run_in_process
 from tests.pool import GlooPool
 
 PIPE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
@@ -124,13 +123,14 @@ def test_a_deepspeed_json_trains_a_pipeline_from_python(gloo_pool: GlooPool) -> 
 
 
 @pytest.mark.slow
-def test_a_deepspeed_json_trains_a_pipeline_from_the_cli(tmp_path: Path) -> None:
+def test_a_deepspeed_json_trains_a_pipeline_from_the_cli(tmp_path: Path, gloo_pool: GlooPool) -> None:
+    """The command in this process, its ranks in the session's pool (Note [shared launches] in tests/launches.py)."""
     path = _json(tmp_path, PIPE)
-    cmd = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", f"deepspeed_config={path}",
-           "trainer.devices=2", "trainer.max_steps=3", "trainer.val_check_interval=null",
-           "trainer.limit_val_batches=1", "data.max_bytes=100000", "trainer.enable_model_summary=false"]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    args = ["train", "experiment=gpt_tiny", f"deepspeed_config={path}", "trainer.devices=2", "trainer.max_steps=3",
+            "trainer.val_check_interval=null", "trainer.limit_val_batches=1", "data.max_bytes=100000",
+            "trainer.enable_model_summary=false"]
+    done = run_in_process(args, tmp_path, gloo_pool)
+    assert done.returncode == 0, done.output[-4000:]
     runs = [p for p in tmp_path.glob("outputs/*/*") if p.is_dir()]
     saved = OmegaConf.load(runs[0] / CONFIG_FILE)
     assert (saved.pipeline.stages, saved.pipeline.micro_batches, saved.data.micro_batch_size) == (2, 4, 8)

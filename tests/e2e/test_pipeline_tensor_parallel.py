@@ -5,10 +5,7 @@ accumulation 2): the same losses and global gradient norms within 1e-5 relative.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,8 +17,9 @@ from lightning_zero.core.mesh import Axis, ParallelDims
 from lightning_zero.models.gpt import GPTLightningModule
 from lightning_zero.tensor_parallel import split_dim
 from tests.distributed.test_tensor_parallel import ACCUMULATE, CLIP, CONFIG, STEPS, _loader, _reference
+from tests.launches import DETERMINISTIC, ONE_RANK, TP2, SharedLaunches
 from tests.models import make_trainer
-from tests.pool import GlooPool
+from tests.pool import GlooPool, Pools
 
 
 class _PipelinedRecorded(GPTLightningModule):
@@ -83,31 +81,32 @@ def _check(results: list[dict[str, Any]]) -> None:
         assert shapes["model.ln_f.weight"] == (CONFIG.n_embd,)
 
 
+@pytest.fixture(scope="module")
+def pool8(gloo_pools: Pools) -> Iterator[GlooPool]:
+    """The session's 8-rank pool, shared by this module's two 8-rank tests and closed after them (~4 GB)."""
+    try:
+        yield gloo_pools.get(8)
+    finally:
+        gloo_pools.close(8)
+
+
 @pytest.mark.slow
-def test_pipeline2_by_tp2_on_four_ranks_follows_the_unsplit_model() -> None:
+def test_pipeline2_by_tp2_on_four_ranks_follows_the_unsplit_model(gloo_pools: Pools) -> None:
     """Ranks {0, 1} hold stage 0 split over TP, {2, 3} stage 1; p2p goes 0 <-> 2 and 1 <-> 3. The tied embedding
     and head (vocabulary-parallel on both stages) count once in the norm, the replicated layer norms once over
     TP; ZeRO 1 and 3, both schedules."""
-    pool = GlooPool(world_size=4)
-    try:
-        results = [pool.run("tests.e2e.test_pipeline_tensor_parallel:pipeline_tp_body", zero_stage=stage,
-                            schedule=schedule, _timeout_s=600) for stage, schedule in ((1, "1f1b"), (3, "gpipe"))]
-    finally:
-        pool.close()
+    pool = gloo_pools.get(4)
+    results = [pool.run("tests.e2e.test_pipeline_tensor_parallel:pipeline_tp_body", zero_stage=stage,
+                        schedule=schedule, _timeout_s=600) for stage, schedule in ((1, "1f1b"), (3, "gpipe"))]
     for per_rank in results:
         _check(per_rank)
 
 
 @pytest.mark.slow
-def test_pipeline2_by_tp2_by_data2_on_eight_processes_follows_the_unsplit_model() -> None:
+def test_pipeline2_by_tp2_by_data2_on_eight_processes_follows_the_unsplit_model(pool8: GlooPool) -> None:
     """8 processes: each data replica's losses and the global norms match the whole model fed by 2 data ranks
     (ZeRO 2 partitions over the data axis only)."""
-    pool = GlooPool(world_size=8)
-    try:
-        results = pool.run("tests.e2e.test_pipeline_tensor_parallel:pipeline_tp_body", zero_stage=2, _timeout_s=600)
-    finally:
-        pool.close()
-    _check(results)
+    _check(pool8.run("tests.e2e.test_pipeline_tensor_parallel:pipeline_tp_body", zero_stage=2, _timeout_s=600))
 
 
 # ------------------------------------------------------------------------- the same seed, the same model
@@ -152,28 +151,26 @@ def test_one_seed_gives_the_same_gpt_built_whole_by_pipeline_stages_or_by_zero3_
 
 @pytest.mark.slow
 def test_the_cli_reports_the_same_step0_validation_loss_on_one_rank_two_stages_and_pp2_tp2_zero3_on_8(
-        tmp_path: Path) -> None:
+        launches: SharedLaunches, pool8: GlooPool) -> None:
     """Issue 31's CLI must-show: with data.deterministic_order=true the 1-rank run, pipeline=pp2_gpipe on 2 ranks,
     tensor_parallel=tp2 on 2 and tensor_parallel=tp2 pipeline=pp2_1f1b zero=stage3 on 8 start from the same model
     (the pipelined run used to report 5.4716 against 5.4946). The commands as the issue writes them: gpt_tiny's
     limit_val_batches=2 counts the batches of all data replicas (Note [global validation batches]), so the run
-    on 8 ranks (2 data replicas) validates on the same 16 samples; result.json records the layout that ran."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "data.deterministic_order=true",
-            "trainer.max_steps=1", "trainer.validate_at_end=false", "trainer.checkpoint.enabled=false"]
-    layouts = {"one": ["trainer.devices=1"], "pp2": ["pipeline=pp2_gpipe", "trainer.devices=2"],
-               "tp2": ["tensor_parallel=tp2", "trainer.devices=2"],
-               "pp2_tp2_z3": ["tensor_parallel=tp2", "pipeline=pp2_1f1b", "zero=stage3", "trainer.devices=8"]}
+    on 8 ranks (2 data replicas) validates on the same 16 samples; result.json records the layout that ran.
+    The 1-rank and TP 2 runs are the docs' commands (sequence_parallel.md, tensor_parallel.md); the runs of 2
+    and 8 ranks run their ranks in the session's pools (Note [shared launches] in tests/launches.py)."""
+    short = ["trainer.max_steps=1", "trainer.validate_at_end=false", "trainer.checkpoint.enabled=false"]
+    layouts = {"one": (ONE_RANK, 20), "tp2": (TP2, 20),
+               "pp2": ((*DETERMINISTIC, "pipeline=pp2_gpipe", "trainer.devices=2", *short), 1),
+               "pp2_tp2_z3": ((*DETERMINISTIC, "tensor_parallel=tp2", "pipeline=pp2_1f1b", "zero=stage3",
+                               "trainer.devices=8", *short), 1)}
     # (world, data, pipeline, tensor) each layout must have run with, read from the strategy's mesh
     expected = {"one": (1, 1, 1, 1), "pp2": (2, 1, 2, 1), "tp2": (2, 1, 1, 2), "pp2_tp2_z3": (8, 2, 2, 2)}
     start = {}
-    for name, extra in layouts.items():
-        run = tmp_path / name
-        done = subprocess.run([*base, *extra, f"hydra.run.dir={run}"], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=600, check=False)
-        assert done.returncode == 0, (name, done.stderr[-3000:])
+    for name, (args, steps) in layouts.items():
+        run = launches.pool_cli(*args).check().run_dir
         result = json.loads((run / "result.json").read_text())
-        assert result["global_step"] == 1, (name, result)
+        assert result["global_step"] == steps, (name, result)
         layout = result["layout"]
         assert tuple(layout[k] for k in ("world_size", "data", "pipeline", "tensor")) == expected[name], (name, layout)
         assert (layout["tensor_split_modules"] > 0) == (layout["tensor"] > 1), (name, layout)

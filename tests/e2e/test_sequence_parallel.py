@@ -23,7 +23,8 @@ from lightning_zero.models.gpt import GPTConfig, GPTLightningModule
 from lightning_zero.sequence_parallel import DistributedAttention, SequenceGroup, gather_heads, scatter_heads
 from lightning_zero.sparse_attention import SparseSelfAttention
 from lightning_zero.sparse_attention.sparsity_config import FixedSparsityConfig
-from tests.pool import GlooPool
+from tests.launches import ONE_RANK, SP2, SharedLaunches
+from tests.pool import GlooPool, Pools
 
 STEPS = 5
 TINY = GPTConfig(seq_len=64, n_layer=2, n_head=4, n_embd=32)
@@ -178,14 +179,10 @@ def test_sequence_parallel_2_follows_one_process(gloo_pool: GlooPool, stage: int
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sequence_2_by_data_2_at_zero_3_follows_2_data_parallel_ranks(gloo_pool: GlooPool) -> None:
+def test_sequence_2_by_data_2_at_zero_3_follows_2_data_parallel_ranks(gloo_pool: GlooPool, gloo_pools: Pools) -> None:
     """4 ranks (2 sequence groups of 2) at ZeRO 3 against a real 2-rank data-parallel ZeRO 3 run."""
     data_parallel = gloo_pool.run("tests.e2e.test_sequence_parallel:fit_body", stage=3, sequence_parallel=1)
-    pool = GlooPool(world_size=4)
-    try:
-        split = pool.run("tests.e2e.test_sequence_parallel:fit_body", stage=3, sequence_parallel=2)
-    finally:
-        pool.close()
+    split = gloo_pools.get(4).run("tests.e2e.test_sequence_parallel:fit_body", stage=3, sequence_parallel=2)
     for rank, run in enumerate(split):
         d = rank // 2  # Note [rank order]: rank = d * 2 + s
         assert run["shard"] == (2, d)
@@ -246,42 +243,45 @@ def test_a_module_without_the_hook_is_refused_at_setup() -> None:
 
 
 # ------------------------------------------------------------------------------------------ CLI
-def _cli(args: list[str], cwd: Path) -> list[float]:
-    import csv
-    import subprocess
-    import sys
+def _val_losses(run: Path) -> dict[int, float]:
+    """The run's validation losses by step, from its TensorBoard events (float32, as logged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    command = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "data.deterministic_order=true",
-               "trainer.max_steps=6", "trainer.val_check_interval=3", "logger=csv", *args]
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    rows = csv.DictReader(next(cwd.rglob("metrics.csv")).open())
-    return [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+    events = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars("loss/val")}
 
 
 @pytest.mark.slow
-def test_cli_sequence_parallel_2_follows_the_one_rank_run(tmp_path: Path) -> None:
-    """``lightning-zero train experiment=gpt_tiny sequence_parallel=sp2 trainer.devices=2`` (docs/sequence_parallel.md):
-    the same step-0 validation loss as the 1-rank run, and the same curve after."""
-    (tmp_path / "sp2").mkdir()
-    (tmp_path / "one").mkdir()
-    split = _cli(["sequence_parallel=sp2", "trainer.devices=2"], tmp_path / "sp2")
-    one = _cli(["trainer=cpu1"], tmp_path / "one")
-    assert len(split) == len(one) == 3 and one[-1] < one[0], (split, one)  # steps 0, 3, 6; it learns
-    assert max(abs(a - b) / b for a, b in zip(split, one)) < 1e-5, (split, one)
-    assert "sequence_parallel:\n  size: 2" in next((tmp_path / "sp2").rglob("config.yaml")).read_text()
+def test_cli_sequence_parallel_2_follows_the_one_rank_run(launches: SharedLaunches) -> None:
+    """docs/sequence_parallel.md's two commands (the docs test quotes their outputs from the same runs): SP 2 on 2
+    ranks has the 1-rank run's step-0 validation loss, and the same curve after (to 1e-5)."""
+    split_run, one_run = launches.pool_cli(*SP2).check(), launches.pool_cli(*ONE_RANK).check()
+    split, one = _val_losses(split_run.run_dir), _val_losses(one_run.run_dir)
+    assert sorted(split) == sorted(one) == [0, 5, 10, 15, 20] and one[5] < one[0], (split, one)  # it learns
+    assert max(abs(split[s] - one[s]) / one[s] for s in one) < 1e-5, (split, one)
+    assert "sequence_parallel:\n  size: 2" in (split_run.run_dir / "config.yaml").read_text()
 
 
-@pytest.mark.slow
-def test_bench_sequence_parallel_counts_the_formula_s_bytes() -> None:
+@pytest.mark.distributed
+def test_bench_sequence_parallel_counts_the_formula_s_bytes(gloo_pools: Pools, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/bench_sequence_parallel.py small (its numbers: docs/benchmarks.md): the bytes the all-to-alls
-    send equal 8 B T H (P - 1) / P^2 elements per layer, at P = 2 and 4."""
-    import subprocess
+    send equal 8 B T H (P - 1) / P^2 elements per layer, at P = 2 and 4. Its ``traffic`` table runs in this
+    process, each configuration's ranks in the session's pool of that size instead of fresh processes (the
+    benchmark's own command starts them: docs/benchmarks.md)."""
     import sys
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sequence_parallel.py"
-    done = subprocess.run([sys.executable, str(script), "traffic", "--length", "128"], capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line for line in done.stdout.splitlines() if line.startswith(("| 2 |", "| 4 |"))]
-    assert len(rows) == 2 and all(row.endswith("| 1.000 |") for row in rows), done.stdout
+    import benchmarks.bench_sequence_parallel as bench
+
+    def in_pool(size: int, args: list[str], timeout: float) -> dict:
+        kind, length, _limit_mb, steps = args
+        return gloo_pools.get(size).run("benchmarks.bench_sequence_parallel:measure", kind=kind, length=int(length),
+                                        steps=int(steps), _timeout_s=timeout)[0]
+
+    monkeypatch.setattr(bench, "_launch", in_pool)
+    monkeypatch.setattr(sys, "argv", ["bench_sequence_parallel.py", "traffic", "--length", "128"])
+    bench.main()
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| 2 |", "| 4 |"))]
+    assert len(rows) == 2 and all(row.endswith("| 1.000 |") for row in rows), out

@@ -6,7 +6,6 @@ from ``lightning-zero train`` with ``model.attention=sparse_fixed`` or a DeepSpe
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +19,8 @@ from torch import nn
 from lightning_zero import ZeroStrategy
 from lightning_zero.models.gpt import GPT, GPTConfig, GPTLightningModule
 from lightning_zero.sparse_attention import SparseSelfAttention
+from tests.in_pool import run_in_process
+from tests.launches import Launch
 from tests.pool import GlooPool
 
 SECTION = {"mode": "fixed", "block": 8, "num_local_blocks": 2, "attention": "unidirectional"}
@@ -106,10 +107,10 @@ def test_zero_fits_match_the_masked_dense_model(stage: int) -> None:
     assert max(abs(a - b) for a, b in zip(sparse, reference)) < 1e-4, (sparse, reference)
 
 
-def _train(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "lightning_zero", "train", "experiment=gpt_tiny", "trainer=cpu1",
-               "trainer.max_steps=6", "trainer.val_check_interval=3", "logger=csv", *args]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=400, check=False)
+def _train(args: list[str], cwd: Path) -> Launch:
+    """One rank: the command trains in this process, as ``lightning-zero train trainer=cpu1`` does."""
+    return run_in_process(["train", "experiment=gpt_tiny", "trainer=cpu1", "trainer.max_steps=6",
+                           "trainer.val_check_interval=3", "logger=csv", *args], cwd)
 
 
 def _val_losses(cwd: Path) -> list[float]:
@@ -123,17 +124,17 @@ def test_cli_trains_with_sparse_attention_from_hydra_and_from_a_deepspeed_json(
     hydra = tmp_path / "hydra"
     hydra.mkdir()
     proc = _train(["model.attention=sparse_fixed"], hydra)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.output[-3000:]
     saved = next(hydra.rglob("config.yaml")).read_text()
     assert "attention: sparse_fixed" in saved
-    assert "val_loss" in proc.stdout + proc.stderr
+    assert "val_loss" in proc.output
     ds = tmp_path / "ds"
     ds.mkdir()
     (ds / "ds.json").write_text(json.dumps({"sparse_attention": {"mode": "bigbird", "block": 16,
                                                                  "num_random_blocks": 1, "seed": 3}}))
     proc = _train(["deepspeed_config=ds.json"], ds)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "unsupported" not in (proc.stdout + proc.stderr).lower()
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert "unsupported" not in proc.output.lower()
     assert "mode: bigbird" in next(ds.rglob("config.yaml")).read_text()
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -159,17 +160,34 @@ def test_deepspeed_strategy_refuses_a_sparse_section_the_model_does_not_use() ->
         trainer.fit(module, loader)
 
 
+def bench_worker_body(args: list[str]) -> dict:
+    """Pool body: one measurement of benchmarks/bench_sparse_attention.py's worker on this rank."""
+    from benchmarks.bench_sparse_attention import run_worker
+
+    return run_worker(args)
+
+
 @pytest.mark.slow
-def test_bench_sparse_attention_runs_small() -> None:
-    """benchmarks/bench_sparse_attention.py end to end at one short length (its numbers: docs/benchmarks.md)."""
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sparse_attention.py"
-    done = subprocess.run([sys.executable, str(script), "attention", "--lengths", "1024", "--rounds", "1",
-                           "--threads", "1"], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
+@pytest.mark.distributed
+def test_bench_sparse_attention_runs_small(gloo_pool: GlooPool, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/bench_sparse_attention.py end to end at one short length (its numbers: docs/benchmarks.md). Its
+    ``attention`` table runs in this process, each measurement on the session's pool (rank 0's) instead of a fresh
+    process (the benchmark's own command starts them: its peak memory is a fresh process's)."""
+    import benchmarks.bench_sparse_attention as bench
+
+    def in_pool(args: list[str], timeout: float) -> dict:
+        return gloo_pool.run("tests.e2e.test_sparse_gpt:bench_worker_body", args=args, _timeout_s=timeout)[0]
+
+    monkeypatch.setattr(bench, "_spawn", in_pool)
+    monkeypatch.setattr(sys, "argv", ["bench_sparse_attention.py", "attention", "--lengths", "1024", "--rounds", "1",
+                                      "--threads", "1"])
+    bench.main()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     header = next(line for line in lines if line.startswith("| tokens |"))
     row = next(line for line in lines if line.startswith("| 1024 |"))
-    assert row.count("|") == header.count("|") and " - " not in row and "failed runs" not in done.stdout
+    assert row.count("|") == header.count("|") and " - " not in row and "failed runs" not in out
 
 
 # ------------------------------------------------------------------------------------------ pipeline

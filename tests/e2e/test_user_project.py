@@ -1,10 +1,10 @@
 """A project written for plain Lightning, outside the package (``tests/data/user_project``: its own ``conf/``, a
 LightningModule and a DataModule that know nothing of lightning_zero, a callback, its own ``train_plain.py``), trained
-by ``lightning-zero train --config-dir conf`` from its own directory with no ``PYTHONPATH`` at ZeRO stages 0-3 (one
-multirun: one launch per stage). Each stage's per-step losses, on each rank, equal those of the project's own plain
-Lightning DDP script with the same seed (its ``train_plain.py``, run in the warm gloo pool); the module's own record
-shows its yaml arguments (and the optimizer and scheduler the yaml gives it) arrived; the callbacks and the CSV logger
-chosen by ``_target_`` ran."""
+by ``lightning-zero train --config-dir conf`` from its own directory at ZeRO stages 0-3 (stage 3 a real launch with no
+``PYTHONPATH``; stages 0-2 one multirun with the ranks in the test session's pool). Each stage's per-step losses, on
+each rank, equal those of the project's own plain Lightning DDP script with the same seed (its ``train_plain.py``, run
+in the warm gloo pool); the module's own record shows its yaml arguments (and the optimizer and scheduler the yaml
+gives it) arrived; the callbacks and the CSV logger chosen by ``_target_`` ran."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.launches import SharedLaunches
 
 PROJECT = Path(__file__).resolve().parents[1] / "data" / "user_project"
 STEPS, SEED = 3, 7
@@ -43,14 +45,19 @@ def lightning_zero(args: list[str], cwd: Path, timeout: int = 480) -> subprocess
 
 
 @pytest.fixture(scope="module")
-def stage_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """One multirun: the project at ZeRO stages 0, 1, 2 and 3, 2 ranks each."""
+def stage_runs(tmp_path_factory: pytest.TempPathFactory, launches: SharedLaunches) -> dict[int, Path]:
+    """The project at ZeRO stages 0, 1, 2 and 3, 2 ranks each: stage 3 a real launch of the console script (its
+    ranks find the project through torchrun, with no PYTHONPATH), stages 0-2 one multirun with its ranks in the
+    session's pool (Note [shared launches] in tests/launches.py: the same command, the same ranks' code)."""
     root = tmp_path_factory.mktemp("user_project")
     project = copy_project(root)
-    stages = "zero=stage0,stage1,stage2,stage3"
-    done = lightning_zero(["train", "-m", *RUN, stages, f"hydra.sweep.dir={root / 'sweep'}"], project)
+    done = lightning_zero(["train", *RUN, "zero=stage3", f"hydra.run.dir={root / 'stage3'}"], project)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    return {int(p.name[0]): p for p in (root / "sweep").iterdir() if p.is_dir() and p.name[0].isdigit()}
+    pooled = copy_project(root / "pooled")
+    launches.pool_cli("train", "-m", *RUN, "zero=stage0,stage1,stage2", f"hydra.sweep.dir={root / 'sweep'}",
+                      cwd=pooled).check()
+    runs = {int(p.name[0]): p for p in (root / "sweep").iterdir() if p.is_dir() and p.name[0].isdigit()}
+    return {**runs, 3: root / "stage3"}
 
 
 def plain_ddp_body(project: str) -> dict[str, Any]:

@@ -27,10 +27,10 @@ from lightning_zero.deepspeed.strategy_args import json_strategy_arguments
 from lightning_zero.lightning.precision import ZeroPrecision
 
 # The two DeepSpeed configs the project started from, exactly as written there.
-SEED_FP16 = {"train_batch_size": 64, "gradient_accumulation_steps": 4,
-             "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2,
-                      "min_loss_scale": 1}}
-SEED_BF16 = {"train_batch_size": 64, "gradient_accumulation_steps": 4, "bf16": {"enabled": True}}
+# DeepSpeed's seed configs, as docs/deepspeed_config.md shows and its commands use them
+_EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+SEED_FP16 = json.loads((_EXAMPLES / "seed_fp16.json").read_text())
+SEED_BF16 = json.loads((_EXAMPLES / "seed_bf16.json").read_text())
 
 
 def _plugin_args(plugin: ZeroPrecision) -> tuple[str, dict[str, Any]]:

@@ -70,3 +70,18 @@ def test_the_mesh_answers_the_pipeline_and_the_sampler_from_its_coordinates() ->
     assert mesh.subgroup(Axis.PIPELINE, (0, 1)) is None  # no process group: every collective is local
     single = ProcessMesh.single()
     assert single.subgroup(Axis.PIPELINE, (0,)) is None and single.data_shard == (1, 0)
+
+
+def test_the_engine_coupling_uses_the_mesh_model_parallel_comm_made_once() -> None:
+    """The engine's norm / overflow coupling runs over the mesh's model-parallel comm (made with the mesh), not a
+    comm built per engine; off when no pipeline or tensor parallelism holds part of the model."""
+    from types import SimpleNamespace
+
+    from lightning_zero.parallel.zero import model_parallel_coupling
+
+    comm = object()
+    mesh = SimpleNamespace(model_parallel=comm)
+    tensor = SimpleNamespace(norm_weight=lambda p: 0.5)
+    coupling = model_parallel_coupling(mesh, None, tensor)  # type: ignore[arg-type]
+    assert coupling is not None and coupling.model_parallel is comm
+    assert model_parallel_coupling(mesh, None, None) is None  # type: ignore[arg-type]

@@ -132,3 +132,16 @@ def test_a_strategy_holds_one_settings_tree_and_refuses_it_given_twice() -> None
         ZeroStrategy(settings=tree, offload_param="cpu", reduce_bucket_size=10)
     strategy.checkpoint_format = "consolidated"  # a new tree replaces the old one
     assert strategy.settings.checkpoint_format == "consolidated" and tree.checkpoint_format == "auto"
+
+
+def test_a_hydra_config_gets_a_nodes_own_problem_and_the_broken_rules_at_once() -> None:
+    """Loss-scaler knobs with bf16 (the precision node's own problem) beside parameter offload at stage 2 (a rule
+    across nodes): both, in the Hydra keys (issue 45 item 4; the tree's first version stopped at the node)."""
+    with pytest.raises(ValueError) as info:
+        validate_config(compose_config(["zero=stage2", "offload=param_cpu", "precision=bf16",
+                                        "precision.loss_scale=128"]))
+    text = str(info.value)
+    assert f"offload.param_device='cpu' {rules_module.PARAM_NEEDS_STAGE_3}" in text, text
+    assert "precision.loss_scale set with precision=bf16: loss scaling applies to fp16 only. Fix: precision=fp16" \
+        in text, text
+    assert "loss_scaler" not in text  # not the Python API's keyword

@@ -213,6 +213,14 @@ def _flat_keys(node: object, prefix: str = "") -> list[str]:
     return [k for key, value in node.items() for k in _flat_keys(value, f"{prefix}{key}.")]
 
 
+def torchrun_command(config_file: Path, devices: int, node: NodeLaunch | None = None,
+                     command: str = FIT) -> list[str]:
+    """The command that starts this node's ``devices`` ranks of the worker on ``config_file`` running ``command``."""
+    where = node.torchrun_args() if node is not None else ["--standalone"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={devices}",
+            "-m", "lightning_zero.config.run.worker", str(config_file), *([command] if command != FIT else [])]
+
+
 def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None, command: str = FIT,
                  env_extra: dict[str, str] | None = None) -> None:
     """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port), or
@@ -227,9 +235,7 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
     """
     from lightning_zero.config.run.console import RankConsole, failure_summary, host_memory_note, oom_advice
 
-    where = node.torchrun_args() if node is not None else ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={devices}",
-           "-m", "lightning_zero.config.run.worker", str(config_file), *([command] if command != FIT else [])]
+    cmd = torchrun_command(config_file, devices, node, command)
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[3])  # the ranks import this checkout
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])

@@ -49,23 +49,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m lightning_zero.config.run.worker <run_dir>/config.yaml [validate|test|predict]",
               file=sys.stderr)
         return 2
-    from lightning_zero.config.run.build import evaluate, fit  # Lightning: here, not for ``python -m lightning_zero``
-
-    path = Path(args[0]).resolve()
-    cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(path))))  # type: ignore[arg-type]
     try:
-        if args[1:] and args[1] != FIT:
-            evaluate(cfg, path.parent, args[1])
+        return run_rank(Path(args[0]), args[1] if args[1:] else FIT)
+    finally:
+        # the process groups (the strategy's too) die now, not during interpreter finalization:
+        # Note [clean exit] in lightning_zero/core/comm/process_groups.py
+        close_all()
+
+
+def run_rank(config_file: Path, command: str = FIT) -> int:
+    """One rank's ``command`` on ``config_file`` (the run directory is its folder), the process groups left open
+    (:func:`main` closes them; the test suite's warm pool runs this and keeps its own). Returns the exit code.
+
+    Args:
+        config_file: the run's ``config.yaml``, written by the launcher.
+        command: ``fit`` or one of validate / test / predict (a checkpoint in the config's ``ckpt_path``).
+    """
+    path = config_file.resolve()
+    cfg = validate_config(to_train_config(OmegaConf.to_container(OmegaConf.load(path))))  # type: ignore[arg-type]
+    # Lightning after the config's checks (a rank with a bad config fails in ~1 s, not after ~5 s of imports), and
+    # here, not for ``python -m lightning_zero``'s exit
+    from lightning_zero.config.run.build import evaluate, fit
+
+    try:
+        if command != FIT:
+            evaluate(cfg, path.parent, command)
         else:
             fit(cfg, path.parent)
     except UsageError as err:  # what the user asked for, seen only here (a `_target_`, a checkpoint's keys)
         if os.environ.get("RANK", "0") == "0":  # every rank finds the same: said once
             print(f"lightning-zero: error: {err}", file=sys.stderr, flush=True)
         return USAGE_EXIT
-    finally:
-        # the process groups (the strategy's too) die now, not during interpreter finalization:
-        # Note [clean exit] in lightning_zero/core/comm/process_groups.py
-        close_all()
     return 0
 
 

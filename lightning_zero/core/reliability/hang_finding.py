@@ -59,11 +59,21 @@ def silent_text(silent: Sequence[SilentRank], timeout_s: float) -> str:
             "SIGSTOP); raise zero.hang_timeout_s if the host is only very slow.")
 
 
-def stuck_text(states: Mapping[int, RankProgress | None], stall_s: float, timeout_s: float) -> str:
+def stuck_text(states: Mapping[int, RankProgress | None], stall_s: float, timeout_s: float,
+               limit_s: float | None = None, interval_s: float = 0.0) -> str:
     """The finding for live ranks that made no progress for ``stall_s`` (``None``: the rank finished).
 
     Groups the ranks by where they are; the largest group is the reference, every other group is
     named as behind, ahead, in a different collective or in user code, with what to check.
+
+    Args:
+        states: each rank's progress (``None``: it finished).
+        stall_s: the stall as measured, from reports up to ``interval_s`` old (Note [hang watchdog]: the
+            decision comes one interval early, so the measured stall may be below the limit).
+        timeout_s: ``zero.hang_timeout_s``.
+        limit_s: the limit the stall reached (default ``timeout_s``; longer when 3 of the longest training
+            step are longer).
+        interval_s: the watchdog's interval.
     """
     groups: dict[str, list[int]] = {}
     sample: dict[str, RankProgress | None] = {}
@@ -73,8 +83,11 @@ def stuck_text(states: Mapping[int, RankProgress | None], stall_s: float, timeou
         groups.setdefault(where, []).append(rank)
         sample.setdefault(where, state)
     order = sorted(groups, key=lambda w: (-len(groups[w]), groups[w][0]))
-    lines = [f"no rank made progress for {stall_s:.0f} s (zero.hang_timeout_s={timeout_s:g} s) while every rank "
-             "is alive:"]
+    limit_s = timeout_s if limit_s is None else limit_s
+    limit = f"zero.hang_timeout_s={timeout_s:g} s" if limit_s <= timeout_s else \
+        f"3 x the longest training step ({limit_s:.0f} s; zero.hang_timeout_s={timeout_s:g} s)"
+    lines = [f"every rank is alive but none made progress for {limit} (measured {stall_s:.1f} s, from reports up to "
+             f"one {interval_s:g} s watchdog interval old):"]
     lines += [f"  {rank_list(groups[w])}: {w}" for w in order]
     ref = sample[order[0]]
     if len(order) == 1:

@@ -268,12 +268,13 @@ class HeartbeatWatchdog:
         longest_step = max(s.step_s for s in live.values() if s is not None)
         # Note [hang watchdog]: the ages seen here are up to one interval old and the others read the
         # verdict up to one interval later: deciding one interval early ends the job by timeout + interval
-        threshold = max(self.timeout_s, STEP_MARGIN * longest_step) - self.interval_s
+        limit = max(self.timeout_s, STEP_MARGIN * longest_step)
+        threshold = limit - self.interval_s
         if stall < threshold:
             self._due = min(self._due, now + threshold - stall)
             return None
         shown = {r: (None if r in done else states[r]) for r in range(self.world_size)}
-        return self._report("stuck", stuck_text(shown, stall, self.timeout_s))
+        return self._report("stuck", stuck_text(shown, stall, self.timeout_s, limit, self.interval_s))
 
     # ------------------------------------------------------------------ ranks 1..N-1
     def _read_verdict(self) -> HangReport | None:

@@ -6,7 +6,7 @@ Note [one settings tree]
     Trainer's) and the checkpoint format. Every node is a frozen dataclass that checks its own values when it is
     built; the rules across nodes are written once, in ``rules.py``. The routes in are translators into this tree
     and nothing more: ``ZeroStrategy``'s keyword arguments (``lightning/arguments.py``), the Hydra groups
-    (``config/schema.py``, ``settings_of``) and a DeepSpeed JSON (``deepspeed/config.py``,
+    (``config/settings.py``, ``settings_of``) and a DeepSpeed JSON (``deepspeed/config.py``,
     ``deepspeed/strategy_args.py``); each checks the rules with the names its users write
     (``check_settings(settings, spelling)``). The strategy keeps the tree and hands each of its parts the nodes
     it needs, explicitly. The model is not part of the tree: any ``nn.Module`` / LightningModule is trained, ours
