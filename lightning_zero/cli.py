@@ -25,6 +25,7 @@ from lightning_zero.estimator import (
     parse_size,
 )
 from lightning_zero.estimator.advisor import advise
+from lightning_zero.estimator.working_set import StreamSettings
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,16 @@ def _common_arguments(p: argparse.ArgumentParser) -> None:
     shape.add_argument("--heads", type=int, help="attention heads (default hidden / 64)")
     shape.add_argument("--flash-attention", action="store_true", help="attention scores are not stored")
     p.add_argument("--units", default="GB", choices=["GB", "GiB"], help="GB = 10^9 bytes (default), GiB = 2^30")
+    host = p.add_argument_group("ranks on CPUs, and stage 3's working set (docs/offload.md)")
+    host.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"],
+                      help="cpu: the ranks are CPU processes and device memory is their host memory (the process "
+                      "itself, cpu offload and stage 3's working set counted in it)")
+    host.add_argument("--prefetch-bucket-size", type=_typed(parse_count), default=5e7,
+                      help="zero.prefetch_bucket_size: elements gathered ahead of the running unit (default 5e7)")
+    host.add_argument("--reduce-bucket-size", type=_typed(parse_count), default=1e7,
+                      help="zero.reduce_bucket_size: elements per gradient message (default 1e7)")
+    host.add_argument("--sub-group-size", type=_typed(parse_count), default=1e6,
+                      help="offload.sub_group_size: optimizer elements swapped at once with nvme (default 1e6)")
 
 
 def _model_kwargs(a: argparse.Namespace) -> EstimateOptions:
@@ -92,6 +103,9 @@ def _model_kwargs(a: argparse.Namespace) -> EstimateOptions:
         precision=a.precision, micro_batch=a.micro_batch, seq_len=a.seq_len, layers=a.layers, hidden=a.hidden,
         heads=a.heads, flash_attention=a.flash_attention, largest_layer_params=a.largest_layer,
         optimizer_state_per_param=a.optimizer_bytes, replicated_params=a.replicated_params,
+        accelerator=a.accelerator,
+        stream=StreamSettings(prefetch_bucket_size=a.prefetch_bucket_size, reduce_bucket_size=a.reduce_bucket_size,
+                              sub_group_size=a.sub_group_size, state_tensors=a.optimizer_bytes // 4),
     )
 
 

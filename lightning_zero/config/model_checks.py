@@ -23,6 +23,7 @@ from lightning_zero.config.schema import (
 from lightning_zero.config.value_checks import counts, val_check_batches
 from lightning_zero.core.common.choices import OffloadDevice, ZeroStage
 from lightning_zero.core.common.memory import OFFLOAD_STAGES
+from lightning_zero.core.offload.swap_step import SwappedStep
 from lightning_zero.core.settings.offload import nvme_path_problem
 from lightning_zero.hf.checks import HFRun, hf_problems
 from lightning_zero.project.targets import TargetNode
@@ -123,10 +124,18 @@ def offload_problems(cfg: TrainConfig) -> list[str]:
     """The swap directory of ``"nvme"`` offload, checked here before any rank starts, with the room the estimator
     counts (the offload node's values and its rules with the stage are checked with the settings tree)."""
     o = cfg.offload
+    out = []
+    if o.buffer_count is not None and o.optimizer_device is OffloadDevice.nvme:  # Note [swapped step]
+        state = {"adamw": 2, "adam": 2, "sgd": 1}.get(cfg.model.optimizer.value)
+        try:
+            SwappedStep(None, int(o.buffer_count), bool(o.pipeline_read), bool(o.pipeline_write)).check(
+                2 + (state or 0), f"the master, its gradient and the optimizer's {state} state tensor(s)")
+        except ValueError as err:
+            out.append(str(err).replace("offload buffer_count", "offload.buffer_count", 1))
     if OffloadDevice.nvme not in (o.optimizer_device, o.param_device) or not o.nvme_path:
-        return []
+        return out
     problem = nvme_path_problem(str(o.nvme_path), nvme_bytes_per_node(cfg), "offload.nvme_path")
-    return [problem] if problem else []  # the check the ranks repeat, here before any of them starts
+    return out + ([problem] if problem else [])  # the check the ranks repeat, here before any of them starts
 
 
 def nvme_bytes_per_node(cfg: TrainConfig) -> float:

@@ -105,6 +105,7 @@ def build_module(cfg: TrainConfig) -> pl.LightningModule:
             min_lr_ratio=m.min_lr_ratio, model_overrides=gpt_overrides(m) or None,
             # a pipeline builds only each rank's stage (docs/pipeline.md): in configure_model, on meta
             build_in_configure_model=m.build_in_configure_model or cfg.pipeline.stages > 1, freeze_step=m.freeze_step,
+            fused=m.fused,
         )
     if isinstance(m, MLPModelSchema):
         from lightning_zero.models.mlp import MLPClassifier

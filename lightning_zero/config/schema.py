@@ -106,6 +106,8 @@ class GPTModelSchema(ModelSchema):
     lr_decay_steps: int | None = None
     min_lr_ratio: float = 0.1
     build_in_configure_model: bool = False
+    # torch's fused kernel for adamw / adam / sgd (disk offload steps fused anyway: set it to compare bitwise)
+    fused: bool = False
     freeze_step: int = 100  # optimizer=onebit_adam: AdamW warm-up steps before the momentum is compressed
     # dense (SDPA) or a block-sparse preset: sparse_fixed, sparse_variable, sparse_bigbird, sparse_bslongformer,
     # sparse_local, sparse_dense (docs/sparse_attention.md)

@@ -59,7 +59,9 @@ def offload_settings(cfg: TrainConfig) -> OffloadConfig:
     pin = bool(o.pin_memory) if o.pin_memory is not None else \
         str(cfg.trainer.accelerator) not in ("cpu",) and torch.cuda.is_available()
     return OffloadConfig(optimizer_device=o.optimizer_device.value, param_device=o.param_device.value,
-                         nvme_path=o.nvme_path, pin_memory=pin, buffer_count=o.buffer_count,
+                         nvme_path=o.nvme_path, pin_memory=pin,
+                         buffer_count=None if o.buffer_count is None else int(o.buffer_count),
+                         pipeline_read=bool(o.pipeline_read), pipeline_write=bool(o.pipeline_write),
                          max_in_cpu=int(o.max_in_cpu), sub_group_size=int(o.sub_group_size))
 
 

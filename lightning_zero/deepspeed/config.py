@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lightning_zero.core.settings.expert import ExpertParallelConfig
-from lightning_zero.core.settings.offload import DEFAULT_MAX_IN_CPU, OffloadConfig
+from lightning_zero.core.settings.offload import DEFAULT_BUFFER_COUNT, DEFAULT_MAX_IN_CPU, OffloadConfig
 from lightning_zero.core.settings.precision import LossScalerConfig, PrecisionConfig
 from lightning_zero.core.settings.rules import settings_problems
 from lightning_zero.core.settings.tensor import TensorParallelConfig
@@ -294,12 +294,23 @@ def _offload(z: JsonSection, given: dict[str, str]) -> OffloadConfig:
         values["optimizer_device"] = "cpu"
         given["offload.optimizer_device"] = z.key("cpu_offload")
     shared = {"nvme_path": str, "pin_memory": bool}
-    for kind, buffers in (("optimizer", 4), ("param", 5)):  # DeepSpeed's default buffer_count of each section
+    for kind in ("optimizer", "param"):
         section = z.section(f"offload_{kind}")
         if section is None:
             continue
-        refuse_unbuilt(section.key("buffer_count"), section.get("buffer_count", int), buffers)
-        if kind == "param":
+        if kind == "optimizer" and section.data.get("device") == "nvme":  # the nvme step's swap buffers and
+            # pipeline, DeepSpeed's defaults when not given (Note [swapped step]); unused by the cpu device
+            values["buffer_count"] = section.get("buffer_count", int, DEFAULT_BUFFER_COUNT)
+            values["pipeline_read"] = section.get("pipeline_read", bool, False)
+            values["pipeline_write"] = section.get("pipeline_write", bool, False)
+            for key in ("buffer_count", "pipeline_read", "pipeline_write"):  # given, as DeepSpeed's defaults if
+                given[f"offload.{key}"] = section.key(key)  # absent: the JSON decides them
+        elif kind == "optimizer":
+            section.noop({"buffer_count": (DEFAULT_BUFFER_COUNT,), "pipeline_read": (False,),
+                          "pipeline_write": (False,)})
+        else:
+            refuse_unbuilt(section.key("buffer_count"), section.get("buffer_count", int), 5)
+            refuse_unbuilt(section.key("buffer_size"), section.get("buffer_size", int), 100_000_000)
             refuse_unbuilt(section.key("max_in_cpu"), section.get("max_in_cpu", int), DEFAULT_MAX_IN_CPU)
         device = section.get("device", str, "none")
         if device not in ("none", "cpu", "nvme"):

@@ -120,14 +120,17 @@ def refusal_message(source: str, refused: list[tuple[str, Any, str]]) -> str:
             "docs/deepspeed_config.md.")
 
 
-_UNBUILT_WHY = {"buffer_count": "there is no pool of swap buffers to size (sub_group_size sets how much is swapped "
-                                "at once)",
+_UNBUILT_WHY = {"buffer_count": "parameter shards are read straight into the gather buffers, with no pool of "
+                                "parameter swap buffers to count (zero_optimization.stage3_prefetch_bucket_size "
+                                "bounds how much is read ahead)",
+                "buffer_size": "parameter shards are read straight into the gather buffers, with no pool of "
+                               "parameter swap buffers to size",
                 "max_in_cpu": "every parameter shard offloaded to nvme is on disk"}
 
 
 def refuse_unbuilt(key: str, value: int | None, default: int) -> None:
-    """An offload I/O knob (``buffer_count``, ``max_in_cpu``) at DeepSpeed's default is accepted (there is
-    nothing to size); another value is refused, naming ``key`` (its dotted JSON path)."""
+    """An ``offload_param`` I/O knob (``buffer_count``, ``buffer_size``, ``max_in_cpu``) at DeepSpeed's default is
+    accepted (there is nothing to size); another value is refused, naming ``key`` (its dotted JSON path)."""
     if value is not None and value != default:
         why = _UNBUILT_WHY[key.rsplit(".", 1)[-1]]
         raise ValueError(f"DeepSpeed config: `{key}`={value} is not built: {why}. Fix: remove the key (or give "

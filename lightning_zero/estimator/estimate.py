@@ -32,6 +32,14 @@ from lightning_zero.estimator.report import (
     wrap,
 )
 from lightning_zero.estimator.sizes import format_bytes, format_count, parse_count
+from lightning_zero.estimator.working_set import (
+    PROCESS_OVERHEAD_BYTES,
+    StepIO,
+    StreamSettings,
+    WorkingSet,
+    step_io,
+    working_set,
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,12 @@ class ConfigEstimate:
         activations: activation memory, when the shape is known.
         deepspeed: DeepSpeed's figures, where it has an estimator.
         ranks_per_node: for the per-node CPU / NVMe totals.
+        working_set: stage 3 on a CPU host or with disk offload, when the model's units are known: what a step
+            holds besides model state (Note [working set] in ``working_set.py``); ``working`` is its total less
+            the activations.
+        step_io: stage 3 with ``param_nvme``: swap-file bytes per step and on disk.
+        cpu_host: ranks are CPU processes: "device" is their host memory, which holds the process itself and
+            a ``"cpu"`` offload's state too.
     """
 
     stage: int
@@ -57,6 +71,9 @@ class ConfigEstimate:
     activations: Activations | None
     deepspeed: DeepSpeedFigures | None
     ranks_per_node: int
+    working_set: WorkingSet | None = None
+    step_io: StepIO | None = None
+    cpu_host: bool = False
 
     @property
     def label(self) -> str:
@@ -69,8 +86,9 @@ class ConfigEstimate:
 
     @property
     def device_bytes(self) -> float:
-        """Model states on the device plus the stage-3 working layer; no activations."""
-        return self.on_device.model_states + self.working
+        """Model states on the device plus the stage-3 working memory (a CPU host: plus the process and a
+        ``"cpu"`` offload's state, all in the same memory); no activations."""
+        return self.on_device.model_states + self.working + (self.cpu_bytes if self.cpu_host else 0.0)
 
     def device_total(self, checkpointing: bool = False) -> float:
         """Device bytes including activations (with or without activation checkpointing)."""
@@ -89,7 +107,7 @@ class ConfigEstimate:
 def estimate_config(
     stage: int, offload: str, model: ModelSpec, cluster: Cluster, precision: str = "mixed",
     activations: Activations | None = None, optimizer_state_per_param: int = 8, tensor_parallel: int = 1,
-    expert_parallel: int = 1,
+    expert_parallel: int = 1, cpu_host: bool = False, stream: StreamSettings | None = None,
 ) -> ConfigEstimate:
     """Estimate one configuration; see :func:`estimate_memory` for the arguments.
 
@@ -98,6 +116,10 @@ def estimate_config(
     layer. Offload composes with TP as in the strategy (the engine offloads the shards of the rank's flat buffers):
     the offload split applies to the rank's own parameters, so a rank offloads its share, over the data ranks, of
     the optimizer state (and, with ``param_*``, the parameters) of its TP slice.
+
+    Stage 3 with disk offload, or any stage 3 row on a CPU host (``cpu_host``), counts the working set of Note
+    [working set] from the model's units (``stream``: the settings that size it) where they are known; a CPU
+    host counts the process itself on every row.
 
     With ``expert_parallel`` = p > 1 a rank holds ``1/p`` of the expert parameters (its experts) and every dense
     one; ZeRO partitions the dense ones over the ``world`` data ranks and its experts over the ``world / p`` ranks
@@ -116,11 +138,26 @@ def estimate_config(
         on_device, moved = _plus(on_device, kept), _plus(moved, gone)
     elem = 4 if formula == "fp32" else 2
     layer = model.rank_largest_layer(tensor_parallel, expert_parallel)
-    working = 2 * elem * layer if ZeroStage.of(stage).shards_parameters else 0.0
+    sharded = ZeroStage.of(stage).shards_parameters
+    working = 2 * elem * layer if sharded else 0.0
+    ws = io = None
+    nvme = offload.endswith("_nvme")
+    if sharded and (nvme or cpu_host) and model.unit_params and tensor_parallel == 1 and expert_parallel == 1:
+        settings = stream or StreamSettings()
+        if not nvme:
+            settings = replace(settings, buffer_sets=0)  # no swap buffers
+        master = 2 if formula == "bf16-true" else 4
+        ws = working_set(model, data, elem, activations, settings, cpu_host, master)
+        working = ws.total - ws.activations
+        if offload == "param_nvme":
+            io = step_io(model, data, elem, settings, master)
+    elif cpu_host:
+        working += PROCESS_OVERHEAD_BYTES
     ds = None
     if formula == "mixed" and tensor_parallel == 1 and expert_parallel == 1:  # DeepSpeed's take no TP / EP size
         ds = deepspeed_figures(stage, offload, model.num_params, model.largest_layer_params or 0.0, cluster)
-    return ConfigEstimate(stage, offload, on_device, moved, working, activations, ds, cluster.gpus_per_node)
+    return ConfigEstimate(stage, offload, on_device, moved, working, activations, ds, cluster.gpus_per_node, ws, io,
+                          cpu_host)
 
 
 def _plus(a: ModelStateBytes, b: ModelStateBytes) -> ModelStateBytes:
@@ -138,6 +175,8 @@ class MemoryEstimate:
     activations: Activations | None
     configs: tuple[ConfigEstimate, ...]
     tensor_parallel: int = 1
+    accelerator: str = "gpu"
+    stream: StreamSettings | None = None
     expert_parallel: int = 1
 
     def config(self, stage: int, offload: str = "none") -> ConfigEstimate:
@@ -173,6 +212,8 @@ class EstimateOptions(TypedDict, total=False):
     largest_layer_params: float | None
     optimizer_state_per_param: int
     replicated_params: float | None
+    accelerator: str
+    stream: StreamSettings | None
 
 
 def estimate_memory(
@@ -194,6 +235,8 @@ def estimate_memory(
     optimizer_state_per_param: int = 8,
     replicated_params: float | None = None,
     tensor_parallel: int = 1,
+    accelerator: str = "gpu",
+    stream: StreamSettings | None = None,
     expert_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-rank memory of ZeRO stages 0-3, without offload and with each valid offload.
@@ -216,9 +259,15 @@ def estimate_memory(
         tensor_parallel: ranks per tensor-parallel group t; ``world_size`` counts every rank, so ZeRO
             partitions over ``world_size / t`` data ranks, offload rows included (DeepSpeed's figures are not:
             its estimators take no tensor-parallel size).
+        accelerator: ``"gpu"`` (device memory per rank beside host memory) or ``"cpu"``: the ranks are CPU
+            processes, "device" is each one's host memory (the process itself and a ``"cpu"`` offload's state in
+            it too) and stage 3's working set is counted (Note [working set] in ``working_set.py``).
+        stream: the settings that size stage 3's working set (default: the strategy's).
         expert_parallel: ranks per expert-parallel group p: a MoE model's experts split over p data ranks
             (the model must have MoE layers: a ``--model`` with them, e.g. ``mixtral-8x7b``).
     """
+    if accelerator not in ("gpu", "cpu"):
+        raise ValueError(f"accelerator must be 'gpu' or 'cpu', got {accelerator!r}")
     if (num_params is None) == (model is None):
         raise ValueError("Give exactly one of the parameter count (--params) and the model (--model).")
     spec = resolve_model(model) if model is not None else ModelSpec(parse_count(num_params))  # type: ignore[arg-type]
@@ -248,13 +297,13 @@ def estimate_memory(
         acts = activation_memory(layers, hidden, seq_len, micro_batch, heads, elem, flash_attention, tensor_parallel)
     configs = tuple(
         estimate_config(stage, off, spec, cluster, precision, acts, optimizer_state_per_param, tensor_parallel,
-                        expert_parallel)
+                        expert_parallel, accelerator == "cpu", stream)
         for stage in range(4)
         for off in OFFLOADS
         if stage in OFFLOAD_STAGES[off] and (offload == "all" or off in ("none", offload))
     )
     return MemoryEstimate(spec, cluster, precision, optimizer_state_per_param, acts, configs, tensor_parallel,
-                          expert_parallel)
+                          accelerator, stream, expert_parallel)
 
 
 def check_expert_parallel(expert_parallel: int, tensor_parallel: int, cluster: Cluster, model: ModelSpec) -> None:
@@ -315,7 +364,10 @@ def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
         "",
         f"Per-rank memory (ZeRO paper model states; {unit_note}). device = params + grads + optim kept on the",
         "device" + (f" + stage 3's gathered largest layer ({format_count(big)} params, 16-bit params+grads)"
-                    if big else " (stage 3's gathered layer not included: largest layer unknown)") + ".",
+                    if big else " (stage 3's gathered layer not included: largest layer unknown)") + "."
+        + (" Stage 3 with nvme: its working set (below)." if any(c.working_set for c in est.configs) else ""),
+        *(["CPU host: device = each rank's host memory (the process and cpu offload included)."]
+          if est.accelerator == "cpu" else []),
         "",
         *grid(rows),
         "",
@@ -323,6 +375,7 @@ def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
         "keep no gradient on the device); param_* moves the parameter shard too (stage 3). cpu/nvme are per rank.",
         activation_line(est.activations, units),
     ]
+    lines += working_set_lines(est, units)
     if est.tensor_parallel > 1 or est.expert_parallel > 1:
         lines.append("DeepSpeed's: its estimators take no tensor-parallel size (nor an expert-parallel one), so they "
                      "are not shown with TP / EP")
@@ -336,3 +389,32 @@ def render_estimate(est: MemoryEstimate, units: str = "GB") -> str:
     else:
         lines.append("DeepSpeed's: its estimators assume mixed precision, so they are not shown for " + est.precision)
     return "\n".join(lines[:-2] + [wrap(line) for line in lines[-2:]])
+
+
+def working_set_lines(est: MemoryEstimate, units: str = "GB") -> list[str]:
+    """The working set of stage 3 + ``param_nvme`` (else + ``optimizer_nvme``), its parts and its disk traffic."""
+    rows = [c for c in est.configs if c.working_set is not None and c.stage == 3]
+    row = next((c for c in rows if c.offload == "param_nvme"), next(iter(rows), None))
+    if row is None or row.working_set is None:
+        return []
+    ws, f = row.working_set, (lambda n: format_bytes(n, units))
+    s = est.stream or StreamSettings()
+    out = [
+        "",
+        wrap(f"Working set of stage 3 + {row.offload}, per rank (Note [working set]; prefetch_bucket_size "
+             f"{s.prefetch_bucket_size:.3g}, reduce_bucket_size {s.reduce_bucket_size:.3g}, sub_group_size "
+             f"{s.sub_group_size:.3g}): {f(ws.total)}"),
+        f"  gathered units  {f(ws.gathered)}  (root + running unit of {format_count(est.model.unit_params or 0)} "
+        f"params + {ws.units_ahead} ahead or kept)",
+        f"  gradient        {f(ws.grads)}  (largest parameter, before it is staged)",
+        f"  reduce buffers  {f(ws.buckets)}  (messages of {format_count(ws.message)} elements: 3 staging, 2 received)",
+        f"  activations     {f(ws.activations)}",
+        f"  swap buffers    {f(ws.swap_buffers)}  (the optimizer's sub-groups, pipelined)",
+    ]
+    if ws.overhead:
+        out.append(f"  process         {f(ws.overhead)}  (Python, torch, Lightning, gloo: measured once)")
+    io = row.step_io
+    if io is not None:
+        out.append(wrap(f"Disk per rank: {f(io.disk)} (parameter, gradient and optimizer shards); per step it reads "
+                        f"{f(io.read)} and writes {f(io.written)} of swap files."))
+    return out

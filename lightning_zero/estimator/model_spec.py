@@ -32,6 +32,12 @@ class ModelSpec:
             ``None``: unknown, taken as 0 (every parameter split).
         largest_replicated_layer_params: the largest module tensor parallelism keeps whole (``None``:
             unknown, taken as 0: the largest layer is split).
+        unit_params: the largest stage-3 unit (a block: Note [units] in ``core/stage3/units.py``), without its
+            parameters below the persistence threshold; ``None``: unknown.
+        root_params: parameters in no block (embeddings, final norm, head), gathered whole through a step.
+        persistent_params: parameters below the persistence threshold (100k), kept whole by every rank.
+        unit_param_sizes: the sizes of the largest unit's parameters in module order (how its gradients are
+            bucketed); ``None``: unknown.
         expert_params: of ``num_params``, the MoE layers' expert parameters (all experts; ``None``: a dense model).
         num_experts, top_k, moe_layers: E per MoE layer, experts per token, MoE layers (for the all-to-all bytes).
     """
@@ -45,6 +51,10 @@ class ModelSpec:
     largest_layer_params: float | None = None
     replicated_params: float | None = None
     largest_replicated_layer_params: float | None = None
+    unit_params: float | None = None
+    root_params: float | None = None
+    persistent_params: float | None = None
+    unit_param_sizes: tuple[int, ...] | None = None
     expert_params: float | None = None
     num_experts: int | None = None
     top_k: int | None = None
@@ -86,10 +96,12 @@ def _mixtral_params(layers: int, hidden: int, ffn: int, experts: int, kv_dim: in
 
 
 def _preset(name: str, counts: tuple[int, int], layers: int, hidden: int, heads: int, seq: int, vocab: int,
-            largest_replicated: int) -> ModelSpec:
+            largest_replicated: int, unit: int, small: int) -> ModelSpec:
+    """``unit``: a block's matrices (its stage-3 unit); ``small``: its vectors (biases, norms: persistent)."""
     params, replicated = counts
+    root = params - layers * (unit + small)
     return ModelSpec(float(params), name, layers, hidden, heads, seq, float(vocab * hidden), float(replicated),
-                     float(largest_replicated))
+                     float(largest_replicated), float(unit), float(root), float(layers * small))
 
 
 # Parameter counts from the architectures' formulas (tied GPT-2 embeddings; untied Llama head); the largest
@@ -97,13 +109,18 @@ def _preset(name: str, counts: tuple[int, int], layers: int, hidden: int, heads:
 PRESETS: dict[str, ModelSpec] = {
     p.name: p  # type: ignore[misc]
     for p in (
-        _preset("gpt2", _gpt2_params(12, 768), 12, 768, 12, 1024, 50257, 1024 * 768),
-        _preset("gpt2-medium", _gpt2_params(24, 1024), 24, 1024, 16, 1024, 50257, 1024 * 1024),
-        _preset("gpt2-large", _gpt2_params(36, 1280), 36, 1280, 20, 1024, 50257, 1024 * 1280),
-        _preset("gpt2-xl", _gpt2_params(48, 1600), 48, 1600, 25, 1024, 50257, 1024 * 1600),
-        _preset("gpt3-175b", _gpt2_params(96, 12288, positions=2048), 96, 12288, 96, 2048, 50257, 2048 * 12288),
-        _preset("llama2-7b", _llama_params(32, 4096, 11008), 32, 4096, 32, 4096, 32000, 4096),
-        _preset("llama2-13b", _llama_params(40, 5120, 13824), 40, 5120, 40, 4096, 32000, 5120),
+        _preset("gpt2", _gpt2_params(12, 768), 12, 768, 12, 1024, 50257, 1024 * 768, 12 * 768**2, 13 * 768),
+        _preset("gpt2-medium", _gpt2_params(24, 1024), 24, 1024, 16, 1024, 50257, 1024 * 1024, 12 * 1024**2,
+                13 * 1024),
+        _preset("gpt2-large", _gpt2_params(36, 1280), 36, 1280, 20, 1024, 50257, 1024 * 1280, 12 * 1280**2,
+                13 * 1280),
+        _preset("gpt2-xl", _gpt2_params(48, 1600), 48, 1600, 25, 1024, 50257, 1024 * 1600, 12 * 1600**2, 13 * 1600),
+        _preset("gpt3-175b", _gpt2_params(96, 12288, positions=2048), 96, 12288, 96, 2048, 50257, 2048 * 12288,
+                12 * 12288**2, 13 * 12288),
+        _preset("llama2-7b", _llama_params(32, 4096, 11008), 32, 4096, 32, 4096, 32000, 4096,
+                4 * 4096**2 + 3 * 4096 * 11008, 2 * 4096),
+        _preset("llama2-13b", _llama_params(40, 5120, 13824), 40, 5120, 40, 4096, 32000, 5120,
+                4 * 5120**2 + 3 * 5120 * 13824, 2 * 5120),
     )
 }
 _MIXTRAL, _MIXTRAL_EXPERTS = _mixtral_params(32, 4096, 14336, 8, 1024)
@@ -157,9 +174,28 @@ def spec_of_module(model: nn.Module, name: str | None = None) -> ModelSpec:
             total += p.numel()
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     tp = _tp_counts(model)
+    unit, root, persistent, sizes = _unit_counts(model)
     return ModelSpec(float(total), name, largest_layer_params=float(largest),
                      replicated_params=None if tp is None else tp[0],
-                     largest_replicated_layer_params=None if tp is None else tp[1], **_moe_counts(model))
+                     largest_replicated_layer_params=None if tp is None else tp[1],
+                     unit_params=unit, root_params=root, persistent_params=persistent, unit_param_sizes=sizes,
+                     **_moe_counts(model))
+
+
+def _unit_counts(model: nn.Module, persistence_threshold: int = 100_000,
+                 ) -> tuple[float | None, float, float, tuple[int, ...] | None]:
+    """(largest stage-3 unit, root unit, persistent unit, the largest unit's parameter sizes) as stage 3 would
+    plan them (the default units and persistence threshold); ``None`` for the unit when the model has no blocks."""
+    from lightning_zero.core.stage3.units import PERSISTENT, ROOT, plan_units
+
+    names = {p: n for n, p in model.named_parameters() if p.requires_grad}
+    plans = plan_units(model, names, persistence_threshold=persistence_threshold)
+    sizes = {plan.name: float(sum(p.numel() for p in plan.params)) for plan in plans}
+    blocks = [p for p in plans if p.name not in (ROOT, PERSISTENT)]
+    if not blocks:
+        return None, sizes.get(ROOT, 0.0), sizes.get(PERSISTENT, 0.0), None
+    big = max(blocks, key=lambda p: sum(q.numel() for q in p.params))
+    return sizes[big.name], sizes.get(ROOT, 0.0), sizes.get(PERSISTENT, 0.0), tuple(p.numel() for p in big.params)
 
 
 def _moe_counts(model: nn.Module) -> dict[str, Any]:

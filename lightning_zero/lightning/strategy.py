@@ -39,6 +39,7 @@ from typing_extensions import override
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.choices import CheckpointFormat
 from lightning_zero.core.common.memory import ModelStateBytes
+from lightning_zero.core.offload.swap_io import IOCounters
 from lightning_zero.core.settings.expert import ExpertParallelConfig
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.settings.pipeline import PipelineConfig
@@ -294,6 +295,12 @@ class ZeroStrategy(DDPStrategy):
     def measure_grad_norm(self) -> float | None:
         """The global norm of the gradients held now (a collective), ``None`` without an engine."""
         return float(self.engine.grad_norm()) if self.engine is not None else None
+
+    @property
+    def swap_io(self) -> IOCounters | None:
+        """Disk offload's swap-file I/O so far (Note [I/O overlap] in ``core/offload/swap_io.py``), else ``None``."""
+        sharded = self.engine.sharded if self.engine is not None else None
+        return sharded.store.io_counters() if sharded is not None else None
 
     def step_stats(self) -> dict[str, float]:
         """``train/loss_scale``, ``train/skipped_steps``, ``train/grad_norm`` where known (the monitor's names)."""

@@ -79,6 +79,8 @@ class GPTLightningModule(NextTokenSteps, LightningModule):
         model_overrides: ``GPTConfig`` fields replacing the preset's (e.g. ``{"seq_len": 128}``).
         build_in_configure_model: build the network in :meth:`configure_model` (sharded construction).
         freeze_step: ``optimizer="onebit_adam"``: AdamW warm-up steps before the momentum is compressed.
+        fused: torch's fused kernel for ``"adamw"`` / ``"adam"`` / ``"sgd"`` (what offload steps with: set it on a
+            run without offload to compare the two bitwise, docs/offload.md).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class GPTLightningModule(NextTokenSteps, LightningModule):
         model_overrides: dict[str, Any] | None = None,
         build_in_configure_model: bool = False,
         freeze_step: int = 100,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "adam", "sgd", "onebit_adam"):
@@ -116,6 +119,7 @@ class GPTLightningModule(NextTokenSteps, LightningModule):
                 "model_overrides": dict(model_overrides) if model_overrides else None,
                 "build_in_configure_model": build_in_configure_model,
                 "freeze_step": freeze_step,
+                "fused": fused,
             }
         )
         self.model: GPT | None = None if build_in_configure_model else GPT(self.config, init_prefix="model")
@@ -197,13 +201,14 @@ class GPTLightningModule(NextTokenSteps, LightningModule):
             self.configure_model()
         assert self.model is not None
         groups = param_groups(self.model, hp.weight_decay)
+        fused = {"fused": True} if hp.get("fused") else {}
         if hp.optimizer == "sgd":
-            opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.betas[0])
+            opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.betas[0], **fused)
         elif hp.optimizer == "onebit_adam":
             opt = OneBitAdam(groups, lr=hp.lr, betas=tuple(hp.betas), freeze_step=hp.get("freeze_step", 100))
         else:
             cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
-            opt = cls(groups, lr=hp.lr, betas=tuple(hp.betas))
+            opt = cls(groups, lr=hp.lr, betas=tuple(hp.betas), **fused)
         if hp.scheduler in (None, "none", "constant") and hp.warmup_steps <= 0:
             return opt
         total = self._decay_horizon() if hp.scheduler in ("cosine", "linear") else 0

@@ -40,10 +40,12 @@ from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.moe.stats import expert_groups, read_router_stats
 from lightning_zero.observability.dashboard import ZeroTensorBoardLogger
 from lightning_zero.observability.monitoring import (
+    IO_KEYS,
     MEMORY_KEYS,
     TIME_KEYS,
     ProfilerWindow,
     batch_counts,
+    io_totals,
     peak_memory_bytes,
     rank_tag,
 )
@@ -51,7 +53,8 @@ from lightning_zero.observability.stats_source import stats_source
 
 # the per-rank vector that is all-gathered: step sums, then TIME_KEYS, then MEMORY_KEYS
 _SUMS = ("loss_sum", "micro_batches", "samples", "tokens")
-_FIELDS = (*_SUMS, *(f"time/{k}" for k in TIME_KEYS), *(f"memory/{k}" for k in MEMORY_KEYS))
+_FIELDS = (*_SUMS, *(f"time/{k}" for k in TIME_KEYS), *(f"memory/{k}" for k in MEMORY_KEYS),
+           *(f"io/{k}" for k in IO_KEYS))
 
 
 class ZeroStatsMonitor(pl.Callback):
@@ -126,6 +129,7 @@ class ZeroStatsMonitor(pl.Callback):
         self._ref = (0.0, 0.0)  # the previous step's end
         self._pipelined = False  # the split of a pipeline's step is not measured (Note [no split for pipelines])
         self._memory_seen: set[str] = set()  # memory keys that were not zero on some rank at a logged step
+        self._io_mark: tuple[int, dict[str, float]] | None = None  # (global step, io_totals) at the last log
 
     # ------------------------------------------------------------------ clocks
     @staticmethod
@@ -172,6 +176,8 @@ class ZeroStatsMonitor(pl.Callback):
         self._last_step = trainer.global_step
         engine_comm = _comm_of(trainer)
         self._bytes_mark = (trainer.global_step, engine_comm.bytes_sent) if engine_comm is not None else None
+        source = stats_source(trainer)
+        self._io_mark = (trainer.global_step, io_totals(source.swap_io if source is not None else None))
         self._reset()
         self._ref = self._now(trainer, sync=True)
         for logger in trainer.loggers:
@@ -278,8 +284,12 @@ class ZeroStatsMonitor(pl.Callback):
             state = source.model_state_bytes()
             memory.update(params=state.params, grads=state.grads, optimizer=state.optimizer, buffers=state.comm_buffers)
         memory["peak"] = peak_memory_bytes(trainer.strategy.root_device)
+        io = io_totals(source.swap_io if source is not None and source.engine_comm is not None else None)
+        step, mark = self._io_mark or (0, dict.fromkeys(IO_KEYS, 0.0))
+        steps = max(trainer.global_step - step, 1)
+        self._io_mark = (trainer.global_step, io)
         return [float(self._sums[k]) for k in _SUMS] + [self._phase[k] for k in TIME_KEYS] + \
-            [float(memory[k]) for k in MEMORY_KEYS]
+            [float(memory[k]) for k in MEMORY_KEYS] + [(io[k] - mark[k]) / steps for k in IO_KEYS]
 
     def _gather(self, trainer: pl.Trainer, row: list[float]) -> list[dict[str, float]]:
         """Every rank's row, by global rank (one all-gather over the default group)."""
@@ -317,8 +327,10 @@ class ZeroStatsMonitor(pl.Callback):
                 metrics["throughput/tokens_per_s"] = tokens / seconds
         self._memory_seen |= {k for k in MEMORY_KEYS if any(r[f"memory/{k}"] for r in rows)}  # NaN counts too
         time_keys = ("step", "optimizer") if self._pipelined else TIME_KEYS
+        io_keys = IO_KEYS if any(r["io/read"] or r["io/written"] for r in rows) else ()  # disk offload only
         for rank, r in enumerate(rows):
-            for topic, keys in (("time", time_keys), ("memory", [k for k in MEMORY_KEYS if k in self._memory_seen])):
+            for topic, keys in (("time", time_keys), ("memory", [k for k in MEMORY_KEYS if k in self._memory_seen]),
+                                ("io", io_keys)):
                 values = {rank_tag(topic, rank, k): r[f"{topic}/{k}"] for k in keys}
                 metrics.update({tag: v for tag, v in values.items() if math.isfinite(v)})
         metrics.update(self._traffic(trainer))

@@ -9,6 +9,7 @@ Scalar names (docs/monitoring.md has the full table):
 - ``time/rank<r>/{step,forward,backward,optimizer,comm,other}`` (seconds per optimizer step)
 - ``memory/rank<r>/{params,grads,optimizer,buffers,peak}`` (bytes; a key is written from the first step
   it is not zero on some rank)
+- ``io/rank<r>/{read,written,busy,wait,disk_read,disk_written}`` (per optimizer step, with disk offload)
 
 Lightning is imported only where a function needs it: ``config/schema.py`` reads :class:`ProfilerWindow` in the
 launcher, which imports no Lightning (Note [lazy package names] in ``core/lazy.py``).
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 TIME_KEYS = ("step", "forward", "backward", "optimizer", "comm", "other")
 MEMORY_KEYS = ("params", "grads", "optimizer", "buffers", "peak")
+# per step: swap-file bytes moved and the I/O threads' busy seconds against the seconds waited for them (Note [I/O
+# overlap] in core/offload/swap_io.py), and the process's disk traffic (/proc/self/io)
+IO_KEYS = ("read", "written", "busy", "wait", "disk_read", "disk_written")
 
 
 def rank_tag(topic: str, rank: int, key: str) -> str:
@@ -129,6 +133,21 @@ def peak_memory_bytes(device: torch.device) -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, kB elsewhere
+
+
+def io_totals(swap: Any) -> dict[str, float]:
+    """:data:`IO_KEYS` so far: from ``swap`` (the strategy's ``IOCounters``: swap-file bytes, the reader's and
+    writer's busy seconds, the seconds waited) and this process's disk bytes (``/proc/self/io``; 0 without it)."""
+    out = dict.fromkeys(IO_KEYS, 0.0)
+    if swap is not None:
+        out.update(read=float(swap.bytes_read), written=float(swap.bytes_written),
+                   busy=float(swap.read_s + swap.write_s), wait=float(swap.wait_s))
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/io").read_text().splitlines() if ":" in line)
+        out.update(disk_read=float(fields["read_bytes"]), disk_written=float(fields["write_bytes"]))
+    except (OSError, KeyError, ValueError):
+        pass
+    return out
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:

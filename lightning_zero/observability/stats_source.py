@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.memory import ModelStateBytes
+from lightning_zero.core.offload.swap_io import IOCounters
 
 
 @runtime_checkable
@@ -51,6 +52,11 @@ class StepStatsSource(Protocol):
 
     def model_state_bytes(self) -> ModelStateBytes:
         """This rank's model-state bytes; only called while :attr:`engine_comm` is not ``None``."""
+        ...
+
+    @property
+    def swap_io(self) -> IOCounters | None:
+        """Disk offload's swap-file I/O so far (bytes, the I/O threads' busy time, the time waited), or ``None``."""
         ...
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero import DeepSpeedZeroStrategy, ZeroConfig
+from lightning_zero import DeepSpeedZeroStrategy, ZeroConfig, ZeroEngine
 from lightning_zero.config.run.build import strategy_arguments as hydra_strategy_arguments
 from lightning_zero.config.run.deepspeed import apply_deepspeed_config
 from lightning_zero.config.run.launch import compose_config
@@ -218,22 +218,42 @@ def test_switched_off_features_and_deepspeed_defaults_are_accepted_silently() ->
     assert ds.offload == OffloadConfig(optimizer_device="cpu", param_device="cpu")
 
 
-@pytest.mark.parametrize(("section", "key", "value"), [("offload_optimizer", "buffer_count", 8),
-                                                       ("offload_param", "buffer_count", 2),
-                                                       ("offload_param", "max_in_cpu", 2e9)])
-def test_offload_io_knobs_that_are_not_built_are_refused(section: str, key: str, value: float) -> None:
-    """``buffer_count`` / ``max_in_cpu`` were validated and then read by nothing."""
+@pytest.mark.parametrize(("key", "value"), [("buffer_count", 2), ("buffer_size", 5e7), ("max_in_cpu", 2e9)])
+def test_parameter_offload_io_knobs_that_are_not_built_are_refused(key: str, value: float) -> None:
+    """``offload_param``'s ``buffer_count`` / ``buffer_size`` / ``max_in_cpu`` would be read by nothing."""
     config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                     "offload_param": {"device": "cpu"}}}
-    config["zero_optimization"][section][key] = value
-    refusal = rf"`zero_optimization.{section}.{key}`={int(value)} is not built.*Fix: remove"
+    config["zero_optimization"]["offload_param"][key] = value
+    refusal = rf"`zero_optimization.offload_param.{key}`={int(value)} is not built.*Fix: remove"
     with pytest.raises(ValueError, match=refusal):
         parse_deepspeed_config(config)
-    with pytest.raises(ValueError, match=rf"offload `{key}`=.* is not built"):
-        OffloadConfig(optimizer_device="cpu", **{key: int(value)})
-    hydra = compose_config(["zero=stage3", "offload=param_cpu", f"offload.{key}={int(value)}"])
+    if key == "max_in_cpu":
+        with pytest.raises(ValueError, match=rf"offload `{key}`=.* is not built"):
+            OffloadConfig(optimizer_device="cpu", **{key: int(value)})
+        hydra = compose_config(["zero=stage3", "offload=param_cpu", f"offload.{key}={int(value)}"])
+        problems = invalid_combinations(to_train_config(hydra))
+        assert any(p.startswith(f"offload: offload `{key}`={int(value)} is not built") for p in problems), problems
+
+
+def test_the_optimizers_swap_buffers_and_pipeline_mean_what_deepspeed_says(tmp_path: Path) -> None:
+    """``offload_optimizer.buffer_count`` / ``pipeline_read`` / ``pipeline_write`` (nvme) reach the step's swap
+    buffers, with DeepSpeed's defaults when absent; too few buffers for the pipeline are refused with the count."""
+    section = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": section, "offload_param": dict(section)}}
+    ds = parse_deepspeed_config(config)
+    assert (ds.offload.buffer_count, ds.offload.pipeline_read, ds.offload.pipeline_write) == (4, False, False)
+    section.update(buffer_count=12, pipeline_read=True, pipeline_write=True)
+    ds = parse_deepspeed_config(config)
+    assert (ds.offload.buffer_count, ds.offload.pipeline_read, ds.offload.pipeline_write) == (12, True, True)
+    section["buffer_count"] = 8  # AdamW: 4 per sub-group, 3 sub-groups in flight
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=r"buffer_count=8 is too few swap buffers.*Fix: buffer_count>=12"):
+        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3),
+                   offload=parse_deepspeed_config(config).offload)
+    hydra = compose_config(["zero=stage3", "offload=param_nvme", f"offload.nvme_path={tmp_path}",
+                            "offload.buffer_count=8"])
     problems = invalid_combinations(to_train_config(hydra))
-    assert any(p.startswith(f"offload: offload `{key}`={int(value)} is not built") for p in problems), problems
+    assert any("offload.buffer_count=8 is too few swap buffers" in p and ">=12" in p for p in problems), problems
 
 
 def test_files_bad_json_and_duplicate_keys(tmp_path: Path) -> None:
@@ -291,7 +311,7 @@ NVME_OFFLOAD = {"zero_optimization": {
     "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5}},
     "fp16": {"enabled": True, "loss_scale_window": 200}}
 NVME_HYDRA = ["zero=stage3", "offload=param_nvme", "precision=fp16", "precision.loss_scale_window=200",
-              "trainer=gpu"]
+              "trainer=gpu", "offload.buffer_count=4", "offload.pipeline_read=false", "offload.pipeline_write=false"]
 
 
 @pytest.mark.parametrize(("config", "overrides"), [(STAGE3_OFFLOAD, STAGE3_HYDRA), (NVME_OFFLOAD, NVME_HYDRA)],

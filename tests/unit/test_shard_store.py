@@ -76,7 +76,7 @@ def test_the_optimizer_calls_the_store_it_was_given_and_steps_as_a_plain_optimiz
         made.append(cls() if chosen is DeviceStore else cls(config))
         return made[-1]
 
-    monkeypatch.setattr("lightning_zero.core.zero.optimizer_state.open_shard_store", open_recording)
+    monkeypatch.setattr("lightning_zero.core.zero.engine_setup.open_shard_store", open_recording)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), offload=OffloadConfig(optimizer_device=device))

@@ -57,7 +57,9 @@ from lightning_zero.config.paths import (
 from lightning_zero.config.run.deepspeed import apply_deepspeed_config
 from lightning_zero.config.schema import TextDataSchema, TrainConfig, to_train_config, to_yaml
 from lightning_zero.config.validate import config_warnings, validate_config
+from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.common.errors import USAGE_EXIT, UsageError
+from lightning_zero.core.offload.host_store import MMAP_THRESHOLD_BYTES
 from lightning_zero.project.locate import record_project_dir
 
 CONFIG_FILE = "config.yaml"  # the resolved config the ranks read, in the job's output directory
@@ -219,7 +221,8 @@ def torchrun_command(config_file: Path, devices: int, node: NodeLaunch | None = 
             "-m", "lightning_zero.config.run.worker", str(config_file), *([command] if command != FIT else [])]
 
 
-def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None, command: str = FIT) -> None:
+def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None, command: str = FIT,
+                 env_extra: dict[str, str] | None = None) -> None:
     """Run ``devices`` ranks of the worker on ``config_file`` with ``torch.distributed.run`` (free port), or
     this node's ranks of a multi-node job (``node``: Note [multi-node] in config/multinode.py).
 
@@ -237,6 +240,8 @@ def launch_ranks(config_file: Path, devices: int, node: NodeLaunch | None = None
     root = str(Path(__file__).resolve().parents[3])  # the ranks import this checkout
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    for key, value in (env_extra or {}).items():
+        env.setdefault(key, value)
     log.info("launching %d ranks: %s", devices, " ".join(cmd))
     run_dir = config_file.parent
     console = RankConsole(run_dir / "train.log")
@@ -291,7 +296,11 @@ def run_job(cfg: DictConfig | TrainConfig, run_dir: Path, overrides: Sequence[st
         with in_process_console():
             result = fit(typed, run_dir) if command == FIT else evaluate(typed, run_dir, command)
     else:
-        launch_ranks(config_file, typed.trainer.devices, node, command)
+        # disk offload: glibc's mmap threshold fixed from each rank's first allocation (Note [freed memory] in
+        # core/offload/host_store.py), so that no freed buffer stays in a heap
+        nvme = OffloadDevice.nvme in (typed.offload.optimizer_device, typed.offload.param_device)
+        env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)} if nvme else None
+        launch_ranks(config_file, typed.trainer.devices, node, command, env)
         data = json.loads((run_dir / RESULT_FILE).read_text())
         result = FitResult(**data) if command == FIT else EvalResult(**data)
     log.info("%s: %s", typed.name, result.summary())

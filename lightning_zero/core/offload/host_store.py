@@ -18,7 +18,6 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,11 +27,13 @@ from torch.optim import Optimizer
 from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.offload.copy_fence import CopyFence
 from lightning_zero.core.offload.param_offload import ParamOffload
-from lightning_zero.core.offload.shard_store import SubGroup
+from lightning_zero.core.offload.shard_store import PieceOf, StreamedGrads, SubGroup
 from lightning_zero.core.offload.swap_file import remove_stale_run_dirs
+from lightning_zero.core.offload.swap_io import IOCounters, SwapIO
 from lightning_zero.core.settings.offload import OffloadConfig
 
 if TYPE_CHECKING:
+    from lightning_zero.core.comm.grad_home import GradHome
     from lightning_zero.core.common.flat_param import FlatParamGroup
     from lightning_zero.core.stage3.sharded_unit import ShardedUnit
 
@@ -42,20 +43,41 @@ MMAP_THRESHOLD_BYTES = 1 << 20  # Note [freed memory]
 def return_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Note [freed memory]
         glibc serves an allocation above its mmap threshold with its own mapping, returned to the OS when
-        freed; but the first such free raises the threshold (up to 32 MiB), and from then on those buffers
-        come from the heap, which keeps freed memory. Offload to disk creates and frees shard-sized
-        temporaries (a sub-group's lazily created optimizer state before it moves to the files, backward's
-        buffers): with the dynamic threshold a GPT-125M rank kept ~200 MiB it no longer used, most of the
-        relief. Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops the adjustment) keeps
-        the resident set at what is live (docs/offload.md, docs/benchmarks.md). Process-wide, set once
-        when ``"nvme"`` offload starts; glibc only (returns whether it was set).
+        freed; but the first such free raises the threshold (up to 32 MiB) and the heap's trim threshold
+        with it (to twice that), and from then on those buffers come from the heap, which keeps freed
+        memory. Offload to disk creates and frees shard-sized temporaries (a unit's shard before it moves
+        to its file at setup, a sub-group's lazily created optimizer state, backward's buffers): with the
+        dynamic thresholds a GPT-125M rank kept ~200 MiB it no longer used, and a GPT-350M rank's setup
+        grew by one shard per unit in some runs (230 MiB to 790 MiB; which runs depended on what the
+        process had freed before offload started). Fixing both thresholds (``mallopt(M_MMAP_THRESHOLD)``,
+        which also stops the adjustment, and ``M_TRIM_THRESHOLD``) and returning what the heap holds free
+        now (``malloc_trim(0)``) keeps the resident set at what is live (docs/offload.md,
+        docs/benchmarks.md); ``lightning-zero train`` also sets ``MALLOC_MMAP_THRESHOLD_`` for its ranks,
+        which fixes the threshold before the first allocation. Process-wide, set when ``"nvme"`` offload
+        starts; glibc only (returns whether it was set).
     """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    ok = bool(libc.mallopt(-3, threshold)) and bool(libc.mallopt(-1, threshold))  # M_MMAP_ / M_TRIM_THRESHOLD
+    trim_heap()
+    return ok
+
+
+def trim_heap() -> None:
+    """Return the heap's free pages to the OS (``malloc_trim(0)``; Note [freed memory]): after setup, and after
+    each step of ``"nvme"`` offload. glibc only; a no-op elsewhere."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+        return ctypes.CDLL(name) if name else None
     except OSError:
-        return False
+        return None
 
 
 # optimizer classes whose CPU step has a fused kernel in torch (``fused=True``)
@@ -101,18 +123,32 @@ class HostStore:
         self.host_grads: dict[int, torch.Tensor] = {}
         self.fence = CopyFence()  # pinned copies in flight (Note [asynchronous host copies] in copy_fence.py)
         self.directory: tempfile.TemporaryDirectory | None = None
-        self._writer: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []
+        self.io: SwapIO | None = None  # the swap files' reader and writer threads (Note [explicit swap I/O])
         if config.uses_nvme:
             return_freed_memory()  # Note [freed memory]
             remove_stale_run_dirs(str(config.nvme_path))  # killed runs' empty directories (Note [swap files])
             self.directory = tempfile.TemporaryDirectory(prefix=f"lightning_zero-{os.getpid()}-r{rank}-",
                                                          dir=config.nvme_path)
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="lz-swap-write")
+            self.io = SwapIO()
         self.params: ParamOffload | None = None  # offload_param (Note [parameter offload])
         if config.param_device is not OffloadDevice.none:
             directory = self.directory.name if self.directory is not None else None
-            self.params = ParamOffload(config.param_device, list(units or []), directory, self.pin)
+            self.params = ParamOffload(config.param_device, list(units or []), directory, self.pin, self.io)
+
+    def adopt_unit(self, unit: ShardedUnit) -> None:
+        """A stage-3 unit just sharded at setup: its parameter shards move to the offload (``offload_param``)."""
+        if self.params is not None:
+            self.params.adopt(unit)
+
+    def grad_home(self, sharded_params: bool, dtype: torch.dtype) -> GradHome | None:
+        """Host memory keeps the reduced gradient shards with the reducer."""
+        return None
+
+    def streamed_grads(self) -> StreamedGrads | None:
+        return None
+
+    def io_counters(self) -> IOCounters | None:
+        return self.io.counters if self.io is not None else None
 
     # ------------------------------------------------------------------ storage
     def new_master(self, fi: int, own: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -147,11 +183,14 @@ class HostStore:
 
     def write_back(self, own: torch.Tensor, master: torch.Tensor, group: FlatParamGroup, lo: int) -> None:
         """Cast the stepped ``master`` into ``own``: elements ``[lo, lo + own.numel())`` of ``group``'s shard."""
+        self.counters.param_bytes_out += own.numel() * own.element_size()
+        if self.params is not None and self.params.file_of(group) is not None:  # a swap file: written, not mapped
+            self.params.write(group, lo, master if master.dtype == own.dtype else master.to(own.dtype))
+            return
         if self.params is not None:  # an offloaded shard may still be read by its last gather's copy
             self.params.before_write(group)
         own.copy_(master, non_blocking=self.pin)
         self.fence.record(("master", id(group), lo), self.pin, master, own)  # the next step overwrites master
-        self.counters.param_bytes_out += own.numel() * own.element_size()
         if self.params is not None:
             self.params.written(group, lo, lo + own.numel())
 
@@ -163,18 +202,16 @@ class HostStore:
         """Every master in one sub-group: host memory holds them all."""
         return [[(fi, 0, n) for fi, n in enumerate(numels)]]
 
-    def step(self, sub_groups: list[SubGroup], step_one: Callable[[SubGroup], None]) -> None:
-        """Run ``step_one`` on every sub-group, then wait for the parameter shards' writes."""
+    def step(self, sub_groups: list[SubGroup], step_one: Callable[[SubGroup], None], pieces: PieceOf) -> None:
+        """Run ``step_one`` on every sub-group (``pieces``: the optimizer's tensors, unused: host memory holds
+        them where they are)."""
         start = time.perf_counter()
         io_before = self._io()  # Note [measured I/O]
         self.fence.wait_all()  # the last step's write-backs have read the masters the CPU overwrites now
-        for k, sg in enumerate(sub_groups):
-            self._before_sub_group(k, sub_groups)
-            step_one(sg)
-            self._after_sub_group(sg)
-        if self.params is not None:
-            self._pending += self.params.flush(self._writer)
-        self.wait()
+        self._run_sub_groups(sub_groups, step_one, pieces)
+        if self.io is not None:
+            self.io.settle_all()  # every write of the step on disk, the optimizer state out of the page cache
+            trim_heap()  # Note [freed memory]
         io_after = self._io() if io_before is not None else None
         if io_before is not None and io_after is not None:
             self.counters.bytes_read += io_after[0] - io_before[0]
@@ -186,32 +223,20 @@ class HostStore:
         """This process's storage traffic so far, where the store measures it (Note [measured I/O])."""
         return None
 
-    def _before_sub_group(self, k: int, sub_groups: list[SubGroup]) -> None:
-        """Before sub-group ``k`` steps: its state is in memory."""
-
-    def _after_sub_group(self, sg: SubGroup) -> None:
-        """After ``sg`` stepped: host memory keeps it."""
+    def _run_sub_groups(self, sub_groups: list[SubGroup], step_one: Callable[[SubGroup], None],
+                        pieces: PieceOf) -> None:
+        for sg in sub_groups:
+            step_one(sg)
 
     def release_all(self) -> None:
         """Take every swapped tensor out of this process (after a checkpoint or a load read them)."""
         if self.params is not None:
             self.params.release_all()
 
-    def wait(self) -> None:
-        """Wait for the writer thread (raises its error, e.g. a full disk)."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
-
-    def _stop_writer(self) -> None:
-        if self._writer is not None:
-            self.wait()
-            self._writer.shutdown()
-            self._writer = None
-
     def close(self) -> None:
-        """Stop the writer and remove the run's swap files (also done at exit)."""
-        self._stop_writer()
+        """Stop the I/O threads and remove the run's swap files (also done at exit)."""
+        if self.io is not None:
+            self.io.close()
         if self.params is not None:
             self.params.close()
         if self.directory is not None:

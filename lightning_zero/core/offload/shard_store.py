@@ -17,8 +17,12 @@ Note [one storage interface]
     gradient shard it steps on), ``masters_free`` (before overwriting masters outside a step),
     ``use_kernels`` (the kernel flags its storage wants), ``sub_groups`` / ``step`` / ``write_back``
     (a step run by the store, each stepped sub-group cast back into the parameter shards), ``place``
-    (per-element state moved into the storage), ``release_all`` and ``close``. The one thing a store
-    declares rather than does is ``runs_step``: whether the optimizer's ``step`` runs through it.
+    (per-element state moved into the storage), ``release_all`` and ``close``. The engine asks it, before
+    the optimizer exists, where stage 3's parameter shards go as each unit is sharded (``adopt_unit``) and
+    where the reduced gradient shards live (``grad_home``: ``None`` in memory, else swap files), and the step's
+    preparation whether the gradients are kept by the store (``streamed_grads``: then the engine's
+    unscaling, clipping and norms go through it, Note [gradients on disk] in ``grad_files.py``). The one
+    thing a store declares rather than does is ``runs_step``: whether the optimizer's ``step`` runs through it.
 """
 
 from __future__ import annotations
@@ -30,12 +34,34 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_zero.core.common.choices import OffloadDevice
+from lightning_zero.core.offload.swap_io import IOCounters
 
 if TYPE_CHECKING:
+    from lightning_zero.core.comm.grad_home import GradHome
     from lightning_zero.core.common.flat_param import FlatParamGroup
+    from lightning_zero.core.stage3.sharded_unit import ShardedUnit
 
 # a sub-group: (flat group, first element, one past the last) ranges, at master-piece boundaries
 SubGroup = list[tuple[int, int, int]]
+# piece k of flat group fi's master -> (the optimizer's tensor for it, its state dict)
+PieceOf = Callable[[int, int], tuple[torch.Tensor, dict]]
+
+
+class StreamedGrads(Protocol):
+    """Gradients a store keeps out of memory (Note [gradients on disk] in ``grad_files.py``): what the step's
+    preparation does to them goes through here."""
+
+    def apply(self, op: Callable[[torch.Tensor], object]) -> None:
+        """Run ``op`` in place on every gradient element the optimizer steps on, at the step."""
+        ...
+
+    def norms(self, fn: Callable[[torch.Tensor], torch.Tensor], whole: bool, piece: int) -> list[torch.Tensor]:
+        """``fn`` of each gradient tensor (each group's shard with ``whole``, else each master piece)."""
+        ...
+
+    def materialize(self) -> None:
+        """Write the pending operations into the stored gradients."""
+        ...
 
 
 class ShardStore(Protocol):
@@ -58,8 +84,9 @@ class ShardStore(Protocol):
         """What to call after writing elements ``[lo, hi)`` of ``fi``'s master outside a step."""
         ...
 
-    def receive_grad(self, fi: int, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-        """The gradient shard the master of ``fi`` steps on (``grad``, cast or copied where the master lives)."""
+    def receive_grad(self, fi: int, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor | None:
+        """The gradient shard the master of ``fi`` steps on (``grad``, cast or copied where the master lives);
+        ``None`` when the store keeps it (``streamed_grads``) and hands it to the optimizer only in its step."""
         ...
 
     def grads_ready(self) -> None:
@@ -79,8 +106,9 @@ class ShardStore(Protocol):
         """The masters (``numels`` elements each) in the runs a step walks, at ``piece`` boundaries."""
         ...
 
-    def step(self, sub_groups: list[SubGroup], step_one: Callable[[SubGroup], None]) -> None:
-        """Run ``step_one`` on every sub-group (only where :attr:`runs_step`)."""
+    def step(self, sub_groups: list[SubGroup], step_one: Callable[[SubGroup], None], pieces: PieceOf) -> None:
+        """Run ``step_one`` on every sub-group (only where :attr:`runs_step`); ``pieces`` gives the optimizer's
+        tensors of a sub-group, for a store that points them at its buffers while it steps."""
         ...
 
     def write_back(self, own: torch.Tensor, master: torch.Tensor, group: FlatParamGroup, lo: int) -> None:
@@ -98,6 +126,23 @@ class ShardStore(Protocol):
 
     def close(self) -> None:
         """Free the storage (buffers, threads, files)."""
+        ...
+
+    def adopt_unit(self, unit: ShardedUnit) -> None:
+        """A stage-3 unit was just sharded at setup: move its parameter shards where this store keeps them."""
+        ...
+
+    def grad_home(self, sharded_params: bool, dtype: torch.dtype) -> GradHome | None:
+        """Where the reduced gradient shards (``dtype``) live; ``None``: in memory, with the reducer.
+        ``sharded_params``: stage 3 (the parameters are not in memory either)."""
+        ...
+
+    def streamed_grads(self) -> StreamedGrads | None:
+        """The gradients this store keeps out of memory, or ``None``."""
+        ...
+
+    def io_counters(self) -> IOCounters | None:
+        """What its swap-file threads moved and waited (Note [I/O overlap] in ``swap_io.py``), or ``None``."""
         ...
 
 
@@ -131,7 +176,7 @@ class DeviceStore:
     def sub_groups(self, numels: list[int], piece: int) -> list[SubGroup]:
         return [[(fi, 0, n) for fi, n in enumerate(numels)]]
 
-    def step(self, sub_groups: list[SubGroup], step_one: Callable[[SubGroup], None]) -> None:
+    def step(self, sub_groups: list[SubGroup], step_one: Callable[[SubGroup], None], pieces: PieceOf) -> None:
         for sg in sub_groups:
             step_one(sg)
 
@@ -146,3 +191,15 @@ class DeviceStore:
 
     def close(self) -> None:
         """Nothing of its own: the masters go with the optimizer's state."""
+
+    def adopt_unit(self, unit: ShardedUnit) -> None:
+        """Parameter shards stay with the units."""
+
+    def grad_home(self, sharded_params: bool, dtype: torch.dtype) -> GradHome | None:
+        return None
+
+    def streamed_grads(self) -> StreamedGrads | None:
+        return None
+
+    def io_counters(self) -> IOCounters | None:
+        return None

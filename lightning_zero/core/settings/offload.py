@@ -19,8 +19,8 @@ import torch
 from lightning_zero.core.common.choices import OffloadDevice
 from lightning_zero.core.common.memory import format_bytes
 
-# DeepSpeed's I/O-buffer knobs: lightning_zero has no swap-buffer pool and keeps no offloaded parameters
-# in host memory under "nvme", so only these values (the defaults) are accepted; others are refused
+# DeepSpeed's defaults of its I/O knobs (a DeepSpeed JSON without them gets these; Note [swapped step] in
+# swap_step.py): offload_optimizer.buffer_count, offload_param.max_in_cpu (not built: only its default is accepted)
 DEFAULT_BUFFER_COUNT = 4
 DEFAULT_MAX_IN_CPU = 1_000_000_000
 
@@ -38,8 +38,13 @@ class OffloadConfig:
             the run's swap files live in a private directory below it, removed at exit.
         pin_memory: page-locked host buffers (faster, asynchronous host-device copies). Only with an
             accelerator: without one it warns and uses ordinary memory.
-        buffer_count: DeepSpeed's number of swap buffers: not built (each sub-group is read and written
-            whole), so only the default 4 is accepted; another value is refused.
+        buffer_count: with ``optimizer_device="nvme"``, the swap buffers of ``sub_group_size`` elements the step
+            goes through (DeepSpeed's ``offload_optimizer.buffer_count``): a sub-group in flight takes one per
+            tensor (AdamW: master, gradient, two moments), times the sub-groups the pipeline keeps in flight;
+            too few is refused with the count needed. ``None``: as many as the pipeline needs.
+        pipeline_read: read the next sub-group's state while this one steps (DeepSpeed's
+            ``offload_optimizer.pipeline_read``).
+        pipeline_write: write this sub-group's state while the next one steps (``pipeline_write``).
         max_in_cpu: DeepSpeed's cap on parameter elements kept in host memory with ``"nvme"``: not built
             (every offloaded parameter shard is on disk), so only the default 1e9 is accepted.
         sub_group_size: elements of optimizer state stepped (and swapped) at once with ``"nvme"``;
@@ -50,17 +55,18 @@ class OffloadConfig:
     param_device: OffloadDevice = OffloadDevice.none
     nvme_path: str | None = None
     pin_memory: bool = False
-    buffer_count: int = DEFAULT_BUFFER_COUNT
+    buffer_count: int | None = None
     max_in_cpu: int = DEFAULT_MAX_IN_CPU
     sub_group_size: int = 1_000_000
+    pipeline_read: bool = True
+    pipeline_write: bool = True
 
     def __post_init__(self) -> None:
         for name in ("optimizer_device", "param_device"):  # users pass strings
             object.__setattr__(self, name, OffloadDevice.of(getattr(self, name), name))
-        if self.buffer_count != DEFAULT_BUFFER_COUNT:
-            raise ValueError(f"offload `buffer_count`={self.buffer_count} is not built: lightning_zero has no pool of "
-                             "swap buffers to size (each sub-group is read and written whole; sub_group_size sets "
-                             f"how much). Fix: leave buffer_count at its default {DEFAULT_BUFFER_COUNT}.")
+        if self.buffer_count is not None and self.buffer_count < 1:
+            raise ValueError(f"offload `buffer_count` must be >= 1 swap buffer (or unset: as many as the pipeline "
+                             f"needs), got {self.buffer_count}.")
         if self.max_in_cpu != DEFAULT_MAX_IN_CPU:
             raise ValueError(f"offload `max_in_cpu`={self.max_in_cpu} is not built: with param_device='nvme' every "
                              "offloaded parameter shard is on disk. Fix: leave max_in_cpu at its default "

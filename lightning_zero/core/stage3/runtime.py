@@ -145,7 +145,7 @@ class Stage3Runtime:
 
     # ---------------------------------------------------------------- gather / release
     def _gather(self, unit: ShardedUnit, recording: bool = True, may_lend: bool = True) -> None:
-        if unit.state is not UnitState.SHARDED:
+        if unit.state not in (UnitState.SHARDED, UnitState.READING):
             return
         check = self.agreement is Agreement.ALWAYS or (recording and self.agreement is Agreement.WHILE_RECORDING)
         if self.comm.active and check:  # Note [gather agreement]
@@ -159,7 +159,11 @@ class Stage3Runtime:
                     "same units in the same order: make the branch the same on every rank, or keep the branch's "
                     "modules out of the units (`unit_classes`) so that they belong to the root unit."
                 )
+        if unit.state is UnitState.SHARDED:
+            self._count_live(unit)
         unit.start_gather(self.comm, may_lend)
+
+    def _count_live(self, unit: ShardedUnit) -> None:
         self.live_numel += unit.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
@@ -198,17 +202,35 @@ class Stage3Runtime:
             self._prefetch(trace[position + 1 :])
 
     def _prefetch(self, upcoming: list[int]) -> None:
+        """Note [read ahead]
+            Units whose shards live in swap files (``ShardedUnit.reads_ahead``) are prefetched in two hooks:
+            when a unit enters the window ahead of the running one its shards' reads start (READING, on the
+            offload's reader thread, straight into its gather buffer), and at the next unit's hook its
+            all-gather is issued (after waiting for the reads, which had the running unit's compute to
+            finish). Collectives are matched by their order, so when a gather is issued must not depend on
+            when a read finishes: it depends only on the hook, the same on every rank. With a window of two
+            units or more the read of unit k+2 and the all-gather of unit k+1 both overlap unit k's compute;
+            with one, the read does and the all-gather waits at unit k+1's own hook. A unit being read holds
+            its gather buffer and counts against ``prefetch_bucket_size`` and ``max_live_parameters`` like a
+            gathered one.
+        """
         in_flight = 0
         for index in upcoming:
             unit = self.units[index]
             if unit.persistent or unit is self.root:
                 continue
+            if unit.state is UnitState.READING:  # read since an earlier hook: its all-gather goes now
+                self._gather(unit, recording=False)
             if unit.state is not UnitState.SHARDED:  # prefetched earlier: counts against the budget
                 in_flight += unit.numel
                 continue
             if in_flight + unit.numel > self.prefetch_numel or self.live_numel + unit.numel > self.max_live_numel:
                 break
-            self._gather(unit, recording=False)  # the recorded order, agreed on while it was recorded
+            if unit.reads_ahead:
+                self._count_live(unit)
+                unit.start_read()
+            else:
+                self._gather(unit, recording=False)  # the recorded order, agreed on while it was recorded
             in_flight += unit.numel
 
     def live_bound(self) -> int:

@@ -19,6 +19,7 @@ Note [version counter]
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -35,13 +36,21 @@ class ShardReader(Protocol):
     host buffers or swap files): gathering asks it for the shard instead of reading ``g.shard``.
     Declared here, below the offload that implements it, so neither module imports the other back."""
 
+    asynchronous: bool
+    """Whether :meth:`start_read` returns before the shard is in place (then the runtime reads ahead)."""
+
     def read(self, g: FlatParamGroup, dest: torch.Tensor) -> None:
         """Copy this rank's shard of ``g`` into ``dest`` (its range of the gather buffer)."""
+        ...
+
+    def start_read(self, g: FlatParamGroup, dest: torch.Tensor) -> Callable[[], None]:
+        """Start copying this rank's shard of ``g`` into ``dest``; returns the wait for it."""
         ...
 
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"  # only this rank's shard exists; the flat storage is freed
+    READING = "reading"  # an offloaded shard is being read into the flat storage (Note [read ahead] in runtime.py)
     GATHERING = "gathering"  # an all-gather into the flat storage is in flight
     GATHERED = "gathered"  # the whole parameters are in the flat storage
 
@@ -65,6 +74,7 @@ class ShardedUnit:
         self.has_frozen: bool = any(g.optimizer_group < 0 for g in groups)
         self.state = UnitState.GATHERED  # bound whole at setup, sharded by shard()
         self._handles: list[Handle] = []
+        self._reads: list[Callable[[], None]] = []  # waits of the shard reads in flight (READING)
         self.shard_io: ShardReader | None = None  # offload_param: reads the shards (Note [parameter offload])
         self.pool: GatherPool | None = None  # Note [gather buffer pool]; set by the runtime
         self._lent: dict[int, torch.Tensor] = {}  # Note [one rank]: group index -> the shard whose memory is lent
@@ -114,25 +124,60 @@ class ShardedUnit:
             g.flat.untyped_storage().resize_(g.padded_numel * g.flat.element_size())
         self._attach()
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether its shards are read asynchronously (swap files): the runtime starts the read a unit early."""
+        return self.shard_io is not None and self.shard_io.asynchronous
+
+    @torch.no_grad()
+    def start_read(self) -> None:
+        """Give the flat buffers storage and start reading this rank's shards into their ranges (offloaded
+        shards; the all-gather follows in :meth:`start_gather`)."""
+        assert self.state is UnitState.SHARDED and self.shard_io is not None, self.state
+        for g in self.groups:
+            self._fill(g)
+            start, end = g.shard_range()
+            self._reads.append(self.shard_io.start_read(g, g.flat[start:end]))
+        self.state = UnitState.READING
+
+    def _fill(self, g: FlatParamGroup) -> None:
+        storage, nbytes = g.flat.untyped_storage(), g.padded_numel * g.flat.element_size()
+        if self.pool is not None:
+            self.pool.fill(storage, nbytes)
+        else:
+            storage.resize_(nbytes)
+
+    def _finish_reads(self) -> None:
+        reads, self._reads = self._reads, []
+        for wait in reads:
+            wait()
+
     @torch.no_grad()
     def start_gather(self, comm: DataParallelComm, may_lend: bool = True) -> None:
-        """Start gathering the unit; ``may_lend=False`` copies even at one rank (Note [one rank])."""
-        assert self.state is UnitState.SHARDED, self.state
+        """Start gathering the unit; ``may_lend=False`` copies even at one rank (Note [one rank]). A unit whose
+        shards are being read (READING) waits for the reads, then all-gathers."""
+        assert self.state in (UnitState.SHARDED, UnitState.READING), self.state
+        if self.state is UnitState.READING or self.reads_ahead:
+            if self.state is UnitState.SHARDED:
+                self.start_read()
+            self._finish_reads()
+            for g in self.groups:
+                start, end = g.shard_range()
+                with torch.autograd._unsafe_preserve_version_counter(g.flat):  # Note [version counter]
+                    self._handles.append(comm.all_gather_flat(g.flat, start, end, async_op=True))
+            self.state = UnitState.GATHERING
+            return
         for i, g in enumerate(self.groups):
             c = comm.of(g.experts)  # the experts' groups gather over their expert-data group
             # Note [one rank]: no copy (an offloaded shard is read by shard_io instead)
             if c.world_size == 1 and may_lend and self.lend and self.shard_io is None and lend(g.flat, g.shard):
                 self._lent[i], g.shard = g.shard, g.flat[:]
                 continue
-            storage, nbytes = g.flat.untyped_storage(), g.padded_numel * g.flat.element_size()
-            if self.pool is not None:
-                self.pool.fill(storage, nbytes)
-            else:
-                storage.resize_(nbytes)
+            self._fill(g)
             start, end = g.shard_range()
             with torch.autograd._unsafe_preserve_version_counter(g.flat):  # Note [version counter]
                 source = g.shard  # sent from, and copied into its range while the peers' arrive
-                if self.shard_io is not None:  # the shard lives in host buffers or swap files (param_offload.py)
+                if self.shard_io is not None:  # the shard lives in host buffers (param_offload.py)
                     self.shard_io.read(g, g.flat[start:end])
                     source = None
                 # Note [gather from the shard] in core/comm/data_parallel.py
@@ -151,6 +196,7 @@ class ShardedUnit:
     def release(self) -> None:
         if self.persistent or self.state is UnitState.SHARDED:
             return
+        self._finish_reads()  # a unit read ahead and not gathered: its reads write into the storage freed now
         self.wait()
         self._free()
         self.state = UnitState.SHARDED

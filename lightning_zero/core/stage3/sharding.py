@@ -40,16 +40,18 @@ class Partition:
 
 def partition_module(module: nn.Module, names: dict[nn.Parameter, str], optimizer_groups: list[list[nn.Parameter]],
                      comm: DataParallelComm, config: ZeroConfig, param_init_fn: ParamInitFn | None, init_seed: int,
-                     experts: Set[nn.Parameter] = frozenset()) -> Partition:
+                     experts: Set[nn.Parameter] = frozenset(),
+                     adopt: Callable[[ShardedUnit], None] | None = None) -> Partition:
     """Partition ``module``'s parameters as ``config``'s stage keeps them: stage 3 binds, initialises (meta-built
     models), broadcasts and shards the units one at a time (:func:`apply_stage3`); the other stages bind one flat
     group per optimizer param group, and a second one for the group's ``experts`` (sharded over the expert-data
     group, Note [expert axes] in core/mesh/dims.py) when it holds some. Then rank 0's values everywhere, and
-    activation checkpointing of the units when ``config`` asks for it."""
+    activation checkpointing of the units when ``config`` asks for it. ``adopt(unit)`` takes each stage 3 unit's
+    shards where they live as it is sharded (parameter offload: :func:`apply_stage3`)."""
     plans = unit_plans(module, names, config)
     if config.stage.shards_parameters:
         units, runtime, all_groups = apply_stage3(module, names, optimizer_groups, comm, config, plans,
-                                                  param_init_fn, init_seed, experts)
+                                                  param_init_fn, init_seed, experts, adopt)
     else:
         units, runtime = [], None
         all_groups = [g for i, params in enumerate(optimizer_groups)
@@ -80,6 +82,7 @@ def apply_stage3(
     param_init_fn: ParamInitFn | None = None,
     init_seed: int = 0,
     experts: Set[nn.Parameter] = frozenset(),
+    adopt: Callable[[ShardedUnit], None] | None = None,
 ) -> tuple[list[ShardedUnit], Stage3Runtime, list[FlatParamGroup]]:
     """Shard the units of ``plans`` (planned by :func:`unit_plans`) one at a time.
 
@@ -89,7 +92,8 @@ def apply_stage3(
     this rank's experts, Note [expert axes] in core/mesh/dims.py), is bound; parameters built on
     the meta device are initialised in it (Note [sharded construction]); the buffers are
     broadcast from rank 0, this rank's shard is kept and the
-    buffer freed. So at most one unit is whole at any time.
+    buffer freed. So at most one unit is whole at any time. ``adopt(unit)`` then takes the unit's shards where
+    they live (parameter offload: host buffers or swap files), so setup holds at most one shard in memory.
 
     Returns:
         The units, the runtime whose hooks drive them, and every flat group (unit order).
@@ -107,6 +111,8 @@ def apply_stage3(
             comm.of(fg.experts).broadcast(fg.flat)
         unit = ShardedUnit(plan.name, index, groups)
         unit.shard()
+        if adopt is not None:
+            adopt(unit)
         units.append(unit)
         all_groups.extend(groups)
     root_params = {p for plan in plans if plan.name == ROOT for p in plan.params}

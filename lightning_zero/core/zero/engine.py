@@ -54,7 +54,7 @@ from lightning_zero.core.stage3.materialize import ParamInitFn
 from lightning_zero.core.stage3.runtime import Stage3Runtime
 from lightning_zero.core.stage3.sharded_unit import ShardedUnit
 from lightning_zero.core.stage3.sharding import partition_module
-from lightning_zero.core.zero.engine_setup import SelfReducingOptimizer, StageCoupling, check_construction
+from lightning_zero.core.zero.engine_setup import SelfReducingOptimizer, StageCoupling, check_construction, open_store
 from lightning_zero.core.zero.engine_step import GradReduction, NormExcess, StepPreparation
 from lightning_zero.core.zero.engine_views import WholeModelViews
 from lightning_zero.core.zero.grad_reducer import BackwardState, ReductionMode
@@ -122,22 +122,27 @@ class ZeroEngine:
         self.unmanaged: list[nn.Parameter] = [p for p in self.names if p.requires_grad and p not in managed]
         self.frozen_at_setup: list[nn.Parameter] = [p for p in self.names if not p.requires_grad]
         # 2. the partition: stage 3's units (sharded one at a time) and the runtime's gather / release hooks, else
-        #    whole flat groups; rank 0's values everywhere; activation checkpointing of the units
+        #    whole flat groups; rank 0's values everywhere; activation checkpointing of the units. Where the
+        #    optimizer's shards live is chosen first, once: stage 3's parameter shards go there unit by unit
+        store = open_store(optimizer, config, self.dtypes, self.offload_config, self.comm, checked.optimizer_groups)
         part = partition_module(module, self.names, checked.optimizer_groups, self.comm, config, param_init_fn,
-                                init_seed, self.experts)
+                                init_seed, self.experts, store.adopt_unit if store is not None else None)
         self.units: list[ShardedUnit] = part.units
         self.runtime: Stage3Runtime | None = part.runtime
         self.all_groups: list[FlatParamGroup] = part.all_groups  # stage 3 also has groups of frozen parameters
         self.groups: list[FlatParamGroup] = [g for g in self.all_groups if g.optimizer_group >= 0]  # trainable
-        # 3. the gradient reduction over the trainable groups (its buckets planned in exchange.py)
+        # 3. the gradient reduction over the trainable groups (its buckets planned in exchange.py), writing through
+        #    the store's gradient home where the reduced shards live on disk
+        grad_home = store.grad_home(config.stage.shards_parameters, self.dtypes.grad_accum_dtype) if store else None
         self.reducer = make_reducer(self.groups, self.comm, config.stage, config.reduce_bucket_size,
                                     config.overlap_comm, self.dtypes.grad_dtype,
-                                    {p: n for p, n in self.names.items() if p in managed}, self.dtypes.grad_accum_dtype)
+                                    {p: n for p, n in self.names.items() if p in managed}, self.dtypes.grad_accum_dtype,
+                                    grad_home)
         # 4. stage >= 1: the optimizer steps this rank's master shards (in the offload's store); stage 0: the whole
         #    params (None), or with a separate master (mixed precision) per-parameter views of a whole master
         self.sharded: ShardedOptimizer | None = sharded_optimizer(
-            optimizer, config, self.dtypes, self.offload_config, self.comm, self.units, self.groups,
-            [p for p in self.names if p in managed], master_init, self.experts)
+            optimizer, config, self.dtypes, self.comm, self.groups, [p for p in self.names if p in managed],
+            master_init, store, self.experts)
         if optimizer is None:
             self.offload_config.warn_unused()
         # 5. the step (Note [step preparation]: ``prepare_step`` runs once per optimizer step, after the last

@@ -18,6 +18,9 @@ from torch.optim import Optimizer
 from lightning_zero.core.comm.agreement import check_same_everywhere
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.choices import ZeroStage
+from lightning_zero.core.offload.shard_store import ShardStore
+from lightning_zero.core.offload.store import open_shard_store, swap_bytes_of
+from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine_step import NormExcess
@@ -151,6 +154,22 @@ def check_same_structure(names: Mapping[nn.Parameter, str], optimizer: Optimizer
         "Build the same model with the same configuration on every rank: set the seed before constructing "
         "it, do not make layers or settings depend on the rank, and give every node the same config.",
     )
+
+
+def open_store(optimizer: Optimizer | None, config: ZeroConfig, dtypes: DtypePolicy, offload: OffloadConfig,
+               comm: DataParallelComm, groups: list[list[nn.Parameter]]) -> ShardStore | None:
+    """Where this rank's optimizer shards will live (chosen once, before the parameters are partitioned, so that
+    stage 3's parameter shards go there unit by unit), or ``None`` when no sharded optimizer is built (see
+    :func:`sharded_optimizer`). The swap space is checked from the parameter count first."""
+    if optimizer is None or not (config.stage.shards_optimizer or not dtypes.master_is_param_view):
+        return None
+    params = [p for g in groups for p in g]
+    numel = -(-sum(p.numel() for p in params) // comm.world_size) + len(params)  # + padding, at most one per group
+    size = {d: torch.empty((), dtype=d).element_size() for d in (dtypes.param_dtype, dtypes.master_dtype,
+                                                                  dtypes.grad_accum_dtype)}
+    need = swap_bytes_of(offload, numel, size[dtypes.param_dtype], size[dtypes.master_dtype],
+                         size[dtypes.grad_accum_dtype], config.stage.shards_parameters)
+    return open_shard_store(offload, comm.rank, None, None, dtypes.master_dtype, need)
 
 
 class SelfReducingOptimizer(Protocol):

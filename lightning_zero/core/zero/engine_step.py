@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.flat_param import FlatParamGroup, overlap
+from lightning_zero.core.offload.shard_store import StreamedGrads
 from lightning_zero.core.precision.loss_scaler import any_rank, local_sum_of_squares, non_finite
 from lightning_zero.core.precision.nonfinite import agree_over_model_parallel, first_nonfinite_parameter
 from lightning_zero.core.settings.precision import DtypePolicy
@@ -214,9 +215,44 @@ class StepPreparation:
     def _grads_for_norm(self) -> list[torch.Tensor]:
         """This rank's share of the gradients; summed over ranks at stage >= 1 they are all of them.
         (An offload's uncast copies hold the same values: the norm is taken as without offload.)"""
+        stream = self._stream()
+        if stream is not None:  # Note [gradients on disk] in core/offload/grad_files.py
+            if not self.dtypes.master_grad_is_view:
+                raise NotImplementedError(
+                    "With the gradients in swap files and mixed precision, a pipeline's or tensor parallel's norm "
+                    "correction (tied or replicated parameters) is not built. Fix: precision fp32 or bf16-true, or "
+                    "offload_optimizer='cpu'.")
+            stream.materialize()
         if self.sharded is not None and not self.dtypes.master_grad_is_view:
             return self.sharded.master_grads()
         return self.reducer.local_grads()
+
+    def _stream(self) -> StreamedGrads | None:
+        """The gradients when the offload keeps them in files (Note [gradients on disk]), else ``None``."""
+        return self.sharded.store.streamed_grads() if self.sharded is not None else None
+
+    def _scale(self, op: Callable[[torch.Tensor], object]) -> None:
+        """Run ``op`` in place on the gradients the optimizer steps on (unscaling, clipping)."""
+        stream = self._stream()
+        if stream is not None:
+            stream.apply(op)
+            return
+        for t in self._grads_to_scale():
+            op(t)
+
+    def _sum_of_squares(self) -> float:
+        """This rank's sum of squared gradients (``local_sum_of_squares`` of :meth:`_grads_for_norm`'s tensors)."""
+        if self._stream() is None:
+            return self._local_sumsq()
+        parts = self._per_grad(lambda t: torch.linalg.vector_norm(t, 2, dtype=torch.float32))
+        return float(torch.stack(parts).square().sum()) if parts else 0.0  # as local_sum_of_squares does
+
+    def _per_grad(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """``fn`` of each non-empty gradient tensor of :meth:`_grads_for_norm`, in its order."""
+        stream = self._stream()
+        if stream is not None:
+            return stream.norms(fn, self.dtypes.master_grad_is_view, self.sharded.piece_numel)  # type: ignore[union-attr]
+        return [fn(t) for t in self._grads_for_norm() if t.numel()]
 
     @torch.no_grad()
     def prepare_step(self, loss_scale: float = 1.0, check_overflow: bool = False) -> bool:
@@ -234,10 +270,9 @@ class StepPreparation:
         elif not self.dtypes.master_grad_is_view:  # stage 0, the params are the master: cast for them
             self._cast_grads = self._param_dtype_grads()
         if loss_scale != 1.0:
-            for t in self._grads_to_scale():
-                t.mul_(1.0 / loss_scale)
-        sumsq = torch.tensor([self._local_sumsq() - self._norm_excess(2.0)],
-                             dtype=torch.float32, device=self.comm.device)
+            self._scale(lambda t: t.mul_(1.0 / loss_scale))
+        sumsq = torch.tensor([self._sum_of_squares() - self._norm_excess(2.0)], dtype=torch.float32,
+                             device=self.comm.device)
         if check_overflow and self._any_rank(non_finite(float(sumsq))):
             self.skip_step()
             self.last_grad_norm = math.inf
@@ -283,6 +318,9 @@ class StepPreparation:
         """After the last backward of a step: the name of the first parameter (module order) whose reduced
         gradient holds ``nan`` / ``inf`` on any rank of data x tensor x pipeline x sequence, or ``None`` (a
         collective; Note [non-finite policy])."""
+        stream = self._stream()
+        if stream is not None and self.dtypes.master_grad_is_view:  # the optimizer's gradients are the shards
+            stream.materialize()
         grads: list[tuple[torch.Tensor, int] | None] = []
         for i, g in enumerate(self.groups):
             if not self.config.stage.shards_optimizer:
@@ -316,15 +354,16 @@ class StepPreparation:
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over all shards (every rank gets the same value)."""
         self.require_prepared("The gradient norm")
-        local = [t.float() for t in self._grads_for_norm() if t.numel()]
         if norm_type == math.inf:
-            value = torch.stack([t.abs().max() for t in local]).max() if local else torch.zeros(())
+            maxima = self._per_grad(lambda t: t.float().abs().max())
+            value = torch.stack(maxima).max() if maxima else torch.zeros(())
             if self._norm_is_partial:
                 self.comm_max(value)
             if self.model_parallel is not None:
                 self.model_parallel.all_reduce_max(value)
             return value
-        parts = torch.stack([torch.linalg.vector_norm(t, norm_type) for t in local]) if local else torch.zeros(1)
+        norms = self._per_grad(lambda t: torch.linalg.vector_norm(t.float(), norm_type))
+        parts = torch.stack(norms) if norms else torch.zeros(1)
         if self.shares is not None:
             grads = self._grads_for_norm()
             parts = torch.stack([torch.linalg.vector_norm(t.float(), norm_type) for t in grads])
@@ -365,15 +404,13 @@ class StepPreparation:
         total = cached if cached is not None else self.grad_norm(norm_type)
         self.last_grad_norm = float(total)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for t in self._grads_to_scale():
-            t.mul_(coef.to(device=t.device, dtype=t.dtype))
+        self._scale(lambda t: t.mul_(coef.to(device=t.device, dtype=t.dtype)))
         return total
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
         self.require_prepared("Clipping")
-        for t in self._grads_to_scale():
-            t.clamp_(-clip_value, clip_value)
+        self._scale(lambda t: t.clamp_(-clip_value, clip_value))
 
     def _all_reduced_grads(self) -> list[torch.Tensor]:
         if self.reducer.whole_grads_valid():

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_zero.core.comm.grad_home import GradHome, sum_in_rank_order
 from lightning_zero.core.common.flat_param import Bucket, FlatParamGroup, overlap
 
 
@@ -284,28 +285,13 @@ class MessageStaging:
         return [*self.staging_pool.idle, *self.receive_pool.idle]
 
 
-def sum_in_rank_order(terms: list[torch.Tensor], target: torch.Tensor, first: bool) -> None:
-    """``target`` := (``first``) or += the parts of ranks 0..N-1 added in that order. Every term is scratch
-    (the staging slice already sent, or a receive slice), so ``terms[0]`` may accumulate in place."""
-    if first and len(terms) > 1 and target.dtype == terms[0].dtype:
-        torch.add(terms[0], terms[1], out=target)
-        for t in terms[2:]:
-            target.add_(t)
-        return
-    acc = terms[0]
-    for t in terms[1:]:
-        acc.add_(t)
-    if first:
-        target.copy_(acc)
-    else:
-        target.add_(acc)
-
-
 class GradShards:
-    """This rank's reduced gradient shard of each group (stages 2-3; Note [written shard])."""
+    """This rank's reduced gradient shard of each group (stages 2-3; Note [written shard]); with a ``home``, the
+    shards live there (swap files) and are written through it."""
 
-    def __init__(self, groups: list[FlatParamGroup], buckets: list[Bucket], dtype: torch.dtype) -> None:
-        self.groups, self.buckets, self.dtype = groups, buckets, dtype
+    def __init__(self, groups: list[FlatParamGroup], buckets: list[Bucket], dtype: torch.dtype,
+                 home: GradHome | None = None) -> None:
+        self.groups, self.buckets, self.dtype, self.home = groups, buckets, dtype, home
         # one per group, allocated by the first reduction into it, so setup holds no gradient memory
         self.tensors: list[torch.Tensor | None] = [None] * len(groups)
         self.written: set[int] = set()  # bucket orders whose part is written since forget()
@@ -314,7 +300,9 @@ class GradShards:
         shard = self.tensors[group_index]
         if shard is None:
             g = self.groups[group_index]
-            shard = self.tensors[group_index] = torch.empty(g.shard_numel, dtype=self.dtype, device=g.device)
+            shard = (self.home.tensor(group_index, g.shard_numel, self.dtype) if self.home is not None
+                     else torch.empty(g.shard_numel, dtype=self.dtype, device=g.device))
+            self.tensors[group_index] = shard
         return shard
 
     def write(self, message: Message, rank: int, terms_of: Callable[[Segment, int], list[torch.Tensor]]) -> None:
@@ -325,8 +313,13 @@ class GradShards:
             if seg.owner != rank:
                 continue
             own_start = self.groups[seg.group_index].shard_range()[0]
+            terms, first = terms_of(seg, seg.offset - base), seg.bucket not in self.written
+            if self.home is not None:
+                self.get(seg.group_index)
+                self.home.accumulate(seg.group_index, seg.start - own_start, terms, first)
+                continue
             target = self.get(seg.group_index)[seg.start - own_start : seg.end - own_start]
-            sum_in_rank_order(terms_of(seg, seg.offset - base), target, seg.bucket not in self.written)
+            sum_in_rank_order(terms, target, first)
         self.written.update(message.buckets)
 
     def read(self, group_index: int) -> torch.Tensor:
@@ -337,7 +330,11 @@ class GradShards:
                 continue
             lo, hi = overlap(b.start, b.end, own_start, own_end)
             if hi > lo:
-                self.get(group_index)[lo - own_start : hi - own_start].zero_()
+                if self.home is not None:
+                    self.get(group_index)
+                    self.home.zero(group_index, lo - own_start, hi - own_start)
+                else:
+                    self.get(group_index)[lo - own_start : hi - own_start].zero_()
             self.written.add(b.order)
         return self.get(group_index)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from lightning_zero.core.comm.data_parallel import DataParallelComm, Handle
 from lightning_zero.core.common.choices import ZeroStage
 from lightning_zero.core.common.flat_param import Bucket, FlatParamGroup, overlap
 from lightning_zero.core.zero.exchange import BufferPool, GradShards, Message, MessageStaging, Segment, plan_buckets
+
+if TYPE_CHECKING:
+    from lightning_zero.core.comm.grad_home import GradHome
 
 
 class BackwardState(enum.Enum):
@@ -87,6 +91,8 @@ class GradReducer:
         names: parameter -> qualified name, in module order (bucket order, error messages).
         accum_dtype: dtype the whole gradients (stages 0-1) and gradient shards (stage 2) are kept
             and accumulated in (``None``: ``grad_dtype``); see Note [gradient dtypes] in config.py.
+        grad_home: where the gradient shards (stages 2-3) live when not in memory (``GradHome`` in
+            ``exchange.py``: the offload's swap files); ``None``: in memory.
         average_over: the ranks the summed gradients are divided by (``None``: ``comm``'s); the experts' reducer
             sums over the expert-data group and divides by the data x sequence size (Note [expert axes]).
     """
@@ -101,6 +107,7 @@ class GradReducer:
         grad_dtype: torch.dtype,
         names: dict[nn.Parameter, str],
         accum_dtype: torch.dtype | None = None,
+        grad_home: GradHome | None = None,
         average_over: int | None = None,
     ) -> None:
         self.groups = groups
@@ -137,7 +144,7 @@ class GradReducer:
                                      self._exchange, comm.rank, comm.world_size, grad_dtype, self.max_in_flight,
                                      self._module_order)
         self.messages: list[Message] = self.staged.messages
-        self.shards = GradShards(groups, self.buckets, self.accum_dtype)
+        self.shards = GradShards(groups, self.buckets, self.accum_dtype, grad_home)
         self.grad_shards: list[torch.Tensor | None] = self.shards.tensors  # one per group (stages 2-3)
         self._launched: list[bool] = []
         self._next_launch = 0

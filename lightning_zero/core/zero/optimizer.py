@@ -129,6 +129,8 @@ class ShardedOptimizer:
         """Give the masters these gradients (1-D, laid out like the masters; cast when needed)."""
         for fi, (master, grad) in enumerate(zip(self.masters, grads)):
             grad = self.store.receive_grad(fi, grad, master)
+            if grad is None:  # the store keeps it and hands it to the pieces in its step (grad_files.py)
+                continue
             if self.whole:
                 master.grad = grad
                 fg = self.groups[fi]
@@ -177,7 +179,7 @@ class ShardedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         sub_groups = self.store.sub_groups([m.numel() for m in self.masters], self.piece_numel)
-        self.store.step(sub_groups, self._step_sub_group)
+        self.store.step(sub_groups, self._step_sub_group, self._piece_of)
         self._written_back = True
         return loss
 
@@ -202,7 +204,13 @@ class ShardedOptimizer:
             self._home(fi, k)
         for fi, lo, hi in sg:
             own = self._own(fi)
-            self.store.write_back(own[lo:hi], self.masters[fi][lo:hi], self.groups[fi], lo)
+            first = self.pieces_of[fi][lo // n]  # the stepped values: where the store pointed the pieces
+            self.store.write_back(own[lo:hi], first.as_strided((hi - lo,), (1,)), self.groups[fi], lo)
+
+    def _piece_of(self, fi: int, k: int) -> tuple[torch.Tensor, dict]:
+        """Piece ``k`` of flat group ``fi``'s master and its optimizer state (created empty if none yet)."""
+        piece = self.pieces_of[fi][k]
+        return piece, self.optimizer.state[piece]
 
     def _home(self, fi: int, k: int) -> None:
         """Move piece ``k`` of flat group ``fi``'s per-element state into the store (Note [swap files])."""

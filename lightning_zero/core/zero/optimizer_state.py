@@ -18,11 +18,9 @@ from torch.optim import Optimizer
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.flat_param import FlatParamGroup
-from lightning_zero.core.offload.store import open_shard_store
-from lightning_zero.core.settings.offload import OffloadConfig
+from lightning_zero.core.offload.shard_store import ShardStore
 from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.settings.zero import ZeroConfig
-from lightning_zero.core.stage3.sharded_unit import ShardedUnit
 from lightning_zero.core.zero.optimizer import SCALAR_STATE_KEYS, ShardedOptimizer, original_index
 
 
@@ -135,17 +133,17 @@ def broadcast_master_init(
     return out
 
 
-def sharded_optimizer(optimizer: Optimizer | None, config: ZeroConfig, dtypes: DtypePolicy, offload: OffloadConfig,
-                      comm: DataParallelComm, units: list[ShardedUnit], groups: list[FlatParamGroup],
-                      managed: list[nn.Parameter], master_init: Mapping[nn.Parameter, torch.Tensor] | None,
+def sharded_optimizer(optimizer: Optimizer | None, config: ZeroConfig, dtypes: DtypePolicy,
+                      comm: DataParallelComm, groups: list[FlatParamGroup], managed: list[nn.Parameter],
+                      master_init: Mapping[nn.Parameter, torch.Tensor] | None, store: ShardStore | None,
                       experts: Set[nn.Parameter] = frozenset()) -> ShardedOptimizer | None:
-    """Stage >= 1: the optimizer over this rank's master shards; stage 0: over per-parameter views of a whole
-    separate master (mixed precision), or ``None`` when the optimizer steps the parameters themselves."""
-    separate_master = not dtypes.master_is_param_view
-    if optimizer is None or not (config.stage.shards_optimizer or separate_master):
+    """Stage >= 1: the optimizer over this rank's master shards in ``store``; stage 0: over per-parameter views of
+    a whole separate master (mixed precision), or ``None`` when the optimizer steps the parameters themselves
+    (then ``store`` is ``None`` too: ``open_store`` in ``engine_setup.py`` chose it before the partition)."""
+    if optimizer is None or store is None:
         return None
+    separate_master = not dtypes.master_is_param_view
     if separate_master and master_init:  # rank 0's values everywhere, as for the parameters
         master_init = broadcast_master_init(master_init, managed, dtypes.master_dtype, comm, experts)
-    store = open_shard_store(offload, comm.rank, units, groups, dtypes.master_dtype)  # where the shards live, once
     return ShardedOptimizer(optimizer, groups, dtypes.master_dtype, whole=not config.stage.shards_optimizer,
                             master_init=master_init, store=store)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
+from lightning_zero.core.comm.grad_home import GradHome
 from lightning_zero.core.common.choices import ZeroStage
 from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer, ReductionMode
@@ -25,12 +26,30 @@ from lightning_zero.core.zero.grad_reducer import BackwardState, GradReducer, Re
 
 def make_reducer(groups: list[FlatParamGroup], comm: DataParallelComm, stage: int | ZeroStage, bucket_numel: int,
                  overlap: bool, grad_dtype: torch.dtype, names: dict[nn.Parameter, str],
-                 accum_dtype: torch.dtype | None = None) -> GradReducer | PartitionedReducer:
+                 accum_dtype: torch.dtype | None = None, grad_home: GradHome | None = None,
+                 ) -> GradReducer | PartitionedReducer:
     """The engine's reducer: one :class:`GradReducer`, or with expert groups a :class:`PartitionedReducer`
     (the arguments are :class:`GradReducer`'s)."""
     if not any(g.experts for g in groups):
-        return GradReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype)
-    return PartitionedReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype)
+        return GradReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype, grad_home)
+    return PartitionedReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype, grad_home)
+
+
+class _PartHome:
+    """A partition's view of the engine's gradient home (``GradHome``): its group ``j`` is the engine's
+    ``indices[j]``."""
+
+    def __init__(self, home: GradHome, indices: list[int]) -> None:
+        self.home, self.indices = home, indices
+
+    def tensor(self, group_index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.home.tensor(self.indices[group_index], numel, dtype)
+
+    def accumulate(self, group_index: int, lo: int, terms: list[torch.Tensor], first: bool) -> None:
+        self.home.accumulate(self.indices[group_index], lo, terms, first)
+
+    def zero(self, group_index: int, lo: int, hi: int) -> None:
+        self.home.zero(self.indices[group_index], lo, hi)
 
 
 class PartitionedReducer:
@@ -39,7 +58,7 @@ class PartitionedReducer:
 
     def __init__(self, groups: list[FlatParamGroup], comm: DataParallelComm, stage: int | ZeroStage,
                  bucket_numel: int, overlap: bool, grad_dtype: torch.dtype, names: dict[nn.Parameter, str],
-                 accum_dtype: torch.dtype | None = None) -> None:
+                 accum_dtype: torch.dtype | None = None, grad_home: GradHome | None = None) -> None:
         self.groups, self.comm, self.stage = groups, comm, ZeroStage.of(stage)
         self.parts: list[tuple[GradReducer, list[int]]] = []
         self._where: list[tuple[int, int]] = [(0, 0)] * len(groups)  # engine group -> (part, index in the part)
@@ -48,6 +67,7 @@ class PartitionedReducer:
             members = {s.param for i in indices for s in groups[i].slots}
             reducer = GradReducer([groups[i] for i in indices], comm.of(experts), stage, bucket_numel, overlap,
                                   grad_dtype, {p: n for p, n in names.items() if p in members}, accum_dtype,
+                                  None if grad_home is None else _PartHome(grad_home, indices),
                                   average_over=comm.world_size)
             for j, i in enumerate(indices):
                 self._where[i] = (len(self.parts), j)
