@@ -128,8 +128,12 @@ def launch_in_pool(pools: Any) -> Iterator[None]:
     from lightning_zero.project.locate import PROJECT_ENV
     from tests.pool import GlooPoolError
 
-    def launch_ranks(config_file: Path, devices: int, node: object = None, command: str = launch.FIT) -> None:
+    def launch_ranks(config_file: Path, devices: int, node: object = None, command: str = launch.FIT,
+                     env_extra: dict[str, str] | None = None) -> None:
         assert node is None, "the pool runs one node"
+        if env_extra:  # read at a process's start (glibc's malloc settings): the warm ranks started long ago
+            saved(config_file, devices, node, command, env_extra)
+            return
         pool = _pool_of(pools, devices)
         launch.log.info("launching %d ranks: %s", devices,
                         " ".join(launch.torchrun_command(config_file, devices, None, command)))
