@@ -148,7 +148,8 @@ def estimate_config(
             settings = replace(settings, buffer_sets=0)  # no swap buffers
         master = 2 if formula == "bf16-true" else 4
         ws = working_set(model, data, elem, activations, settings, cpu_host, master)
-        working = ws.total - ws.activations
+        if cpu_host:  # on a GPU the swap buffers are pinned host memory and the units stream as with param_cpu
+            working = ws.total - ws.activations
         if offload == "param_nvme":
             io = step_io(model, data, elem, settings, master)
     elif cpu_host:
