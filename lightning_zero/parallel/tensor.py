@@ -43,12 +43,12 @@ from lightning_zero.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SliceMemo,
+    VocabParallelEmbedding,
     has_storage,
     slice_local,
 )
 from lightning_zero.tensor_parallel.plan import apply_plan, check_heads, find_plan, resolve_plan
 from lightning_zero.tensor_parallel.rng import agree_default_rng
-from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
 TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 

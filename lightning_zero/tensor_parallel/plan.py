@@ -36,7 +36,12 @@ from torch import nn
 
 from lightning_zero.core.common.errors import UsageError
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
+from lightning_zero.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SliceMemo,
+    VocabParallelEmbedding,
+)
 from lightning_zero.tensor_parallel.regions import hook_replicated_grads
 from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG, split_hf_attention
 from lightning_zero.tensor_parallel.styles import (
@@ -48,7 +53,6 @@ from lightning_zero.tensor_parallel.styles import (
     VocabEmbedding,
     resolve_style,
 )
-from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
 log = logging.getLogger(__name__)
 
