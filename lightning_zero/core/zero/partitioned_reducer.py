@@ -65,9 +65,9 @@ class PartitionedReducer:
         for experts in (False, True):
             indices = [i for i, g in enumerate(groups) if g.experts == experts]
             members = {s.param for i in indices for s in groups[i].slots}
+            home = None if grad_home is None else _PartHome(grad_home, indices)  # the part's view of the home
             reducer = GradReducer([groups[i] for i in indices], comm.of(experts), stage, bucket_numel, overlap,
-                                  grad_dtype, {p: n for p, n in names.items() if p in members}, accum_dtype,
-                                  None if grad_home is None else _PartHome(grad_home, indices),
+                                  grad_dtype, {p: n for p, n in names.items() if p in members}, accum_dtype, home,
                                   average_over=comm.world_size)
             for j, i in enumerate(indices):
                 self._where[i] = (len(self.parts), j)
