@@ -30,9 +30,10 @@ def make_reducer(groups: list[FlatParamGroup], comm: DataParallelComm, stage: in
                  ) -> GradReducer | PartitionedReducer:
     """The engine's reducer: one :class:`GradReducer`, or with expert groups a :class:`PartitionedReducer`
     (the arguments are :class:`GradReducer`'s)."""
-    if not any(g.experts for g in groups):
-        return GradReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype, grad_home)
-    return PartitionedReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype, grad_home)
+    if any(g.experts for g in groups):
+        return PartitionedReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype,
+                                  grad_home)
+    return GradReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype, grad_home)
 
 
 class _PartHome:
