@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.models.gpt import GPT, GPT_PRESETS
@@ -39,7 +40,7 @@ def measure(model_name: str, batch: int, seq_len: int, stage: int, checkpointing
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage, activation_checkpointing=checkpointing,
-                                                     param_persistence_threshold=0))
+                                                     param_persistence_threshold=0), DataParallelComm())
     x = torch.randint(0, config.vocab_size, (batch, seq_len))
     saved = [0]
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.stage3.materialize import parameters_on_meta, replace_meta_parameters
 from lightning_zero.testing.memory import proc_status_bytes
@@ -34,7 +35,7 @@ def main(out: str, nvme: str, mode: str) -> None:
     config = ZeroConfig(stage=3, unit_classes=(nn.Linear,), param_persistence_threshold=0,
                         prefetch_bucket_size=unit, reduce_bucket_size=unit)  # one unit read ahead, one kept
     offload = OffloadConfig(optimizer_device="nvme", param_device="nvme", nvme_path=nvme, sub_group_size=1 << 17)
-    engine = ZeroEngine(model, optimizer, config, offload=offload if mode == "disk" else None)
+    engine = ZeroEngine(model, optimizer, config, DataParallelComm(), offload=offload if mode == "disk" else None)
     x = torch.randn(4, WIDTH)
     losses = []
     for _ in range(2):

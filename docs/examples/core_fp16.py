@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.precision.loss_scaler import LossScaler
 from lightning_zero.core.settings import DtypePolicy, ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
@@ -38,7 +39,7 @@ def train(steps: int = 8) -> None:
 
     fp32 = {p: p.detach().clone() for p in model.parameters()}
     model.half()
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=2),
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=2), DataParallelComm(),
                         dtypes=DtypePolicy(param_dtype=torch.float16, master_dtype=torch.float32), master_init=fp32)
     scaler = LossScaler()
     skipped = 0

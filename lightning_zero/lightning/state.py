@@ -169,7 +169,9 @@ class StrategyCheckpointing:
     def _tensor_parallel(self) -> TensorParallelCheckpoint | None:
         """The TP side when this strategy split the module (its states are unsplit before they are saved)."""
         tp, module = self._run.tensor, self._lightning.lightning_module
-        return tp.checkpoint if tp is not None and module is not None and tp.splits(module) else None
+        if tp is None or module is None or not tp.splits(module):
+            return None
+        return TensorParallelCheckpoint(tp.tp, tp.dims, tp.mesh.rank)
 
     def _expert_parallel(self) -> ExpertParallelCheckpoint | None:
         """The expert-parallel side when this strategy split the module's experts (they are unsplit when saved)."""

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.mesh import ProcessMesh
+from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.settings.pipeline import PipelineConfig, short_last_batch
 from lightning_zero.core.settings.tree import Settings
 from lightning_zero.core.stage3.materialize import ParamInitFn
@@ -34,7 +35,7 @@ from lightning_zero.parallel.tensor import StrategyTensorParallel, apply_tensor_
 from lightning_zero.pipeline.build import materialize_local, prepare_meta_module
 from lightning_zero.pipeline.checkpoint import PipelineCheckpoint
 from lightning_zero.pipeline.mesh import PipelineGroups, pipeline_groups
-from lightning_zero.pipeline.model import LocalModel, plan_split, reassemble, split_batch, split_module
+from lightning_zero.pipeline.model import LocalModel, hold_stage, reassemble, split_batch, split_module
 from lightning_zero.pipeline.runner import PipelineRunner
 
 
@@ -51,8 +52,8 @@ class StrategyPipeline:
             this rank's layers are materialised (Note [local construction] in ``pipeline/build.py``).
         init_seed: the base seed of that initialisation (rank 0's is used everywhere).
         settings: the run's settings (its tensor parallelism is applied to ``module`` once this rank's layers
-            exist, Note [TP composition order] in ``parallel/tensor.py``; the split is then re-read with the same
-            bounds, since the plan replaced modules inside the layers: ``tensor``).
+            exist, Note [TP composition order] in ``parallel/tensor.py``: ``tensor``; what the rank runs is read
+            from the layers after it, Note [split once] in ``pipeline/model.py``).
         previous_tensor: the last setup's tensor parallelism (``apply_tensor_parallel``).
     """
 
@@ -66,20 +67,18 @@ class StrategyPipeline:
         if config.stages > 1 and not dist.is_initialized():
             raise RuntimeError("A pipeline with stages > 1 needs one process per stage: devices x num_nodes >= stages.")
         self.built_on_meta = prepare_meta_module(module, torch.device("cpu"))  # configure_model: nothing real yet
-        _, _, tie_sets = plan_split(module, config)  # the protocol and the layer count are checked here
-        self.tie_sets = tie_sets
-        self.groups: PipelineGroups = pipeline_groups(mesh, tie_sets)  # the ties' groups: the mesh's
-        self.local: LocalModel = split_module(module, config, self.groups.stage, config.activation_checkpoint_interval)
+        plan = hold_stage(module, config, mesh.index(Axis.PIPELINE))  # the protocol and layer count checked here
+        self.tie_sets = plan.tie_sets
+        self.groups: PipelineGroups = pipeline_groups(mesh, plan.tie_sets)  # the ties' groups: the mesh's
         if self.built_on_meta:
             seed = torch.tensor([init_seed], dtype=torch.int64)
             if dist.is_initialized():
                 dist.broadcast(seed, src=0)  # every stage initialises its layers from the same base seed
-            materialize_local(module, set(self.local.names), init_fn, int(seed))
+            materialize_local(module, set(plan.local), init_fn, int(seed))
         # tensor parallelism on this stage: its layers by their slices, the others' by placeholders of them
         self.tensor = apply_tensor_parallel(module, mesh, settings, previous_tensor) if settings is not None else None
-        if self.tensor is not None:
-            self.local = split_module(module, config, self.groups.stage, config.activation_checkpoint_interval,
-                                      self.local.bounds)
+        # what this rank runs, read from the layers as the plan left them (Note [split once] in pipeline/model.py)
+        self.local: LocalModel = split_module(module, config, config.activation_checkpoint_interval, plan)
         self.local.module.to(device)
         self.runner = PipelineRunner(config, self.local, self.groups, module.pipeline_loss, device)  # type: ignore[arg-type]
         self.checkpoint: PipelineCheckpoint | None = None  # set by restrict_optimizer (fit)

@@ -38,18 +38,17 @@ from lightning_zero.core.mesh.dims import Axis
 from lightning_zero.core.mesh.groups import ProcessMesh
 from lightning_zero.core.settings.tensor import TensorParallelConfig
 from lightning_zero.core.settings.tree import Settings
-from lightning_zero.tensor_parallel.checkpoint import TensorParallelCheckpoint
 from lightning_zero.tensor_parallel.collectives import TPGroup
 from lightning_zero.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SliceMemo,
+    VocabParallelEmbedding,
     has_storage,
     slice_local,
 )
 from lightning_zero.tensor_parallel.plan import apply_plan, check_heads, find_plan, resolve_plan
 from lightning_zero.tensor_parallel.rng import agree_default_rng
-from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
 TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
@@ -63,7 +62,6 @@ class StrategyTensorParallel:
         self.dims = mesh.dims
         self.tp = TPGroup(mesh.group(Axis.TENSOR), config.size, mesh.index(Axis.TENSOR))
         self.split: list[str] = []
-        self.checkpoint = TensorParallelCheckpoint(self.tp, mesh.dims, mesh.rank)  # unsplit states (checkpoint.py)
         self.sliced: dict[nn.Parameter, nn.Parameter] = {}  # each whole parameter split -> this rank's slice
         self._module: nn.Module | None = None  # the module split (a later fit of the same run keeps it)
 

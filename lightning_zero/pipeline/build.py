@@ -5,7 +5,7 @@ Note [local construction]
     ``configure_model`` on the meta device (at any ZeRO stage: ``core/stage3/materialize.py``'s
     ``parameters_on_meta``), so no rank ever holds the whole model. At setup
     :func:`prepare_meta_module` swaps the meta parameters for storage-less stand-ins (ties kept), the
-    split (``model.split_module``) turns the other stages' into placeholders, and
+    split (``model.hold_stage``) turns the other stages' into placeholders, and
     :func:`materialize_local` gives this rank's parameters storage and initialises them: each module
     owning one of them runs ``param_init_fn`` (default ``reset_parameters``) under the RNG seeded
     from ``(base seed, module name)`` (``core/stage3/materialize.py``'s ``initialize_modules``). The values

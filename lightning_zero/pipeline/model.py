@@ -15,6 +15,14 @@ Note [pipeline protocol]
 Each rank keeps only the layers of its own chunks; the other stages' parameters keep their identity
 and shape but lose their storage (a NaN placeholder), so a rank holds ``1/stages`` of the model;
 ``reassemble`` (after fit) broadcasts them back from their stages.
+
+Note [split once]
+    The split is decided once, by :func:`hold_stage`, before anything else changes the module: the chunk
+    boundaries, the tied stage sets (their groups) and this stage's parameters, the other stages' becoming
+    placeholders then, so tensor parallelism slices them into placeholders of the slices' shapes. What a
+    rank runs (:func:`split_module`: the chunks, the parameters' names and ties) is read from the layers
+    once every rewrite of them is done, with the bounds planned before: the plan may have replaced
+    modules, and so parameters, inside the layers.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_zero.core.settings.pipeline import PipelineConfig
-from lightning_zero.pipeline.partition import layer_weights, partition
+from lightning_zero.pipeline.partition import layer_weights, partition, stage_layers, stages_of
 
 PROTOCOL_HELP = (
     "add `pipeline_layers(self) -> Sequence[nn.Module]` (the model as an ordered sequence of layers, each "
@@ -122,54 +130,63 @@ def plan_split(module: nn.Module, config: PipelineConfig) -> tuple[list[nn.Modul
     """Layers, chunk boundaries and the stage sets that share parameters (no communication)."""
     layers = pipeline_layers_of(module)
     bounds = partition(layer_weights(layers, config.partition_method), config.chunks)
-    stages_of: dict[nn.Parameter, set[int]] = {}
-    for c in range(config.chunks):
-        for layer in layers[bounds[c] : bounds[c + 1]]:
-            for p in layer.parameters():
-                stages_of.setdefault(p, set()).add(c % config.stages)
-    tie_sets = sorted({tuple(sorted(s)) for s in stages_of.values() if len(s) > 1})
+    tie_sets = sorted({tuple(sorted(s)) for s in stages_of(layers, bounds, config).values() if len(s) > 1})
     return layers, bounds, tie_sets
 
 
-def _placeholder(p: torch.Tensor) -> torch.Tensor:
-    """One NaN element viewed at ``p``'s shape: no storage for the other stages' weights, shapes kept."""
-    return torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
+@dataclass(frozen=True)
+class StagePlan:
+    """A stage's share of the module, decided once before anything else changes it (Note [split once]).
+
+    Attributes:
+        bounds: the layer boundaries of every chunk (``partition``'s output).
+        tie_sets: the stage sets sharing a parameter (each gets a group).
+        chunk_ids: the stage's chunks, in schedule order.
+        layer_ids: the indices of their layers, in that order.
+        local: the stage's parameters; every other parameter of the module is a placeholder by then.
+    """
+
+    bounds: list[int]
+    tie_sets: list[tuple[int, ...]]
+    chunk_ids: list[int]
+    layer_ids: list[int]
+    local: frozenset[nn.Parameter]
 
 
-def split_module(module: nn.Module, config: PipelineConfig, stage: int, interval: int,
-                 bounds: list[int] | None = None) -> LocalModel:
-    """Keep this stage's chunks; the other stages' parameters become storage-less placeholders. ``bounds``:
-    the chunk boundaries of an earlier split of the same layers (default: partitioned now)."""
-    layers, planned, _ = plan_split(module, config)
-    bounds = planned if bounds is None else bounds
+def hold_stage(module: nn.Module, config: PipelineConfig, stage: int) -> StagePlan:
+    """Plan the split (:func:`plan_split`) and keep ``stage``'s parameters: the other stages' (and the frozen ones
+    outside every layer) become storage-less placeholders, their identity and shape kept."""
+    layers, bounds, tie_sets = plan_split(module, config)
+    chunk_ids, layer_ids = stage_layers(config, stage, bounds)
+    local = frozenset(p for i in layer_ids for p in layers[i].parameters())
+    with torch.no_grad():
+        for p in module.parameters():
+            if p not in local:  # one NaN element viewed at its shape: no storage
+                p.data = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
+    return StagePlan(bounds, tie_sets, chunk_ids, layer_ids, local)
+
+
+def split_module(module: nn.Module, config: PipelineConfig, interval: int, plan: StagePlan) -> LocalModel:
+    """The chunks of ``plan``'s stage, read from the module's layers now: tensor parallelism may have replaced
+    modules (and so parameters) inside them since :func:`hold_stage` (Note [split once])."""
+    layers = pipeline_layers_of(module)
+    bounds = plan.bounds
+    chunks = [Chunk(layers[bounds[c] : bounds[c + 1]], interval) for c in plan.chunk_ids]
+    holder = nn.Module()
+    holder.layers = nn.ModuleList(layers[i] for i in plan.layer_ids)
     unsplit = {}
     for name, p in module.named_parameters():
         unsplit.setdefault(p, name)
-    chunk_ids = [stage + k * config.stages for k in range(config.virtual_stages)]
-    local_idx = [i for c in chunk_ids for i in range(bounds[c], bounds[c + 1])]
-    stages_of: dict[nn.Parameter, list[int]] = {}
-    for c in range(config.chunks):
-        for layer in layers[bounds[c] : bounds[c + 1]]:
-            for p in layer.parameters():
-                if c % config.stages not in stages_of.setdefault(p, []):
-                    stages_of[p].append(c % config.stages)
-    local_params = {p for i in local_idx for p in layers[i].parameters()}
+    names = {p: unsplit[p] for p in holder.parameters()}
+    using = stages_of(layers, bounds, config)
+    owner = {p: min(s) for p, s in using.items()}
     ties: dict[tuple[int, ...], list[nn.Parameter]] = {}
-    owner = {p: min(s) for p, s in stages_of.items()}
-    for p in local_params:
-        if len(stages_of[p]) > 1:
-            ties.setdefault(tuple(sorted(stages_of[p])), []).append(p)
-    remote = [p for p in unsplit if p not in local_params]
-    with torch.no_grad():
-        for p in remote:
-            p.data = _placeholder(p)
+    for p in {p for i in plan.layer_ids for p in layers[i].parameters()}:
+        if len(using[p]) > 1:
+            ties.setdefault(tuple(sorted(using[p])), []).append(p)
     for plist in ties.values():
         plist.sort(key=lambda p: unsplit[p])
-    chunks = [Chunk(layers[bounds[c] : bounds[c + 1]], interval) for c in chunk_ids]
-    holder = nn.Module()
-    holder.layers = nn.ModuleList(layers[i] for i in local_idx)
-    names = {p: unsplit[p] for p in holder.parameters()}
-    return LocalModel(chunks, chunk_ids, holder, names, ties, owner, bounds, unsplit)
+    return LocalModel(chunks, plan.chunk_ids, holder, names, ties, owner, bounds, unsplit)
 
 
 @torch.no_grad()

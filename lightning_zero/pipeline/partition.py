@@ -4,7 +4,8 @@ Methods (DeepSpeed's ``partition_method``): ``uniform`` balances layer counts, `
 balances parameter counts (each distinct parameter counted once, where it is first used), and
 ``type:<regex>`` balances the number of layers whose class name matches the regex (the others
 ride along with the nearest matching layer before them). Chunks are contiguous and non-empty;
-the split minimises the heaviest chunk (exact, by binary search over the bound).
+the split minimises the heaviest chunk (exact, by binary search over the bound). Chunk ``c`` runs on stage
+``c % stages``: a stage runs chunks ``stage + k * stages`` for ``k < virtual_stages``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import re
 from collections.abc import Sequence
 
 from torch import nn
+
+from lightning_zero.core.settings.pipeline import PipelineConfig
 
 
 def layer_weights(layers: Sequence[nn.Module], method: str) -> list[int]:
@@ -74,3 +77,20 @@ def partition(weights: Sequence[int], parts: int) -> list[int]:
         size, i = max(sizes)
         bounds.insert(i + 1, bounds[i] + size // 2)
     return bounds
+
+
+def stages_of(layers: Sequence[nn.Module], bounds: list[int],
+               config: PipelineConfig) -> dict[nn.Parameter, set[int]]:
+    """Every parameter of ``layers`` -> the stages whose chunks use it."""
+    stages_of: dict[nn.Parameter, set[int]] = {}
+    for c in range(config.chunks):
+        for layer in layers[bounds[c] : bounds[c + 1]]:
+            for p in layer.parameters():
+                stages_of.setdefault(p, set()).add(c % config.stages)
+    return stages_of
+
+
+def stage_layers(config: PipelineConfig, stage: int, bounds: list[int]) -> tuple[list[int], list[int]]:
+    """``stage``'s chunks (in schedule order) and the indices of their layers."""
+    chunk_ids = [stage + k * config.stages for k in range(config.virtual_stages)]
+    return chunk_ids, [i for c in chunk_ids for i in range(bounds[c], bounds[c + 1])]

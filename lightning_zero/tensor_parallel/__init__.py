@@ -10,9 +10,9 @@ mesh, norm, sampler, refusals).
 from lightning_zero.checkpoint.slices import split_dim
 from lightning_zero.core.settings.tensor import TensorParallelConfig
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from lightning_zero.tensor_parallel.styles import Colwise, Replicate, ReplicateGradSum, Rowwise, VocabEmbedding
-from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from lightning_zero.tensor_parallel.vocab import vocab_parallel_cross_entropy
 
 __all__ = [
     "ColumnParallelLinear",

@@ -1,4 +1,5 @@
-"""Column- and row-parallel ``Linear`` layers holding plain tensors, each tagged with its split dimension.
+"""The tensor-parallel layers: column- and row-parallel ``Linear`` and the vocabulary-parallel ``Embedding``, holding
+plain tensors, each tagged with its split dimension.
 
 Note [split tags]
     A parameter split across the tensor-parallel ranks carries ``tp_split_dim`` (the dimension of the
@@ -10,7 +11,7 @@ Note [split tags]
     out the local slices like any other tensor, and the gradient norm counts an untagged parameter
     once over its TP group (``parallel/tensor.py``, Note [norm over tensor x data]).
 
-Layers are built from an existing, initialised ``nn.Linear`` by slicing its weights
+Layers are built from an existing, initialised ``nn.Linear`` (``nn.Embedding``) by slicing its weights
 (:func:`slice_param`), so one seed gives the same model whatever the tensor-parallel size.
 """
 
@@ -151,3 +152,38 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (of {self.in_features * self.tp.size}), "
                 f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose rows (the vocabulary) are split: each rank looks up the ids it owns,
+    zeros the others, and the partial embeddings are summed over the group (Megatron's g)."""
+
+    def __init__(self, embedding: nn.Embedding, tp: TPGroup, memo: SliceMemo, name: str) -> None:
+        super().__init__()
+        settings = ("max_norm", "scale_grad_by_freq", "sparse")
+        refused = {k: getattr(embedding, k) for k in settings if getattr(embedding, k)}
+        if refused:
+            given = ", ".join(f"{k}={v!r}" for k, v in refused.items())
+            raise ValueError(f"{name}: a vocabulary-parallel embedding with {given} is not built (max_norm "
+                             "renormalises rows in place, scale_grad_by_freq counts ids per rank and sparse gradients "
+                             "do not go into ZeRO's flat buffers). Fix: drop them from the nn.Embedding, or leave "
+                             f"{name!r} out of the tensor-parallel plan (it stays whole on every rank)")
+        self.tp, self.padding_idx = tp, embedding.padding_idx  # nn.Embedding made a negative one positive
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.weight = slice_param(embedding.weight, 0, 1, tp, memo, f"{name}.weight")
+        self.start = tp.rank * self.weight.size(0)
+        local_pad = None if self.padding_idx is None else self.padding_idx - self.start
+        # the padding row gets no gradient on the rank holding it (its index among this rank's rows)
+        self.local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.weight.size(0) else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.size(0))
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.local_padding_idx)
+        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+
+    def extra_repr(self) -> str:
+        end = self.start + self.weight.size(0)
+        return f"rows {self.start}..{end} of {self.num_embeddings}, dim {self.embedding_dim}"

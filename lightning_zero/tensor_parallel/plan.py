@@ -36,8 +36,13 @@ from torch import nn
 
 from lightning_zero.core.common.errors import UsageError
 from lightning_zero.tensor_parallel.collectives import TPGroup
-from lightning_zero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, SliceMemo
-from lightning_zero.tensor_parallel.regions import sum_grads_over_tp, watch_replicated_grads
+from lightning_zero.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SliceMemo,
+    VocabParallelEmbedding,
+)
+from lightning_zero.tensor_parallel.regions import hook_replicated_grads
 from lightning_zero.tensor_parallel.rng import SplitRegionDropout, SplitRegionRNG, split_hf_attention
 from lightning_zero.tensor_parallel.styles import (
     Colwise,
@@ -48,7 +53,6 @@ from lightning_zero.tensor_parallel.styles import (
     VocabEmbedding,
     resolve_style,
 )
-from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +212,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
     ``memo`` (filled) records each whole parameter and its slice."""
     memo = {} if memo is None else memo
     split = []
-    summed: set[int] = set()  # ids of the parameters whose gradients are summed over the group
+    summed: list[tuple[str, nn.Module]] = []  # the modules whose gradients are summed over the group
     rng = SplitRegionRNG(tp.rank)  # Note [dropout streams]
     for name, style in resolved.entries:
         parent_name, _, attr = name.rpartition(".")
@@ -218,8 +222,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
         if isinstance(style, Replicate):
             continue
         if isinstance(style, ReplicateGradSum):
-            sum_grads_over_tp(module, tp, name)
-            summed.update(id(p) for p in module.parameters())
+            summed.append((name, module))
             continue
         if isinstance(style, Colwise):
             new = ColumnParallelLinear(module, tp, memo, name, style.chunks, style.gather_output)
@@ -234,7 +237,7 @@ def apply_plan(root: nn.Module, resolved: ResolvedPlan, tp: TPGroup, memo: Slice
     _split_region_dropouts(root, rng)
     if any(hasattr(getattr(m, "config", None), "_attn_implementation") for m in root.modules()):
         split_hf_attention(root, rng)  # a Hugging Face model's attention dropout (Note [dropout streams])
-    watch_replicated_grads(root, tp, summed)  # Note [replicated parameters on split activations]
+    hook_replicated_grads(root, tp, summed)  # Note [replicated parameters on split activations]
     return split
 
 

@@ -36,7 +36,7 @@ Note [replicated parameters on split activations]
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,14 +81,19 @@ def compare_across(t: torch.Tensor, tp: TPGroup) -> Across:
     return Across.SAME if torch.equal(both[:2], -both[2:4]) else Across.DIFFERENT
 
 
-def watch_replicated_grads(root: nn.Module, tp: TPGroup, summed: set[int]) -> None:
-    """At the first backward, refuse a replicated parameter whose gradient differs across the TP group (Note
-    [replicated parameters on split activations]); ``summed``: ids of those whose gradients are summed."""
+def hook_replicated_grads(root: nn.Module, tp: TPGroup, summed: Sequence[tuple[str, nn.Module]]) -> None:
+    """The hooks of Note [replicated parameters on split activations] on ``root`` once the plan has split it: the
+    modules planned ``replicated_with_grad_allreduce`` (``summed``: their names and modules) get their gradients
+    summed over the TP group (:func:`sum_grads_over_tp`), and every other replicated parameter's gradient is
+    compared across the group at the first backward. Nothing on one rank."""
     if tp.size == 1:
         return
-    seen: set[int] = set()
+    seen: set[int] = set()  # ids of the parameters hooked: each once
+    for name, module in summed:
+        sum_grads_over_tp(module, tp, name)
+        seen.update(id(p) for p in module.parameters())
     for name, param in root.named_parameters():
-        if split_dim(param) is not None or id(param) in summed or id(param) in seen or not param.requires_grad:
+        if split_dim(param) is not None or id(param) in seen or not param.requires_grad:
             continue
         seen.add(id(param))
         handle: list[RemovableHandle] = []
@@ -132,7 +137,7 @@ def sum_grads_over_tp(module: nn.Module, tp: TPGroup, name: str) -> None:
 
     forward.append(module.register_forward_pre_hook(first_input))
     for pname, param in module.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad and split_dim(param) is None:  # a slice inside it (a planned child) is its own
             param.register_hook(_summed(f"{name}.{pname}", where, tp))
 
 

@@ -1,5 +1,6 @@
-"""Vocabulary-parallel embedding and cross-entropy: each tensor-parallel rank holds a contiguous range
-of the vocabulary's rows, and neither the whole embedding nor the whole logits exist on one rank.
+"""Vocabulary-parallel cross-entropy: each tensor-parallel rank holds a contiguous range of the vocabulary's
+logits (a 'colwise' head), and the whole logits never exist on one rank (the vocabulary-parallel embedding is
+``layers.py``'s).
 
 Note [vocabulary-parallel cross-entropy]
     With logits split along the vocabulary (a 'colwise' head), the loss is the unsplit one computed
@@ -15,45 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
-from lightning_zero.tensor_parallel.collectives import TPGroup, reduce_from_tp
-from lightning_zero.tensor_parallel.layers import SliceMemo, slice_param
-
-
-class VocabParallelEmbedding(nn.Module):
-    """An ``nn.Embedding`` whose rows (the vocabulary) are split: each rank looks up the ids it owns,
-    zeros the others, and the partial embeddings are summed over the group (Megatron's g)."""
-
-    def __init__(self, embedding: nn.Embedding, tp: TPGroup, memo: SliceMemo, name: str) -> None:
-        super().__init__()
-        settings = ("max_norm", "scale_grad_by_freq", "sparse")
-        refused = {k: getattr(embedding, k) for k in settings if getattr(embedding, k)}
-        if refused:
-            given = ", ".join(f"{k}={v!r}" for k, v in refused.items())
-            raise ValueError(f"{name}: a vocabulary-parallel embedding with {given} is not built (max_norm "
-                             "renormalises rows in place, scale_grad_by_freq counts ids per rank and sparse gradients "
-                             "do not go into ZeRO's flat buffers). Fix: drop them from the nn.Embedding, or leave "
-                             f"{name!r} out of the tensor-parallel plan (it stays whole on every rank)")
-        self.tp, self.padding_idx = tp, embedding.padding_idx  # nn.Embedding made a negative one positive
-        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.weight = slice_param(embedding.weight, 0, 1, tp, memo, f"{name}.weight")
-        self.start = tp.rank * self.weight.size(0)
-        local_pad = None if self.padding_idx is None else self.padding_idx - self.start
-        # the padding row gets no gradient on the rank holding it (its index among this rank's rows)
-        self.local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.weight.size(0) else None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(ids, self.weight, self.padding_idx)
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.size(0))
-        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.local_padding_idx)
-        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
-
-    def extra_repr(self) -> str:
-        end = self.start + self.weight.size(0)
-        return f"rows {self.start}..{end} of {self.num_embeddings}, dim {self.embedding_dim}"
+from lightning_zero.tensor_parallel.collectives import TPGroup
 
 
 class _VocabParallelCE(torch.autograd.Function):

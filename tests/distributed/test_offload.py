@@ -218,12 +218,13 @@ def test_the_engine_refuses_a_disk_without_room_for_the_estimated_state(tmp_path
     from collections import namedtuple
 
     from lightning_zero import ZeroConfig, ZeroEngine
+    from lightning_zero.core.comm.data_parallel import DataParallelComm
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr("lightning_zero.core.settings.offload.shutil.disk_usage", lambda path: usage(10**6, 0, 1000))
     model = torch.nn.Linear(100, 100)
     with pytest.raises(ValueError, match=r"has 1 kB free but the offloaded state needs 162 kB. Fix: nvme_path=<"):
-        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2),
+        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2), DataParallelComm(),
                    offload=OffloadConfig(optimizer_device="nvme", nvme_path=str(tmp_path)))
     assert not os.listdir(tmp_path)  # refused before any swap file
 
@@ -240,10 +241,12 @@ def test_pin_memory_without_an_accelerator_warns_and_stays_unpinned() -> None:
 
 def test_an_engine_without_an_optimizer_says_that_it_offloads_nothing() -> None:
     from lightning_zero import ZeroConfig, ZeroEngine
+    from lightning_zero.core.comm.data_parallel import DataParallelComm
 
     model = torch.nn.Linear(4, 4)
     with pytest.warns(UserWarning, match=r"offload=param_cpu .* without an optimizer .* every shard stays in memory"):
-        ZeroEngine(model, None, ZeroConfig(stage=3), offload=OffloadConfig(optimizer_device="cpu", param_device="cpu"))
+        ZeroEngine(model, None, ZeroConfig(stage=3), DataParallelComm(),
+                   offload=OffloadConfig(optimizer_device="cpu", param_device="cpu"))
 
 
 def test_swap_files_are_never_left_readable_after_a_crash(tmp_path) -> None:
@@ -312,6 +315,7 @@ def resident_main(mode: str, path: str) -> None:
     import json
 
     from lightning_zero import ZeroConfig, ZeroEngine
+    from lightning_zero.core.comm.data_parallel import DataParallelComm
     from lightning_zero.core.offload.file_store import FileStore
     from lightning_zero.core.offload.host_store import HostStore
     from lightning_zero.core.offload.swap_file import SwapFile
@@ -327,7 +331,7 @@ def resident_main(mode: str, path: str) -> None:
     reset_peak_rss()
     base = proc_status_bytes("VmRSS")  # the model's parameters are in it; what the engine adds is not
     offload = OffloadConfig(optimizer_device="nvme", nvme_path=path) if mode != "none" else None
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), offload=offload)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), DataParallelComm(), offload=offload)
     losses = []
     for _ in range(3):
         loss = torch.nn.functional.mse_loss(model(x), target)
@@ -390,11 +394,12 @@ def _nvme_io_per_step(path: str, steps: int = 4) -> tuple[int, list[tuple[int, i
     """A 1M-parameter MLP at stage 1 with its AdamW state in swap files: the state's bytes, and the
     counters' (read, written) of each step."""
     from lightning_zero import ZeroConfig, ZeroEngine
+    from lightning_zero.core.comm.data_parallel import DataParallelComm
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1),
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), DataParallelComm(),
                         offload=OffloadConfig(optimizer_device="nvme", nvme_path=path, sub_group_size=200_000))
     counters, out = engine.sharded.offload.counters, []
     x = torch.randn(8, 512)

@@ -126,7 +126,7 @@ def embedding_body() -> dict[str, Any]:
     from torch import nn
 
     from lightning_zero.tensor_parallel.collectives import TPGroup
-    from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
+    from lightning_zero.tensor_parallel.layers import VocabParallelEmbedding
 
     out: dict[str, Any] = {}
     for pad in (5, 0, -1):  # rank 1's rows, rank 0's first row, the last row (nn.Embedding makes it 7)
@@ -162,7 +162,7 @@ def test_embedding_settings_a_vocabulary_split_cannot_honour_are_refused_with_th
     from torch import nn
 
     from lightning_zero.tensor_parallel.collectives import TPGroup
-    from lightning_zero.tensor_parallel.vocab import VocabParallelEmbedding
+    from lightning_zero.tensor_parallel.layers import VocabParallelEmbedding
 
     for kwargs, what in (({"scale_grad_by_freq": True}, "scale_grad_by_freq"), ({"sparse": True}, "sparse"),
                          ({"max_norm": 1.0}, "max_norm")):

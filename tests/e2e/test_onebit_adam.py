@@ -96,7 +96,7 @@ def test_bad_arguments_and_stages_are_refused() -> None:
     module = torch.nn.Linear(4, 4)
     for stage in (1, 2, 3):
         with pytest.raises(ValueError, match="ZeRO stage 0"):
-            ZeroEngine(module, OneBitAdam(module.parameters()), ZeroConfig(stage=stage))
+            ZeroEngine(module, OneBitAdam(module.parameters()), ZeroConfig(stage=stage), DataParallelComm())
 
 
 def test_padded_numel() -> None:

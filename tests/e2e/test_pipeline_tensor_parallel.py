@@ -121,7 +121,7 @@ def test_one_seed_gives_the_same_gpt_built_whole_by_pipeline_stages_or_by_zero3_
     from lightning_zero.core.stage3.materialize import parameters_on_meta
     from lightning_zero.models.gpt import gpt_param_init
     from lightning_zero.pipeline.build import materialize_local, materialize_whole, prepare_meta_module
-    from lightning_zero.pipeline.model import split_module
+    from lightning_zero.pipeline.model import hold_stage, split_module
 
     torch.manual_seed(7)
     whole = _state(GPTLightningModule("gpt_tiny"))
@@ -143,8 +143,10 @@ def test_one_seed_gives_the_same_gpt_built_whole_by_pipeline_stages_or_by_zero3_
         assert torch.equal(value, whole[name]), name
     last = meta_built()  # the last of 2 stages materialises only its own layers: the same values
     prepare_meta_module(last, torch.device("cpu"))
-    local = split_module(last, PipelineConfig(stages=2, partition_method="uniform"), 1, 0)
-    materialize_local(last, set(local.names), init, seed)
+    config = PipelineConfig(stages=2, partition_method="uniform")
+    plan = hold_stage(last, config, 1)
+    materialize_local(last, set(plan.local), init, seed)
+    local = split_module(last, config, 0, plan)
     for param, name in local.names.items():
         assert torch.equal(param.detach(), whole[name]), name
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.offload.copy_fence import CopyFence
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.zero import engine_step
@@ -73,7 +74,8 @@ def test_offloaded_gradients_land_before_the_cpu_reads_them_and_masters_are_read
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=2), offload=OffloadConfig(optimizer_device="cpu"))
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=2), DataParallelComm(),
+                        offload=OffloadConfig(optimizer_device="cpu"))
     real_norm, real_step = engine_step.local_sum_of_squares, ShardedOptimizer._step_sub_group
 
     def norm(grads: list[torch.Tensor]) -> float:
@@ -117,7 +119,8 @@ def test_an_offloaded_parameter_shard_is_read_by_the_device_before_the_optimizer
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     config = ZeroConfig(stage=3, param_persistence_threshold=0, unit_classes=(nn.Linear,))
-    engine = ZeroEngine(model, optimizer, config, offload=OffloadConfig(optimizer_device="cpu", param_device="cpu"))
+    engine = ZeroEngine(model, optimizer, config, DataParallelComm(),
+                        offload=OffloadConfig(optimizer_device="cpu", param_device="cpu"))
     store = engine.sharded.offload
     assert isinstance(store.params, ParamOffload)
     seen: list[tuple[str, list[float]]] = []

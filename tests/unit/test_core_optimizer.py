@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero import optimizer as zero_optimizer
 from lightning_zero.core.zero.engine import ZeroEngine
@@ -50,7 +51,7 @@ def test_pieces_step_like_the_whole_tensors(small_pieces: int, stage: int) -> No
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, reduce_bucket_size=64))
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, reduce_bucket_size=64), DataParallelComm())
     assert len(opt.param_groups[0]["params"]) == -(-engine.groups[0].shard_numel // small_pieces) > 10
     _steps(model, opt, engine, 4)
     for a, b in zip(model.parameters(), plain.parameters()):
@@ -68,7 +69,7 @@ def test_pieces_step_like_the_whole_tensors(small_pieces: int, stage: int) -> No
     model2 = _model()
     model2.load_state_dict(model.state_dict())
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    engine2 = ZeroEngine(model2, opt2, ZeroConfig(stage=stage))
+    engine2 = ZeroEngine(model2, opt2, ZeroConfig(stage=stage), DataParallelComm())
     load_full_optimizer_state(engine2.sharded, copy.deepcopy(full))
     steps = [opt2.state[p]["step"] for p in opt2.param_groups[0]["params"]]
     assert len({id(s) for s in steps}) == len(steps)  # each piece owns its step counter
@@ -81,7 +82,7 @@ def test_pieces_step_like_the_whole_tensors(small_pieces: int, stage: int) -> No
 def test_detach_restores_a_plain_optimizer_with_the_full_state(small_pieces: int) -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, opt, ZeroConfig(stage=2))
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=2), DataParallelComm())
     _steps(model, opt, engine, 3)
     engine.detach()
     assert opt.param_groups[0]["params"] == list(model.parameters())

@@ -20,6 +20,7 @@ from lightning_zero.config.run.launch import compose_config
 from lightning_zero.config.schema import to_train_config
 from lightning_zero.config.settings import settings_of
 from lightning_zero.config.validate import invalid_combinations, validate_config
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.settings.precision import LossScalerConfig, PrecisionConfig
 from lightning_zero.deepspeed import BatchSizes, parse_deepspeed_config
@@ -248,7 +249,7 @@ def test_the_optimizers_swap_buffers_and_pipeline_mean_what_deepspeed_says(tmp_p
     section["buffer_count"] = 8  # AdamW: 4 per sub-group, 3 sub-groups in flight
     model = torch.nn.Linear(8, 8)
     with pytest.raises(ValueError, match=r"buffer_count=8 is too few swap buffers.*Fix: buffer_count>=12"):
-        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3),
+        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3), DataParallelComm(),
                    offload=parse_deepspeed_config(config).offload)
     hydra = compose_config(["zero=stage3", "offload=param_nvme", f"offload.nvme_path={tmp_path}",
                             "offload.buffer_count=8"])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
@@ -31,7 +32,7 @@ def _engine(model: nn.Module, stage: int, dtypes: DtypePolicy, lr: float = 0.1,
             **config: object) -> tuple[ZeroEngine, torch.optim.Optimizer]:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     zero = ZeroConfig(stage=stage, param_persistence_threshold=0, **config)  # type: ignore[arg-type]
-    return ZeroEngine(model, optimizer, zero, dtypes=dtypes), optimizer
+    return ZeroEngine(model, optimizer, zero, DataParallelComm(), dtypes=dtypes), optimizer
 
 
 def _step(engine: ZeroEngine, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
@@ -189,3 +190,15 @@ def test_a_backward_the_engine_did_not_finish_is_refused(stage: int) -> None:
     engine.module(_batch(F32)).pow(2).mean().backward()  # no finish_backward
     with pytest.raises(RuntimeError, match=r"call `self.manual_backward\(loss\)` instead of `loss.backward\(\)`"):
         engine.before_step()
+
+
+def test_an_engine_refuses_a_comm_built_with_another_collective_than_its_config() -> None:
+    """The engine takes its comm from the caller (the strategy's mesh) and builds none itself: ``ZeroConfig``'s
+    collective must be the comm's, else the setting would do nothing."""
+    model = nn.Linear(4, 2)
+    config = ZeroConfig(stage=2, collective="all_reduce")
+    with pytest.raises(ValueError, match=r"collective='all_reduce'.*DataParallelComm"):
+        ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config, DataParallelComm())
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config,
+                        DataParallelComm(collective="all_reduce"))
+    assert engine.comm.use_all_reduce

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero.cli import main
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.memory import model_state_formula, offloaded_model_state
 from lightning_zero.core.settings.zero import ZeroConfig
 from lightning_zero.core.zero.engine import ZeroEngine
@@ -207,7 +208,7 @@ def test_estimate_matches_measured_model_state(stage: int) -> None:
     torch.manual_seed(0)
     model = _small_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage), DataParallelComm())
     idx = torch.randint(0, 256, (2, 16))
     F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
     engine.finish_backward()

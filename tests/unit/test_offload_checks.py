@@ -17,6 +17,7 @@ from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero.checkpoint.reader import ShardedCheckpoint
 from lightning_zero.cli import main
 from lightning_zero.config.run.launch import check_jobs
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.settings.offload import OffloadConfig
 from lightning_zero.core.zero.optimizer_state import full_optimizer_state, load_full_optimizer_state
 from tests.models import TinyTransformer, make_trainer, token_loader
@@ -116,7 +117,8 @@ def test_the_users_kernel_flags_come_back_after_fit_and_in_checkpoints(tmp_path:
 def test_a_resume_with_offload_steps_fused_and_hands_back_the_users_flags() -> None:
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), offload=OffloadConfig(optimizer_device="cpu"))
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), DataParallelComm(),
+                        offload=OffloadConfig(optimizer_device="cpu"))
 
     state = full_optimizer_state(engine.sharded, engine.comm)
     assert [(g["fused"], g["foreach"]) for g in state["param_groups"]] == [(None, True)]  # the user's flags

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.flat_param import FlatParamGroup
 from lightning_zero.core.settings.precision import DtypePolicy
 from lightning_zero.core.settings.zero import ZeroConfig
@@ -108,7 +109,8 @@ def test_the_single_rank_engine_gives_the_module_back(shape_list: list[tuple[int
     original = {n: p.detach().clone() for n, p in module.named_parameters()}
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     config = ZeroConfig(stage=stage, reduce_bucket_size=bucket, param_persistence_threshold=0)
-    engine = ZeroEngine(module, optimizer, config, dtypes=DtypePolicy(param_dtype=dtype, master_dtype=dtype))
+    engine = ZeroEngine(module, optimizer, config, DataParallelComm(),
+                        dtypes=DtypePolicy(param_dtype=dtype, master_dtype=dtype))
     full = engine.full_state_dict()
     assert set(full) == set(original)
     for name, value in original.items():

@@ -13,6 +13,7 @@ import torch
 from lightning_zero import ZeroStrategy
 from lightning_zero.config import validate_config
 from lightning_zero.config.run.launch import compose_config
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.settings import (
     RULES,
     ExpertParallelConfig,
@@ -103,7 +104,8 @@ def test_every_route_refuses_a_broken_rule_with_its_one_message_in_its_own_keys(
     with pytest.raises(ValueError, match=rf"zero_optimization.offload_param.device='cpu' {phrase}"):
         parse_deepspeed_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
     with pytest.raises(ValueError, match=phrase):  # the engine, for the nodes it is given
-        ZeroEngine(torch.nn.Linear(2, 2), None, ZeroConfig(stage=3), offload=OffloadConfig("none", "cpu"))
+        ZeroEngine(torch.nn.Linear(2, 2), None, ZeroConfig(stage=3), DataParallelComm(),
+                   offload=OffloadConfig("none", "cpu"))
 
 
 def test_the_keys_are_spelled_as_each_route_writes_them() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.offload import shard_store, store
 from lightning_zero.core.offload.file_store import FileStore
 from lightning_zero.core.offload.host_store import HostStore
@@ -79,7 +80,8 @@ def test_the_optimizer_calls_the_store_it_was_given_and_steps_as_a_plain_optimiz
     monkeypatch.setattr("lightning_zero.core.zero.engine_setup.open_shard_store", open_recording)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), offload=OffloadConfig(optimizer_device=device))
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=1), DataParallelComm(),
+                        offload=OffloadConfig(optimizer_device=device))
     (recorded,) = made
     x = torch.randn(5, 6)
     for _ in range(2):
@@ -111,10 +113,10 @@ def test_the_optimizer_and_the_engine_ask_the_store_never_the_device() -> None:
     assert naming == [], naming  # only open_shard_store (core/offload/store.py) looks at the device
     assert DeviceStore.offloaded is False and HostStore.offloaded is True and FileStore.offloaded is True
     module = nn.Linear(4, 4)
-    plain = ZeroEngine(module, torch.optim.AdamW(module.parameters()), ZeroConfig(stage=2))
+    plain = ZeroEngine(module, torch.optim.AdamW(module.parameters()), ZeroConfig(stage=2), DataParallelComm())
     assert plain.master_grad_is_view and plain.sharded is not None and plain.sharded.offload is None
     module = nn.Linear(4, 4)
-    offloaded = ZeroEngine(module, torch.optim.AdamW(module.parameters()), ZeroConfig(stage=2),
+    offloaded = ZeroEngine(module, torch.optim.AdamW(module.parameters()), ZeroConfig(stage=2), DataParallelComm(),
                            offload=OffloadConfig(optimizer_device="cpu"))
     try:
         assert not offloaded.master_grad_is_view and offloaded.sharded is not None

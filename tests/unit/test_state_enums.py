@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_zero import NonFinitePolicy, OffloadConfig, OffloadDevice, ZeroConfig, ZeroStage
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.common.memory import model_state_formula
 from lightning_zero.core.zero.engine import ZeroEngine
 from lightning_zero.core.zero.engine_step import StepState, StepStateError
@@ -120,7 +121,8 @@ def _engine(stage: int) -> tuple[ZeroEngine, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return ZeroEngine(model, optimizer, ZeroConfig(stage=stage, param_persistence_threshold=0)), optimizer
+    config = ZeroConfig(stage=stage, param_persistence_threshold=0)
+    return ZeroEngine(model, optimizer, config, DataParallelComm()), optimizer
 
 
 def _backward(engine: ZeroEngine) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
+from lightning_zero.core.comm.data_parallel import DataParallelComm
 from lightning_zero.core.offload.swap_io import SwapIO
 from lightning_zero.core.offload.swap_step import SwappedStep
 from lightning_zero.core.settings.offload import OffloadConfig
@@ -36,7 +37,7 @@ def _fit(offload: OffloadConfig | None, steps: int = 3, accumulate: int = 2, cli
     model = nn.Sequential(*[nn.Linear(24, 24) for _ in range(4)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
     config = ZeroConfig(stage=3, param_persistence_threshold=0, unit_classes=(nn.Linear,), prefetch_bucket_size=1500)
-    engine = ZeroEngine(model, optimizer, config, offload=offload)
+    engine = ZeroEngine(model, optimizer, config, DataParallelComm(), offload=offload)
     losses = []
     x = torch.randn(6, 24)
     for _ in range(steps):
@@ -90,7 +91,7 @@ def test_every_part_on_disk_steps_bitwise_as_without_offload_through_the_buffers
 def test_too_few_buffers_for_the_pipeline_are_refused_before_a_step_with_the_count(tmp_path) -> None:
     model = nn.Linear(8, 8)
     with pytest.raises(ValueError, match=r"buffer_count=11 is too few .*takes 4 .*3 sub-group\(s\).*buffer_count>=12"):
-        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3),
+        ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3), DataParallelComm(),
                    offload=_nvme(str(tmp_path), buffer_count=11))
     SwappedStep(None, 4, False, False).check(4)  # DeepSpeed's default: enough without the pipeline
     with pytest.raises(ValueError, match="buffer_count>=8"):

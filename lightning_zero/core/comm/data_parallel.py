@@ -103,6 +103,7 @@ class DataParallelComm:
     def __init__(self, group: dist.ProcessGroup | None = None, collective: Collective = "auto",
                  expert_data: DataParallelComm | None = None) -> None:
         self.group = group
+        self.collective: Collective = Collective.of(collective, "collective")  # the engine checks its config's
         self.expert_data = expert_data
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size: int = dist.get_world_size(group) if initialized else 1  # ranks in the DP group

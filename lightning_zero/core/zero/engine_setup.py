@@ -74,6 +74,10 @@ def check_construction(module: nn.Module, optimizer: Optimizer | None, config: Z
     """Refuse, with the fix, what the engine cannot build: first what this rank can tell alone, then (the one
     collective) parameters or settings that differ across ranks."""
     dtypes = checked_dtypes(module, dtypes)
+    if comm.collective is not config.collective:
+        raise ValueError(f"ZeroConfig(collective={config.collective.value!r}) but the engine's comm was built with "
+                         f"collective={comm.collective.value!r}: build it with DataParallelComm(<group>, "
+                         "collective=config.collective)")
     if experts and comm.expert_data is None:
         raise ValueError("expert parameters need the expert-data group: build the engine's comm with "
                          "DataParallelComm(..., expert_data=DataParallelComm(<expert-data group>))")

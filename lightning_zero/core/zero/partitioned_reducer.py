@@ -30,9 +30,10 @@ def make_reducer(groups: list[FlatParamGroup], comm: DataParallelComm, stage: in
                  ) -> GradReducer | PartitionedReducer:
     """The engine's reducer: one :class:`GradReducer`, or with expert groups a :class:`PartitionedReducer`
     (the arguments are :class:`GradReducer`'s)."""
-    if not any(g.experts for g in groups):
-        return GradReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype, grad_home)
-    return PartitionedReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype, grad_home)
+    if any(g.experts for g in groups):
+        return PartitionedReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype,
+                                  grad_home)
+    return GradReducer(groups, comm, stage, bucket_numel, overlap, grad_dtype, names, accum_dtype, grad_home)
 
 
 class _PartHome:
@@ -65,9 +66,9 @@ class PartitionedReducer:
         for experts in (False, True):
             indices = [i for i, g in enumerate(groups) if g.experts == experts]
             members = {s.param for i in indices for s in groups[i].slots}
+            home = None if grad_home is None else _PartHome(grad_home, indices)  # the part's view of the home
             reducer = GradReducer([groups[i] for i in indices], comm.of(experts), stage, bucket_numel, overlap,
-                                  grad_dtype, {p: n for p, n in names.items() if p in members}, accum_dtype,
-                                  None if grad_home is None else _PartHome(grad_home, indices),
+                                  grad_dtype, {p: n for p, n in names.items() if p in members}, accum_dtype, home,
                                   average_over=comm.world_size)
             for j, i in enumerate(indices):
                 self._where[i] = (len(self.parts), j)
