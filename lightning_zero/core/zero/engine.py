@@ -115,7 +115,7 @@ class ZeroEngine:
         # 1. the checks: the settings' rules; then this rank's dtypes and optimizer, then every rank's structure
         check_settings(Settings(zero=config, offload=self.offload_config))  # Note [one rule, many spellings]
         self.comm = comm if comm is not None else DataParallelComm(collective=config.collective)
-        checked = check_construction(module, optimizer, config, comm, dtypes, self.experts, setup_settings or {})
+        checked = check_construction(module, optimizer, config, self.comm, dtypes, self.experts, setup_settings or {})
         self.dtypes, self.names = checked.dtypes, checked.names  # names: every parameter, module order
         self._self_reducing: SelfReducingOptimizer | None = checked.self_reducing
         managed = {p for g in checked.optimizer_groups for p in g}
