@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
+from tests.lane import Lane, lane_run
 from tests.launches import SharedLaunches
 from tests.pool import GlooPool, Pools
+
+_LANE = Lane()  # Note [background lane] in tests/lane.py
+_LAUNCHES = SharedLaunches()  # the fixture `launches`; its declared real launches start on the lane
+# the tiers in the order they run: the in-process unit tests first, beside the lane's runs (one core each)
+_TIERS = ("unit", "distributed", "e2e")
 
 
 @pytest.fixture(scope="session")
@@ -36,11 +44,8 @@ def gloo_pool(gloo_pools: Pools) -> GlooPool:
 def launches(request: pytest.FixtureRequest) -> Iterator[SharedLaunches]:
     """The session's shared ``lightning-zero`` launches (Note [shared launches] in tests/launches.py): a test that
     only reads what a run wrote asks for the run by its arguments and gets the one the session made."""
-    shared = SharedLaunches(lambda world_size: request.getfixturevalue("gloo_pools").get(world_size))
-    try:
-        yield shared
-    finally:
-        shared.close()
+    _LAUNCHES.pools = lambda world_size: request.getfixturevalue("gloo_pools").get(world_size)
+    yield _LAUNCHES
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -48,14 +53,54 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the long checks (marked `long`: the 50-launch soak); `pytest -q` skips them")
 
 
+def _tier(item: pytest.Item) -> int:
+    parts = item.path.relative_to(item.config.rootpath).parts
+    return _TIERS.index(parts[1]) if len(parts) > 2 and parts[1] in _TIERS else len(_TIERS)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``long`` run only with ``--long`` (their commands: docs/design.md "Tests")."""
+    """The unit tests run first, then the distributed ones, then end-to-end (each in its files' order: Note
+    [background lane] in tests/lane.py). Tests marked ``long`` run only with ``--long`` (their commands:
+    docs/design.md "Tests")."""
+    items.sort(key=_tier)  # stable: the order within a tier stays
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="a long check: run it with --long (docs/design.md, Tests)")
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The lane's runs of the selected tests start (Note [background lane] in tests/lane.py)."""
+    if session.config.option.collectonly:
+        return
+    items = [item for item in session.items if item.get_closest_marker("skip") is None]
+    for item in sorted(items, key=lambda item: -_lane_wait_s(item)):  # the longest waits first
+        run = lane_run(item)
+        if run is not None:
+            _LANE.submit(item.nodeid, run)
+        for marker in item.iter_markers("real_launch"):
+            _LAUNCHES.prestart(marker.args[0], _LANE)
+
+
+def _lane_wait_s(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("lane")
+    return marker.kwargs.get("wait_s", 0.0) if marker is not None else 0.0
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _LANE.close()
+    _LAUNCHES.close()
+
+
+@pytest.fixture
+def lane_result(request: pytest.FixtureRequest) -> object:
+    """What this test's background run returned (Note [background lane] in tests/lane.py): mark the test
+    ``@pytest.mark.lane(run=run)``."""
+    run = lane_run(request.node)
+    assert run is not None, f"{request.node.nodeid} asks for lane_result without @pytest.mark.lane(run=...)"
+    return _LANE.result(request.node.nodeid, run)
 
 
 _SESSION_ENV = dict(os.environ)  # taken when pytest imports this file: before any test or fixture ran
@@ -68,11 +113,25 @@ def _session_environment() -> Iterator[None]:
     Lightning's launcher writes ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` and ``LOCAL_RANK``
     into ``os.environ`` even for an in-process fit of one rank. A later test that starts a training
     script would hand them on: the script then takes itself for an already launched rank, never
-    starts the others, and waits for them until its timeout.
+    starts the others, and waits for them until its timeout. Only what changed is put back: the lane's
+    threads copy ``os.environ`` for the processes they start (Note [background lane] in tests/lane.py).
+
+    A module a test imported from a temporary directory (a user project's ``wave.model``, copied for the test)
+    is forgotten with the directory's place on ``sys.path``: a later test importing the same name from its own
+    copy gets its own, as a fresh process would.
     """
+    modules, path = set(sys.modules), list(sys.path)
     yield
     current = os.environ.get("PYTEST_CURRENT_TEST")  # pytest's own, removed by pytest after this
-    os.environ.clear()
-    os.environ.update(_SESSION_ENV)
+    for key in [k for k in os.environ if k not in _SESSION_ENV and k != "PYTEST_CURRENT_TEST"]:
+        del os.environ[key]
+    for key, value in _SESSION_ENV.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
     if current is not None:
         os.environ["PYTEST_CURRENT_TEST"] = current
+    temporary = tempfile.gettempdir() + os.sep
+    for name in set(sys.modules) - modules:
+        if (getattr(sys.modules.get(name), "__file__", None) or "").startswith(temporary):
+            del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if p in path or not p.startswith(temporary)]

@@ -14,12 +14,16 @@ Note [shared launches]
       (``trainer=cpu1``) trains in the test process, as the CLI does.
     - ``launches.cli(*args)``: a real ``lightning-zero`` (the console script) in a subprocess, for what only
       processes show: torchrun, the console through a pipe, exit codes, how the processes end
-      (:data:`EXIT_PROBE`).
+      (:data:`EXIT_PROBE`); ``launches.script(path, *args)``: ``python <path> <args>`` likewise.
 
     Each runs once per session for the same arguments, in a directory of its own holding links to the
-    repository's files. Arguments are compared as written (``a b`` and ``b a`` are two runs): use the argument
-    tuples below, which are the docs' own commands (the docs test runs them through the same cache). A test that
-    writes into a shared run (a resume into the same directory) copies it first.
+    repository's files. A real launch that tests read is declared on them by its command,
+    ``@pytest.mark.real_launch(("lightning-zero", *GPT_TINY))`` (or ``("python", script, *args)``): it then starts
+    on the background lane when collection ends (Note [background lane] in tests/lane.py), and the first test
+    that asks for it waits for that run instead of starting its own. Arguments are compared as written (``a b``
+    and ``b a`` are two runs): use the argument tuples below, which are the docs' own commands (the docs test runs
+    them through the same cache). A test that writes into a shared run (a resume into the same directory) copies
+    it first.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,10 +155,11 @@ class SharedLaunches:
     Each runs in a fresh directory holding links to the repository's files (``docs/examples/ds_config.json``
     resolves as in the checkout; the run's outputs land beside them, never in the checkout)."""
 
-    def __init__(self, pools: Any) -> None:
+    def __init__(self, pools: Callable[[int], Any] | None = None) -> None:
         self._root = Path(tempfile.mkdtemp(prefix="launches_"))
-        self._pools = pools  # world size -> the session's pool of it, started only when a run asks for it
-        self._runs: dict[tuple[Any, ...], Launch] = {}
+        self.pools = pools  # world size -> the session's pool of it, started only when a run asks for it
+        self._runs: dict[tuple[Any, ...], Future[Launch]] = {}
+        self._lock = threading.Lock()  # the lane's thread makes real launches too (:meth:`prestart`)
 
     def new_dir(self) -> Path:
         """A fresh empty directory of the session's."""
@@ -165,15 +172,40 @@ class SharedLaunches:
 
     def pool(self, world_size: int = 2) -> Any:
         """The session's pool of ``world_size`` ranks."""
-        return self._pools(world_size)
+        assert self.pools is not None, "the fixture `launches` binds the session's pools"
+        return self.pools(world_size)
 
     def once(self, key: tuple[Any, ...], run: Any, cwd: Path | None = None) -> Launch:
         """``run(cwd)``'s launch, made once per session for ``key`` (in ``cwd`` when given, else in a fresh
-        directory holding links to the repository's files)."""
+        directory holding links to the repository's files); a caller that finds it running (on the lane) waits."""
         key = (*key, cwd)
-        if key not in self._runs:
-            self._runs[key] = run(cwd or self._workdir())
-        return self._runs[key]
+        with self._lock:
+            made = self._runs.get(key)
+            if made is None:
+                made = self._runs[key] = Future()
+                made.set_running_or_notify_cancel()
+                mine = True
+            else:
+                mine = False
+        if mine:
+            try:
+                made.set_result(run(cwd or self._workdir()))
+            except BaseException as error:
+                made.set_exception(error)
+        return made.result()
+
+    def script(self, *args: str, cwd: Path | None = None) -> Launch:
+        """``python <script> <args>`` (a path relative to the repository) in a subprocess, once per session."""
+        return self.once(("script", *args), lambda where: run_process([str(ROOT / args[0]), *args[1:]], where,
+                                                                      program=[sys.executable]), cwd)
+
+    def prestart(self, command: Sequence[str], lane: Any) -> None:
+        """Queue the real launch of ``command`` (``lightning-zero ...``: :meth:`cli`; ``python ...``: :meth:`script`)
+        on the background lane (``@pytest.mark.real_launch``)."""
+        program, *args = command
+        assert program in ("lightning-zero", "python"), command
+        launch = self.cli if program == "lightning-zero" else self.script
+        lane.submit(f"real launch: {' '.join(command)}", lambda _: launch(*args))
 
     def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300,
             cwd: Path | None = None) -> Launch:
@@ -188,7 +220,7 @@ class SharedLaunches:
         when given: then the run is that directory's, shared with no one)."""
         from tests.in_pool import run_in_process
 
-        return self.once(("pool", args), lambda where: run_in_process(args, where, self._pools), cwd)
+        return self.once(("pool", args), lambda where: run_in_process(args, where, self.pool), cwd)
 
     def close(self) -> None:
         shutil.rmtree(self._root, ignore_errors=True)

@@ -35,6 +35,7 @@ def _check_run_dir(run: Path, steps: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(("lightning-zero", *GPT_TINY))  # the session's (tests/launches.py)
 def test_train_runs_two_cpu_ranks_in_one_output_directory(launches: SharedLaunches) -> None:
     done = launches.cli(*GPT_TINY).check()
     assert_clean_exit(done.output)  # the soak's check (tests/e2e/test_soak.py, a long check) on this launch

@@ -20,6 +20,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -31,6 +32,8 @@ from docs.regenerate import check_test_quote
 from lightning_zero.config.run.console import NOISE
 from tests.launches import GPT_TINY, Launch, SharedLaunches
 
+REAL_GPT_TINY = ("lightning-zero", *GPT_TINY)  # the real launch the `runs` fixture reads (tests/launches.py)
+ONE_DEVICE = ("train", "experiment=gpt_tiny", "trainer=cpu1")
 STEPS = 20  # gpt_tiny's own: the docs' `lightning-zero train experiment=gpt_tiny` (tests/launches.py GPT_TINY)
 PROGRESS = re.compile(r"^step (\d+)/(\d+)  loss \d\.\d+  tokens/s [\d,]+  elapsed \d+:\d\d:\d\d  ETA \d+:\d\d:\d\d$")
 
@@ -54,6 +57,7 @@ def _console(done: Launch) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(REAL_GPT_TINY)
 def test_the_console_shows_progress_lines_and_no_noise(runs) -> None:
     run, done = runs["fp32"]
     lines = _console(done)
@@ -72,12 +76,13 @@ def test_the_console_shows_progress_lines_and_no_noise(runs) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(("lightning-zero", *ONE_DEVICE))
 def test_the_smoke_run_learns_on_one_replica_and_prints_each_line_once(launches: SharedLaunches) -> None:
     """``experiment=gpt_tiny`` on one data replica (what cpu1, tp2, sp2 and pp2 train: their losses equal this run's,
     tests/e2e/test_sequence_parallel.py, test_pipeline_tensor_parallel.py) ended ``val_loss 5.4716 -> 5.5431``: its
     validation split was a build's configuration dump. And the run in one process printed each Lightning line twice
     (``INFO: ...`` and Hydra's format), the model summary twice, and the noise the 2-rank console drops."""
-    done = launches.cli("train", "experiment=gpt_tiny", "trainer=cpu1")  # a process: its console as a user sees it
+    done = launches.cli(*ONE_DEVICE)  # a process: its console as a user sees it
     lines = _console(done)
     assert done.returncode == 0, "\n".join(lines[-40:])
     summary = re.search(r"steps=20 fit_time=[\d.]+s val_loss (\d\.\d{4}) -> (\d\.\d{4}) \(drop ([\d.]+) nats\)",
@@ -131,6 +136,7 @@ def _experiment(acc: EventAccumulator) -> plugin_data_pb2.Experiment:
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(REAL_GPT_TINY)
 def test_ranks_and_cli_run_their_exit_handlers_then_skip_the_interpreter_s_teardown(runs) -> None:
     probe = runs["fp32"][1].exit_probe
     assert probe is not None
@@ -139,6 +145,7 @@ def test_ranks_and_cli_run_their_exit_handlers_then_skip_the_interpreter_s_teard
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(REAL_GPT_TINY)
 def test_the_run_directory_is_named_by_the_run_s_choices(runs) -> None:
     run, _ = runs["fp16"]  # outputs/<date>/<time>_<name>: the name TensorBoard lists the run by
     assert re.fullmatch(r"\d\d-\d\d-\d\d_gpt_tiny-zero2-fp16", run.name), run
@@ -167,6 +174,7 @@ def _main_run(run: Path) -> tuple[EventAccumulator, set[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(REAL_GPT_TINY)
 def test_the_dashboard_has_one_run_per_training_run(runs) -> None:
     for name, (run, _) in runs.items():
         # no per-rank sub-runs: TensorBoard's run list has one entry (one colour) per training run
@@ -186,6 +194,7 @@ def test_the_dashboard_has_one_run_per_training_run(runs) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(REAL_GPT_TINY)
 def test_the_dashboard_opens_on_the_loss_and_the_vital_signs(runs) -> None:
     for name, (run, _) in runs.items():
         main, tags = _main_run(run)
@@ -203,6 +212,7 @@ def test_the_dashboard_opens_on_the_loss_and_the_vital_signs(runs) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(REAL_GPT_TINY)
 def test_the_dashboard_shows_memory_in_mib_and_no_series_that_is_always_zero(runs) -> None:
     for name, (run, _) in runs.items():
         main, tags = _main_run(run)
@@ -215,6 +225,7 @@ def test_the_dashboard_shows_memory_in_mib_and_no_series_that_is_always_zero(run
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(REAL_GPT_TINY)
 def test_the_hparams_table_compares_runs_by_choices_and_a_few_metrics(runs) -> None:
     hparams = {}
     for name, (run, _) in runs.items():
@@ -237,6 +248,7 @@ def test_the_hparams_table_compares_runs_by_choices_and_a_few_metrics(runs) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.real_launch(REAL_GPT_TINY)
 def test_resume_reports_the_checkpoint_s_validation_loss_as_start(runs, launches: SharedLaunches,
                                                                  tmp_path: Path) -> None:
     shared, _ = runs["fp32"]
@@ -278,49 +290,59 @@ def _rank_pid(parent: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow
-def test_a_rank_killed_by_sigkill_ends_with_a_short_summary(tmp_path: Path) -> None:
+def _run_rank_killed_by_sigkill(root: Path) -> dict[str, Any]:
+    """``lightning-zero train`` with rank 1 SIGKILLed at its first progress line: the exit code and the console."""
     proc = subprocess.Popen(_command(["experiment=gpt_tiny", "trainer.max_steps=100000", "trainer.max_time=null",
-                                      f"hydra.run.dir={tmp_path / 'run'}"]),
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                      f"hydra.run.dir={root / 'run'}"]),
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    lines = []
+    lines: list[str] = []
     killed = False
-    deadline = time.monotonic() + 180
-    for line in proc.stdout:
-        lines.append(line.rstrip("\n"))
-        if not killed and PROGRESS.match(lines[-1]):
-            pid = _rank_pid(proc.pid, 1)
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)  # as the out-of-memory killer would
-            killed = True
-        assert time.monotonic() < deadline, "\n".join(lines[-50:])
-    assert proc.wait(timeout=60) == 1 and killed
+    try:
+        deadline = time.monotonic() + 180
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if not killed and PROGRESS.match(lines[-1]):
+                pid = _rank_pid(proc.pid, 1)
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)  # as the out-of-memory killer would
+                killed = True
+            assert time.monotonic() < deadline, "\n".join(lines[-50:])
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    return {"code": code, "killed": killed, "lines": lines, "root": root}
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_run_rank_killed_by_sigkill)  # Note [background lane] in tests/lane.py
+def test_a_rank_killed_by_sigkill_ends_with_a_short_summary(lane_result: dict[str, Any]) -> None:
+    lines, root = lane_result["lines"], lane_result["root"]
+    assert lane_result["code"] == 1 and lane_result["killed"], "\n".join(lines[-40:])
     end = "\n".join(lines[-6:])
     assert "rank 1 of 2 was killed by SIGKILL (it printed no traceback" in end, "\n".join(lines[-40:])
     assert "Likely cause: the out-of-memory killer" in end and "The estimator suggests" in end
     assert "The estimator's host memory for this configuration (stage 2" in end and "per rank" in end, end
     assert "Settings that lower it: data.micro_batch_size=" in end, end
-    assert "zero=stage" in end and str(tmp_path / "run" / "train.log") in end
+    assert "zero=stage" in end and str(root / "run" / "train.log") in end
     assert "Traceback" not in "\n".join(lines[-8:])  # no launcher traceback after the summary
-    assert "Root Cause" in (tmp_path / "run" / "train.log").read_text()  # torchrun's full report stays there
+    assert "Root Cause" in (root / "run" / "train.log").read_text()  # torchrun's full report stays there
     for doc in ("docs/configs.md", "docs/reliability.md"):  # the summary they quote (Note [quoted output])
         test = "tests/e2e/test_cli_runs.py::test_a_rank_killed_by_sigkill_ends_with_a_short_summary"
-        issues = check_test_quote(doc, test, "\n".join(lines), tmp_path)
+        issues = check_test_quote(doc, test, "\n".join(lines), root)
         assert not issues, f"{doc} quotes this summary: refresh it with .venv/bin/python docs/regenerate.py " \
                            f"--only {doc}\n" + "\n".join(issues)
 
 
-@pytest.mark.slow
-def test_a_stopped_rank_is_ended_and_the_job_ends_right_after_the_finding(tmp_path: Path) -> None:
-    """A rank stopped with SIGSTOP is named by the hang watchdog, but the job ended 30 s later: torchrun sends
-    SIGTERM, which a stopped process does not act on, and SIGKILL only after 30 s (76 s from the stop on a loaded
-    machine at the default 45 s; issue 41, 11). Now the reporting rank ends it (Note [ending a silent rank]) and the
-    command exits right after the finding, with the hang watchdog's summary, not an out-of-memory one."""
-    hang_timeout = 4.0
+_HANG_TIMEOUT_S = 4.0
+
+
+def _run_stopped_rank(root: Path) -> dict[str, Any]:
+    """``lightning-zero train`` at hang_timeout_s=4 with rank 1 SIGSTOPped at its first progress line: the exit
+    code, how long after the stop the command ended, the stopped rank's pid and the console."""
     proc = subprocess.Popen(_command(["experiment=gpt_tiny", "trainer.max_steps=100000", "trainer.max_time=null",
-                                      f"zero.hang_timeout_s={hang_timeout}", f"hydra.run.dir={tmp_path / 'run'}"]),
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                      f"zero.hang_timeout_s={_HANG_TIMEOUT_S}", f"hydra.run.dir={root / 'run'}"]),
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines: list[str] = []
     stopped_at, pid = None, None
@@ -339,7 +361,19 @@ def test_a_stopped_rank_is_ended_and_the_job_ends_right_after_the_finding(tmp_pa
     finally:
         proc.kill()
         if pid is not None and Path(f"/proc/{pid}").exists():
-            os.kill(pid, signal.SIGKILL)  # a rank this test stopped (it is its descendant): never left behind
+            os.kill(pid, signal.SIGKILL)  # a rank this run stopped (it is its descendant): never left behind
+    return {"code": code, "ended": ended, "pid": pid, "lines": lines}
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_run_stopped_rank, wait_s=4)  # Note [background lane] in tests/lane.py
+def test_a_stopped_rank_is_ended_and_the_job_ends_right_after_the_finding(lane_result: dict[str, Any]) -> None:
+    """A rank stopped with SIGSTOP is named by the hang watchdog, but the job ended 30 s later: torchrun sends
+    SIGTERM, which a stopped process does not act on, and SIGKILL only after 30 s (76 s from the stop on a loaded
+    machine at the default 45 s; issue 41, 11). Now the reporting rank ends it (Note [ending a silent rank]) and the
+    command exits right after the finding, with the hang watchdog's summary, not an out-of-memory one."""
+    code, ended, pid, lines = lane_result["code"], lane_result["ended"], lane_result["pid"], lane_result["lines"]
+    hang_timeout = _HANG_TIMEOUT_S
     text = "\n".join(lines)
     assert code == 1 and ended is not None, text[-3000:]
     print(f"the command exited {ended:.1f} s after the stop (hang_timeout_s={hang_timeout:g})")

@@ -26,15 +26,14 @@ import ast
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
 from docs.regenerate import Quote, enter, normalize, problems, quotes, runnable_command, session_of, workdir
 from tests.in_pool import run_in_process, run_script_in_pool, run_script_in_process
-from tests.launches import GPT_TINY, MULTIRUN, Launch, SharedLaunches, run_process
+from tests.launches import GPT_TINY, MULTIRUN, Launch, SharedLaunches
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -128,9 +127,7 @@ def _run(quote: Quote, cwd: Path | None, launches: SharedLaunches) -> tuple[Laun
         return launches.pool_cli(*args[1:], cwd=cwd), True
     script, argv = ROOT / args[1], args[2:]
     if command in PROCESS:
-        run = launches.once(("process", *args), lambda where: run_process([str(script), *argv], where,
-                                                                          program=[sys.executable]), cwd)
-        return run, False
+        return launches.script(*args[1:], cwd=cwd), False
     if args[1] in ONE_PROCESS:
         return launches.once(("in process", *args), lambda where: run_script_in_process(script, argv, where), cwd), \
             False
@@ -138,8 +135,16 @@ def _run(quote: Quote, cwd: Path | None, launches: SharedLaunches) -> tuple[Laun
                          cwd), True
 
 
+def _block_param(block: str) -> Any:
+    """The block's test parameter; a command of its own process outside a session starts on the background lane
+    (Note [shared launches] in tests/launches.py)."""
+    real = [shlex.split(LONG.get(q.command, q.command)) for q in BLOCKS[block]
+            if q.command in PROCESS and q.session is None and not q.cd]
+    return pytest.param(block, marks=[pytest.mark.real_launch(tuple(c)) for c in real])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("block", list(BLOCKS))
+@pytest.mark.parametrize("block", [_block_param(b) for b in BLOCKS])
 def test_doc_commands_run_and_print_what_the_docs_quote(block: str, launches: SharedLaunches) -> None:
     """Every docs command runs with the exit code the docs show, and prints what they quote; a named session's
     python blocks run in their place, in the session's directory."""

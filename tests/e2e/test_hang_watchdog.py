@@ -333,32 +333,41 @@ def _reap(procs: list[subprocess.Popen], timeout_s: float) -> list[float | None]
 _STOPPED = "test_a_stopped_rank_is_named_within_60_s_at_default_settings_by_every_other_rank"
 
 
-@pytest.mark.slow
-def test_a_stopped_rank_is_named_within_60_s_at_default_settings_by_every_other_rank(tmp_path: Path) -> None:
-    procs = _launch("stop", 3, tmp_path)  # hang_timeout_s: the default, 45 s
+def _run_stopped_at_default_settings(root: Path) -> dict[str, Any]:
+    """Three ranks at the default hang_timeout_s (45 s), rank 1 stopped: when it stopped and when each ended."""
+    procs = _launch("stop", 3, root)
     try:
-        stopped_at = _wait_for(tmp_path / "rank1.log", "STOPPING rank 1", 240)
+        stopped_at = _wait_for(root / "rank1.log", "STOPPING rank 1", 240)
         ended = _reap(procs, 120)
     finally:
         for p in procs:
             p.kill()
+    return {"after_stop": [None if e is None else e - stopped_at for e in ended],
+            "codes": [p.returncode for p in procs],
+            "logs": [(root / f"rank{rank}.log").read_text(errors="replace") for rank in range(3)], "root": root}
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_run_stopped_at_default_settings, wait_s=45)  # Note [background lane] in tests/lane.py
+def test_a_stopped_rank_is_named_within_60_s_at_default_settings_by_every_other_rank(
+        lane_result: dict[str, Any]) -> None:
+    after_stop, codes, logs = lane_result["after_stop"], lane_result["codes"], lane_result["logs"]
     # the stopped rank too: a reporting rank ended it (Note [ending a silent rank]), so the job ends with them
-    assert ended[1] is not None and procs[1].returncode == -signal.SIGKILL, procs[1].returncode
-    print(f"the stopped rank 1 was ended {ended[1] - stopped_at:.1f} s after the stop")
-    assert ended[1] - stopped_at < 60
-    ended = [ended[0], ended[2]]
-    for rank, end in ((0, ended[0]), (2, ended[1])):
-        log = (tmp_path / f"rank{rank}.log").read_text(errors="replace")
-        assert end is not None, f"rank {rank} still running:\n{log[-3000:]}"
-        assert end - stopped_at < 60, (rank, end - stopped_at)  # named and exited (the collective timeout: 120 s)
-        assert procs[rank].returncode == HANG_EXIT_CODE, log[-3000:]
+    assert after_stop[1] is not None and codes[1] == -signal.SIGKILL, codes[1]
+    print(f"the stopped rank 1 was ended {after_stop[1]:.1f} s after the stop")
+    assert after_stop[1] < 60
+    for rank in (0, 2):
+        log = logs[rank]
+        assert after_stop[rank] is not None, f"rank {rank} still running:\n{log[-3000:]}"
+        assert after_stop[rank] < 60, (rank, after_stop[rank])  # named and exited (the collective timeout: 120 s)
+        assert codes[rank] == HANG_EXIT_CODE, log[-3000:]
         # its last beat (every 2 s at the default) may predate steps 0-3 of this tiny model
         assert re.search(r"no heartbeat from rank 1 \(pid \d+, silent \d+ s, last seen at step [0-3] in '", log), \
             log[-3000:]
-        print(f"rank {rank} named rank 1 and exited {end - stopped_at:.1f} s after the stop")
-    logs = "\n".join((tmp_path / f"rank{rank}.log").read_text(errors="replace") for rank in (0, 2))
+        print(f"rank {rank} named rank 1 and exited {after_stop[rank]:.1f} s after the stop")
     test = f"tests/e2e/test_hang_watchdog.py::{_STOPPED}"
-    issues = check_test_quote("docs/reliability.md", test, logs, tmp_path)  # the finding it quotes
+    issues = check_test_quote("docs/reliability.md", test, "\n".join((logs[0], logs[2])),
+                              lane_result["root"])  # the finding it quotes
     assert not issues, "docs/reliability.md quotes this finding: refresh it (docs/regenerate.py)\n" + "\n".join(issues)
 
 
@@ -370,21 +379,16 @@ def _state(pid: int) -> str | None:
         return None
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stopped", [1, 0])
-def test_a_stopped_rank_under_trainers_own_launcher_is_ended_with_the_job(tmp_path: Path, stopped: int) -> None:
-    """``Trainer(devices=2)``: Lightning's launcher re-runs the script as rank 1, a child of rank 0. A stopped rank 1
-    (SIGSTOP) was named by rank 0, which exited, and left behind stopped for good; a stopped rank 0 (which hosts the
-    store there: rank 1 reports the store silent) kept the job stopped for good (issue 41, 11). Now the reporting
-    rank ends the stopped one (Note [ending a silent rank]) and both processes are gone right after the finding."""
-    hang_timeout = 4.0
+def _run_stopped_under_trainers_launcher(root: Path, stopped: int) -> dict[str, Any]:
+    """``Trainer(devices=2)``'s own launcher, rank ``stopped`` stopped at hang_timeout_s=4: how long after the stop
+    both processes were gone, their states then, the launcher's exit code and the log."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK",
                                                             "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
-    env.update(PYTHONPATH=str(REPO), PL_DISABLE_FORK="1", OMP_NUM_THREADS="1", HANG_TIMEOUT_S=str(hang_timeout),
+    env.update(PYTHONPATH=str(REPO), PL_DISABLE_FORK="1", OMP_NUM_THREADS="1", HANG_TIMEOUT_S=str(_LAUNCHER_HANG_S),
                STOP_RANK=str(stopped))
-    log = tmp_path / "ranks.log"
+    log = root / "ranks.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, SCRIPT, "launch_stop", str(tmp_path)], env=env, stdout=out,
+        proc = subprocess.Popen([sys.executable, SCRIPT, "launch_stop", str(root)], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     pids: list[int] = []
     try:
@@ -395,17 +399,37 @@ def test_a_stopped_rank_under_trainers_own_launcher_is_ended_with_the_job(tmp_pa
             time.sleep(0.1)
         ended = time.monotonic()
         left = [_state(p) for p in pids]
+        try:
+            code: int | None = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None  # still running: the test names it
     finally:
         proc.kill()
-        for pid in pids:  # this test's descendants: never left stopped
+        for pid in pids:  # this run's descendants: never left stopped
             if _state(pid) not in (None, "Z"):
                 os.kill(pid, signal.SIGKILL)
-    text = log.read_text(errors="replace")
-    print(f"rank {1 - stopped} ended rank {stopped}; both gone {ended - stopped_at:.1f} s after the stop: {left}")
+    return {"after_stop": ended - stopped_at, "left": left, "pids": pids, "code": code,
+            "text": log.read_text(errors="replace")}
+
+
+_LAUNCHER_HANG_S = 4.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped", [1, 0])
+@pytest.mark.lane(run=_run_stopped_under_trainers_launcher, wait_s=4)  # Note [background lane] in tests/lane.py
+def test_a_stopped_rank_under_trainers_own_launcher_is_ended_with_the_job(lane_result: dict[str, Any],
+                                                                          stopped: int) -> None:
+    """``Trainer(devices=2)``: Lightning's launcher re-runs the script as rank 1, a child of rank 0. A stopped rank 1
+    (SIGSTOP) was named by rank 0, which exited, and left behind stopped for good; a stopped rank 0 (which hosts the
+    store there: rank 1 reports the store silent) kept the job stopped for good (issue 41, 11). Now the reporting
+    rank ends the stopped one (Note [ending a silent rank]) and both processes are gone right after the finding."""
+    left, text, after_stop = lane_result["left"], lane_result["text"], lane_result["after_stop"]
+    print(f"rank {1 - stopped} ended rank {stopped}; both gone {after_stop:.1f} s after the stop: {left}")
     assert all(state in (None, "Z") for state in left), (left, text[-3000:])  # exited or killed, none stopped
-    assert ended - stopped_at < hang_timeout + 10, (ended - stopped_at, text[-3000:])
-    assert f"ended the silent rank {stopped} (pid {pids[stopped]}) with SIGKILL" in text, text[-3000:]
-    assert proc.wait(5) == (HANG_EXIT_CODE if stopped == 1 else -signal.SIGKILL), text[-3000:]
+    assert after_stop < _LAUNCHER_HANG_S + 10, (after_stop, text[-3000:])
+    assert f"ended the silent rank {stopped} (pid {lane_result['pids'][stopped]}) with SIGKILL" in text, text[-3000:]
+    assert lane_result["code"] == (HANG_EXIT_CODE if stopped == 1 else -signal.SIGKILL), text[-3000:]
 
 
 def _extra_collective_at(log: str) -> float:
@@ -440,17 +464,25 @@ def test_a_collective_on_one_rank_only_ends_the_job_on_every_rank_naming_the_ran
     assert findings[0] == findings[1]  # every rank reports the same finding
 
 
-@pytest.mark.slow
-def test_a_save_of_three_hang_timeouts_on_rank_0_while_rank_1_waits_in_a_barrier_is_no_hang(tmp_path: Path) -> None:
-    procs = _launch("slowsave", 2, tmp_path, HANG_TIMEOUT_S="3", SLOW_SAVE_S="9")
+def _run_slow_save(root: Path) -> dict[str, Any]:
+    """Rank 0 saves for 9 s (three hang timeouts of 3 s) while rank 1 waits in a barrier: exit codes and logs."""
+    procs = _launch("slowsave", 2, root, HANG_TIMEOUT_S="3", SLOW_SAVE_S="9")
     try:
         ended = _reap(procs, 300)
     finally:
         for p in procs:
             p.kill()
-    logs = [(tmp_path / f"rank{r}.log").read_text(errors="replace") for r in range(2)]
-    assert all(e is not None for e in ended), logs[0][-2000:]
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    return {"ended": [e is not None for e in ended], "codes": [p.returncode for p in procs],
+            "logs": [(root / f"rank{r}.log").read_text(errors="replace") for r in range(2)]}
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_run_slow_save, wait_s=9)  # Note [background lane] in tests/lane.py
+def test_a_save_of_three_hang_timeouts_on_rank_0_while_rank_1_waits_in_a_barrier_is_no_hang(
+        lane_result: dict[str, Any]) -> None:
+    logs = lane_result["logs"]
+    assert all(lane_result["ended"]), logs[0][-2000:]
+    assert lane_result["codes"] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "SLOW SAVE done at step 2; rank 1 waiting in the strategy's collective" in logs[0], logs[0][-3000:]
     assert "barrier" in logs[0].split("SLOW SAVE done at step 2")[1].splitlines()[0], logs[0][-3000:]
     assert "DONE rank 1" in logs[1] and "hang detected" not in logs[0] + logs[1]

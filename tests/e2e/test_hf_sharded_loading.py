@@ -28,8 +28,9 @@ from lightning_zero.testing.hf_models import save_causal_lm
 BUDGET = 0.9  # x the checkpoint's bytes, from the model's construction on
 
 
-@pytest.mark.slow
-def test_a_checkpoint_larger_than_a_ranks_budget_loads_and_trains_at_stage_3(tmp_path: Path) -> None:
+def _run_over_budget(tmp_path: Path) -> dict:
+    """The checkpoint written, then its 2-rank fine-tuning under the budget: the exit code and output, the model's
+    bytes, the budget, whether cgroups held the ranks and what each group was charged at most."""
     text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
     (tmp_path / "corpus.txt").write_text(text * 4)
     model = save_causal_lm(tmp_path / "llama", "llama", text, hidden=1024, layers=14, heads=16, positions=128,
@@ -58,7 +59,16 @@ def test_a_checkpoint_larger_than_a_ranks_budget_loads_and_trains_at_stage_3(tmp
     finally:
         for group in groups:
             group.remove()
-    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    return {"code": done.returncode, "output": done.stdout + done.stderr, "model_bytes": model_bytes,
+            "budget": budget, "cgroups": bool(groups), "charged": charged, "run": run}
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_run_over_budget)  # processes of their own (Note [background lane] in tests/lane.py)
+def test_a_checkpoint_larger_than_a_ranks_budget_loads_and_trains_at_stage_3(lane_result: dict) -> None:
+    model_bytes, budget, run, charged = (lane_result[k] for k in ("model_bytes", "budget", "run", "charged"))
+    groups = lane_result["cgroups"]
+    assert lane_result["code"] == 0, lane_result["output"][-5000:]
     assert json.loads((run / "result.json").read_text())["global_step"] == 2
     for rank in range(2):
         limits = json.loads((run / f"budget_rank{rank}.json").read_text())

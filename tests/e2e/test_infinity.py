@@ -37,13 +37,20 @@ def _run_in_cgroup(tmp_path: Path, mode: str) -> tuple[int, dict | None, int, in
         group.remove()
 
 
+def _run_with_and_without_offload(root: Path) -> dict[str, tuple[int, dict | None, int, int]]:
+    """Both runs: every part on disk, then the control without offload."""
+    return {mode: _run_in_cgroup(root, mode) for mode in ("disk", "none")}
+
+
 @pytest.mark.slow
-def test_a_model_8x_its_memory_cgroup_trains_with_every_part_on_disk_and_without_offload_is_killed(tmp_path) -> None:
-    code, result, peak, kills = _run_in_cgroup(tmp_path, "disk")
+@pytest.mark.lane(run=_run_with_and_without_offload)  # processes of their own (Note [background lane], tests/lane.py)
+def test_a_model_8x_its_memory_cgroup_trains_with_every_part_on_disk_and_without_offload_is_killed(
+        lane_result: dict[str, tuple[int, dict | None, int, int]]) -> None:
+    code, result, peak, kills = lane_result["disk"]
     assert code == 0 and result is not None and kills == 0, f"exit code {code} (-9: killed by the cgroup's OOM killer)"
     assert result["state_bytes"] >= 8 * LIMIT  # parameters, gradients, fp32 masters and AdamW moments on disk
     assert len(result["losses"]) == 2 and all(loss == loss for loss in result["losses"])
     assert result["peak_rss"] < LIMIT and peak <= LIMIT  # the kernel held the whole job under the limit
     # the control: the same model and steps without offload, in the same limit, is killed
-    code, result, _, kills = _run_in_cgroup(tmp_path, "none")
+    code, result, _, kills = lane_result["none"]
     assert code == -9 and result is None and kills >= 1, f"exit code {code}: the model state fit without offload"

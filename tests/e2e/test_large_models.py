@@ -453,8 +453,16 @@ def _results(root: str, phase: str, ranks: int = 2) -> list[dict[str, Any]]:
     return out
 
 
+def _run_phases(root: Path) -> str:
+    """Train, resume and convert, each in fresh processes: the directory they wrote to."""
+    for phase in ("train", "resume", "convert"):
+        _phase(phase, str(root))
+    return str(root)
+
+
 @pytest.mark.slow
-def test_a_model_whose_ddp_state_exceeds_the_memory_limit_trains_saves_resumes_and_converts(tmp_path) -> None:
+@pytest.mark.lane(run=_run_phases)  # processes of their own (Note [background lane] in tests/lane.py)
+def test_a_model_whose_ddp_state_exceeds_the_memory_limit_trains_saves_resumes_and_converts(lane_result: str) -> None:
     """Issue 24's end-to-end run (tests/large_model_phases.py): every phase in fresh processes
     under RLIMIT_DATA = 0.9 x DDP's per-rank state, the model built in configure_model at the
     default persistence threshold, gather_on_teardown left at its default."""
@@ -462,9 +470,7 @@ def test_a_model_whose_ddp_state_exceeds_the_memory_limit_trains_saves_resumes_a
 
     from lightning_zero.checkpoint import ShardedCheckpoint
 
-    root = str(tmp_path)
-    for phase in ("train", "resume", "convert"):
-        _phase(phase, root)
+    root = lane_result
     train, resume, (convert,) = _results(root, "train"), _results(root, "resume"), _results(root, "convert", 1)
     for r in (*train, *resume, convert):
         assert r["ddp_state_fits"] is False and r["limit"] < r["ddp_state"], r

@@ -1,0 +1,69 @@
+"""The suite's background lane: process-level checks that mostly wait, run beside the in-process tests.
+
+Note [background lane]
+    Some checks only processes can show: a rank stopped with SIGSTOP and named after the default 45 s
+    ``hang_timeout_s``, a save three hang timeouts long on one rank, a launcher ending a stopped rank. Their wall
+    time is mostly waiting (a timeout running out, a sleep, interpreters starting) while the in-process tests of
+    the session (the unit tests, which run first: ``tests/conftest.py``) keep one of the two cores busy. Such a
+    test is marked ``@pytest.mark.lane(run=run)``: once collection ends, every selected test so marked has ``run``
+    submitted here, and two background threads run them in collection order, each in a fresh directory. The test
+    asks for the fixture ``lane_result``, which waits for its run (running it there and then when it was not
+    submitted) and hands over what it returned, re-raising what it raised; the test asserts on it.
+
+    A ``run`` therefore measures every time it reports itself (a stop's instant, a process's exit) instead of
+    leaving it to the test, which may read the result long after; it starts processes, reads their output and
+    files and ends every process it started (``finally``), and never touches the session's pools or launches,
+    which belong to the main thread. A parametrized test's ``run`` gets the parameters as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+Run = Callable[..., Any]  # run(directory, **params) -> the result the test asserts on
+
+
+def lane_run(item: pytest.Item) -> Run | None:
+    """The run ``item`` is marked with (its parameters bound), ``None`` for a test outside the lane."""
+    marker = item.get_closest_marker("lane")
+    if marker is None:
+        return None
+    callspec = getattr(item, "callspec", None)
+    params = {k: v for k, v in callspec.params.items()} if callspec is not None else {}
+    return functools.partial(marker.kwargs["run"], **params)
+
+
+class Lane:
+    """The session's background runs by test id (Note [background lane])."""
+
+    def __init__(self, workers: int = 2) -> None:
+        self._root = Path(tempfile.mkdtemp(prefix="lane_"))
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lane")
+        self._runs: dict[str, Future[Any]] = {}
+
+    def submit(self, key: str, run: Run) -> None:
+        """Queue ``run`` for the test ``key`` (once)."""
+        if key not in self._runs:
+            self._runs[key] = self._threads.submit(run, Path(tempfile.mkdtemp(dir=self._root)))
+
+    def result(self, key: str, run: Run) -> Any:
+        """What the run for ``key`` returned (its exception re-raised), waiting for it; a run never submitted runs
+        now, in this thread."""
+        future = self._runs.get(key)
+        if future is None:
+            return run(Path(tempfile.mkdtemp(dir=self._root)))
+        return future.result()
+
+    def close(self) -> None:
+        """Drop the runs not started (a session that ended early), wait for the running ones (each ends its own
+        processes), and remove their directories."""
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self._root, ignore_errors=True)
