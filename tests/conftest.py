@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.lane import Lane, lane_run
+from tests.lane import Lane, lane_key, lane_run
 from tests.launches import SharedLaunches
 from tests.pool import GlooPool, Pools
 
@@ -79,7 +79,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for item in sorted(items, key=lambda item: -_lane_wait_s(item)):  # the longest waits first
         run = lane_run(item)
         if run is not None:
-            _LANE.submit(item.nodeid, run)
+            _LANE.submit(lane_key(item), run)
         for marker in item.iter_markers("real_launch"):
             _LAUNCHES.prestart(marker.args[0], _LANE)
 
@@ -100,7 +100,14 @@ def lane_result(request: pytest.FixtureRequest) -> object:
     ``@pytest.mark.lane(run=run)``."""
     run = lane_run(request.node)
     assert run is not None, f"{request.node.nodeid} asks for lane_result without @pytest.mark.lane(run=...)"
-    return _LANE.result(request.node.nodeid, run)
+    return _LANE.result(lane_key(request.node), run)
+
+
+@pytest.fixture(scope="session")
+def lane() -> Lane:
+    """The session's background lane, for a fixture that shares one run among tests (``lane.result(key, run)``;
+    the tests carry ``@pytest.mark.lane(run=run, key=key)``: Note [background lane] in tests/lane.py)."""
+    return _LANE
 
 
 _SESSION_ENV = dict(os.environ)  # taken when pytest imports this file: before any test or fixture ran

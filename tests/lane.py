@@ -8,12 +8,14 @@ Note [background lane]
     test is marked ``@pytest.mark.lane(run=run)``: once collection ends, every selected test so marked has ``run``
     submitted here, and two background threads run them in collection order, each in a fresh directory. The test
     asks for the fixture ``lane_result``, which waits for its run (running it there and then when it was not
-    submitted) and hands over what it returned, re-raising what it raised; the test asserts on it.
+    submitted) and hands over what it returned, re-raising what it raised; the test asserts on it. Tests that share
+    one run (a module fixture's) name it, ``lane(run=run, key=...)``, and the fixture asks the session's ``lane``
+    for ``lane.result(key, run)``.
 
     A ``run`` therefore measures every time it reports itself (a stop's instant, a process's exit) instead of
     leaving it to the test, which may read the result long after; it starts processes, reads their output and
     files and ends every process it started (``finally``), and never touches the session's pools or launches,
-    which belong to the main thread. A parametrized test's ``run`` gets the parameters as keyword arguments.
+    which belong to the main thread. A parametrized test's own ``run`` gets the parameters as keyword arguments.
 """
 
 from __future__ import annotations
@@ -31,14 +33,21 @@ import pytest
 Run = Callable[..., Any]  # run(directory, **params) -> the result the test asserts on
 
 
+def lane_key(item: pytest.Item) -> str:
+    """The key of ``item``'s run: the marker's ``key`` (a run several tests share), else the test's id."""
+    marker = item.get_closest_marker("lane")
+    return marker.kwargs.get("key", item.nodeid) if marker is not None else item.nodeid
+
+
 def lane_run(item: pytest.Item) -> Run | None:
     """The run ``item`` is marked with (its parameters bound), ``None`` for a test outside the lane."""
     marker = item.get_closest_marker("lane")
     if marker is None:
         return None
     callspec = getattr(item, "callspec", None)
-    params = {k: v for k, v in callspec.params.items()} if callspec is not None else {}
-    return functools.partial(marker.kwargs["run"], **params)
+    if "key" in marker.kwargs or callspec is None:  # a shared run takes no test's parameters
+        return marker.kwargs["run"]
+    return functools.partial(marker.kwargs["run"], **callspec.params)
 
 
 class Lane:

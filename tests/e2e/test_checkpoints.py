@@ -311,13 +311,18 @@ def test_an_error_in_one_ranks_writer_keeps_the_previous_checkpoint(gloo_pool, t
     assert all(r["start_step"] == 2 for r in results), results  # resumed from the step-2 "last"
 
 
-@pytest.mark.distributed
-def test_a_rank_killed_mid_save_keeps_the_previous_checkpoint(gloo_pool, tmp_path) -> None:
-    root = str(tmp_path)
+def _run_killed_mid_save(root: Path) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """Two ranks under torchrun, one killed in the middle of its step-4 save: where they saved, and the run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "checkpoint_kill_script.py"), root]
+           str(REPO / "tests" / "checkpoint_kill_script.py"), str(root)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PL_DISABLE_FORK": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return str(root), subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.distributed
+@pytest.mark.lane(run=_run_killed_mid_save)  # processes of their own (Note [background lane] in tests/lane.py)
+def test_a_rank_killed_mid_save_keeps_the_previous_checkpoint(gloo_pool, lane_result) -> None:
+    root, proc = lane_result
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "SAVED step 2" in proc.stdout, proc.stdout + proc.stderr
     assert any(".tmp-" in name for name in os.listdir(root))  # the killed save's leftovers, never published
@@ -443,8 +448,8 @@ def test_streamed_files_are_safetensors_and_read_errors_say_what_failed(tmp_path
         TensorFile(tmp_path / "b.safetensors")
 
 
-@pytest.mark.slow
-def test_a_read_that_exceeds_the_memory_limit_is_reported_as_a_memory_error(tmp_path) -> None:
+def _run_read_over_the_limit(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """A 200 MiB tensor read whole by a process whose data segment may grow by 64 MiB."""
     from lightning_zero.checkpoint.tensor_file import save_tensors
 
     save_tensors(tmp_path / "big.safetensors", {"t": torch.zeros(50 * 2**20)})  # 200 MiB
@@ -458,7 +463,13 @@ def test_a_read_that_exceeds_the_memory_limit_is_reported_as_a_memory_error(tmp_
         "f.read('t')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_run_read_over_the_limit)  # a process of its own (Note [background lane] in tests/lane.py)
+def test_a_read_that_exceeds_the_memory_limit_is_reported_as_a_memory_error(lane_result) -> None:
+    proc = lane_result
     assert proc.returncode != 0
     assert "CheckpointError: Reading 209715200 bytes of 't'" in proc.stderr, proc.stderr[-2000:]
     assert "I/O or memory error" in proc.stderr and "not a valid safetensors" not in proc.stderr

@@ -390,13 +390,8 @@ def _new_memory_cgroup(name: str) -> tuple[Path, int] | str:
     return parent / name, version
 
 
-@pytest.mark.slow
-def test_a_teardown_gather_over_the_jobs_memory_cgroup_is_not_started_and_the_run_exits_0(tmp_path: Path) -> None:
-    """Two ranks in one memory cgroup whose limit (set at the end of fit) leaves room for one rank's parameters:
-    the end-of-fit gather of both would pass it. It read only MemAvailable and the RLIMITs, gathered, and the
-    kernel killed a rank after a finished fit (issue 41, 10). Now every rank reads the cgroup, the ranks sharing it
-    sum their needs, and the run ends with exit 0, the parameters left released and the warning naming the
-    cgroup."""
+def _run_teardown_in_one_cgroup(root: Path) -> dict[str, Any]:
+    """Both ranks in one memory cgroup: the cgroup, each rank's exit code and output."""
     made = _new_memory_cgroup(f"lz_teardown_{os.getpid()}")
     if isinstance(made, str):
         pytest.skip(made)
@@ -410,7 +405,7 @@ def test_a_teardown_gather_over_the_jobs_memory_cgroup_is_not_started_and_the_ru
                    "OMP_NUM_THREADS": "1"}
             join = f'echo $$ > "{cgroup}/cgroup.procs" && exec "$0" "$@"'  # in the cgroup before Python starts
             procs.append(subprocess.Popen(
-                ["sh", "-c", join, sys.executable, str(REPO / "tests" / "teardown_cgroup_script.py"), str(tmp_path),
+                ["sh", "-c", join, sys.executable, str(REPO / "tests" / "teardown_cgroup_script.py"), str(root),
                  str(cgroup), str(version)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -418,9 +413,22 @@ def test_a_teardown_gather_over_the_jobs_memory_cgroup_is_not_started_and_the_ru
             p.kill()
             p.wait()
         cgroup.rmdir()
-    codes = [p.returncode for p in procs]
+    return {"cgroup": cgroup, "codes": [p.returncode for p in procs], "outputs": outputs, "root": root}
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_run_teardown_in_one_cgroup)  # processes of their own (Note [background lane], tests/lane.py)
+def test_a_teardown_gather_over_the_jobs_memory_cgroup_is_not_started_and_the_run_exits_0(
+        lane_result: dict[str, Any]) -> None:
+    """Two ranks in one memory cgroup whose limit (set at the end of fit) leaves room for one rank's parameters:
+    the end-of-fit gather of both would pass it. It read only MemAvailable and the RLIMITs, gathered, and the
+    kernel killed a rank after a finished fit (issue 41, 10). Now every rank reads the cgroup, the ranks sharing it
+    sum their needs, and the run ends with exit 0, the parameters left released and the warning naming the
+    cgroup."""
+    cgroup, codes, outputs = lane_result["cgroup"], lane_result["codes"], lane_result["outputs"]
+    root = lane_result["root"]
     assert codes == [0, 0], f"exit codes {codes} (-9: killed by the cgroup's OOM killer)\n" + outputs[0][-3000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["released"] for r in results), results
     assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == [], results
     warning = results[0]["warnings"][0]

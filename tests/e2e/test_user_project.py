@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.lane import Lane
 from tests.launches import SharedLaunches
 
 PROJECT = Path(__file__).resolve().parents[1] / "data" / "user_project"
@@ -44,20 +45,30 @@ def lightning_zero(args: list[str], cwd: Path, timeout: int = 480) -> subprocess
                           check=False)
 
 
+def _run_stage3(root: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The real launch of stage 3 from a copy of the project: its run directory and the command's run."""
+    run = root / "stage3"
+    return run, lightning_zero(["train", *RUN, "zero=stage3", f"hydra.run.dir={run}"], copy_project(root))
+
+
+STAGE3 = "user project: stage 3"  # its key on the background lane, started when collection ends
+pytestmark = pytest.mark.lane(run=_run_stage3, key=STAGE3)  # Note [background lane] in tests/lane.py
+
+
 @pytest.fixture(scope="module")
-def stage_runs(tmp_path_factory: pytest.TempPathFactory, launches: SharedLaunches) -> dict[int, Path]:
+def stage_runs(tmp_path_factory: pytest.TempPathFactory, launches: SharedLaunches, lane: Lane) -> dict[int, Path]:
     """The project at ZeRO stages 0, 1, 2 and 3, 2 ranks each: stage 3 a real launch of the console script (its
-    ranks find the project through torchrun, with no PYTHONPATH), stages 0-2 one multirun with its ranks in the
-    session's pool (Note [shared launches] in tests/launches.py: the same command, the same ranks' code)."""
+    ranks find the project through torchrun, with no PYTHONPATH; on the background lane), stages 0-2 one multirun
+    with its ranks in the session's pool (Note [shared launches] in tests/launches.py: the same command, the same
+    ranks' code)."""
     root = tmp_path_factory.mktemp("user_project")
-    project = copy_project(root)
-    done = lightning_zero(["train", *RUN, "zero=stage3", f"hydra.run.dir={root / 'stage3'}"], project)
+    stage3, done = lane.result(STAGE3, _run_stage3)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     pooled = copy_project(root / "pooled")
     launches.pool_cli("train", "-m", *RUN, "zero=stage0,stage1,stage2", f"hydra.sweep.dir={root / 'sweep'}",
                       cwd=pooled).check()
     runs = {int(p.name[0]): p for p in (root / "sweep").iterdir() if p.is_dir() and p.name[0].isdigit()}
-    return {**runs, 3: root / "stage3"}
+    return {**runs, 3: stage3}
 
 
 def plain_ddp_body(project: str) -> dict[str, Any]:
