@@ -6,7 +6,9 @@ Note [background lane]
     time is mostly waiting (a timeout running out, a sleep, interpreters starting) while the in-process tests of
     the session (the unit tests, which run first: ``tests/conftest.py``) keep one of the two cores busy. Such a
     test is marked ``@pytest.mark.lane(run=run)``: once collection ends, every selected test so marked has ``run``
-    submitted here, and two background threads run them in collection order, each in a fresh directory. The test
+    submitted here, and two background threads run them in the order the tests run (those marked
+    ``sleeps=True``, which mostly sleep for long, first; the pools the distributed tests use before theirs), each
+    in a fresh directory. The test
     asks for the fixture ``lane_result``, which waits for its run (running it there and then when it was not
     submitted) and hands over what it returned, re-raising what it raised; the test asserts on it. Tests that share
     one run (a module fixture's) name it, ``lane(run=run, key=...)``, and the fixture asks the session's ``lane``

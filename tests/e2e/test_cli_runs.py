@@ -366,7 +366,7 @@ def _run_stopped_rank(root: Path) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.lane(run=_run_stopped_rank, wait_s=4)  # Note [background lane] in tests/lane.py
+@pytest.mark.lane(run=_run_stopped_rank)  # Note [background lane] in tests/lane.py
 def test_a_stopped_rank_is_ended_and_the_job_ends_right_after_the_finding(lane_result: dict[str, Any]) -> None:
     """A rank stopped with SIGSTOP is named by the hang watchdog, but the job ended 30 s later: torchrun sends
     SIGTERM, which a stopped process does not act on, and SIGKILL only after 30 s (76 s from the stop on a loaded

@@ -348,7 +348,7 @@ def _run_stopped_at_default_settings(root: Path) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.lane(run=_run_stopped_at_default_settings, wait_s=45)  # Note [background lane] in tests/lane.py
+@pytest.mark.lane(run=_run_stopped_at_default_settings, sleeps=True)  # tests/lane.py
 def test_a_stopped_rank_is_named_within_60_s_at_default_settings_by_every_other_rank(
         lane_result: dict[str, Any]) -> None:
     after_stop, codes, logs = lane_result["after_stop"], lane_result["codes"], lane_result["logs"]
@@ -417,7 +417,7 @@ _LAUNCHER_HANG_S = 4.0
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stopped", [1, 0])
-@pytest.mark.lane(run=_run_stopped_under_trainers_launcher, wait_s=4)  # Note [background lane] in tests/lane.py
+@pytest.mark.lane(run=_run_stopped_under_trainers_launcher)  # Note [background lane] in tests/lane.py
 def test_a_stopped_rank_under_trainers_own_launcher_is_ended_with_the_job(lane_result: dict[str, Any],
                                                                           stopped: int) -> None:
     """``Trainer(devices=2)``: Lightning's launcher re-runs the script as rank 1, a child of rank 0. A stopped rank 1
@@ -477,7 +477,7 @@ def _run_slow_save(root: Path) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.lane(run=_run_slow_save, wait_s=9)  # Note [background lane] in tests/lane.py
+@pytest.mark.lane(run=_run_slow_save)  # Note [background lane] in tests/lane.py
 def test_a_save_of_three_hang_timeouts_on_rank_0_while_rank_1_waits_in_a_barrier_is_no_hang(
         lane_result: dict[str, Any]) -> None:
     logs = lane_result["logs"]

@@ -36,16 +36,9 @@ def _run(code: str) -> str:
     return done.stdout
 
 
-def test_the_launcher_imports_no_lightning_and_the_names_register_when_lightning_comes_second() -> None:
-    """In one fresh interpreter (one start of torch, not two):
-
-    1. what ``python -m lightning_zero train`` runs before ``torchrun`` starts the ranks (compose, validate,
-       describe each job; the run directory's name and result), and ``estimate`` / ``advise`` / ``--help``, import
-       no Lightning, torchmetrics or ``torch._dynamo``;
-    2. then a module of lightning_zero that imports Lightning itself: the ``zero_stage_*`` names are registered in
-       the middle of that import (which must import nothing that module is part of) and build a ``ZeroStrategy``.
-    """
-    out = _run(f"""
+def _run_launcher_then_lightning(_: Path) -> str:
+    """The launcher's imports, then Lightning's, in one fresh interpreter: what it printed."""
+    return _run(f"""
         import contextlib, io, sys
         import lightning_zero, lightning_zero.__main__
         from lightning_zero.cli import main
@@ -70,6 +63,19 @@ def test_the_launcher_imports_no_lightning_and_the_names_register_when_lightning
         spawn = "zero_stage_2_spawn" in StrategyRegistry
         print("registered:", type(built) is ZeroStrategy, built.zero_config.stage, spawn)
     """)
+
+
+@pytest.mark.lane(run=_run_launcher_then_lightning)  # a process of its own (Note [background lane], tests/lane.py)
+def test_the_launcher_imports_no_lightning_and_the_names_register_when_lightning_comes_second(lane_result: str) -> None:
+    """In one fresh interpreter (one start of torch, not two):
+
+    1. what ``python -m lightning_zero train`` runs before ``torchrun`` starts the ranks (compose, validate,
+       describe each job; the run directory's name and result), and ``estimate`` / ``advise`` / ``--help``, import
+       no Lightning, torchmetrics or ``torch._dynamo``;
+    2. then a module of lightning_zero that imports Lightning itself: the ``zero_stage_*`` names are registered in
+       the middle of that import (which must import nothing that module is part of) and build a ``ZeroStrategy``.
+    """
+    out = lane_result
     assert "heavy: []" in out, out
     assert "registered: True 3 True" in out, out
 
