@@ -47,6 +47,7 @@ def group_threads_body() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_one_group_per_strategy_and_closing_it_ends_its_threads(gloo_pool) -> None:
     for r in gloo_pool.run("tests.distributed.test_clean_exit:group_threads_body"):
         assert r["per_group"] >= 1 and r["after_probe"] == 0, r

@@ -227,6 +227,7 @@ def check(results: list[dict[str, dict[str, Any]]], expected: int) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_ep2_follows_data_parallel_at_zero_1_and_2_for_the_gpt_qwen3_moe_and_mixtral(gloo_pool: GlooPool) -> None:
     """EP 2 on 2 ranks (each holds 2 of 4 experts; one expert-data rank): fp32 AdamW, clipping at 0.3 (active every
     step), accumulation 2, 6 steps: losses (aux loss included) and clipped global norms within 1e-5 relative, the
@@ -239,6 +240,7 @@ def test_ep2_follows_data_parallel_at_zero_1_and_2_for_the_gpt_qwen3_moe_and_mix
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_ep2_at_zero_0_with_dropping_and_deepspeeds_moe_layer(gloo_pool: GlooPool) -> None:
     """ZeRO 0 (the norm's shares: Note [counting a parameter once]), the GPT with a capacity that drops tokens and
     DeepSpeed-style MoE layers (stacked expert modules, capacity 1.5): the same parity."""
@@ -248,6 +250,7 @@ def test_ep2_at_zero_0_with_dropping_and_deepspeeds_moe_layer(gloo_pool: GlooPoo
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_ep2_composes_with_optimizer_offload_and_activation_checkpointing(gloo_pool: GlooPool) -> None:
     """The GPT at EP 2 with the optimizer's shards in host memory (ZeRO 2) and with parameter offload and activation
     checkpointing (ZeRO 3: a recomputed forward runs its all-to-alls again): the same parity."""

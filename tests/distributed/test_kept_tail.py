@@ -34,6 +34,7 @@ def kept_body(keep: bool) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_the_last_units_stay_gathered_into_backward_within_max_live_parameters(gloo_pool) -> None:
     kept = gloo_pool.run("tests.distributed.test_kept_tail:kept_body", keep=True)
     plain = gloo_pool.run("tests.distributed.test_kept_tail:kept_body", keep=False)
@@ -65,6 +66,7 @@ def reuse_body(distance: int | None) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_max_reuse_distance_bounds_the_kept_tail(gloo_pool) -> None:
     steps = 4
     runs = {d: gloo_pool.run("tests.distributed.test_kept_tail:reuse_body", distance=d)

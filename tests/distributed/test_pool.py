@@ -165,6 +165,7 @@ def cold_pool() -> Iterator[GlooPool]:
 
 
 @pytest.mark.parametrize("action", ["sleep", "raise", "exit"])
+@pytest.mark.slow
 def test_poisoned_task_restarts_pool(cold_pool: GlooPool, monkeypatch: pytest.MonkeyPatch, action: str) -> None:
     gloo_pool = cold_pool
     monkeypatch.setattr(gloo_pool, "grace_s", 1.0)

@@ -270,6 +270,7 @@ def accumulation_body() -> dict[str, list[float]]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_accumulation_reduce_and_accum_dtypes_follow_fp32(gloo_pool) -> None:
     for result in gloo_pool.run("tests.distributed.test_precision:accumulation_body"):
         for stage in STAGES:

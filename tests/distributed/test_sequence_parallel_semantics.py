@@ -185,6 +185,7 @@ def blocked_body() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_rank_blocked_in_the_all_to_all_is_recorded_as_waiting_in_it(gloo_pool: GlooPool) -> None:
     """Before the fix rank 0, blocked in the all-to-all, counted as in user code (waiting number 0)."""
     a, b = gloo_pool.run("tests.distributed.test_sequence_parallel_semantics:blocked_body")
@@ -218,6 +219,7 @@ def step_error_body() -> str:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_step_error_on_one_sp_rank_is_named_on_the_other(gloo_pool: GlooPool) -> None:
     """Rank 0 waits in the all-to-all rank 1 never joins; once it breaks, it names rank 1 by its sequence
     coordinate (Note [first step error])."""

@@ -381,6 +381,7 @@ def test_a_hugging_face_llama_trains_with_its_own_tp_plan_and_follows_the_unspli
     assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == (2 * 8 // 2, 32)  # 1 of 2 KV heads of dim 8
 
 
+@pytest.mark.slow
 def test_the_cli_config_builds_tp_and_refuses_what_is_not_built_before_launch() -> None:
     from omegaconf import OmegaConf
 

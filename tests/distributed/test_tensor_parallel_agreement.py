@@ -229,6 +229,7 @@ def blocked_body() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_rank_blocked_in_a_tp_collective_is_recorded_as_waiting_in_it(gloo_pool: GlooPool) -> None:
     """docs/reliability.md: every collective the strategy issues is recorded. Before the fix rank 0, blocked in the
     TP all-reduce, counted as in user code (waiting number 0)."""
@@ -265,6 +266,7 @@ def step_error_body() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_step_error_on_one_tp_rank_is_named_on_the_other(gloo_pool: GlooPool) -> None:
     """With pure TP (data size 1) the step-error agreement was skipped: rank 0, inside the forward's TP all-reduce
     rank 1 never joined, got gloo's error naming no rank. Now rank 1 posts itself as the first failure and waits at

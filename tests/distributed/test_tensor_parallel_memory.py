@@ -102,6 +102,7 @@ def limited_fit_body(tensor_parallel: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_layer_bigger_than_the_memory_limit_trains_with_tp2_and_fails_without(gloo_pool: GlooPool) -> None:
     """Without TP, ZeRO-3 on 2 ranks builds the layer as shards (setup fits) but gathers it whole to compute it:
     the first step runs out of memory (the allocator's error). With TP 2 each rank computes with its half."""

@@ -218,6 +218,7 @@ def test_bench_breakdown_quick_counts_every_part_of_a_step(tmp_path: Path, gloo_
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_bench_tensor_parallel_counts_the_collectives_of_its_formula(gloo_pool: Any) -> None:
     """benchmarks/bench_tensor_parallel.py's traffic part on the session's 2-rank pool: one training step's
     all-reduces, counted at the call, are the Megatron formula it prints against, in number and payload bytes,

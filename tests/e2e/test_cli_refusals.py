@@ -164,6 +164,7 @@ def test_what_is_checked_of_a_checkpoint_before_launch(checkpoints: Path, tmp_pa
 
 # ---------------------------------------------------------------------------------------- 2. a GPU without one
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the GPU the command asks for")
+@pytest.mark.slow
 def test_a_gpu_experiment_on_a_machine_without_one_names_the_cpu_trainers(tmp_path: Path) -> None:
     text = _refused_by_the_cli(["train", "experiment=gpt_125m_gpu"], tmp_path)
     assert "this machine has no GPU that torch can use" in text
@@ -182,6 +183,7 @@ def test_trainer_gpu_without_a_gpu_is_one_line_not_a_traceback(tmp_path: Path, m
 
 
 # ---------------------------------------------------------------------------------------- 3. a small text file
+@pytest.mark.slow
 def test_a_text_file_smaller_than_the_validation_interval_says_its_size_and_what_to_set(tmp_path: Path) -> None:
     corpus = tmp_path / "notes.txt"
     corpus.write_text("some words of my own\n" * 524)  # 11,004 bytes, about the README's size

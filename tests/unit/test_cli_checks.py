@@ -83,6 +83,7 @@ def test_every_file_written_for_a_user_holds_the_parameter_bytes_only(tmp_path: 
     assert single.is_file() and 3 * params <= single.stat().st_size <= 3 * params * 1.05 + 64_000
 
 
+@pytest.mark.slow
 def test_progress_is_on_by_default_lines_off_a_terminal_and_off_by_option(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_zero.config.run.build import trainer_kwargs
@@ -98,6 +99,7 @@ def test_progress_is_on_by_default_lines_off_a_terminal_and_off_by_option(tmp_pa
     assert progress(["trainer.enable_progress_bar=false"], tty=False) == (False, [])
 
 
+@pytest.mark.slow
 def test_a_whole_limit_val_batches_counts_the_batches_of_all_data_replicas_together(
         caplog: pytest.LogCaptureFixture) -> None:
     """Note [global validation batches]: gpt_tiny's ``limit_val_batches: 2`` is 2 batches on 1 rank, on TP 2 or a
@@ -122,6 +124,7 @@ def test_a_whole_limit_val_batches_counts_the_batches_of_all_data_replicas_toget
     assert per_rank("trainer.limit_val_batches=0.5") == 0.5 and per_rank("trainer.limit_val_batches=1.0") == 1.0
 
 
+@pytest.mark.slow
 def test_a_whole_number_of_batches_on_the_command_line_counts_batches_and_a_fraction_is_a_share(
         caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     """``trainer.limit_val_batches=1`` became 1.0 through the schema's float type: Lightning read it as every

@@ -184,6 +184,7 @@ def test_default_is_the_gpt_small_experiment() -> None:
     assert compose_config(["experiment=gpt_tiny", "zero=stage0"]).zero.stage == 0
 
 
+@pytest.mark.slow
 def test_big_presets_are_only_counted_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
     devices: list[str] = []
     init = GPT.__init__

@@ -97,6 +97,7 @@ def test_a_deepspeed_json_expert_parallel_section_sets_the_size_and_refuses_what
                                                                warn=False).unsupported
 
 
+@pytest.mark.slow
 def test_the_cli_config_builds_expert_parallel_and_refuses_what_is_not_built_before_launch() -> None:
     from lightning_zero.config.model_zoo import gpt_config
     from lightning_zero.config.run.build import strategy_arguments

@@ -54,6 +54,7 @@ def test_the_cli_refuses_an_unusable_nvme_path_in_one_line_before_launch(
     assert line.endswith("Fix: offload.nvme_path=<a writable directory on a local disk with 2.24 MB free>.")
 
 
+@pytest.mark.slow
 def test_the_advisors_nvme_suggestion_passes_the_checks_before_launch(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     advise = ["advise", "--model", "gpt_tiny", "--device-memory", "100kB", "--cpu-memory", "1MB", "--nvme", "10GB",

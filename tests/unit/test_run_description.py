@@ -24,6 +24,7 @@ def _config(*overrides: str):  # a TrainConfig
 
 
 # ---------------------------------------------------------------------------------------- 5. --help
+@pytest.mark.slow
 def test_help_lists_the_options_of_each_group_and_no_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Hydra listed the ConfigStore's schemas (``zero_schema``, ``gpt_schema``, ...) as options, refused when chosen."""
@@ -104,6 +105,7 @@ def test_the_model_summary_says_per_rank_under_tensor_parallel_and_pipelines(cap
 
 
 # ---------------------------------------------------------------------------------------- 7. dense sparse layouts
+@pytest.mark.slow
 def test_a_sparse_layout_that_is_dense_at_the_run_s_length_is_warned_about_before_launch(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """gpt_tiny's 64 tokens are 4 blocks of 16, and sparse_fixed's windows are 4 blocks: its losses equalled dense's

@@ -204,6 +204,7 @@ def _hf_problems(root: Path, arch: str, *overrides: str) -> str:
     return str(err.value)
 
 
+@pytest.mark.slow
 def test_a_hugging_face_model_is_checked_before_launch_from_its_files(hf_files: Path) -> None:
     (cfg,) = check_jobs([["model=hf_causal_lm", f"model.path={hf_files / 'gpt2'}", "data=text_file",
                           f"data.path={hf_files / 'corpus.txt'}"]])
