@@ -22,6 +22,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "lightning_zero.checkpoint": ("CheckpointError", "consolidate_checkpoint", "convert_checkpoint"),
         "lightning_zero.core.comm.onebit_adam": ("OneBitAdam",),
         "lightning_zero.core.common.choices": ("NonFinitePolicy", "OffloadDevice", "ZeroStage"),
+        "lightning_zero.core.comm.data_parallel": ("DataParallelComm",),
         "lightning_zero.core.common.memory": ("ModelStateBytes", "model_state_formula"),
         "lightning_zero.core.precision.loss_scaler": ("LossScaler",),
         "lightning_zero.core.stage3.gathered": ("gathered_parameters",),

@@ -193,9 +193,8 @@ def test_a_backward_the_engine_did_not_finish_is_refused(stage: int) -> None:
 
 
 def test_an_engine_refuses_a_comm_built_with_another_collective_than_its_config() -> None:
-    """The engine takes its comm from the caller (the strategy's mesh): ``ZeroConfig``'s collective must be the
-    comm's, else the setting would do nothing. Without one (a core user's ``ZeroEngine(module, optimizer, config)``)
-    it makes the default group's with the config's collective."""
+    """The engine takes its comm from the caller (the strategy's mesh, or ``DataParallelComm()``) and makes none:
+    ``ZeroConfig``'s collective must be the comm's, else the setting would do nothing."""
     model = nn.Linear(4, 2)
     config = ZeroConfig(stage=2, collective="all_reduce")
     with pytest.raises(ValueError, match=r"collective='all_reduce'.*DataParallelComm"):
@@ -203,6 +202,3 @@ def test_an_engine_refuses_a_comm_built_with_another_collective_than_its_config(
     engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config,
                         DataParallelComm(collective="all_reduce"))
     assert engine.comm.use_all_reduce
-    model = nn.Linear(4, 2)
-    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
-    assert engine.comm.use_all_reduce and engine.comm.world_size == 1

@@ -76,8 +76,9 @@ class ZeroEngine:
             ``None`` for evaluation only (stage 3: parameters sharded and gathered per unit in
             forward, nothing trained).
         config: the ZeRO policy (stage 0-3).
-        comm: the data-parallel collectives, made by the caller once (the strategy's mesh: ``parallel/mesh.py``)
-            with ``config``'s collective; default: the default process group's (one rank without one).
+        comm: the data-parallel collectives, made by the caller once, with ``config``'s collective: the strategy's
+            mesh's (``parallel/mesh.py``), or ``DataParallelComm()`` (``from lightning_zero import
+            DataParallelComm``) for the default process group (one rank without one).
         dtypes: parameter / gradient / master dtypes (default: the module's dtype, fp32 master).
         master_init: initial master values per parameter when the master is a separate copy (the
             weights before the module was cast to 16 bits, so the master starts exact).
@@ -98,7 +99,7 @@ class ZeroEngine:
         module: nn.Module,
         optimizer: Optimizer | None,
         config: ZeroConfig,
-        comm: DataParallelComm | None = None,
+        comm: DataParallelComm,
         dtypes: DtypePolicy | None = None,
         master_init: Mapping[nn.Parameter, torch.Tensor] | None = None,
         param_init_fn: ParamInitFn | None = None,
@@ -114,7 +115,7 @@ class ZeroEngine:
         # Note [construction order]: each part once, from what the steps before it handed down
         # 1. the checks: the settings' rules; then this rank's dtypes and optimizer, then every rank's structure
         check_settings(Settings(zero=config, offload=self.offload_config))  # Note [one rule, many spellings]
-        self.comm = comm if comm is not None else DataParallelComm(collective=config.collective)
+        self.comm = comm
         checked = check_construction(module, optimizer, config, self.comm, dtypes, self.experts, setup_settings or {})
         self.dtypes, self.names = checked.dtypes, checked.names  # names: every parameter, module order
         self._self_reducing: SelfReducingOptimizer | None = checked.self_reducing
