@@ -7,8 +7,7 @@ Note [background lane]
     the session (the unit tests, which run first: ``tests/conftest.py``) keep one of the two cores busy. Such a
     test is marked ``@pytest.mark.lane(run=run)``: once collection ends, every selected test so marked has ``run``
     submitted here, and two background threads run them in the order the tests run (those marked
-    ``sleeps=True``, which mostly sleep for long, first; the pools the distributed tests use before theirs), each
-    in a fresh directory. The test
+    ``sleeps=True``, which mostly sleep for long, first), each in a fresh directory. The test
     asks for the fixture ``lane_result``, which waits for its run (running it there and then when it was not
     submitted) and hands over what it returned, re-raising what it raised; the test asserts on it. Tests that share
     one run (a module fixture's) name it, ``lane(run=run, key=...)``, and the fixture asks the session's ``lane``
@@ -16,8 +15,12 @@ Note [background lane]
 
     A ``run`` therefore measures every time it reports itself (a stop's instant, a process's exit) instead of
     leaving it to the test, which may read the result long after; it starts processes, reads their output and
-    files and ends every process it started (``finally``), and never touches the session's pools or launches,
-    which belong to the main thread. A parametrized test's own ``run`` gets the parameters as keyword arguments.
+    files and ends every process it started (``finally``). It never touches the session's pools or launches,
+    which belong to the main thread (pools started here, while the 2-rank pool's tasks made process groups,
+    failed their gloo connections in about one run in four), nor what the test process shares among its
+    threads: torch's default generator (a random model drawn in a run changed the weights a unit test had just
+    seeded), Hydra's global state, the working directory. What needs them runs in a process of its own. A
+    parametrized test's own ``run`` gets the parameters as keyword arguments.
 """
 
 from __future__ import annotations

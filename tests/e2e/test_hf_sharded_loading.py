@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 
 from lightning_zero.hf.directory import HFDirectory
 from lightning_zero.testing.cgroups import cgroups_available, rank_groups, rank_peaks
-from lightning_zero.testing.hf_models import save_causal_lm
 
+REPO = Path(__file__).resolve().parents[2]
 BUDGET = 0.9  # x the checkpoint's bytes, from the model's construction on
 
 
@@ -33,8 +33,14 @@ def _run_over_budget(tmp_path: Path) -> dict:
     bytes, the budget, whether cgroups held the ranks and what each group was charged at most."""
     text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
     (tmp_path / "corpus.txt").write_text(text * 4)
-    model = save_causal_lm(tmp_path / "llama", "llama", text, hidden=1024, layers=14, heads=16, positions=128,
-                           max_shard_size="200MB")
+    # written by a process of its own: a random model drawn here would draw from the test process's generator,
+    # which the test running in the main thread meanwhile seeds and draws from (Note [background lane])
+    subprocess.run([sys.executable, "-c", "import sys; from lightning_zero.testing.hf_models import save_causal_lm; "
+                    "save_causal_lm(sys.argv[1], 'llama', open(sys.argv[2]).read(), hidden=1024, layers=14, "
+                    "heads=16, positions=128, max_shard_size='200MB')", str(tmp_path / "llama"),
+                    str(Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py")],
+                   env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, capture_output=True, timeout=600)
+    model = tmp_path / "llama"
     model_bytes = HFDirectory(model).weight_bytes()
     assert model_bytes > 500e6 and len(list(model.glob("*.safetensors"))) >= 3
     budget = int(BUDGET * model_bytes)
