@@ -121,6 +121,8 @@ FORMER_NAMES: tuple[FormerName, ...] = (
                "lightning_zero.parallel.sequence:StrategySequenceParallel"),
     *(FormerName("lightning_zero.lightning", name, f"lightning_zero.parallel.parallelize:{new}")
       for name, new in (("apply_parallelisms", "parallelize"), ("release_parallelisms", "release"))),
+    FormerName("lightning_zero.tensor_parallel.vocab", "VocabParallelEmbedding",
+               "lightning_zero.tensor_parallel.layers:VocabParallelEmbedding"),
     FormerName("lightning_zero.observability.callbacks", "ZeroModelSummary",
                "lightning_zero.observability.model_summary:ZeroModelSummary"),
     *(FormerName(module, name, f"lightning_zero.compat.adapters:{name}",
