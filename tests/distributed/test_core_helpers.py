@@ -89,3 +89,37 @@ def test_gather_from_the_shard_fills_every_range_on_both_paths(gloo_pool) -> Non
         for collective in ("auto", "reduce_scatter"):
             assert r[collective] == [1.0, 2.0, 11.0, 12.0], (collective, r)
             assert r[collective + " shard"] == [1.0 + 10 * rank, 2.0 + 10 * rank], r  # the source is only read
+
+
+def mesh_connected_body() -> dict[str, float]:
+    """Rank 1 lingers 1 s after each of its ``new_group`` calls returns (a descheduled rank still finishing its
+    side of a gloo pair); every rank notes when it left the mesh's construction and when its last group was made."""
+    import time
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from lightning_zero.core.mesh import ParallelDims, ProcessMesh
+    from lightning_zero.core.mesh.dims import Axis
+
+    made: list[float] = []
+    real = dist.new_group
+
+    def slow_new_group(*args, **kwargs):  # type: ignore[no-untyped-def]
+        group = real(*args, **kwargs)
+        if dist.get_rank() == 1:
+            time.sleep(1.0)
+        made.append(time.time())
+        return group
+
+    with mock.patch.object(dist, "new_group", slow_new_group):
+        ProcessMesh(ParallelDims(2), dist.get_rank(), [(Axis.DATA,)])
+    return {"left": time.time(), "last_group": made[-1]}
+
+
+@pytest.mark.distributed
+def test_no_rank_leaves_a_gloo_meshs_construction_before_every_rank_has_made_every_group(gloo_pool) -> None:
+    # Note [connected before used] in core/mesh/groups.py: a rank that leaves early and fails at once closes its
+    # groups under a peer still connecting them
+    first, second = gloo_pool.run("tests.distributed.test_core_helpers:mesh_connected_body")
+    assert first["left"] >= second["last_group"], (first, second)
