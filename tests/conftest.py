@@ -15,6 +15,7 @@ from tests.pool import GlooPool, Pools
 
 _LANE = Lane()  # Note [background lane] in tests/lane.py
 _LAUNCHES = SharedLaunches()  # the fixture `launches`; its declared real launches start on the lane
+_POOLS = Pools()  # the fixtures `gloo_pools` and `gloo_pool`; the 2- and 4-rank pools start on the lane
 # the tiers in the order they run: the in-process unit tests first, beside the lane's runs (one core each)
 _TIERS = ("unit", "distributed", "e2e")
 
@@ -22,13 +23,11 @@ _TIERS = ("unit", "distributed", "e2e")
 @pytest.fixture(scope="session")
 def gloo_pools() -> Iterator[Pools]:
     """The session's gloo worker pools by world size (``gloo_pools.get(4)``), each started by the first test that
-    asks for it and shared by the later ones (tests/pool.py). Never on the lane: a pool started there while the
-    2-rank pool's tasks made process groups failed their gloo connections now and then (Note [background lane])."""
-    pools = Pools()
+    asks for it (or on the lane: ``pytest_collection_finish``) and shared by the later ones (tests/pool.py)."""
     try:
-        yield pools
+        yield _POOLS
     finally:
-        pools.close()
+        _POOLS.close()
 
 
 @pytest.fixture(scope="session")
@@ -77,13 +76,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     items = [item for item in session.items if item.get_closest_marker("skip") is None]
-    # first what mostly sleeps for long (one thread), then in the order the tests need them
+    fixtures = {name for item in items for name in getattr(item, "fixturenames", ())}
+    pools = [size for size, used in ((2, {"gloo_pool", "gloo_pools", "launches"} & fixtures),
+                                     (4, {"gloo_pools"} & fixtures)) if used]
+    # first what mostly sleeps for long (one thread), then in the order the tests need them: the pools the
+    # distributed tests start with (each start ~6 s of CPU per rank) before their own runs
     for item in [item for item in items if _sleeps(item)] + items:
+        if pools and _tier(item) > 0:
+            for size in pools:
+                _POOLS.prestart(size, _LANE)
+            pools = []
         run = lane_run(item)
         if run is not None:
             _LANE.submit(lane_key(item), run)  # once: a second submit of a key is ignored
         for marker in item.iter_markers("real_launch"):
             _LAUNCHES.prestart(marker.args[0], _LANE)
+    for size in pools:
+        _POOLS.prestart(size, _LANE)
 
 
 def _sleeps(item: pytest.Item) -> bool:

@@ -15,12 +15,16 @@ Note [background lane]
 
     A ``run`` therefore measures every time it reports itself (a stop's instant, a process's exit) instead of
     leaving it to the test, which may read the result long after; it starts processes, reads their output and
-    files and ends every process it started (``finally``). It never touches the session's pools or launches,
-    which belong to the main thread (pools started here, while the 2-rank pool's tasks made process groups,
-    failed their gloo connections in about one run in four), nor what the test process shares among its
+    files and ends every process it started (``finally``). It never runs a task on the session's pools or
+    launches, which the main thread uses; it only starts the 2- and 4-rank pools before the distributed tests
+    (``Pools.prestart``: a start waits for no task). Nor does it touch what the test process shares among its
     threads: torch's default generator (a random model drawn in a run changed the weights a unit test had just
     seeded), Hydra's global state, the working directory. What needs them runs in a process of its own. A
     parametrized test's own ``run`` gets the parameters as keyword arguments.
+
+    A pool task that mostly waits (a rank sleeping, a group's timeout running out) runs on the lane's own 2-rank
+    pool: ``lane(run=pool_task("tests.x:body", ...))``. It is started by the first such run, serves one task at a
+    time, and is closed with the lane; the session's pools never see it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import functools
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -55,6 +60,41 @@ def lane_run(item: pytest.Item) -> Run | None:
     return functools.partial(marker.kwargs["run"], **callspec.params)
 
 
+class _LanePool:
+    """The lane's own 2-rank gloo pool: started by its first task, one task at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: Any = None
+
+    def run(self, target: str, kwargs: dict[str, Any]) -> list[Any]:
+        from tests.pool import GlooPool
+
+        with self._lock:
+            if self._pool is None:
+                self._pool = GlooPool(world_size=2)
+            return self._pool.run(target, **kwargs)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+
+_POOL = _LanePool()
+
+
+def pool_task(target: str, /, **kwargs: Any) -> Run:
+    """A run calling ``target`` (``"tests.x:body"``) with ``kwargs`` on every rank of the lane's own 2-rank pool;
+    its result is the ranks' results, as ``gloo_pool.run`` gives them (Note [background lane])."""
+
+    def run(directory: Path) -> list[Any]:
+        return _POOL.run(target, kwargs)
+
+    return run
+
+
 class Lane:
     """The session's background runs by test id (Note [background lane])."""
 
@@ -80,4 +120,5 @@ class Lane:
         """Drop the runs not started (a session that ended early), wait for the running ones (each ends its own
         processes), and remove their directories."""
         self._threads.shutdown(wait=True, cancel_futures=True)
+        _POOL.close()
         shutil.rmtree(self._root, ignore_errors=True)

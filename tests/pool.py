@@ -6,6 +6,9 @@ This module keeps the import path the tests use (``from tests.pool import GlooPo
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 from lightning_zero.testing.pool import GlooPool, GlooPoolError
 
 __all__ = ["GlooPool", "GlooPoolError", "Pools"]
@@ -18,23 +21,36 @@ class Pools:
     kept for the later ones: the 3- and 4-rank tests of several files share one start each.
 
     A pool of :data:`LARGE` ranks or more closes the other extra pools first (memory: ~0.5 GB per rank) and is
-    closed by :meth:`close` (``tests/e2e/test_pipeline_tensor_parallel.py`` does after its module)."""
+    closed by :meth:`close` (``tests/e2e/test_pipeline_tensor_parallel.py`` does after its module). A smaller pool
+    that the selected tests use is started on the background lane when collection ends (:meth:`prestart`), while
+    the unit tests run; a test that asks for it before it is up waits for that start."""
 
     def __init__(self) -> None:
         self._pools: dict[int, GlooPool] = {}
+        self._lock = threading.Lock()  # the lane's thread adds pools too
 
     def get(self, world_size: int) -> GlooPool:
         """The session's pool of ``world_size`` ranks (started now if it is not running)."""
-        if world_size not in self._pools:
-            if world_size >= LARGE:
-                for size in [s for s in self._pools if s != 2]:
-                    self.close(size)
-            self._pools[world_size] = GlooPool(world_size=world_size)
-        return self._pools[world_size]
+        with self._lock:
+            pool = self._pools.get(world_size)
+            if pool is None:
+                if world_size >= LARGE:
+                    for size in [s for s in self._pools if s != 2]:
+                        self._pools.pop(size).close()
+                pool = self._pools[world_size] = GlooPool(world_size=world_size, start=False)
+        pool.start()  # outside the lock: another size's start never waits for this one
+        return pool
+
+    def prestart(self, world_size: int, lane: Any) -> None:
+        """Start the pool of ``world_size`` ranks (fewer than :data:`LARGE`) on the background lane
+        (Note [background lane] in tests/lane.py)."""
+        assert world_size < LARGE, "a large pool starts alone, when its module asks for it"
+        lane.submit(f"pool of {world_size}", lambda _: self.get(world_size))
 
     def close(self, world_size: int | None = None) -> None:
         """Close the pool of ``world_size`` ranks (every pool when ``None``)."""
         for size in [world_size] if world_size is not None else list(self._pools):
-            pool = self._pools.pop(size, None)
+            with self._lock:
+                pool = self._pools.pop(size, None)
             if pool is not None:
                 pool.close()

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -201,11 +202,13 @@ class GlooPool:
             reuses them (DeepSpeed's ``deepspeed.utils.groups``): destroyed, its next engine fails.
         warm: import Lightning and lightning_zero's public names at start (~5 s of CPU per rank), so that no
             task pays for them; ``False`` for a pool whose tasks need torch only (the pool's own tests).
+        start: start the workers now; ``False``: at :meth:`start`, or the first :meth:`run` (which waits for a
+            start another thread is making).
     """
 
     def __init__(self, world_size: int = 2, timeout_s: float = 300.0, grace_s: float = 5.0,
                  threads: int = 1, python: str | None = None, env: dict[str, str] | None = None,
-                 release_groups: bool = True, warm: bool = True) -> None:
+                 release_groups: bool = True, warm: bool = True, start: bool = True) -> None:
         self.world_size, self.timeout_s, self.grace_s, self.threads = world_size, timeout_s, grace_s, threads
         self.release_groups, self.warm = release_groups, warm
         self.python, self.env = python, dict(env or {})
@@ -215,8 +218,10 @@ class GlooPool:
         self._generation = self._task_id = 0
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
+        self._starting = threading.Lock()  # one start at a time: a start in another thread is waited for
         atexit.register(self.close)
-        self.start()
+        if start:
+            self.start()
 
     @property
     def log_paths(self) -> list[Path]:
@@ -225,6 +230,10 @@ class GlooPool:
 
     def start(self) -> None:
         """Start the workers unless they are running; block until every rank has joined the group."""
+        with self._starting:
+            self._start()
+
+    def _start(self) -> None:
         if self._procs:
             return
         self._generation += 1

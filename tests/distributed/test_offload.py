@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -348,21 +349,27 @@ def resident_main(mode: str, path: str) -> None:
                       "resident_after": proc_status_bytes("VmRSS") - base, "buffers": buffers}))
 
 
-@pytest.mark.slow
-def test_with_its_optimizer_state_on_disk_a_step_keeps_only_sub_groups_resident(tmp_path) -> None:
+def _run_resident(directory: Path) -> dict[str, dict[str, Any]]:
+    """:func:`resident_main` in a process of its own per mode, one after another: what each printed."""
     import json
     import subprocess
     import sys
 
-    state = 16 * (1024 * 1024 + 1024) * 4 * 3  # fp32 master + AdamW's two moments
     results = {}
     for mode in ("none", "nvme", "kept"):
-        code = f"from tests.distributed.test_offload import resident_main; resident_main({mode!r}, {str(tmp_path)!r})"
+        code = f"from tests.distributed.test_offload import resident_main; resident_main({mode!r}, {str(directory)!r})"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).resolve().parents[2])
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_run_resident)  # processes of their own (Note [background lane] in tests/lane.py)
+def test_with_its_optimizer_state_on_disk_a_step_keeps_only_sub_groups_resident(lane_result: dict) -> None:
+    state = 16 * (1024 * 1024 + 1024) * 4 * 3  # fp32 master + AdamW's two moments
+    results = lane_result
     assert results["nvme"]["losses"] == results["none"]["losses"] == results["kept"]["losses"]  # the same training
     none, nvme, kept = results["none"], results["nvme"], results["kept"]
     moments = state * 2 // 3

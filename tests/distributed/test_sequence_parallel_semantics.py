@@ -16,6 +16,7 @@ from torch import nn
 from lightning_zero import ZeroStrategy
 from lightning_zero.models.gpt import GPTConfig, GPTLightningModule
 from lightning_zero.sequence_parallel import SequenceGroup
+from tests.lane import pool_task
 from tests.models import make_trainer
 from tests.pool import GlooPool
 
@@ -186,9 +187,10 @@ def blocked_body() -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_rank_blocked_in_the_all_to_all_is_recorded_as_waiting_in_it(gloo_pool: GlooPool) -> None:
+@pytest.mark.lane(run=pool_task("tests.distributed.test_sequence_parallel_semantics:blocked_body"))  # tests/lane.py
+def test_a_rank_blocked_in_the_all_to_all_is_recorded_as_waiting_in_it(lane_result: list[Any]) -> None:
     """Before the fix rank 0, blocked in the all-to-all, counted as in user code (waiting number 0)."""
-    a, b = gloo_pool.run("tests.distributed.test_sequence_parallel_semantics:blocked_body")
+    a, b = lane_result
     assert a["shape"] == b["shape"] == (1, 2, 4, 3)
     (seq, kind), = a["seen"]
     assert seq > 0 and kind == "sequence-parallel all_to_all", a["seen"]
@@ -220,10 +222,11 @@ def step_error_body() -> str:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_step_error_on_one_sp_rank_is_named_on_the_other(gloo_pool: GlooPool) -> None:
+@pytest.mark.lane(run=pool_task("tests.distributed.test_sequence_parallel_semantics:step_error_body", _timeout_s=120))
+def test_a_step_error_on_one_sp_rank_is_named_on_the_other(lane_result: list[Any]) -> None:
     """Rank 0 waits in the all-to-all rank 1 never joins; once it breaks, it names rank 1 by its sequence
     coordinate (Note [first step error])."""
-    a, b = gloo_pool.run("tests.distributed.test_sequence_parallel_semantics:step_error_body", _timeout_s=120)
+    a, b = lane_result
     assert b == "ValueError: boom on rank 1", b
     assert a.startswith("StepFailedElsewhere: training_step raised on rank(s) [1] (rank 1: sequence-parallel "
                         "rank 1)"), a

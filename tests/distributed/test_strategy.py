@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroStrategy, model_state_formula
+from tests.lane import pool_task
 from tests.models import (
     STAGE3_SHARDED,
     TinyTransformer,
@@ -175,9 +176,10 @@ def test_bad_input_raises_on_every_rank(gloo_pool, kind: str, error: str | None,
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_hung_rank_is_reported_within_the_timeout(gloo_pool) -> None:
-    results = gloo_pool.run("tests.distributed.test_strategy:bad_input_body",
-                            kind="slow_rank1", timeout_s=2.0, _timeout_s=120)
+@pytest.mark.lane(run=pool_task("tests.distributed.test_strategy:bad_input_body", kind="slow_rank1", timeout_s=2.0,
+                                 _timeout_s=120))  # rank 1 sleeps: on the lane (tests/lane.py)
+def test_a_hung_rank_is_reported_within_the_timeout(lane_result: list[Any]) -> None:
+    results = lane_result
     waiting = results[0]
     assert waiting["type"] is not None and waiting["seconds"] < 30, waiting
     assert re_search_any(waiting["message"], ["timed out", "Timed out", "timeout", "Timeout"]), waiting

@@ -22,6 +22,7 @@ from lightning_zero.models.gpt import GPTLightningModule
 from lightning_zero.tensor_parallel import split_dim
 from tests.distributed.test_tensor_parallel import CONFIG, _loader
 from tests.distributed.test_tensor_parallel_semantics import POISONED, _Poisoned
+from tests.lane import pool_task
 from tests.models import make_trainer
 from tests.pool import GlooPool
 
@@ -230,10 +231,11 @@ def blocked_body() -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_rank_blocked_in_a_tp_collective_is_recorded_as_waiting_in_it(gloo_pool: GlooPool) -> None:
+@pytest.mark.lane(run=pool_task("tests.distributed.test_tensor_parallel_agreement:blocked_body"))  # tests/lane.py
+def test_a_rank_blocked_in_a_tp_collective_is_recorded_as_waiting_in_it(lane_result: list[Any]) -> None:
     """docs/reliability.md: every collective the strategy issues is recorded. Before the fix rank 0, blocked in the
     TP all-reduce, counted as in user code (waiting number 0)."""
-    a, b = gloo_pool.run("tests.distributed.test_tensor_parallel_agreement:blocked_body")
+    a, b = lane_result
     assert a["sum"] == b["sum"] == [2.0, 2.0, 2.0]
     (seq, kind), = a["seen"]
     assert seq > 0 and kind == "tensor-parallel all_reduce", a["seen"]
@@ -267,13 +269,14 @@ def step_error_body() -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_step_error_on_one_tp_rank_is_named_on_the_other(gloo_pool: GlooPool) -> None:
+@pytest.mark.lane(run=pool_task("tests.distributed.test_tensor_parallel_agreement:step_error_body", _timeout_s=120))
+def test_a_step_error_on_one_tp_rank_is_named_on_the_other(lane_result: list[Any]) -> None:
     """With pure TP (data size 1) the step-error agreement was skipped: rank 0, inside the forward's TP all-reduce
     rank 1 never joined, got gloo's error naming no rank. Now rank 1 posts itself as the first failure and waits at
     most 5 s for the agreement; rank 0's broken collective (here the groups' 8 s timeout: the pool's processes stay;
     in a launched job rank 1's exit closes the connection at once) raises the agreement's message naming rank 1
     by its TP coordinate, chained to gloo's error (Note [first step error])."""
-    a, b = gloo_pool.run("tests.distributed.test_tensor_parallel_agreement:step_error_body", _timeout_s=120)
+    a, b = lane_result
     assert b["error"] == "ValueError: boom on rank 1", b
     assert a["error"] is not None and a["error"].startswith(
         "StepFailedElsewhere: training_step raised on rank(s) [1] (rank 1: tensor-parallel rank 1); stopping this "
