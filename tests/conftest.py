@@ -15,7 +15,7 @@ from tests.pool import GlooPool, Pools
 
 _LANE = Lane()  # Note [background lane] in tests/lane.py
 _LAUNCHES = SharedLaunches()  # the fixture `launches`; its declared real launches start on the lane
-_POOLS = Pools()  # the fixtures `gloo_pools` and `gloo_pool`; the 2- and 4-rank pools start on the lane
+_POOLS = Pools()  # the fixtures `gloo_pools` and `gloo_pool`; the 2-, 4- and 3-rank pools start on the lane
 # the tiers in the order they run: the in-process unit tests first, beside the lane's runs (one core each)
 _TIERS = ("unit", "distributed", "e2e")
 
@@ -78,7 +78,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     items = [item for item in session.items if item.get_closest_marker("skip") is None]
     fixtures = {name for item in items for name in getattr(item, "fixturenames", ())}
     pools = [size for size, used in ((2, {"gloo_pool", "gloo_pools", "launches"} & fixtures),
-                                     (4, {"gloo_pools"} & fixtures)) if used]
+                                     (4, {"gloo_pools"} & fixtures), (3, {"gloo_pools"} & fixtures)) if used]
     # first what mostly sleeps for long (one thread), then in the order the tests need them: the pools the
     # distributed tests start with (each start ~6 s of CPU per rank) before their own runs
     for item in [item for item in items if _sleeps(item)] + items:

@@ -16,7 +16,7 @@ Note [background lane]
     A ``run`` therefore measures every time it reports itself (a stop's instant, a process's exit) instead of
     leaving it to the test, which may read the result long after; it starts processes, reads their output and
     files and ends every process it started (``finally``). It never runs a task on the session's pools or
-    launches, which the main thread uses; it only starts the 2- and 4-rank pools before the distributed tests
+    launches, which the main thread uses; it only starts the 2-, 4- and 3-rank pools before the distributed tests
     (``Pools.prestart``: a start waits for no task). Nor does it touch what the test process shares among its
     threads: torch's default generator (a random model drawn in a run changed the weights a unit test had just
     seeded), Hydra's global state, the working directory. What needs them runs in a process of its own. A

@@ -169,7 +169,7 @@ class TensorFile:
             head = os.pread(self._fd, 8, 0)
             (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
             if not 0 < length <= min(_MAX_HEADER, size - 8):
-                raise ValueError(f"header length {length} in a file of {size} bytes")
+                raise ValueError(f"header length {length} in a file of {size} bytes: truncated, or not safetensors")
             header = json.loads(os.pread(self._fd, length, 8).decode("utf-8"))
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")

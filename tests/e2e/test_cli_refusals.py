@@ -3,8 +3,9 @@ machine without one, a text file too small for the run's validation interval, ev
 once, a number where a config group takes an option's name, a memory size without its unit.
 
 Each is refused before launch: exit code 2, at most 5 lines, no rank started, no output directory. One real CLI
-process per kind of refusal (:func:`_refused_by_the_cli`); the variants of a kind call the CLI's entry point in this
-process (:func:`_refused_in_process`, with the launch replaced by a failure: nothing may reach it)."""
+process per kind of refusal (:func:`_refused_by_the_cli`, on the background lane); the variants of a kind call the
+CLI's entry point in this process (:func:`_refused_in_process`, with the launch replaced by a failure: nothing may
+reach it)."""
 
 from __future__ import annotations
 
@@ -13,36 +14,55 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_zero.cli import main
+from tests.lane import Run
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMAT1 = ROOT / "tests" / "data" / "checkpoint_format1_stage2"  # a real 2-rank stage-2 checkpoint
 LAUNCHED = ("launching", "Initializing distributed", "GPU available", "run directory")
 
 
-def _check_refusal(code: int, text: str, cwd: Path, before: set[str]) -> list[str]:
+def _check_refusal(code: int, text: str, before: set[str], after: set[str]) -> list[str]:
     lines = text.strip().splitlines()
     assert code == 2, text[-3000:]
     assert 1 <= len(lines) <= 5, lines
     assert not any(marker in text for marker in LAUNCHED), text  # no rank, no run started
-    assert {p.name for p in cwd.iterdir()} == before  # no output directory
+    assert after == before  # no output directory
     return lines
 
 
-def _refused_by_the_cli(args: list[str], cwd: Path) -> str:
-    """``python -m lightning_zero ARGS`` in ``cwd``: refused as the module docstring says; its output."""
-    before = {p.name for p in cwd.iterdir()}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, "-m", "lightning_zero", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=180, check=False)
-    text = done.stdout + done.stderr
-    _check_refusal(done.returncode, text, cwd, before)
-    return text
+def _names(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+def _refused_by_the_cli(prepare: Callable[[Path], tuple[list[str], Path]]) -> Run:
+    """A run for the background lane (Note [background lane] in tests/lane.py): ``prepare(directory)`` writes what
+    the command reads and gives ``(ARGS, cwd)``; then ``python -m lightning_zero ARGS`` in ``cwd``. Its result:
+    the exit code, the output, the arguments and ``cwd``'s names before and after (:func:`_refused`)."""
+
+    def run(directory: Path) -> dict[str, Any]:
+        args, cwd = prepare(directory)
+        before = _names(cwd)
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        done = subprocess.run([sys.executable, "-m", "lightning_zero", *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=180, check=False)
+        return {"code": done.returncode, "text": done.stdout + done.stderr, "args": args, "before": before,
+                "after": _names(cwd)}
+
+    return run
+
+
+def _refused(result: dict[str, Any]) -> str:
+    """The output of a run of :func:`_refused_by_the_cli`, refused as the module docstring says."""
+    _check_refusal(result["code"], result["text"], result["before"], result["after"])
+    return result["text"]
 
 
 def _refused_in_process(args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch,
@@ -55,22 +75,27 @@ def _refused_in_process(args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(launch, "run_job", launched)
     monkeypatch.chdir(cwd)
-    before = {p.name for p in cwd.iterdir()}
+    before = _names(cwd)
     code = main(args)
     out = capsys.readouterr()
     text = out.out + out.err
-    _check_refusal(code, text, cwd, before)
+    _check_refusal(code, text, before, _names(cwd))
     return text
 
 
 # ---------------------------------------------------------------------------------------- 1. bad checkpoints
-@pytest.fixture
-def checkpoints(tmp_path: Path) -> Path:
-    """A run's ``checkpoints/`` folder: ``last.ckpt -> last.ckpt.v1``, a copy of the 2-rank stage-2 checkpoint."""
-    folder = tmp_path / "run" / "checkpoints"
+def _checkpoints(directory: Path) -> Path:
+    """A run's ``checkpoints/`` folder in ``directory``: ``last.ckpt -> last.ckpt.v1``, a copy of the 2-rank stage-2
+    checkpoint."""
+    folder = directory / "run" / "checkpoints"
     shutil.copytree(FORMAT1, folder / "last.ckpt.v1")
     (folder / "last.ckpt").symlink_to("last.ckpt.v1")
     return folder
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> Path:
+    return _checkpoints(tmp_path)
 
 
 def _truncate(path: Path) -> None:
@@ -78,12 +103,17 @@ def _truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-def test_a_truncated_rank_file_is_refused_before_launch(checkpoints: Path, tmp_path: Path) -> None:
+def _truncated_rank_file(directory: Path) -> tuple[list[str], Path]:
+    checkpoints = _checkpoints(directory)
     _truncate(checkpoints / "last.ckpt.v1" / "rank-00001.safetensors")
-    cwd = tmp_path / "cwd"
+    cwd = directory / "cwd"
     cwd.mkdir()
-    text = _refused_by_the_cli(["train", "experiment=gpt_tiny", f"trainer.resume_from={checkpoints / 'last.ckpt'}"],
-                               cwd)
+    return ["train", "experiment=gpt_tiny", f"trainer.resume_from={checkpoints / 'last.ckpt'}"], cwd
+
+
+@pytest.mark.lane(run=_refused_by_the_cli(_truncated_rank_file))  # a process of its own: tests/lane.py
+def test_a_truncated_rank_file_is_refused_before_launch(lane_result: dict[str, Any]) -> None:
+    text = _refused(lane_result)
     assert "rank-00001.safetensors is not a valid safetensors file" in text and "truncated" in text, text
 
 
@@ -165,8 +195,9 @@ def test_what_is_checked_of_a_checkpoint_before_launch(checkpoints: Path, tmp_pa
 # ---------------------------------------------------------------------------------------- 2. a GPU without one
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the GPU the command asks for")
 @pytest.mark.slow
-def test_a_gpu_experiment_on_a_machine_without_one_names_the_cpu_trainers(tmp_path: Path) -> None:
-    text = _refused_by_the_cli(["train", "experiment=gpt_125m_gpu"], tmp_path)
+@pytest.mark.lane(run=_refused_by_the_cli(lambda directory: (["train", "experiment=gpt_125m_gpu"], directory)))
+def test_a_gpu_experiment_on_a_machine_without_one_names_the_cpu_trainers(lane_result: dict[str, Any]) -> None:
+    text = _refused(lane_result)
     assert "this machine has no GPU that torch can use" in text
     assert "Fix: trainer=cpu2 trainer.devices=2 (2 CPU processes) or trainer=cpu1 trainer.devices=1." in text
 
@@ -183,13 +214,20 @@ def test_trainer_gpu_without_a_gpu_is_one_line_not_a_traceback(tmp_path: Path, m
 
 
 # ---------------------------------------------------------------------------------------- 3. a small text file
-@pytest.mark.slow
-def test_a_text_file_smaller_than_the_validation_interval_says_its_size_and_what_to_set(tmp_path: Path) -> None:
-    corpus = tmp_path / "notes.txt"
+def _small_text_file(directory: Path) -> tuple[list[str], Path]:
+    corpus = directory / "notes.txt"
     corpus.write_text("some words of my own\n" * 524)  # 11,004 bytes, about the README's size
-    cwd = tmp_path / "cwd"
+    cwd = directory / "cwd"
     cwd.mkdir()
-    text = _refused_by_the_cli(["train", "experiment=gpt_text_file", f"data.path={corpus}"], cwd)
+    return ["train", "experiment=gpt_text_file", f"data.path={corpus}"], cwd
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_refused_by_the_cli(_small_text_file))  # a process of its own: tests/lane.py
+def test_a_text_file_smaller_than_the_validation_interval_says_its_size_and_what_to_set(
+        lane_result: dict[str, Any]) -> None:
+    text = _refused(lane_result)
+    corpus = lane_result["args"][-1].removeprefix("data.path=")
     # 10,454 training bytes: 81 samples of 128; 41 on each of 2 ranks (padded): 5 batches of 8
     assert f"trainer.val_check_interval=100 steps is more than one epoch: data.path={corpus} holds 11,005 bytes: " \
            "81 training samples of data.seq_len=128" in text, text
@@ -229,12 +267,17 @@ def test_the_counted_batches_are_lightning_s(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- 4. one error at a time
-def test_every_problem_of_a_deepspeed_json_at_once(tmp_path: Path) -> None:
-    """It asked for offload_optimizer first, and for the nvme_path only once that was fixed."""
-    (tmp_path / "ds.json").write_text(json.dumps({
+def _broken_json(directory: Path) -> tuple[list[str], Path]:
+    (directory / "ds.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 8, "gradient_clipping": -1,
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
-    text = _refused_by_the_cli(["train", "experiment=gpt_tiny", "deepspeed_config=ds.json"], tmp_path)
+    return ["train", "experiment=gpt_tiny", "deepspeed_config=ds.json"], directory
+
+
+@pytest.mark.lane(run=_refused_by_the_cli(_broken_json))  # a process of its own: tests/lane.py
+def test_every_problem_of_a_deepspeed_json_at_once(lane_result: dict[str, Any]) -> None:
+    """It asked for offload_optimizer first, and for the nvme_path only once that was fixed."""
+    text = _refused(lane_result)
     assert text.strip().splitlines() == [
         "lightning-zero train: error: DeepSpeed config: ds.json: 3 problems:",
         "  - `gradient_clipping` must be >= 0, got -1.0.",
@@ -259,10 +302,11 @@ def test_a_number_for_a_config_group_names_the_option(args: list[str], line: str
     assert line in text and "Got int" not in text, text
 
 
-def test_a_memory_size_without_its_unit_is_refused_with_the_units(tmp_path: Path) -> None:
+@pytest.mark.lane(run=_refused_by_the_cli(lambda directory: (
+    ["advise", "--params", "7.5e9", "--device-memory", "80", "--world-size", "8"], directory)))
+def test_a_memory_size_without_its_unit_is_refused_with_the_units(lane_result: dict[str, Any]) -> None:
     """``--device-memory 80`` was 80 bytes: "Nothing fits"."""
-    text = _refused_by_the_cli(["advise", "--params", "7.5e9", "--device-memory", "80", "--world-size", "8"],
-                               tmp_path)
+    text = _refused(lane_result)
     assert text.strip().splitlines() == [
         "lightning-zero advise: error: argument --device-memory: memory size '80' has no unit (it would be 80 "
         "bytes); write it like 80GB (10^9 bytes) or 80GiB (2^30); units: B, kB, MB, GB, TB, PB (powers of 1000), "
