@@ -22,10 +22,6 @@ Note [background lane]
     seeded), Hydra's global state, the working directory. What needs them runs in a process of its own. A
     parametrized test's own ``run`` gets the parameters as keyword arguments.
 
-    A run with much CPU and no timing of its own starts its processes at a low priority (``nice -n 10``): they
-    take what the tests in the foreground leave of the two cores (the eight ranks of
-    tests/e2e/test_pipeline_tensor_parallel.py, ~90 s of CPU, in a pool of their own process).
-
     A pool task that mostly waits (a rank sleeping, a group's timeout running out) runs on the lane's own 2-rank
     pool: ``lane(run=pool_task("tests.x:body", ...))``. It is started by the first such run, serves one task at a
     time, and is closed with the lane; the session's pools never see it.

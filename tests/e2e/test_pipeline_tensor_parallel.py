@@ -5,7 +5,7 @@ accumulation 2): the same losses and global gradient norms within 1e-5 relative.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +17,6 @@ from lightning_zero.core.mesh import Axis, ParallelDims
 from lightning_zero.models.gpt import GPTLightningModule
 from lightning_zero.tensor_parallel import split_dim
 from tests.distributed.test_tensor_parallel import ACCUMULATE, CLIP, CONFIG, STEPS, _loader, _reference
-from tests.lane import Lane
 from tests.launches import DETERMINISTIC, ONE_RANK, TP2, SharedLaunches
 from tests.models import make_trainer
 from tests.pool import GlooPool, Pools
@@ -82,44 +81,13 @@ def _check(results: list[dict[str, Any]]) -> None:
         assert shapes["model.ln_f.weight"] == (CONFIG.n_embd,)
 
 
-SHORT = ("trainer.max_steps=1", "trainer.validate_at_end=false", "trainer.checkpoint.enabled=false")
-PP2_TP2_Z3_ON_8 = (*DETERMINISTIC, "tensor_parallel=tp2", "pipeline=pp2_1f1b", "zero=stage3", "trainer.devices=8",
-                   *SHORT)
-EIGHT = "pp2 x tp2 x data 2 on 8 ranks"  # the lane's run both 8-rank tests read
-
-
-def eight_ranks_main(directory: str) -> None:
-    """In a process of its own: an 8-rank pool runs :func:`pipeline_tp_body` at ZeRO 2, then the CLI's
-    ``PP2_TP2_Z3_ON_8`` run with its ranks in the pool; both results pickled to ``directory/eight.pkl``."""
-    import pickle
-    from pathlib import Path
-
-    from tests.in_pool import run_in_process
-
-    pool = GlooPool(world_size=8, timeout_s=1200)
+@pytest.fixture(scope="module")
+def pool8(gloo_pools: Pools) -> Iterator[GlooPool]:
+    """The session's 8-rank pool, shared by this module's two 8-rank tests and closed after them (~4 GB)."""
     try:
-        body = pool.run("tests.e2e.test_pipeline_tensor_parallel:pipeline_tp_body", zero_stage=2)
-        cli = run_in_process(PP2_TP2_Z3_ON_8, Path(directory) / "cli", pool)
+        yield gloo_pools.get(8)
     finally:
-        pool.close()
-    result = json.loads((cli.check().run_dir / "result.json").read_text())
-    (Path(directory) / "eight.pkl").write_bytes(pickle.dumps({"body": body, "cli": result}))
-
-
-def _run_eight_ranks(directory: Path) -> dict[str, Any]:
-    """:func:`eight_ranks_main` at a low priority (nice 10): the 8 ranks (~90 s of CPU) take what the tests in the
-    foreground leave of the two cores, and no session pool of 8 (~4 GB) is started (Note [background lane])."""
-    import os
-    import pickle
-    import subprocess
-    import sys
-
-    code = f"from tests.e2e.test_pipeline_tensor_parallel import eight_ranks_main; eight_ranks_main({str(directory)!r})"
-    done = subprocess.run(["nice", "-n", "10", sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
-                          capture_output=True, text=True, timeout=1500, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          check=False)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
-    return pickle.loads((directory / "eight.pkl").read_bytes())
+        gloo_pools.close(8)
 
 
 @pytest.mark.slow
@@ -135,11 +103,10 @@ def test_pipeline2_by_tp2_on_four_ranks_follows_the_unsplit_model(gloo_pools: Po
 
 
 @pytest.mark.slow
-@pytest.mark.lane(run=_run_eight_ranks, key=EIGHT)  # Note [background lane] in tests/lane.py
-def test_pipeline2_by_tp2_by_data2_on_eight_processes_follows_the_unsplit_model(lane: Lane) -> None:
+def test_pipeline2_by_tp2_by_data2_on_eight_processes_follows_the_unsplit_model(pool8: GlooPool) -> None:
     """8 processes: each data replica's losses and the global norms match the whole model fed by 2 data ranks
     (ZeRO 2 partitions over the data axis only)."""
-    _check(lane.result(EIGHT, _run_eight_ranks)["body"])
+    _check(pool8.run("tests.e2e.test_pipeline_tensor_parallel:pipeline_tp_body", zero_stage=2, _timeout_s=600))
 
 
 # ------------------------------------------------------------------------- the same seed, the same model
@@ -185,28 +152,26 @@ def test_one_seed_gives_the_same_gpt_built_whole_by_pipeline_stages_or_by_zero3_
 
 
 @pytest.mark.slow
-@pytest.mark.lane(run=_run_eight_ranks, key=EIGHT)  # Note [background lane] in tests/lane.py
 def test_the_cli_reports_the_same_step0_validation_loss_on_one_rank_two_stages_and_pp2_tp2_zero3_on_8(
-        launches: SharedLaunches, lane: Lane) -> None:
+        launches: SharedLaunches, pool8: GlooPool) -> None:
     """Issue 31's CLI must-show: with data.deterministic_order=true the 1-rank run, pipeline=pp2_gpipe on 2 ranks,
     tensor_parallel=tp2 on 2 and tensor_parallel=tp2 pipeline=pp2_1f1b zero=stage3 on 8 start from the same model
     (the pipelined run used to report 5.4716 against 5.4946). The commands as the issue writes them: gpt_tiny's
     limit_val_batches=2 counts the batches of all data replicas (Note [global validation batches]), so the run
     on 8 ranks (2 data replicas) validates on the same 16 samples; result.json records the layout that ran.
-    The 1-rank and TP 2 runs are the docs' commands (sequence_parallel.md, tensor_parallel.md); the run of 2
-    ranks runs its ranks in the session's pool (Note [shared launches] in tests/launches.py), the run of 8 in the
-    lane's 8-rank pool (:func:`eight_ranks_main`)."""
+    The 1-rank and TP 2 runs are the docs' commands (sequence_parallel.md, tensor_parallel.md); the runs of 2
+    and 8 ranks run their ranks in the session's pools (Note [shared launches] in tests/launches.py)."""
+    short = ["trainer.max_steps=1", "trainer.validate_at_end=false", "trainer.checkpoint.enabled=false"]
     layouts = {"one": (ONE_RANK, 20), "tp2": (TP2, 20),
-               "pp2": ((*DETERMINISTIC, "pipeline=pp2_gpipe", "trainer.devices=2", *SHORT), 1),
-               "pp2_tp2_z3": (PP2_TP2_Z3_ON_8, 1)}
+               "pp2": ((*DETERMINISTIC, "pipeline=pp2_gpipe", "trainer.devices=2", *short), 1),
+               "pp2_tp2_z3": ((*DETERMINISTIC, "tensor_parallel=tp2", "pipeline=pp2_1f1b", "zero=stage3",
+                               "trainer.devices=8", *short), 1)}
     # (world, data, pipeline, tensor) each layout must have run with, read from the strategy's mesh
     expected = {"one": (1, 1, 1, 1), "pp2": (2, 1, 2, 1), "tp2": (2, 1, 1, 2), "pp2_tp2_z3": (8, 2, 2, 2)}
     start = {}
     for name, (args, steps) in layouts.items():
-        if args == PP2_TP2_Z3_ON_8:
-            result = lane.result(EIGHT, _run_eight_ranks)["cli"]
-        else:
-            result = json.loads((launches.pool_cli(*args).check().run_dir / "result.json").read_text())
+        run = launches.pool_cli(*args).check().run_dir
+        result = json.loads((run / "result.json").read_text())
         assert result["global_step"] == steps, (name, result)
         layout = result["layout"]
         assert tuple(layout[k] for k in ("world_size", "data", "pipeline", "tensor")) == expected[name], (name, layout)
