@@ -436,22 +436,33 @@ def _extra_collective_at(log: str) -> float:
     return float(log.split("EXTRA all_reduce on rank 1 at step 3 t=")[1].split()[0])
 
 
-@pytest.mark.slow
-def test_a_collective_on_one_rank_only_ends_the_job_on_every_rank_naming_the_rank_and_both_collectives(
-        tmp_path: Path) -> None:
-    hang_timeout = 4.0  # interval_for(4) = 0.5 s
-    procs = _launch("diverge", 2, tmp_path, HANG_TIMEOUT_S=str(hang_timeout))
+_EXTRA_HANG_S = 4.0  # interval_for(4) = 0.5 s
+
+
+def _run_extra_collective(root: Path) -> dict[str, Any]:
+    """Rank 1 enters one all_reduce more than rank 0 at step 3: each rank's exit instant (``None``: still running
+    after 240 s), exit code and log."""
+    procs = _launch("diverge", 2, root, HANG_TIMEOUT_S=str(_EXTRA_HANG_S))
     try:
         ended = _reap(procs, 240)
     finally:
         for p in procs:
             p.kill()
-    logs = [(tmp_path / f"rank{r}.log").read_text(errors="replace") for r in range(2)]
+            p.wait()
+    return {"ended": ended, "codes": [p.returncode for p in procs],
+            "logs": [(root / f"rank{r}.log").read_text(errors="replace") for r in range(2)]}
+
+
+@pytest.mark.slow
+@pytest.mark.lane(run=_run_extra_collective, sleeps=True)  # Note [background lane] in tests/lane.py
+def test_a_collective_on_one_rank_only_ends_the_job_on_every_rank_naming_the_rank_and_both_collectives(
+        lane_result: dict[str, Any]) -> None:
+    hang_timeout, ended, logs = _EXTRA_HANG_S, lane_result["ended"], lane_result["logs"]
     assert all(e is not None for e in ended), logs[0][-3000:] + logs[1][-3000:]
     stuck_at = _extra_collective_at(logs[1])
     findings = []
     for rank, log in enumerate(logs):
-        assert procs[rank].returncode == STUCK_EXIT_CODE, log[-3000:]
+        assert lane_result["codes"][rank] == STUCK_EXIT_CODE, log[-3000:]
         # hang_timeout_s + one interval (Note [hang watchdog]), plus 1.5 s: the 0.1 s reaping poll, printing and
         # os._exit of a process on a loaded 2-core machine, and the acknowledgement wait's 0.05 s polls
         assert ended[rank] - stuck_at < hang_timeout + 0.5 + 1.5, (rank, ended[rank] - stuck_at)
