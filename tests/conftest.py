@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import tempfile
@@ -13,9 +14,12 @@ from tests.lane import Lane, lane_key, lane_run
 from tests.launches import SharedLaunches
 from tests.pool import GlooPool, Pools
 
+_SESSION_ENV = dict(os.environ)  # taken when pytest imports this file: before any test or fixture ran
 _LANE = Lane()  # Note [background lane] in tests/lane.py
 _LAUNCHES = SharedLaunches()  # the fixture `launches`; its declared real launches start on the lane
-_POOLS = Pools()  # the fixtures `gloo_pools` and `gloo_pool`; the 2-, 4- and 3-rank pools start on the lane
+# the fixtures `gloo_pools` and `gloo_pool`; the 2-, 4- and 3-rank pools start on the lane, with the session's
+# environment (a unit test running meanwhile may have set variables for itself)
+_POOLS = Pools(environ=_SESSION_ENV)
 # the tiers in the order they run: the in-process unit tests first, beside the lane's runs (one core each)
 _TIERS = ("unit", "distributed", "e2e")
 
@@ -32,7 +36,8 @@ def gloo_pools() -> Iterator[Pools]:
 
 @pytest.fixture(scope="session")
 def gloo_pool(gloo_pools: Pools) -> GlooPool:
-    """A 2-rank gloo worker pool shared by the whole session; started by the first test that asks for it.
+    """A 2-rank gloo worker pool shared by the whole session; started on the lane when collection ends (or by the
+    first test that asks for it).
 
     Mark such tests ``@pytest.mark.distributed`` and put their bodies in module-level functions, run with
     ``gloo_pool.run("tests.distributed.test_x:body", **kwargs)`` (the module path of the test file).
@@ -75,13 +80,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """The lane's runs of the selected tests start (Note [background lane] in tests/lane.py)."""
     if session.config.option.collectonly:
         return
-    items = [item for item in session.items if item.get_closest_marker("skip") is None]
+    items = [item for item in session.items if not _skipped(item)]
     fixtures = {name for item in items for name in getattr(item, "fixturenames", ())}
+    asked = {name for item in items for name in _arguments(item)}  # the extra pools: a test asks for gloo_pools
     pools = [size for size, used in ((2, {"gloo_pool", "gloo_pools", "launches"} & fixtures),
-                                     (4, {"gloo_pools"} & fixtures), (3, {"gloo_pools"} & fixtures)) if used]
-    # first what mostly sleeps for long (one thread), then in the order the tests need them: the pools the
-    # distributed tests start with (each start ~6 s of CPU per rank) before their own runs
-    for item in [item for item in items if _sleeps(item)] + items:
+                                     (4, {"gloo_pools"} & asked), (3, {"gloo_pools"} & asked)) if used]
+    # first what mostly sleeps for long, then in the order the tests need them: the pools the distributed tests
+    # start with (each start ~6 s of CPU per rank) before their own runs
+    for item in [item for item in items if _sleeps(item)]:
+        _LANE.submit(lane_key(item), lane_run(item))
+    for item in items:
         if pools and _tier(item) > 0:
             for size in pools:
                 _POOLS.prestart(size, _LANE)
@@ -93,6 +101,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             _LAUNCHES.prestart(marker.args[0], _LANE)
     for size in pools:
         _POOLS.prestart(size, _LANE)
+
+
+def _skipped(item: pytest.Item) -> bool:
+    """Marked ``skip``, or ``skipif`` with a condition that holds (its runs must not start on the lane)."""
+    if item.get_closest_marker("skip") is not None:
+        return True
+    return any(bool(m.args[0]) for m in item.iter_markers("skipif") if m.args and isinstance(m.args[0], bool))
+
+
+def _arguments(item: pytest.Item) -> tuple[str, ...]:
+    """The fixtures the test function names itself (not those its fixtures ask for)."""
+    function = getattr(item, "function", None)
+    return tuple(inspect.signature(function).parameters) if function is not None else ()
 
 
 def _sleeps(item: pytest.Item) -> bool:
@@ -121,7 +142,6 @@ def lane() -> Lane:
     return _LANE
 
 
-_SESSION_ENV = dict(os.environ)  # taken when pytest imports this file: before any test or fixture ran
 
 
 @pytest.fixture(autouse=True)

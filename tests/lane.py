@@ -16,11 +16,13 @@ Note [background lane]
     A ``run`` therefore measures every time it reports itself (a stop's instant, a process's exit) instead of
     leaving it to the test, which may read the result long after; it starts processes, reads their output and
     files and ends every process it started (``finally``). It never runs a task on the session's pools or
-    launches, which the main thread uses; it only starts the 2-, 4- and 3-rank pools before the distributed tests
-    (``Pools.prestart``: a start waits for no task). Nor does it touch what the test process shares among its
-    threads: torch's default generator (a random model drawn in a run changed the weights a unit test had just
-    seeded), Hydra's global state, the working directory. What needs them runs in a process of its own. A
-    parametrized test's own ``run`` gets the parameters as keyword arguments.
+    launches, which the main thread uses; it only starts the declared real launches and the 2-, 4- and 3-rank pools
+    before the distributed tests (``Pools.prestart``: a start waits for no task; the pools' workers get the
+    session's environment as it started, since a unit test running meanwhile may have set variables for itself).
+    Nor does it touch what the test process shares among its threads: torch's default generator (a random model
+    drawn in a run changed the weights a unit test had just seeded), Hydra's global state, the working directory.
+    What needs them runs in a process of its own. A parametrized test's own ``run`` gets the parameters as keyword
+    arguments. A test whose ``skip`` or true ``skipif`` marker stops it has no run started.
 
     A pool task that mostly waits (a rank sleeping, a group's timeout running out) runs on the lane's own 2-rank
     pool: ``lane(run=pool_task("tests.x:body", ...))``. It is started by the first such run, serves one task at a

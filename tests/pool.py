@@ -22,12 +22,17 @@ class Pools:
 
     A pool of :data:`LARGE` ranks or more closes the other extra pools first (memory: ~0.5 GB per rank) and is
     closed by :meth:`close` (``tests/e2e/test_pipeline_tensor_parallel.py`` does after its module). A smaller pool
-    that the selected tests use is started on the background lane when collection ends (:meth:`prestart`), while
-    the unit tests run; a test that asks for it before it is up waits for that start."""
+    that the selected tests ask for is started on the background lane when collection ends (:meth:`prestart`), while
+    the unit tests run; a test that asks for it before it is up waits for that start.
 
-    def __init__(self) -> None:
+    Args:
+        environ: the environment every pool's workers get (the session's as it started: a pool started on the lane
+            must not take what a test running meanwhile set for itself)."""
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
         self._pools: dict[int, GlooPool] = {}
         self._lock = threading.Lock()  # the lane's thread adds pools too
+        self._environ = environ
 
     def get(self, world_size: int) -> GlooPool:
         """The session's pool of ``world_size`` ranks (started now if it is not running)."""
@@ -37,7 +42,7 @@ class Pools:
                 if world_size >= LARGE:
                     for size in [s for s in self._pools if s != 2]:
                         self._pools.pop(size).close()
-                pool = self._pools[world_size] = GlooPool(world_size=world_size, start=False)
+                pool = self._pools[world_size] = GlooPool(world_size=world_size, start=False, environ=self._environ)
         pool.start()  # outside the lock: another size's start never waits for this one
         return pool
 

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -119,7 +119,7 @@ def _release_task_groups() -> None:
 
 def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, conn: Connection,
                  threads: int = 1, sys_path: list[str] | None = None, release_groups: bool = True,
-                 warm: bool = True) -> None:
+                 warm: bool = True, environ: dict[str, str] | None = None) -> None:
     """Join the gloo group, then run ``(task_id, target, kwargs)`` messages until ``None`` or EOF.
 
     ``sys_path``: the interpreter's own import path, put first (spawn hands the child the parent's path).
@@ -133,6 +133,9 @@ def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, 
         getattr(stream, "reconfigure", lambda **_: None)(line_buffering=True)
     if _REPO_ROOT not in sys.path:
         sys.path.insert(0, _REPO_ROOT)
+    if environ is not None:  # the caller's environment as it was meant, not as its threads had it at the spawn
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(env)
 
     import torch
@@ -197,6 +200,9 @@ class GlooPool:
         python: the interpreter the workers run under (default: this one), e.g. another virtual environment's
             ``bin/python`` with the same Python version; its import path comes first in the workers.
         env: extra environment variables of the workers (e.g. ``{"DS_ACCELERATOR": "cpu"}``).
+        environ: the workers' whole environment under ``env`` (default: this process's at the start). A pool
+            started from a background thread passes the environment its tests start from: a test running
+            meanwhile in the main thread may have set variables for itself alone.
         release_groups: destroy the process groups a task left after every task (Note [groups left by
             tasks]). ``False`` for a library that keeps its groups in module globals across tasks and
             reuses them (DeepSpeed's ``deepspeed.utils.groups``): destroyed, its next engine fails.
@@ -208,10 +214,12 @@ class GlooPool:
 
     def __init__(self, world_size: int = 2, timeout_s: float = 300.0, grace_s: float = 5.0,
                  threads: int = 1, python: str | None = None, env: dict[str, str] | None = None,
-                 release_groups: bool = True, warm: bool = True, start: bool = True) -> None:
+                 release_groups: bool = True, warm: bool = True, start: bool = True,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.world_size, self.timeout_s, self.grace_s, self.threads = world_size, timeout_s, grace_s, threads
         self.release_groups, self.warm = release_groups, warm
         self.python, self.env = python, dict(env or {})
+        self.environ = dict(environ) if environ is not None else None
         self._sys_path = _interpreter_path(python) if python else None
         self._root = Path(tempfile.mkdtemp(prefix="gloo_pool_"))
         self._gen_dir = self._root
@@ -250,7 +258,7 @@ class GlooPool:
                    "OMP_NUM_THREADS": str(self.threads), **self.env}  # fmt: skip
             parent_conn, child_conn = ctx.Pipe()
             args = (rank, self.world_size, env, str(self._gen_dir), child_conn, self.threads, self._sys_path,
-                    self.release_groups, self.warm)
+                    self.release_groups, self.warm, self.environ)
             proc = ctx.Process(target=_worker_main, args=args, name=f"gloo-pool-rank{rank}")
             _start_under(proc, self.python)
             child_conn.close()
@@ -288,14 +296,16 @@ class GlooPool:
         return [replies[rank][1] for rank in range(self.world_size)]
 
     def close(self) -> None:
-        """Stop the workers politely (killing stragglers) and remove the pool's temporary files."""
-        for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.send_bytes(pickle.dumps(None))
-        for proc in self._procs:
-            proc.join(timeout=10)
-        self._kill()
-        shutil.rmtree(self._root, ignore_errors=True)
+        """Stop the workers politely (killing stragglers) and remove the pool's temporary files; a start another
+        thread is making is waited for first."""
+        with self._starting:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(pickle.dumps(None))
+            for proc in self._procs:
+                proc.join(timeout=10)
+            self._kill()
+            shutil.rmtree(self._root, ignore_errors=True)
 
     def _kill(self) -> None:
         for proc in self._procs:

@@ -192,25 +192,31 @@ def test_lightning_ddp_fit_twice(gloo_pool: GlooPool) -> None:
 def _interpreter() -> dict[str, Any]:
     import sys
 
-    return {"executable": sys.executable, "env": os.environ.get("POOL_TEST_ENV"), "path": sys.path[:3]}
+    return {"executable": sys.executable, "env": os.environ.get("POOL_TEST_ENV"), "path": sys.path[:3],
+            "meanwhile": os.environ.get("POOL_TEST_MEANWHILE"), "home": os.environ.get("HOME")}
 
 
 @pytest.mark.slow
-def test_a_pool_runs_its_workers_under_another_interpreter_with_extra_environment(tmp_path) -> None:
-    """``GlooPool(python=..., env=...)``: the workers run that interpreter (here a link to this one, as a venv's
-    ``bin/python`` would be), see the extra variables, and the pool leaves multiprocessing's default alone."""
+def test_a_pool_runs_its_workers_under_another_interpreter_with_extra_environment(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GlooPool(python=..., env=..., environ=...)``: the workers run that interpreter (here a link to this one, as a
+    venv's ``bin/python`` would be), see the extra variables over the environment the pool was given (not a
+    variable this process had meanwhile), and the pool leaves multiprocessing's default alone."""
     import multiprocessing.spawn
     import sys
 
     link = tmp_path / "python"
     link.symlink_to(sys.executable)
     default = multiprocessing.spawn.get_executable()
-    pool = GlooPool(world_size=1, python=str(link), env={"POOL_TEST_ENV": "set"}, warm=False)
+    given = dict(os.environ)
+    monkeypatch.setenv("POOL_TEST_MEANWHILE", "a test's own")  # as a unit test in the main thread may have
+    pool = GlooPool(world_size=1, python=str(link), env={"POOL_TEST_ENV": "set"}, warm=False, environ=given)
     try:
         [result] = pool.run(f"{HERE}:_interpreter")
     finally:
         pool.close()
     assert result["executable"] == str(link) and result["env"] == "set"
+    assert result["meanwhile"] is None and result["home"] == os.environ.get("HOME")
     assert multiprocessing.spawn.get_executable() == default
     with pytest.raises(GlooPoolError, match="cannot run the pool's interpreter"):
         GlooPool(world_size=1, python=str(tmp_path / "missing"))

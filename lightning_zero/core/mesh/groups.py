@@ -12,8 +12,9 @@ Note [connected before used]
     before the other has finished its handshake. A rank that then fails at once (a bad input found right after
     the mesh) and destroys its groups closes that pair under its peer, whose ``new_group`` raises "Gloo
     connectFullMesh failed ... Connection closed by peer" instead of the same clear error: 3 of 280 such tasks
-    on a 2-core machine kept busy, 0 of 420 with the barrier. So a gloo mesh ends its group creation with a world
-    barrier: no rank leaves it before every rank has connected every group. NCCL connects at its first collective.
+    on a 2-core machine kept busy, 0 of 420 with the barrier. So on gloo each creation of groups (an axis set's, a
+    subgroup's) ends with a world barrier: no rank leaves it before every rank has connected every group. NCCL
+    connects at its first collective; a mixed backend ("cpu:gloo,cuda:nccl") is left without the barrier.
 """
 
 from __future__ import annotations
