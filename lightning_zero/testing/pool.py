@@ -145,13 +145,10 @@ def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, 
     _init_group(rank, world_size, Path(gen_dir) / "store0")
     from lightning_utilities.core.rank_zero import rank_zero_only  # the object Lightning's modules re-export
 
-    if warm:
-        import lightning.pytorch  # noqa: F401 - warm imports: the point of the pool
+    if warm:  # imported already in a worker forked from the warm fork server (Note [warm workers])
+        from lightning_zero.testing.warm import import_all
 
-        import lightning_zero
-
-        for name in lightning_zero.__all__:  # every public name: the package imports them lazily (core/lazy.py)
-            getattr(lightning_zero, name)
+        import_all()
 
     base_env = dict(os.environ)
     conn.send_bytes(pickle.dumps((True, "ready")))
@@ -189,7 +186,8 @@ def _worker_main(rank: int, world_size: int, env: dict[str, str], gen_dir: str, 
 
 # ------------------------------------------------------------------------------------------------ caller side
 class GlooPool:
-    """``world_size`` spawned gloo workers that run functions named ``"package.module:function"``.
+    """``world_size`` gloo workers that run functions named ``"package.module:function"``, forked from a warm fork
+    server (Note [warm workers]) or spawned under another interpreter.
 
     Args:
         world_size: number of ranks (processes).
@@ -206,8 +204,9 @@ class GlooPool:
         release_groups: destroy the process groups a task left after every task (Note [groups left by
             tasks]). ``False`` for a library that keeps its groups in module globals across tasks and
             reuses them (DeepSpeed's ``deepspeed.utils.groups``): destroyed, its next engine fails.
-        warm: import Lightning and lightning_zero's public names at start (~5 s of CPU per rank), so that no
-            task pays for them; ``False`` for a pool whose tasks need torch only (the pool's own tests).
+        warm: import Lightning and lightning_zero's public names at start (done once by the fork server, else
+            ~5 s of CPU per rank), so that no task pays for them; ``False`` for a pool whose tasks need torch only
+            (the pool's own tests).
         start: start the workers now; ``False``: at :meth:`start`, or the first :meth:`run` (which waits for a
             start another thread is making).
     """
@@ -250,7 +249,8 @@ class GlooPool:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = str(sock.getsockname()[1])
-        ctx = mp.get_context("spawn")
+        ctx = _context(self.python)
+        environ = self.environ if self.environ is not None else dict(os.environ)  # a fork server's is older
         for rank in range(self.world_size):
             # OMP_NUM_THREADS: Lightning's launcher would otherwise reset torch's thread count
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(self.world_size),
@@ -258,7 +258,7 @@ class GlooPool:
                    "OMP_NUM_THREADS": str(self.threads), **self.env}  # fmt: skip
             parent_conn, child_conn = ctx.Pipe()
             args = (rank, self.world_size, env, str(self._gen_dir), child_conn, self.threads, self._sys_path,
-                    self.release_groups, self.warm, self.environ)
+                    self.release_groups, self.warm, environ)
             proc = ctx.Process(target=_worker_main, args=args, name=f"gloo-pool-rank{rank}")
             _start_under(proc, self.python)
             child_conn.close()
@@ -374,6 +374,25 @@ def _interpreter_path(python: str) -> list[str]:
     if done.returncode != 0:
         raise GlooPoolError(f"cannot run the pool's interpreter {python!r}: {done.stderr.strip()[-500:]}")
     return [p for p in json.loads(done.stdout.strip().splitlines()[-1]) if p]
+
+
+def _context(python: str | None) -> Any:
+    """How the workers start: forked from the warm fork server, or spawned under another interpreter.
+
+    Note [warm workers]
+        A spawned worker imported torch, Lightning and lightning_zero itself: ~5 s of CPU per rank, paid again
+        for every rank of every pool and every restart (the suite starts pools of 2, 3, 4 and 8 ranks). The
+        workers are forked instead from multiprocessing's fork server, which imports
+        :mod:`lightning_zero.testing.warm` once; a fork shares those pages. The server imports no more than
+        modules (no torch operation, no thread), so each fork starts clean. A worker takes its environment from
+        the pool (``environ``, default the caller's when the pool starts), not from the server, which started
+        earlier. Another interpreter (``python=``) cannot be forked from this one: its workers are spawned.
+    """
+    if python is not None:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["lightning_zero.testing.warm"])  # no effect once the server runs
+    return ctx
 
 
 def _start_under(proc: BaseProcess, python: str | None) -> None:
