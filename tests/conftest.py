@@ -12,7 +12,7 @@ import pytest
 
 from tests.lane import Lane, lane_key, lane_run
 from tests.launches import SharedLaunches
-from tests.pool import GlooPool, Pools
+from tests.pool import GlooPool, Pools, start_fork_server
 
 _SESSION_ENV = dict(os.environ)  # taken when pytest imports this file: before any test or fixture ran
 _LANE = Lane()  # Note [background lane] in tests/lane.py
@@ -87,6 +87,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                                      (4, {"gloo_pools"} & asked), (3, {"gloo_pools"} & asked)) if used]
     # first what mostly sleeps for long, then in the order the tests need them: the pools the distributed tests
     # start with (each start ~6 s of CPU per rank) before their own runs
+    if pools:
+        start_fork_server()  # here, with the session's environment: the pools' workers fork from it
     for item in [item for item in items if _sleeps(item)]:
         _LANE.submit(lane_key(item), lane_run(item))
     for item in items:

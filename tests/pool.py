@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from lightning_zero.testing.pool import GlooPool, GlooPoolError
+from lightning_zero.testing.pool import GlooPool, GlooPoolError, start_fork_server
 
-__all__ = ["GlooPool", "GlooPoolError", "Pools"]
+__all__ = ["GlooPool", "GlooPoolError", "Pools", "start_fork_server"]
 
 LARGE = 8  # a pool of this many ranks or more is started alone (the others closed) and closed after its module
 

@@ -376,6 +376,15 @@ def _interpreter_path(python: str) -> list[str]:
     return [p for p in json.loads(done.stdout.strip().splitlines()[-1]) if p]
 
 
+def start_fork_server() -> None:
+    """Start the warm fork server now (Note [warm workers]): from this thread, with this process's environment
+    as it is now; otherwise the first pool start starts it, in whatever thread and environment that start has."""
+    from multiprocessing import forkserver
+
+    _context(None)
+    forkserver.ensure_running()
+
+
 def _context(python: str | None) -> Any:
     """How the workers start: forked from the warm fork server, or spawned under another interpreter.
 
